@@ -1,0 +1,30 @@
+"""flatopt: training optimizers that update flat parameter buffers in place, on NumPy (CPU) or CuPy (GPU).
+
+    import numpy as np, flatopt
+    opt = flatopt.AdamW(lr=1e-3)
+    opt.step("w", (4, 3), w_flat, g_flat)      # w_flat updated in place; g_flat never written
+
+See README.md and DESIGN.md for the contract every optimizer keeps.
+"""
+
+from ._driver import PerParamOptimizer
+from ._parallel import TaskError
+from ._types import Optimizer, OptimizerState, OptItem
+from .adamw import AdamW
+from .checkpoint import CheckpointError, load, save
+from .sgd import SGD
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdamW",
+    "CheckpointError",
+    "Optimizer",
+    "OptimizerState",
+    "OptItem",
+    "PerParamOptimizer",
+    "SGD",
+    "TaskError",
+    "load",
+    "save",
+]

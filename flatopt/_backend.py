@@ -1,0 +1,175 @@
+"""The one module that knows CuPy.
+
+Everything else asks this module which array module (``numpy`` or ``cupy``) an array belongs to, how to move
+arrays between the two, and how to compile and launch CUDA sources.  CuPy is imported lazily, and only when an
+array that is not a NumPy array is seen (or a GPU helper is called), so ``import flatopt`` needs NumPy alone.
+
+Environment switches
+--------------------
+``FLATOPT_FORCE_TWIN=1``
+    Never launch the fused CUDA kernels; run the array-agnostic twin (the same math written against ``cupy``
+    ufuncs) instead.  Used by the kernel-vs-twin parity tests and for debugging.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "array_module",
+    "is_cupy_array",
+    "backend_name",
+    "to_numpy",
+    "to_backend",
+    "cupy",
+    "gpu_available",
+    "force_twin",
+    "nvrtc_compile",
+]
+
+_cupy = None
+_cupy_lock = threading.Lock()
+
+
+def cupy():
+    """Import and return the ``cupy`` module (raises ``ImportError`` with a hint when it is not installed)."""
+    global _cupy
+    if _cupy is None:
+        with _cupy_lock:
+            if _cupy is None:
+                try:
+                    import cupy as _cp  # noqa: PLC0415 - the one lazy CuPy import of the package
+                except ImportError as exc:  # pragma: no cover - depends on the machine
+                    raise ImportError(
+                        "flatopt needs CuPy for GPU arrays: pip install 'flatopt[cuda12]' or 'flatopt[cuda13]'"
+                    ) from exc
+                _cupy = _cp
+    return _cupy
+
+
+def is_cupy_array(a: Any) -> bool:
+    """True for a ``cupy.ndarray``; never imports CuPy for an object that cannot be one."""
+    if isinstance(a, np.ndarray):
+        return False
+    mod = type(a).__module__
+    if not mod.startswith("cupy"):
+        return False
+    if "cupy" not in sys.modules:  # an object from a cupy module implies cupy is imported
+        return False
+    return isinstance(a, sys.modules["cupy"].ndarray)
+
+
+def backend_name(a: Any) -> str:
+    """``"numpy"`` or ``"cupy"``; ``TypeError`` for anything else."""
+    if isinstance(a, np.ndarray):
+        return "numpy"
+    if is_cupy_array(a):
+        return "cupy"
+    raise TypeError(f"expected a numpy.ndarray or cupy.ndarray, got {type(a).__module__}.{type(a).__name__}")
+
+
+def array_module(*arrays: Any):
+    """The array module shared by ``arrays``; ``TypeError`` when they mix NumPy and CuPy or are not arrays."""
+    names = {backend_name(a) for a in arrays}
+    if len(names) > 1:
+        raise TypeError("mixed NumPy and CuPy arrays: " + ", ".join(sorted(names)))
+    if names == {"cupy"}:
+        return cupy()
+    return np
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """A NumPy array with the values of ``a`` (a copy for CuPy arrays; ``a`` itself for NumPy arrays)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if is_cupy_array(a):
+        return a.get()
+    return np.asarray(a)
+
+
+def to_backend(a: Any, like: Any):
+    """``a`` on the backend (and device) of ``like``; ``a`` itself when it is already there."""
+    if backend_name(like) == "numpy":
+        return to_numpy(a)
+    cp = cupy()
+    if is_cupy_array(a) and a.device == like.device:
+        return a
+    with like.device:
+        return cp.asarray(to_numpy(a) if is_cupy_array(a) else a)
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and at least one CUDA device answers."""
+    try:
+        cp = cupy()
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
+        return False
+
+
+def force_twin() -> bool:
+    """True when ``FLATOPT_FORCE_TWIN`` asks to run the array-agnostic twins instead of the fused kernels."""
+    return os.environ.get("FLATOPT_FORCE_TWIN", "0") not in ("", "0", "false", "False")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA sources: compilation (also without a GPU) and cached modules
+# ---------------------------------------------------------------------------------------------------------
+
+# --fmad=false: no fused multiply-add contraction, so a kernel rounds exactly like its twin (one ufunc per op).
+NVRTC_OPTIONS = ("-std=c++17", "--fmad=false")
+
+
+def nvrtc_compile(source: str, filename: str, name_expressions: list[str], arch: str = "compute_80") -> dict:
+    """Compile ``source`` with NVRTC (CuPy's bindings; no GPU needed) and return the lowered names.
+
+    Used by the test that every ``.cu`` file compiles on machines without a GPU.  Raises ``RuntimeError`` with
+    the NVRTC log (whose ``#line`` directives point into the ``.cu`` file) when compilation fails.
+    """
+    cupy()  # make sure the bindings are importable with a helpful message
+    from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+
+    prog = nvrtc.createProgram(source, filename, [], [])
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed on {filename}:\n{nvrtc.getProgramLog(prog)}") from exc
+        return {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+_modules: dict[tuple, Any] = {}
+_modules_lock = threading.Lock()
+
+
+def raw_module(key: tuple, source: str, name_expressions: list[str]):
+    """A cached ``cupy.RawModule`` per (key, device): compiled once, thread-safe."""
+    cp = cupy()
+    full_key = (key, cp.cuda.Device().id)
+    mod = _modules.get(full_key)
+    if mod is None:
+        with _modules_lock:
+            mod = _modules.get(full_key)
+            if mod is None:
+                mod = cp.RawModule(code=source, options=NVRTC_OPTIONS, name_expressions=name_expressions)
+                for expr in name_expressions:  # compile now, not lazily inside a worker thread
+                    mod.get_function(expr)
+                _modules[full_key] = mod
+    return mod
+
+
+def launch(kernel, n: int, args: tuple, block: int = 256) -> None:
+    """Launch a 1-D elementwise kernel over ``n`` elements on the current stream (no host synchronisation)."""
+    if n == 0:
+        return
+    grid = min((n + block - 1) // block, 65535 * 8)
+    kernel((grid,), (block,), args)

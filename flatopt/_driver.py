@@ -1,0 +1,447 @@
+"""The one per-parameter driver every algorithm plugs into.
+
+An algorithm supplies a frozen config dataclass, a per-parameter state dataclass, ``init`` and an array-agnostic
+``update`` (and optionally a fused CUDA kernel).  The driver owns everything else: validation before any mutation,
+the name -> state map (created lazily, recording shape, dtype and backend), the per-name step count ``t``,
+``set_lr``/``lr_scale``, ``state_dict``/``load_state_dict``, chunked and threaded execution on NumPy, and the
+GPU fast-path dispatch.
+
+Per-parameter state dataclass conventions: every field is an array (NumPy or CuPy), ``None``, or a JSON scalar.
+Fields whose ``dataclasses.field(metadata={"persist": False})`` are scratch and are not saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from . import _backend, _parallel
+from ._types import FORMAT_VERSION, OptimizerState, OptItem
+from ._validate import check_batch_aliasing, check_item, check_lr
+
+# Elementwise algorithms process NumPy buffers in chunks of this many elements, so that all the temporaries of
+# one chunk stay in the L2 cache (and the chunks can be spread over threads).
+CHUNK = 1 << 15
+
+
+@dataclasses.dataclass
+class _Slot:
+    """What the driver keeps per parameter name."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    backend: str  # "numpy" or "cupy"
+    t: int
+    state: Any  # the algorithm's state dataclass
+    pinned: bool = True  # False right after load_state_dict: arrays may still move to the param's backend
+    chunk_views: list | None = None  # cached per-chunk views of the state (elementwise algorithms)
+
+
+def persistent_fields(state: Any) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(state) if f.metadata.get("persist", True)]
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or _backend.is_cupy_array(x)
+
+
+def config_to_dict(config: Any) -> dict:
+    def conv(v):
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+
+    return {f.name: conv(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def config_from_dict(cls: type, d: Mapping) -> Any:
+    current = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in current}
+    return cls(**kwargs)
+
+
+class PerParamOptimizer:
+    """Base class: the contract of DESIGN §1 for algorithms whose parameters are independent.
+
+    Subclasses set ``algorithm`` (a stable id), ``config_cls`` and ``state_cls``, and implement ``_init`` and
+    ``_update``; elementwise algorithms set ``elementwise = True`` and then receive contiguous chunks of the
+    param, grad and state arrays plus chunk-sized scratch buffers.  ``matters`` lists the config fields that must
+    agree for a snapshot to load (everything else is a hyper-parameter the current object keeps).
+    """
+
+    algorithm: ClassVar[str]
+    config_cls: ClassVar[type]
+    state_cls: ClassVar[type]
+    elementwise: ClassVar[bool] = False
+    scratch_buffers: ClassVar[int] = 0  # chunk-sized scratch buffers an elementwise update needs
+    matters: ClassVar[tuple[str, ...]] = ()
+    threaded: ClassVar[bool] = True  # False: step_batch runs items serially (e.g. BLAS already uses the cores)
+
+    def __init__(self, config: Any, *, lr_scale: Mapping[str, float] | Callable[[str], float] | None = None):
+        self.config = config
+        self._lr = float(config.lr) if getattr(config, "lr", None) is not None else None
+        self._slots: dict[str, _Slot] = {}
+        self._lr_scale = _make_lr_scale(lr_scale)
+        self._lr_scale_spec = lr_scale
+        self.iteration = 0
+        self.last_load_notes: list[str] = []
+        self._lock = threading.RLock()
+
+    # ----------------------------------------------------------------------------------------------- hooks
+    # An algorithm module provides ``init(xp, cfg, shape, dtype) -> State``, the array-agnostic
+    # ``update(xp, cfg, state, param, grad, *, t, lr, scratch)`` and optionally the fused CUDA
+    # ``kernel_update(cfg, state, param, grad, *, t, lr) -> bool`` (False: use the twin); the class binds them.
+    init_fn: ClassVar[Callable]
+    update_fn: ClassVar[Callable]
+    kernel_fn: ClassVar[Callable | None] = None
+
+    def _init(self, xp, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        return type(self).init_fn(xp, self.config, shape, dtype)
+
+    def _update(self, xp, state: Any, param, grad, *, t: int, lr: float, scratch: list) -> None:
+        type(self).update_fn(xp, self.config, state, param, grad, t=t, lr=lr, scratch=scratch)
+
+    def _kernel_update(self, state: Any, param, grad, *, t: int, lr: float) -> bool:
+        kernel = type(self).kernel_fn
+        return kernel is not None and kernel(self.config, state, param, grad, t=t, lr=lr)
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """Raise for a shape the algorithm cannot handle (before anything is touched)."""
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra(self, extra: dict) -> None:
+        pass
+
+    # ------------------------------------------------------------------------------------------ public API
+    @property
+    def lr(self) -> float | None:
+        return self._lr
+
+    def set_lr(self, lr: float) -> None:
+        """Set the base learning rate used from the next step on (``lr_scale(name)`` still multiplies it)."""
+        self._lr = check_lr(lr)
+
+    def lr_scale(self, name: str) -> float:
+        return self._lr_scale(name)
+
+    def end_iteration(self) -> None:
+        """Count one training iteration (saved in ``state_dict``); per-name step counts advance inside ``step``."""
+        self.iteration += 1
+
+    def step(self, name: str, shape: tuple[int, ...], param, grad) -> None:
+        self.step_batch([OptItem(name, shape, param, grad)])
+
+    def step_batch(self, items: Sequence[OptItem]) -> None:
+        with self._lock:
+            prepared = self._prepare(items)
+            if not prepared:
+                return
+            self._run(prepared)
+
+    def reset(self, name: str) -> None:
+        """Forget the state of ``name`` (its next step starts from fresh state, e.g. after a shape change)."""
+        with self._lock:
+            self._slots.pop(name, None)
+
+    def state_names(self) -> list[str]:
+        return sorted(self._slots)
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state held (persistent arrays)."""
+        total = 0
+        for slot in self._slots.values():
+            for f in persistent_fields(slot.state):
+                v = getattr(slot.state, f.name)
+                if _is_array(v):
+                    total += v.nbytes
+        return total
+
+    # --------------------------------------------------------------------------------------- preparation
+    def _prepare(self, items: Sequence[OptItem]) -> list:
+        """Validate every item, then create missing states serially (in item order)."""
+        items = [it if isinstance(it, OptItem) else OptItem(*it) for it in items]
+        seen: set[str] = set()
+        checked = []
+        for it in items:
+            shape, backend = check_item(it.name, it.shape, it.param, it.grad)
+            if it.name in seen:
+                raise ValueError(f"parameter {it.name!r} appears twice in one step_batch")
+            seen.add(it.name)
+            slot = self._slots.get(it.name)
+            if slot is not None:
+                if slot.shape != shape:
+                    raise ValueError(
+                        f"parameter {it.name!r}: shape {shape} differs from the shape {slot.shape} its state was "
+                        f"created with (call reset({it.name!r}) to start it afresh)"
+                    )
+                if slot.dtype != it.param.dtype:
+                    raise TypeError(
+                        f"parameter {it.name!r}: dtype {it.param.dtype} differs from the dtype {slot.dtype} its "
+                        f"state was created with"
+                    )
+                if slot.pinned and slot.backend != backend:
+                    raise TypeError(f"parameter {it.name!r}: state lives on {slot.backend}, got {backend} arrays")
+            self._check_shape(it.name, shape)
+            scale = self._lr_scale(it.name)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not (
+                math.isfinite(scale) and scale >= 0
+            ):
+                raise ValueError(f"parameter {it.name!r}: lr_scale must be finite and >= 0, got {scale!r}")
+            checked.append((it, shape, backend, float(scale)))
+        if len(checked) > 1:
+            check_batch_aliasing([c[0] for c in checked])
+        prepared = []
+        for it, shape, backend, scale in checked:
+            slot = self._slots.get(it.name)
+            if slot is None:
+                xp = _backend.array_module(it.param)
+                slot = _Slot(shape, it.param.dtype, backend, 0, self._init(xp, shape, it.param.dtype))
+                self._slots[it.name] = slot
+            elif not slot.pinned:
+                self._move_state(slot, it.param)
+            prepared.append((it, slot, scale))
+        return prepared
+
+    def _move_state(self, slot: _Slot, like) -> None:
+        for f in dataclasses.fields(slot.state):
+            v = getattr(slot.state, f.name)
+            if _is_array(v):
+                setattr(slot.state, f.name, _backend.to_backend(v, like))
+        slot.backend = _backend.backend_name(like)
+        slot.pinned = True
+        slot.chunk_views = None
+
+    # ------------------------------------------------------------------------------------------ execution
+    def _effective_lr(self, scale: float) -> float:
+        return (self._lr if self._lr is not None else 0.0) * scale
+
+    def _run(self, prepared: list) -> None:
+        tasks, gpu = [], []
+        for it, slot, scale in prepared:
+            slot.t += 1
+            lr = self._effective_lr(scale)
+            if slot.backend == "cupy":
+                gpu.append((it, slot, lr))
+            else:
+                tasks.extend(self._cpu_tasks(it, slot, lr))
+        _parallel.run_tasks(tasks, serial=not self.threaded)
+        if gpu:
+            self._run_gpu(gpu)
+
+    def _cpu_tasks(self, it: OptItem, slot: _Slot, lr: float) -> list:
+        n = it.param.size
+        t = slot.t
+        if not self.elementwise:
+            return [(n, it.name, lambda: self._update(np, slot.state, it.param, it.grad, t=t, lr=lr, scratch=[]))]
+        views = self._chunk_views(slot, n)
+        tasks = []
+        for k, (lo, hi, st) in enumerate(views):
+            p, g = it.param[lo:hi], it.grad[lo:hi]
+            tasks.append((hi - lo, it.name, _ChunkTask(self, st, p, g, t, lr)))
+        return tasks
+
+    def _chunk_views(self, slot: _Slot, n: int) -> list:
+        if slot.chunk_views is None:
+            views = []
+            for lo in range(0, max(n, 1), CHUNK):
+                hi = min(lo + CHUNK, n)
+                kw = {}
+                for f in dataclasses.fields(slot.state):
+                    v = getattr(slot.state, f.name)
+                    if _is_array(v) and v.ndim == 1 and v.size == n:
+                        kw[f.name] = v[lo:hi]
+                views.append((lo, hi, dataclasses.replace(slot.state, **kw)))
+            slot.chunk_views = views
+        return slot.chunk_views
+
+    def _run_gpu(self, gpu: list) -> None:
+        cp = _backend.cupy()
+        twin = _backend.force_twin()
+
+        def one(it, slot, lr):
+            if twin or not self._kernel_update(slot.state, it.param, it.grad, t=slot.t, lr=lr):
+                scratch = [cp.empty_like(it.param) for _ in range(self.scratch_buffers)]
+                self._update(cp, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=scratch)
+
+        if len(gpu) == 1:
+            with gpu[0][0].param.device:
+                one(*gpu[0])
+            return
+        # Each worker group runs on its own non-blocking stream, ordered after the caller's stream (which
+        # produced the gradients) and joined back into it by events: no host synchronisation.
+        caller = cp.cuda.get_current_stream()
+        start = caller.record()
+        done = []
+        done_lock = threading.Lock()
+
+        def wrap(group_fn):
+            def run():
+                with gpu[0][0].param.device:
+                    stream = _worker_stream(cp)
+                    with stream:
+                        stream.wait_event(start)
+                        group_fn()
+                        ev = stream.record()
+                with done_lock:
+                    done.append(ev)
+
+            return run
+
+        tasks = [(it.param.size, it.name, (lambda it=it, s=slot, lr=lr: one(it, s, lr))) for it, slot, lr in gpu]
+        _parallel.run_tasks(tasks, wrap=wrap)
+        for ev in done:
+            caller.wait_event(ev)
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def _config_key(self) -> dict:
+        d = config_to_dict(self.config)
+        return {k: d[k] for k in self.matters}
+
+    def _config_dict(self) -> dict:
+        d = config_to_dict(self.config)
+        if "lr" in d:
+            d["lr"] = self._lr
+        return d
+
+    def state_dict(self) -> OptimizerState:
+        """A complete snapshot (arrays copied, on the backend they live on)."""
+        with self._lock:
+            params, buffers = {}, {}
+            for name in sorted(self._slots):
+                slot = self._slots[name]
+                meta = {"shape": list(slot.shape), "dtype": slot.dtype.name, "t": slot.t}
+                for f in persistent_fields(slot.state):
+                    v = getattr(slot.state, f.name)
+                    if _is_array(v):
+                        buffers[f"{f.name}/{name}"] = v.copy()
+                    elif v is not None:
+                        meta[f.name] = v
+                params[name] = meta
+            return OptimizerState(
+                algorithm=self.algorithm,
+                config=self._config_dict(),
+                config_key=self._config_key(),
+                step=self.iteration,
+                params=params,
+                buffers=buffers,
+                extra=self._extra_state(),
+            )
+
+    def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False) -> bool:
+        """Restore a snapshot exactly; ``False`` (and nothing changed) when it belongs to another algorithm, format
+        version, a configuration that matters, or holds a state that does not fit.  Hyper-parameters that do not
+        matter (lr, betas, ...) stay those of this object unless ``restore_hparams``; ``last_load_notes`` says
+        what differed and what was kept."""
+        with self._lock:
+            built = self._build_from_state(state)
+            if built is None:
+                return False
+            slots, notes = built
+            if restore_hparams:
+                self.config = config_from_dict(self.config_cls, state.config)
+                self._lr = state.config.get("lr", self._lr)
+                if notes:
+                    notes = ["restored from the snapshot: " + n for n in notes]
+            self._slots = slots
+            self.iteration = int(state.step)
+            self._load_extra(dict(state.extra))
+            self.last_load_notes = notes
+            return True
+
+    def _build_from_state(self, state: Any):
+        if not isinstance(state, OptimizerState):
+            return None
+        if state.algorithm != self.algorithm or state.format_version != FORMAT_VERSION:
+            return None
+        if state.config_key != self._config_key():
+            return None
+        slots: dict[str, _Slot] = {}
+        used = set()
+        for name, meta in state.params.items():
+            try:
+                shape = tuple(int(d) for d in meta["shape"])
+                dtype = np.dtype(meta["dtype"])
+                t = int(meta["t"])
+                self._check_shape(name, shape)
+            except Exception:  # noqa: BLE001 - any malformed entry means "does not fit"
+                return None
+            template = self._init(np, shape, dtype)
+            kw = {}
+            backend = None
+            for f in persistent_fields(template):
+                tv = getattr(template, f.name)
+                key = f"{f.name}/{name}"
+                if _is_array(tv):
+                    v = state.buffers.get(key)
+                    if not _is_array(v) or v.shape != tv.shape or v.dtype != tv.dtype:
+                        return None
+                    backend = _backend.backend_name(v)
+                    kw[f.name] = v.copy()
+                    used.add(key)
+                elif tv is None and state.buffers.get(key) is not None:
+                    return None
+                else:
+                    kw[f.name] = meta.get(f.name, tv)
+            st = dataclasses.replace(template, **kw)
+            slots[name] = _Slot(shape, dtype, backend or "numpy", t, st, pinned=False)
+        if set(state.buffers) - used:
+            return None
+        cur = self._config_dict()
+        notes = [
+            f"{k}: kept {cur[k]!r} (snapshot had {v!r})" for k, v in state.config.items() if k in cur and cur[k] != v
+        ]
+        return slots, notes
+
+
+class _ChunkTask:
+    """One chunk of an elementwise update, with per-thread scratch buffers."""
+
+    __slots__ = ("opt", "st", "p", "g", "t", "lr")
+
+    def __init__(self, opt, st, p, g, t, lr):
+        self.opt, self.st, self.p, self.g, self.t, self.lr = opt, st, p, g, t, lr
+
+    def __call__(self) -> None:
+        n = self.p.size
+        scratch = [b[:n] for b in _scratch(self.p.dtype, self.opt.scratch_buffers)]
+        self.opt._update(np, self.st, self.p, self.g, t=self.t, lr=self.lr, scratch=scratch)  # noqa: SLF001
+
+
+_tls = threading.local()
+
+
+def _scratch(dtype: np.dtype, k: int) -> list:
+    """``k`` chunk-sized scratch buffers of ``dtype``, allocated once per thread."""
+    cache = getattr(_tls, "scratch", None)
+    if cache is None:
+        cache = _tls.scratch = {}
+    bufs = cache.get(dtype)
+    if bufs is None or len(bufs) < k:
+        bufs = cache[dtype] = [np.empty(CHUNK, dtype) for _ in range(max(k, 1))]
+    return bufs[:k]
+
+
+def _worker_stream(cp):
+    s = getattr(_tls, "stream", None)
+    if s is None or s.device_id != cp.cuda.Device().id:
+        s = _tls.stream = cp.cuda.Stream(non_blocking=True)
+    return s
+
+
+def _make_lr_scale(spec) -> Callable[[str], float]:
+    if spec is None:
+        return lambda name: 1.0
+    if callable(spec):
+        return spec
+    if isinstance(spec, Mapping):
+        table = {}
+        for k, v in spec.items():
+            table[str(k)] = check_lr(v, f"lr_scale[{k!r}]")
+        return lambda name: table.get(name, 1.0)
+    raise TypeError(f"lr_scale must be a mapping name -> float or a callable, got {type(spec).__name__}")

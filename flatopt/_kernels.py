@@ -1,0 +1,42 @@
+"""The one cached loader of the package's CUDA sources (``flatopt/kernels/*.cu``).
+
+Each ``.cu`` file holds ``template <typename T>`` kernels; the loader compiles a file once per device (thread-safe,
+through ``_backend.raw_module``), instantiated for ``float`` and ``double``, with a ``#line`` directive so that
+compiler errors point into the ``.cu`` file.  ``KERNELS`` names the template kernels of every file: the CI test
+that compiles every source without a GPU uses the same list, so what is tested is what runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from . import _backend
+
+KERNEL_DIR = Path(__file__).with_name("kernels")
+
+# file -> template kernels it defines
+KERNELS: dict[str, tuple[str, ...]] = {
+    "adamw.cu": ("adamw_step",),
+    "sgd.cu": ("sgd_step",),
+}
+
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+@functools.lru_cache(maxsize=None)
+def source(filename: str) -> str:
+    path = KERNEL_DIR / filename
+    return f'#line 1 "{path}"\n' + path.read_text()
+
+
+def name_expressions(filename: str) -> list[str]:
+    return [f"{k}<{c}>" for k in KERNELS[filename] for c in CTYPES.values()]
+
+
+def get(filename: str, kernel: str, dtype) -> object:
+    """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device."""
+    mod = _backend.raw_module(("flatopt", filename), source(filename), name_expressions(filename))
+    return mod.get_function(f"{kernel}<{CTYPES[np.dtype(dtype)]}>")

@@ -1,0 +1,100 @@
+"""Thread-pool execution of independent tasks, with static, size-balanced partitions.
+
+A *task* is a callable with a cost (about its number of elements).  Work too small to pay for threads runs on the
+calling thread; otherwise the tasks are cut, in order, into at most ``num_threads()`` contiguous groups of about
+equal cost, one runs on the caller and the others on a persistent pool.  Tasks must be independent (disjoint
+params and state), so any partition gives the same bits as the serial loop.
+
+``FLATOPT_NUM_THREADS`` sets the number of threads (default: the number of CPUs this process may use).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+# Below this many elements in all, threads cost more than they save (measured: reference/optimizer-trait.md §5.1).
+PARALLEL_MIN_COST = 1 << 18
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def num_threads() -> int:
+    env = os.environ.get("FLATOPT_NUM_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _get_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:  # noqa: SLF001
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flatopt")
+        return _pool
+
+
+def partition(costs: Sequence[int], groups: int) -> list[tuple[int, int]]:
+    """Cut ``range(len(costs))`` into at most ``groups`` contiguous (start, stop) ranges of about equal cost."""
+    total = sum(costs)
+    out, start, acc = [], 0, 0
+    for i, c in enumerate(costs):
+        acc += c
+        if len(out) < groups - 1 and acc * groups >= total * (len(out) + 1):
+            out.append((start, i + 1))
+            start = i + 1
+    if start < len(costs):
+        out.append((start, len(costs)))
+    return out
+
+
+class TaskError(RuntimeError):
+    """A task failed inside a worker; the message names the parameter."""
+
+
+def run_tasks(tasks: Sequence[tuple[int, str, Callable[[], None]]], *, wrap: Callable | None = None,
+              serial: bool = False) -> None:
+    """Run ``(cost, name, fn)`` tasks, in parallel when large enough.  ``wrap(group_fn)`` may set up a context
+    (e.g. a CUDA stream) around each group; it must return a callable that runs the group."""
+    if not tasks:
+        return
+    threads = num_threads()
+    total = sum(c for c, _, _ in tasks)
+    if serial or threads == 1 or total < PARALLEL_MIN_COST or len(tasks) == 1:
+        ranges = [(0, len(tasks))]
+    else:
+        ranges = partition([c for c, _, _ in tasks], threads)
+
+    def run_group(lo: int, hi: int) -> None:
+        for _, name, fn in tasks[lo:hi]:
+            try:
+                fn()
+            except Exception as exc:
+                raise TaskError(f"parameter {name!r}: {type(exc).__name__}: {exc}") from exc
+
+    groups = [(lambda lo=lo, hi=hi: run_group(lo, hi)) for lo, hi in ranges]
+    if wrap is not None:
+        groups = [wrap(g) for g in groups]
+    if len(groups) == 1:
+        groups[0]()
+        return
+    pool = _get_pool(threads - 1)
+    futures = [pool.submit(g) for g in groups[1:]]
+    first_error = None
+    try:
+        groups[0]()
+    except Exception as exc:  # noqa: BLE001 - re-raised below after the workers finished
+        first_error = exc
+    for f in futures:
+        try:
+            f.result()
+        except Exception as exc:  # noqa: BLE001
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error

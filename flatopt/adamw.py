@@ -1,0 +1,121 @@
+"""AdamW: Adam with decoupled weight decay — ``torch.optim.AdamW`` semantics exactly.
+
+Update rule, per element, with t the step count of this parameter (advanced inside ``step``) and
+η = lr · lr_scale(name)::
+
+    p  = p · (1 − η·weight_decay)                       (decoupled decay, on the value before the step)
+    m  = m + (1 − β1)·(g − m)                           (= β1·m + (1 − β1)·g, torch's lerp form)
+    v  = β2·v + (1 − β2)·g²
+    v̂max = max(v̂max, v)                                (amsgrad only)
+    p  = p − η/(1 − β1^t) · m / (√(v or v̂max)/√(1 − β2^t) + ε)
+
+Defaults lr 1e-3, betas (0.9, 0.999), eps 1e-8 (outside the square root), weight_decay 1e-2, amsgrad False.
+Arithmetic is in the parameter's dtype (as torch; rlx-optim uses f64 intermediates), in the operation order of
+torch's single-tensor path.  torch's vectorised CPU kernels may contract multiply-adds, so the two agree to a few
+ulps rather than bit for bit.  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from . import _backend, _kernels
+from ._driver import PerParamOptimizer
+from ._validate import check_range
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    amsgrad: bool = False
+
+    def __post_init__(self):
+        check_range("AdamW", "lr", self.lr, 0.0, math.inf)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise TypeError(f"AdamW: betas must be a pair of floats, got {self.betas!r}")
+        check_range("AdamW", "betas[0]", self.betas[0], 0.0, 1.0, hi_open=True)
+        check_range("AdamW", "betas[1]", self.betas[1], 0.0, 1.0, hi_open=True)
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        check_range("AdamW", "eps", self.eps, 0.0, math.inf)
+        check_range("AdamW", "weight_decay", self.weight_decay, 0.0, math.inf)
+        if not isinstance(self.amsgrad, bool):
+            raise TypeError(f"AdamW: amsgrad must be a bool, got {self.amsgrad!r}")
+
+
+@dataclasses.dataclass
+class AdamWState:
+    m: object
+    v: object
+    vmax: object = None
+
+
+def init(xp, cfg: AdamWConfig, shape, dtype) -> AdamWState:
+    n = math.prod(shape)
+    return AdamWState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype) if cfg.amsgrad else None)
+
+
+def _scalars(cfg: AdamWConfig, t: int, lr: float):
+    b1, b2 = cfg.betas
+    bc1 = 1.0 - b1**t
+    bc2_sqrt = (1.0 - b2**t) ** 0.5
+    return 1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, cfg.eps, -(lr / bc1)
+
+
+def update(xp, cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float, scratch: list) -> None:
+    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``."""
+    decay, omb1, b2, omb2, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
+    s1, s2 = scratch
+    m, v = st.m, st.v
+    if cfg.weight_decay != 0:
+        p *= decay
+    xp.subtract(g, m, out=s1)
+    s1 *= omb1
+    m += s1
+    xp.multiply(g, omb2, out=s1)
+    s1 *= g
+    v *= b2
+    v += s1
+    src = v
+    if cfg.amsgrad:
+        xp.maximum(st.vmax, v, out=st.vmax)
+        src = st.vmax
+    xp.sqrt(src, out=s1)
+    s1 /= bc2_sqrt
+    s1 += eps
+    xp.divide(m, s1, out=s2)
+    s2 *= neg_step
+    p += s2
+
+
+def kernel_update(cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float) -> bool:
+    dt = p.dtype.type
+    k = _kernels.get("adamw.cu", "adamw_step", p.dtype)
+    vmax = st.vmax if st.vmax is not None else st.v
+    scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
+    _backend.launch(k, p.size, (p, g, st.m, st.v, vmax, np.int64(p.size), *scal, np.int32(cfg.amsgrad)))
+    return True
+
+
+class AdamW(PerParamOptimizer):
+    """``AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False)``: see the module doc."""
+
+    algorithm = "adamw"
+    config_cls = AdamWConfig
+    state_cls = AdamWState
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
+    elementwise = True
+    scratch_buffers = 2
+    matters = ("amsgrad",)
+
+    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 amsgrad: bool = False, *, lr_scale=None):
+        super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale)
+

@@ -1,0 +1,117 @@
+"""SGD with momentum, dampening, Nesterov and L2 weight decay — ``torch.optim.SGD`` semantics exactly.
+
+Update rule, per element, with g' the decayed gradient and ``buf`` the momentum buffer::
+
+    g' = g + weight_decay * p                      (L2 decay folded into the gradient, when weight_decay != 0)
+    buf = g'                                       on the first step of this parameter (torch's clone)
+    buf = momentum * buf + (1 - dampening) * g'    afterwards                   (when momentum != 0)
+    d   = g' + momentum * buf  if nesterov  else buf                           (when momentum != 0; else d = g')
+    p   = p - lr * lr_scale(name) * d
+
+Deviations: none from torch (``maximize`` and ``differentiable`` are not offered).  The rlx-optim seed folds the
+first step into ``momentum * 0 + g'``, which differs from torch when dampening != 0; flatopt follows torch.
+Arithmetic is in the parameter's dtype.  ``end_iteration`` only counts iterations (SGD has no schedule).
+State: ``buf`` (only when momentum != 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import _backend, _kernels
+from ._driver import PerParamOptimizer
+from ._validate import check_range
+
+
+@dataclasses.dataclass(frozen=True)
+class SGDConfig:
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        check_range("SGD", "lr", self.lr, 0.0, float("inf"))
+        check_range("SGD", "momentum", self.momentum, 0.0, 1.0)
+        check_range("SGD", "dampening", self.dampening, 0.0, 1.0)
+        check_range("SGD", "weight_decay", self.weight_decay, 0.0, float("inf"))
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"SGD: nesterov must be a bool, got {self.nesterov!r}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("SGD: nesterov needs momentum > 0 and dampening == 0")
+
+
+@dataclasses.dataclass
+class SGDState:
+    buf: object = None  # momentum buffer (None when momentum == 0)
+
+
+def init(xp, cfg: SGDConfig, shape, dtype) -> SGDState:
+    n = 1
+    for d in shape:
+        n *= d
+    return SGDState(buf=xp.zeros(n, dtype) if cfg.momentum != 0 else None)
+
+
+def update(xp, cfg: SGDConfig, st: SGDState, p, g, *, t: int, lr: float, scratch: list) -> None:
+    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``."""
+    s1, s2 = scratch
+    d = g
+    if cfg.weight_decay != 0:
+        xp.multiply(p, cfg.weight_decay, out=s1)
+        xp.add(s1, g, out=s1)
+        d = s1
+    if cfg.momentum != 0:
+        buf = st.buf
+        if t == 1:
+            buf[...] = d
+        else:
+            buf *= cfg.momentum
+            if cfg.dampening != 0:
+                xp.multiply(d, 1.0 - cfg.dampening, out=s2)
+                buf += s2
+            else:
+                buf += d
+        if cfg.nesterov:
+            xp.multiply(buf, cfg.momentum, out=s2)
+            xp.add(d, s2, out=s1)
+            d = s1
+        else:
+            d = buf
+    xp.multiply(d, -lr, out=s2)
+    p += s2
+
+
+def kernel_update(cfg: SGDConfig, st: SGDState, p, g, *, t: int, lr: float) -> bool:
+    dt = p.dtype.type
+    k = _kernels.get("sgd.cu", "sgd_step", p.dtype)
+    buf = st.buf if st.buf is not None else p  # unused when momentum == 0
+    flags = (cfg.weight_decay != 0, cfg.momentum != 0, t == 1, cfg.nesterov, cfg.dampening != 0)
+    _backend.launch(k, p.size, (p, g, buf, np.int64(p.size), dt(-lr), dt(cfg.weight_decay), dt(cfg.momentum),
+                                dt(1.0 - cfg.dampening), *(np.int32(f) for f in flags)))
+    return True
+
+
+class SGD(PerParamOptimizer):
+    """``SGD(lr, momentum=0, dampening=0, nesterov=False, weight_decay=0)``: see the module docstring."""
+
+    algorithm = "sgd"
+    config_cls = SGDConfig
+    state_cls = SGDState
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
+    elementwise = True
+    scratch_buffers = 2
+    matters = ("momentum",)  # whether a momentum buffer exists
+
+    def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+                 weight_decay: float = 0.0, *, lr_scale=None):
+        super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay), lr_scale=lr_scale)
+
+    def _config_key(self) -> dict:
+        return {"momentum": self.config.momentum != 0}
+
