@@ -1,0 +1,88 @@
+"""Benchmark harness: times flatopt side by side with reference implementations in one process.
+
+Each ``benchmarks/bench_<suite>.py`` module defines ``cases(quick: bool) -> list[Case]``.  A case's ``setup()``
+builds its inputs and returns a zero-argument ``step`` function (one optimizer step over the whole workload); the
+harness warms it up, then times ``repeats`` calls and reports the median.  Within one (suite, workload), ratios are
+``baseline median / case median``: > 1 means faster than the baseline.  The machine is noisy: compare ratios
+measured in one process, never absolute times across runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Callable
+
+
+@dataclasses.dataclass
+class Case:
+    suite: str  # "adamw", "adafactor", ...
+    workload: str  # "(a) one 16M fp32 buffer", ...
+    impl: str  # "flatopt", "torch fused", ...
+    setup: Callable[[], Callable[[], None]]  # -> step()
+    baseline: bool = False  # ratios in this workload are relative to this case
+    state_bytes_per_param: Callable[[], float] | None = None  # called after the timed steps
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    median_ms: float
+    times_ms: list[float]
+    bytes_per_param: float | None
+    ratio: float | None = None  # baseline median / this median
+
+
+def time_case(case: Case, repeats: int, warmup: int = 2) -> Result:
+    step = case.setup()
+    for _ in range(warmup):
+        step()
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    times = []
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if gc_was:
+            gc.enable()
+    bpp = case.state_bytes_per_param() if case.state_bytes_per_param else None
+    del step
+    gc.collect()
+    return Result(case, statistics.median(times), times, bpp)
+
+
+def run_cases(cases: list[Case], repeats: int, log: Callable[[str], None] = print) -> list[Result]:
+    results = []
+    for c in cases:
+        r = time_case(c, repeats)
+        log(f"  {c.suite:12s} {c.workload:40s} {c.impl:28s} {r.median_ms:10.2f} ms")
+        results.append(r)
+    by_workload: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        by_workload.setdefault((r.case.suite, r.case.workload), []).append(r)
+    for group in by_workload.values():
+        base = next((r for r in group if r.case.baseline), None)
+        if base is not None:
+            for r in group:
+                r.ratio = base.median_ms / r.median_ms
+    return results
+
+
+def markdown(results: list[Result]) -> str:
+    lines = [
+        "| suite | workload | implementation | median ms/step | speed vs baseline | state bytes/param |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in results:
+        ratio = "—" if r.ratio is None else (f"**{r.ratio:.2f}×** (baseline)" if r.case.baseline else f"{r.ratio:.2f}×")
+        bpp = "—" if r.bytes_per_param is None else f"{r.bytes_per_param:.3f}"
+        impl = r.case.impl + (f" ({r.case.note})" if r.case.note else "")
+        lines.append(f"| {r.case.suite} | {r.case.workload} | {impl} | {r.median_ms:.2f} | {ratio} | {bpp} |")
+    return "\n".join(lines) + "\n"
