@@ -163,8 +163,8 @@ class PerParamOptimizer:
         return total
 
     # --------------------------------------------------------------------------------------- preparation
-    def _prepare(self, items: Sequence[OptItem]) -> list:
-        """Validate every item, then create missing states serially (in item order)."""
+    def _check_items(self, items: Sequence[OptItem]) -> list:
+        """Validate every item (nothing is touched); return ``(item, shape, backend, lr_scale)`` per item."""
         items = [it if isinstance(it, OptItem) else OptItem(*it) for it in items]
         seen: set[str] = set()
         checked = []
@@ -196,6 +196,17 @@ class PerParamOptimizer:
             checked.append((it, shape, backend, float(scale)))
         if len(checked) > 1:
             check_batch_aliasing([c[0] for c in checked])
+        return checked
+
+    def validate_batch(self, items: Sequence[OptItem]) -> None:
+        """Raise what ``step_batch(items)`` would raise for bad input, changing nothing (routers use it to
+        validate every group before any group mutates)."""
+        with self._lock:
+            self._check_items(items)
+
+    def _prepare(self, items: Sequence[OptItem]) -> list:
+        """Validate every item, then create missing states serially (in item order)."""
+        checked = self._check_items(items)
         prepared = []
         for it, shape, backend, scale in checked:
             slot = self._slots.get(it.name)

@@ -1,0 +1,112 @@
+"""Checkpoint files: round trip, no pickle, clear errors on bad files, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt import CheckpointError
+
+from .helpers import assert_states_equal, rng_arrays
+
+
+def _trained(steps=3):
+    opt = flatopt.AdamW(lr=0.01, amsgrad=True)
+    params = {"w": ((4, 3), rng_arrays(0, (4, 3))), "emb/tok": ((5, 2), rng_arrays(1, (5, 2), np.float64))}
+    for i in range(steps):
+        for name, (shape, p) in params.items():
+            opt.step(name, shape, p, rng_arrays(10 + i, shape, p.dtype))
+        opt.end_iteration()
+    return opt
+
+
+def test_round_trip_keeps_every_byte(tmp_path):
+    opt = _trained()
+    flatopt.save(tmp_path / "c.npz", opt)
+    loaded = flatopt.load(tmp_path / "c.npz")
+    assert_states_equal(loaded, opt.state_dict())
+    assert loaded.buffers["m/emb/tok"].dtype == np.float64  # arrays stored as written
+
+
+def test_file_has_json_header_and_no_pickle(tmp_path):
+    flatopt.save(tmp_path / "c.npz", _trained())
+    with zipfile.ZipFile(tmp_path / "c.npz") as z:
+        names = z.namelist()
+        assert "header.npy" in names
+    with np.load(tmp_path / "c.npz", allow_pickle=False) as z:  # would raise on any object array
+        header = json.loads(z["header"].tobytes())
+        for f in z.files:
+            z[f]
+    assert header["format"] == "flatopt-checkpoint" and header["format_version"] == 1
+    assert header["algorithm"] == "adamw" and header["config"]["amsgrad"] is True
+
+
+def test_truncated_file_gives_clear_error(tmp_path):
+    path = tmp_path / "c.npz"
+    flatopt.save(path, _trained())
+    data = path.read_bytes()
+    for cut in (10, len(data) // 2, len(data) - 5):
+        (tmp_path / "t.npz").write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match="truncated|corrupted|not a flatopt"):
+            flatopt.load(tmp_path / "t.npz")
+
+
+def test_foreign_files_give_clear_errors(tmp_path):
+    np.savez(tmp_path / "foreign.npz", x=np.zeros(3))
+    with pytest.raises(CheckpointError, match="not a flatopt checkpoint"):
+        flatopt.load(tmp_path / "foreign.npz")
+    (tmp_path / "text.npz").write_text("hello")
+    with pytest.raises(CheckpointError):
+        flatopt.load(tmp_path / "text.npz")
+    header = np.frombuffer(json.dumps({"format": "flatopt-checkpoint", "format_version": 99}).encode(), np.uint8)
+    np.savez(tmp_path / "newer.npz", header=header)
+    with pytest.raises(CheckpointError, match="format version 99"):
+        flatopt.load(tmp_path / "newer.npz")
+    with pytest.raises(FileNotFoundError):
+        flatopt.load(tmp_path / "missing.npz")
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "c.npz"
+    flatopt.save(path, _trained(1))
+    before = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", boom)
+    with pytest.raises(OSError, match="disk full"):
+        flatopt.save(path, _trained(2))
+    assert path.read_bytes() == before  # the old checkpoint is intact
+    assert os.listdir(tmp_path) == ["c.npz"]  # no temporary file left behind
+
+
+def test_load_reports_kept_hyperparameters():
+    a = _trained()
+    b = flatopt.AdamW(lr=0.5, amsgrad=True, weight_decay=0.0)
+    assert b.load_state_dict(a.state_dict()) is True
+    assert b.lr == 0.5 and b.config.weight_decay == 0.0  # not silently overwritten
+    assert any(n.startswith("lr:") for n in b.last_load_notes)
+    c = flatopt.AdamW(lr=0.5, amsgrad=True, weight_decay=0.0)
+    assert c.load_state_dict(a.state_dict(), restore_hparams=True) is True
+    assert c.lr == 0.01 and c.config.weight_decay == 0.01
+
+
+def test_config_that_matters_refuses_to_load():
+    a = _trained()
+    b = flatopt.AdamW(lr=0.01, amsgrad=False)
+    assert b.load_state_dict(a.state_dict()) is False
+    assert b.state_dict().params == {}
+
+
+def test_loaded_state_then_shape_mismatch_raises():
+    a = _trained()
+    b = flatopt.AdamW(lr=0.01, amsgrad=True)
+    assert b.load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="'w'.*shape"):
+        b.step("w", (3, 4), rng_arrays(0, (3, 4)), rng_arrays(1, (3, 4)))
