@@ -267,3 +267,21 @@ def test_converges(spec, problem):
     f1, _ = fn(x)
     assert np.all(np.isfinite(x))
     assert f1 < 0.1 * f0 if problem == "quadratic" else f1 < 0.5 * f0, (f0, f1)
+
+
+def test_worker_exception_names_the_parameter(monkeypatch):
+    """An exception inside a worker thread surfaces with the parameter's name."""
+    opt = flatopt.AdamW()
+    real = type(opt).update_fn
+
+    def failing(xp, cfg, st, p, g, **kw):
+        if p.size == 1000 and p.dtype == np.float32 and kw["t"] == 2:
+            raise FloatingPointError("boom")
+        return real(xp, cfg, st, p, g, **kw)
+
+    monkeypatch.setattr(type(opt), "update_fn", staticmethod(failing))
+    items = [OptItem(f"big{i}", (600, 500), rng_arrays(i, (600, 500)), rng_arrays(9, (600, 500))) for i in range(3)]
+    items.append(OptItem("small", (1000,), rng_arrays(5, (1000,)), rng_arrays(6, (1000,))))
+    opt.step_batch(items)
+    with pytest.raises(flatopt.TaskError, match="'small'.*boom"):
+        opt.step_batch(items)

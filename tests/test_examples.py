@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -30,3 +31,31 @@ def test_train_digits_every_optimizer_learns(tmp_path):
         assert r["test_acc"] > 0.5, r
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_torch_interop_matches_torch_adamw_step_for_step():
+    pytest.importorskip("torch")
+    mod = _load("torch_interop")
+    diffs = mod.run(steps=20, verbose=False)
+    # one rounding difference per step at most, on weights of magnitude < 1, fed back through the gradients
+    eps = 2.0**-23
+    assert all(d <= 2 * (i + 1) * eps for i, d in enumerate(diffs)), diffs
+
+
+def test_checkpoint_resume_is_bit_exact_for_every_optimizer():
+    pytest.importorskip("sklearn")
+    td = _load("train_digits")
+    mod = _load("checkpoint_resume")
+    for name in td.optimizer_factories(td.param_shapes(16)):
+        assert mod.run(name, steps=8, crash_at=3, hidden=16, verbose=False), name
+
+
+def test_warmup_clip_skip_skips_poisoned_steps_and_learns():
+    pytest.importorskip("sklearn")
+    _load("train_digits")
+    mod = _load("warmup_clip_skip")
+    out = mod.run(steps=100, poison_every=10, verbose=False)
+    assert out["skipped"] == 10
+    assert out["opt"].iteration == 90  # skipped steps changed no counter
+    assert all(np.isfinite(p).all() for p in out["params"].values())
+    assert np.mean(out["losses"][-10:]) < 0.5 * np.mean(out["losses"][:10])
