@@ -37,33 +37,59 @@ class Result:
 
 
 def time_case(case: Case, repeats: int, warmup: int = 2) -> Result:
-    step = case.setup()
-    for _ in range(warmup):
-        step()
-    gc.collect()
-    gc_was = gc.isenabled()
-    gc.disable()
-    times = []
+    """Time one case on its own: ``warmup`` untimed steps, then ``repeats`` timed ones."""
+    return _time_group([case], repeats, warmup)[0]
+
+
+def _time_group(cases: list[Case], repeats: int, warmup: int = 2) -> list[Result]:
+    """Time the cases of one workload with their repeats interleaved (case A, B, C, then B, C, A, ...), so that a
+    burst of load from other processes hits every case alike instead of skewing one of them."""
+    steps = []
     try:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
+        for c in cases:
+            steps.append(c.setup())
+            for _ in range(warmup):
+                steps[-1]()
+        times: list[list[float]] = [[] for _ in cases]
+        gc.collect()
+        gc_was = gc.isenabled()
+        gc.disable()
+        try:
+            k = len(cases)
+            for r in range(repeats):
+                for j in range(k):
+                    i = (j + r) % k
+                    t0 = time.perf_counter()
+                    steps[i]()
+                    times[i].append((time.perf_counter() - t0) * 1e3)
+        finally:
+            if gc_was:
+                gc.enable()
+        out = []
+        for c, ts in zip(cases, times):
+            bpp = c.state_bytes_per_param() if c.state_bytes_per_param else None
+            out.append(Result(c, statistics.median(ts), ts, bpp))
+        return out
     finally:
-        if gc_was:
-            gc.enable()
-    bpp = case.state_bytes_per_param() if case.state_bytes_per_param else None
-    del step
-    gc.collect()
-    return Result(case, statistics.median(times), times, bpp)
+        del steps
+        gc.collect()
 
 
-def run_cases(cases: list[Case], repeats: int, log: Callable[[str], None] = print) -> list[Result]:
-    results = []
+def run_cases(cases: list[Case], repeats: int, log: Callable[[str], None] = print, *,
+              interleave: bool = True) -> list[Result]:
+    """Time every case and fill in the ratios.  With ``interleave`` the cases of one (suite, workload) are set up
+    together and their repeats interleaved (more memory at once, less noise in the ratios); otherwise one case at a
+    time.  Results keep the order of ``cases``."""
+    groups: dict[tuple[str, str], list[Case]] = {}
     for c in cases:
-        r = time_case(c, repeats)
-        log(f"  {c.suite:12s} {c.workload:40s} {c.impl:28s} {r.median_ms:10.2f} ms")
-        results.append(r)
+        groups.setdefault((c.suite, c.workload), []).append(c)
+    by_case: dict[int, Result] = {}
+    for group in groups.values():
+        rs = _time_group(group, repeats) if interleave else [time_case(c, repeats) for c in group]
+        for c, r in zip(group, rs):
+            log(f"  {c.suite:10s} {c.workload:44s} {c.impl:28s} {r.median_ms:10.3f} ms")
+            by_case[id(c)] = r
+    results = [by_case[id(c)] for c in cases]
     by_workload: dict[tuple[str, str], list[Result]] = {}
     for r in results:
         by_workload.setdefault((r.case.suite, r.case.workload), []).append(r)

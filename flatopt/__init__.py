@@ -7,24 +7,36 @@
 See README.md and DESIGN.md for the contract every optimizer keeps.
 """
 
+from . import gradients
 from ._driver import PerParamOptimizer
 from ._parallel import TaskError
 from ._types import Optimizer, OptimizerState, OptItem
+from .adafactor import Adafactor
+from .adafactor8bit import Adafactor8Bit
 from .adamw import AdamW
 from .checkpoint import CheckpointError, load, save
+from .muon import Muon
+from .muon_adamw import MuonAdamW
+from .kron import KronPsgd
 from .sgd import SGD
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adafactor",
+    "Adafactor8Bit",
     "AdamW",
     "CheckpointError",
+    "Muon",
+    "MuonAdamW",
+    "KronPsgd",
     "Optimizer",
     "OptimizerState",
     "OptItem",
     "PerParamOptimizer",
     "SGD",
     "TaskError",
+    "gradients",
     "load",
     "save",
 ]

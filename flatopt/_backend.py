@@ -30,6 +30,8 @@ __all__ = [
     "gpu_available",
     "force_twin",
     "nvrtc_compile",
+    "solve_triangular",
+    "nccl",
 ]
 
 _cupy = None
@@ -50,6 +52,22 @@ def cupy():
                     ) from exc
                 _cupy = _cp
     return _cupy
+
+
+def solve_triangular():
+    """``cupyx.scipy.linalg.solve_triangular`` (GPU triangular solves for KronPsgd)."""
+    cupy()
+    from cupyx.scipy.linalg import solve_triangular as fn  # noqa: PLC0415
+
+    return fn
+
+
+def nccl():
+    """``cupy.cuda.nccl`` (the NCCL bindings, for flatopt.distributed on GPUs)."""
+    cupy()
+    from cupy.cuda import nccl as mod  # noqa: PLC0415
+
+    return mod
 
 
 def is_cupy_array(a: Any) -> bool:

@@ -1,8 +1,9 @@
-"""Thread-pool execution of independent tasks, with static, size-balanced partitions.
+"""Thread-pool execution of independent tasks: a fixed set of workers claims them in order.
 
 A *task* is a callable with a cost (about its number of elements).  Work too small to pay for threads runs on the
-calling thread; otherwise the tasks are cut, in order, into at most ``num_threads()`` contiguous groups of about
-equal cost, one runs on the caller and the others on a persistent pool.  Tasks must be independent (disjoint
+calling thread; otherwise ``num_threads()`` workers (the caller and a persistent pool) claim the tasks in order, one
+at a time, so callers should cut large work into tasks of a few hundred thousand elements (``partition`` still
+computes static, size-balanced contiguous groups for callers that want them).  Tasks must be independent (disjoint
 params and state), so any partition gives the same bits as the serial loop.
 
 ``FLATOPT_NUM_THREADS`` sets the number of threads (default: the number of CPUs this process may use).
@@ -10,6 +11,7 @@ params and state), so any partition gives the same bits as the serial loop.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -66,10 +68,6 @@ def run_tasks(tasks: Sequence[tuple[int, str, Callable[[], None]]], *, wrap: Cal
         return
     threads = num_threads()
     total = sum(c for c, _, _ in tasks)
-    if serial or threads == 1 or total < PARALLEL_MIN_COST or len(tasks) == 1:
-        ranges = [(0, len(tasks))]
-    else:
-        ranges = partition([c for c, _, _ in tasks], threads)
 
     def run_group(lo: int, hi: int) -> None:
         for _, name, fn in tasks[lo:hi]:
@@ -78,7 +76,22 @@ def run_tasks(tasks: Sequence[tuple[int, str, Callable[[], None]]], *, wrap: Cal
             except Exception as exc:
                 raise TaskError(f"parameter {name!r}: {type(exc).__name__}: {exc}") from exc
 
-    groups = [(lambda lo=lo, hi=hi: run_group(lo, hi)) for lo, hi in ranges]
+    if serial or threads == 1 or total < PARALLEL_MIN_COST or len(tasks) == 1:
+        groups = [lambda: run_group(0, len(tasks))]
+    else:
+        # Workers claim the tasks in order from a shared counter (``next`` on ``itertools.count`` is atomic under
+        # the GIL): on a shared machine a descheduled worker does not hold up a pre-assigned half of the work.
+        # The tasks are independent, so every assignment gives the bits of the serial loop.
+        claim = itertools.count().__next__
+        n = len(tasks)
+
+        def run_claimed() -> None:
+            i = claim()
+            while i < n:
+                run_group(i, i + 1)
+                i = claim()
+
+        groups = [run_claimed] * min(threads, n)
     if wrap is not None:
         groups = [wrap(g) for g in groups]
     if len(groups) == 1:

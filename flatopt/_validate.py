@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,12 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def check_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if type(shape) is tuple:  # fast path: a tuple of non-negative Python ints is returned as is
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
     try:
         dims = tuple(shape)
     except TypeError:
@@ -68,7 +75,9 @@ def check_item(name: Any, shape: Any, param: Any, grad: Any) -> tuple[tuple[int,
         raise ValueError(f"parameter {name!r}: grad has {grad.size} elements but shape {shape} needs {n}")
     if pb == "numpy" and not param.flags.writeable:
         raise ValueError(f"parameter {name!r}: param is read-only")
-    if n and _overlap(_address_range(param), _address_range(grad)):
+    # (np.may_share_memory compares the same address bounds, in C)
+    if n and (np.may_share_memory(param, grad) if pb == "numpy" else _overlap(_address_range(param),
+                                                                              _address_range(grad))):
         raise ValueError(f"parameter {name!r}: param and grad share memory")
     return shape, pb
 
@@ -77,8 +86,16 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def check_batch_aliasing(items: list) -> None:
-    """No param of one item may overlap any other param or grad of the batch (that would race in threads)."""
+def check_batch_aliasing(items: list, cache: list | None = None) -> None:
+    """No param of one item may overlap any other param or grad of the batch (that would race in threads).
+
+    ``cache`` (a list the caller keeps between batches) remembers, by weak reference, the arrays of the last batch
+    that passed: a batch of the very same array objects in the same order passes again without looking up a
+    thousand addresses (an ndarray's buffer cannot move while it is alive)."""
+    if cache is not None:
+        if len(cache) == 2 * len(items) and _same_arrays(cache, items):
+            return
+        cache.clear()
     spans = []
     for i, it in enumerate(items):
         if it.param.size:
@@ -93,6 +110,17 @@ def check_batch_aliasing(items: list) -> None:
             raise ValueError(f"parameters {other!r} and {items[i].name!r}: buffers overlap in memory")
         if end > reach_end:
             reach_end, reach = end, (i, is_param)
+    if cache is not None and all(isinstance(it.param, np.ndarray) for it in items):
+        cache.extend(weakref.ref(a) for it in items for a in (it.param, it.grad))
+
+
+def _same_arrays(refs: list, items: list) -> bool:
+    k = 0
+    for it in items:
+        if refs[k]() is not it.param or refs[k + 1]() is not it.grad:
+            return False
+        k += 2
+    return True
 
 
 def check_lr(lr: Any, what: str = "lr") -> float:

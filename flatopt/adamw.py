@@ -18,6 +18,7 @@ ulps rather than bit for bit.  ``end_iteration`` only counts iterations.  State:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -60,7 +61,9 @@ def init(xp, cfg: AdamWConfig, shape, dtype) -> AdamWState:
     return AdamWState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype) if cfg.amsgrad else None)
 
 
+@functools.lru_cache(maxsize=16)
 def _scalars(cfg: AdamWConfig, t: int, lr: float):
+    """The per-step scalars (cached: ``update`` runs once per cache-sized chunk)."""
     b1, b2 = cfg.betas
     bc1 = 1.0 - b1**t
     bc2_sqrt = (1.0 - b2**t) ** 0.5
@@ -68,29 +71,34 @@ def _scalars(cfg: AdamWConfig, t: int, lr: float):
 
 
 def update(xp, cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float, scratch: list) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``."""
+    """One step on (chunks of) flat buffers; ``scratch`` holds one buffer the size of ``p``.
+
+    Fourteen in-place ufunc passes (13 without weight decay, one more with amsgrad), each rounded to the dtype, in
+    the operation order of ``kernels/adamw.cu``; one temporary, so that a cache-sized chunk of p, g, m, v and the
+    temporary stays in the L2 cache from one pass to the next (the driver hands out such chunks)."""
     decay, omb1, b2, omb2, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
-    s1, s2 = scratch
+    s = scratch[0]
     m, v = st.m, st.v
+    mul, add = xp.multiply, xp.add
     if cfg.weight_decay != 0:
-        p *= decay
-    xp.subtract(g, m, out=s1)
-    s1 *= omb1
-    m += s1
-    xp.multiply(g, omb2, out=s1)
-    s1 *= g
-    v *= b2
-    v += s1
+        mul(p, decay, p)  # p = p * decay
+    xp.subtract(g, m, s)  # m = m + (g - m) * (1 - b1)
+    mul(s, omb1, s)
+    add(m, s, m)
+    mul(g, omb2, s)  # v = v * b2 + (g * (1 - b2)) * g
+    mul(s, g, s)
+    mul(v, b2, v)
+    add(v, s, v)
     src = v
     if cfg.amsgrad:
         xp.maximum(st.vmax, v, out=st.vmax)
         src = st.vmax
-    xp.sqrt(src, out=s1)
-    s1 /= bc2_sqrt
-    s1 += eps
-    xp.divide(m, s1, out=s2)
-    s2 *= neg_step
-    p += s2
+    xp.sqrt(src, s)  # p = p + (m / (sqrt(v) / bc2_sqrt + eps)) * neg_step
+    xp.divide(s, bc2_sqrt, s)
+    add(s, eps, s)
+    xp.divide(m, s, s)
+    mul(s, neg_step, s)
+    add(p, s, p)
 
 
 def kernel_update(cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float) -> bool:
@@ -112,7 +120,7 @@ class AdamW(PerParamOptimizer):
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
     elementwise = True
-    scratch_buffers = 2
+    scratch_buffers = 1
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,

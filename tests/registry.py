@@ -20,16 +20,61 @@ class Spec:
     rosenbrock_lr: float = 0.01
     converge_steps: int = 300
     set_lr_changes_update: bool = True  # a step with lr/2 differs from a step with lr
+    # random valid hyper-parameters for the fuzz tests: fuzz(rng: random.Random) -> kwargs for make()
+    fuzz: Callable[..., dict] | None = None
+    # For optimizers whose parameters are fixed at construction (a manifest, e.g. MuonAdamW):
+    # make_for({name: shape}) -> a fresh optimizer for exactly those parameters (tests with varying shapes use it).
+    make_for: Callable[[dict], object] | None = None
+
+
+_MA_SHAPES = ((4, 3), (6, 5), (7,), (3, 7))
+
+
+def _muon_adamw_for(shapes: dict, lr=0.02, **kw):
+    """MuonAdamW over a manifest of ``shapes``: every 2-D name on Muon, the rest on AdamW (lr ratio 0.5 so that
+    the AdamW half moves visibly in the contract's tests)."""
+    shapes = dict(shapes)
+    muon = [n for n, s in shapes.items() if len(s) == 2 and min(s) > 0]
+    if not muon:  # the Muon group may not be empty: add a matrix that is never stepped (missing gradient = no-op)
+        shapes["unused_matrix"], muon = (2, 2), ["unused_matrix"]
+    return flatopt.MuonAdamW(params=shapes, muon_names=muon, lr=lr, adamw_lr_ratio=0.5,
+                             muon={"weight_decay": 0.01}, adamw={"weight_decay": 0.01}, **kw)
+
+
+def _muon_adamw_contract(lr=0.02, **kw):
+    """The names and shapes test_contract.py steps with a fixed manifest: p<i> of ``make_params(shapes)``,
+    ``w<shape>``, ``w`` (shapes[1]) and ``x`` (8, 6)."""
+    names = {f"p{i}": s for i, s in enumerate(_MA_SHAPES)}
+    names.update({f"w{s}": s for s in _MA_SHAPES})
+    names.update({"w": _MA_SHAPES[1], "x": (8, 6)})
+    return _muon_adamw_for(names, lr=lr, **kw)
 
 
 REGISTRY: dict[str, Spec] = {
-    "sgd": Spec(make=lambda lr=0.05, **kw: flatopt.SGD(lr=lr, **kw), rosenbrock_lr=1e-3, converge_steps=2000),
+    "sgd": Spec(make=lambda lr=0.05, **kw: flatopt.SGD(lr=lr, **kw), rosenbrock_lr=1e-3, converge_steps=2000,
+                fuzz=lambda r: dict(lr=r.uniform(0, 0.5), momentum=r.choice([0.0, r.uniform(0, 0.99)]),
+                                    weight_decay=r.choice([0.0, r.uniform(0, 0.1)]))),
     "sgd_nesterov": Spec(
         make=lambda lr=0.02, **kw: flatopt.SGD(lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-4, **kw),
         rosenbrock_lr=2e-4, converge_steps=2000,
     ),
     "sgd_dampened": Spec(make=lambda lr=0.02, **kw: flatopt.SGD(lr=lr, momentum=0.5, dampening=0.3, **kw),
                          rosenbrock_lr=5e-4, converge_steps=2000),
-    "adamw": Spec(make=lambda lr=0.05, **kw: flatopt.AdamW(lr=lr, **kw)),
+    "adamw": Spec(make=lambda lr=0.05, **kw: flatopt.AdamW(lr=lr, **kw),
+                  fuzz=lambda r: dict(lr=r.uniform(0, 0.1), betas=(r.uniform(0, 0.99), r.uniform(0, 0.9999)),
+                                      eps=r.choice([1e-8, 1e-3, 0.0]), weight_decay=r.uniform(0, 0.2),
+                                      amsgrad=r.random() < 0.5)),
     "adamw_amsgrad": Spec(make=lambda lr=0.05, **kw: flatopt.AdamW(lr=lr, amsgrad=True, weight_decay=0.0, **kw)),
+    "muon": Spec(make=lambda lr=0.02, **kw: flatopt.Muon(lr=lr, weight_decay=0.01, **kw),
+                 shapes=((4, 3), (6, 5), (3, 7)), quadratic_lr=0.05, rosenbrock_lr=0.01),
+    "muon_adamw": Spec(make=_muon_adamw_contract, shapes=_MA_SHAPES, make_for=_muon_adamw_for,
+                       quadratic_lr=0.05, rosenbrock_lr=0.01),
+    "adafactor": Spec(make=lambda lr=None, **kw: flatopt.Adafactor(lr=lr, **kw), quadratic_lr=None, rosenbrock_lr=None),
+    "adafactor8bit": Spec(make=lambda lr=0.05, **kw: flatopt.Adafactor8Bit(lr=lr, relative_step=False, beta1=0.9, weight_decay=1e-3, min_8bit_size=0, block_size=128, m_block_size=32, **kw)),
+    "adafactor8bit_adam_d8_fira": Spec(make=lambda lr=0.05, **kw: flatopt.Adafactor8Bit(lr=lr, relative_step=False, scale_parameter=False, factored=False, beta1=0.9, beta2=0.999, eps=(1e-8, 1e-3), d=0.0, m_quant_type="d8", v_quant_type="al16", min_8bit_size=0, block_size=128, m_block_size=32, enable_fira_for_adafactor=True, **kw)),
+    "adafactor8bit_apollo_came": Spec(make=lambda lr=0.05, **kw: flatopt.Adafactor8Bit(lr=lr, relative_step=False, scale_parameter=False, beta1=0.9, beta2=0.999, beta3=0.999, apollo_rank=2, apollo_update_proj_gap=2, min_8bit_size=0, block_size=128, m_block_size=32, m_quant_type="uf4", groups=[("*", {})], **kw), rosenbrock_lr=0.01),
+    "adafactor_manual_beta1_wd": Spec(make=lambda lr=0.05, **kw: flatopt.Adafactor(lr=lr, beta1=0.9, weight_decay=1e-3, **kw), rosenbrock_lr=0.01),
+    "adafactor_beta2_unfactored_scaled": Spec(make=lambda lr=0.05, **kw: flatopt.Adafactor(lr=lr, beta2=0.999, factored=False, scale_parameter=True, **kw)),
+    "kron_psgd": Spec(make=lambda lr=0.03, **kw: flatopt.KronPsgd(lr=lr, **kw), quadratic_lr=0.03, rosenbrock_lr=0.03),
+    "kron_psgd_knobs": Spec(make=lambda lr=0.03, **kw: flatopt.KronPsgd(lr=lr, weight_decay=1e-3, memory_save_mode="one_diag", momentum_into_precond_update=False, update_probability=0.5, precond_dtype="param", **kw), quadratic_lr=0.03, rosenbrock_lr=0.03),
 }

@@ -191,7 +191,10 @@ def test_step_batch_equals_serial(spec, picks, big, seed):
         shapes.append((384, 700))  # large enough to be split over threads
     a = make_params(shapes, seed=seed)
     b = {n: (s, p.copy()) for n, (s, p) in a.items()}
-    opt_a, opt_b = spec.make(), spec.make()
+    if spec.make_for is not None:  # a manifest fixed at construction: build it for these names and shapes
+        opt_a, opt_b = (spec.make_for({n: s for n, (s, _) in a.items()}) for _ in range(2))
+    else:
+        opt_a, opt_b = spec.make(), spec.make()
     run(opt_a, a, 3, batch=False)
     run(opt_b, b, 3, batch=True)
     for n in a:

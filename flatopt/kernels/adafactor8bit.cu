@@ -1,0 +1,169 @@
+// Fused state kernels of Adafactor8Bit: dequantize -> float32 EMA -> write the exact value -> block reduction ->
+// requantize, one CUDA block per quantization block, in one launch per state.  Twin: flatopt/_a8_state.py
+// (``ema``) with flatopt/quant.py; the arithmetic is float32 in the twin's order (compiled with --fmad=false), the
+// AL log2 is evaluated in double and rounded to float like the twin, reductions are min / max (exact, so the tree
+// order cannot change them) through warp shuffles and shared memory: deterministic, no atomics.
+// T is the type of the new sample x (float or double).
+
+#define A8_TINY 1e-38f   // the original's clamp before log2 (a float32 subnormal)
+#define A8_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float a8_lerp(float a, float b, float w) {
+    // torch.lerp: a + w*(b - a) for |w| < 0.5, else b - (b - a)*(1 - w)
+    float d = b - a;
+    return fabsf(w) < 0.5f ? a + w * d : b - d * (1.0f - w);
+}
+
+// Block-wide min and max (every thread gets the result).  Shared scratch: 2 * 32 floats.
+__device__ __forceinline__ void a8_block_minmax(float& lo, float& hi, float* sh) {
+    for (int off = 16; off > 0; off >>= 1) {
+        lo = fminf(lo, __shfl_down_sync(0xffffffffu, lo, off));
+        hi = fmaxf(hi, __shfl_down_sync(0xffffffffu, hi, off));
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    if (lane == 0) { sh[warp] = lo; sh[32 + warp] = hi; }
+    __syncthreads();
+    if (warp == 0) {
+        lo = lane < nwarps ? sh[lane] : A8_INF;
+        hi = lane < nwarps ? sh[32 + lane] : -A8_INF;
+        for (int off = 16; off > 0; off >>= 1) {
+            lo = fminf(lo, __shfl_down_sync(0xffffffffu, lo, off));
+            hi = fmaxf(hi, __shfl_down_sync(0xffffffffu, hi, off));
+        }
+        if (lane == 0) { sh[0] = lo; sh[32] = hi; }
+    }
+    __syncthreads();
+    lo = sh[0];
+    hi = sh[32];
+    __syncthreads();
+}
+
+__device__ __forceinline__ float a8_log2(float v) { return (float)log2((double)fmaxf(v, A8_TINY)); }
+
+// AL8 (bits 8: uint8 codes) / AL16 (bits 16: uint16 codes) state of n values in blocks of `block`: v = lerp(decode(q), x', w) with
+// x' = (square ? x*x : x) + add, or v = x'*w at the first step; out[i] = v (exact), then requantize the block.
+// blockDim.x must be a multiple of 32 (at most 1024).
+template <typename T>
+__global__ void a8_al_ema(void* codes, int bits, float* scale, float* min_log, const T* x, float* out, long long n,
+                          int block, float w, int square, float add, float floor_, int first) {
+    __shared__ float sh[64];
+    unsigned char* q8 = bits == 8 ? (unsigned char*)codes : nullptr;
+    unsigned short* q16 = bits == 8 ? nullptr : (unsigned short*)codes;
+    const int levels = bits == 8 ? 254 : 65534;
+    const long long base = (long long)blockIdx.x * block;
+    const float L = (float)levels, sc_old = scale[blockIdx.x], ml_old = min_log[blockIdx.x];
+    float lo = A8_INF, hi = -A8_INF;
+    for (int i = threadIdx.x; i < block; i += blockDim.x) {
+        const long long idx = base + i;
+        float v = 0.0f;
+        if (idx < n) {
+            float xv = (float)x[idx];
+            if (square) xv = xv * xv;
+            xv = xv + add;
+            if (first) {
+                v = xv * w;
+            } else {
+                const unsigned int code = q8 ? (unsigned int)q8[idx] : (unsigned int)q16[idx];
+                const float old = code == 0u ? 0.0f : exp2f((((float)code - 1.0f) * sc_old) / L + ml_old);
+                v = a8_lerp(old, xv, w);
+            }
+            out[idx] = v;
+        }
+        const float lg = a8_log2(v);
+        hi = fmaxf(hi, lg);
+        if (v != 0.0f) lo = fminf(lo, lg);
+    }
+    a8_block_minmax(lo, hi, sh);
+    const float mx = fminf(hi, 126.0f);
+    float mn = fmaxf(lo, floor_);
+    if (mn >= mx) mn = mx - 1.0f;
+    const float sc = fmaxf(mx - mn, 1e-12f);
+    for (int i = threadIdx.x; i < block; i += blockDim.x) {
+        const long long idx = base + i;
+        const float v = idx < n ? out[idx] : 0.0f;
+        float c = 0.0f;
+        if (v != 0.0f) {
+            c = rintf(((a8_log2(v) - mn) / sc) * L) + 1.0f;
+            c = fminf(fmaxf(c, 1.0f), L + 1.0f);
+        }
+        if (q8) q8[idx] = (unsigned char)c; else q16[idx] = (unsigned short)c;
+    }
+    if (threadIdx.x == 0) { scale[blockIdx.x] = sc; min_log[blockIdx.x] = mn; }
+}
+
+__device__ __forceinline__ int a8_nearest(float x, const float* mp, int size) {
+    int lo = 0, hi = size;  // first index with mp[i] >= x (searchsorted, side "left")
+    while (lo < hi) { int mid = (lo + hi) >> 1; if (mp[mid] < x) lo = mid + 1; else hi = mid; }
+    int i = min(lo, size - 1);
+    const int prev = max(i - 1, 0);
+    if (fabsf(x - mp[prev]) < fabsf(x - mp[i])) i = prev;
+    const float sx = (x > 0.0f) - (x < 0.0f), sm = (mp[i] > 0.0f) - (mp[i] < 0.0f);
+    if (sx != sm && sx != 0.0f) {
+        if (sx > 0.0f && i < size - 1) i += 1;
+        else if (sx < 0.0f && i > 0) i -= 1;
+    }
+    return i;
+}
+
+__device__ __forceinline__ int a8_m_code(float y, int fmt, const float* mp, int size) {
+    if (fmt <= 1) {  // uf8 / uf4
+        const float half = fmt == 0 ? 128.0f : 8.0f;
+        float c = rintf(y * half);
+        c = fminf(fmaxf(c, -half), half - 1.0f);
+        return (int)(c + half);
+    }
+    return a8_nearest(y, mp, size);
+}
+
+__device__ __forceinline__ float a8_m_value(int code, int fmt, float am, const float* mp) {
+    if (fmt <= 1) {
+        const float half = fmt == 0 ? 128.0f : 8.0f;
+        return ((float)code - half) * (am / half);
+    }
+    return mp[code] * am;
+}
+
+// Signed first moment in blocks of `mblock` (fmt 0 uf8, 1 uf4, 2 d8, 3 d4; 4-bit codes packed two per byte, even
+// index in the high nibble): m = lerp(decode(q), x, w); out[i] = m (exact); absmax reduction; requantize.
+template <typename T>
+__global__ void a8_m_ema(unsigned char* q, float* absmax, const T* x, float* out, long long n, int mblock, int fmt,
+                         float w, const float* qmap, int qmap_size) {
+    __shared__ float sh[64];
+    __shared__ float mp[256];
+    for (int i = threadIdx.x; i < qmap_size; i += blockDim.x) mp[i] = qmap[i];
+    __syncthreads();
+    const long long base = (long long)blockIdx.x * mblock;
+    const bool four = (fmt == 1 || fmt == 3);
+    const float am_old = absmax[blockIdx.x];
+    float lo = 0.0f, hi = 0.0f;
+    for (int i = threadIdx.x; i < mblock; i += blockDim.x) {
+        const long long idx = base + i;
+        float v = 0.0f;
+        if (idx < n) {
+            int code;
+            if (four) { const unsigned int b = q[idx >> 1]; code = (i & 1) ? (int)(b & 0x0Fu) : (int)(b >> 4); }
+            else code = q[idx];
+            v = a8_lerp(a8_m_value(code, fmt, am_old, mp), (float)x[idx], w);
+            out[idx] = v;
+        }
+        hi = fmaxf(hi, fabsf(v));
+    }
+    __syncthreads();  // every thread has read its old codes before any is overwritten
+    a8_block_minmax(lo, hi, sh);
+    const float am = fmaxf(hi, 1e-12f);
+    if (four) {
+        for (int j = threadIdx.x; j < mblock / 2; j += blockDim.x) {
+            const long long i0 = base + 2 * j;
+            const float v0 = i0 < n ? out[i0] : 0.0f, v1 = i0 + 1 < n ? out[i0 + 1] : 0.0f;
+            const int c0 = a8_m_code(v0 / am, fmt, mp, qmap_size), c1 = a8_m_code(v1 / am, fmt, mp, qmap_size);
+            q[i0 >> 1] = (unsigned char)((c0 << 4) | c1);
+        }
+    } else {
+        for (int i = threadIdx.x; i < mblock; i += blockDim.x) {
+            const long long idx = base + i;
+            const float v = idx < n ? out[idx] : 0.0f;
+            q[idx] = (unsigned char)a8_m_code(v / am, fmt, mp, qmap_size);
+        }
+    }
+    if (threadIdx.x == 0) absmax[blockIdx.x] = am;
+}

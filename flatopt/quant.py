@@ -1,0 +1,226 @@
+"""Block quantization codecs of ``Adafactor8Bit`` (reference: adafactor8bit 0.4.6; ``reference/adafactor8bit.md``).
+
+**AL8 / AL16** (non-negative states: second moments, CAME confidences, APOLLO's low-rank variance).  A flat state of
+``n`` values is cut into blocks of ``block_size`` (zero-padded); each block stores one float32 ``scale`` (its log2
+range) and one float32 ``min_log`` (log2 of its smallest non-zero value, raised to the floor F), and one code per
+value: uint8 for AL8 (L = 254), uint16 for AL16 (L = 65534, the original's int16 bit pattern read unsigned)::
+
+    encode: ℓ = log2(max(v, 1e-38));  min_log = max(min ℓ over v ≠ 0, F);  max_log = min(max ℓ, 126)
+            min_log = max_log − 1 if min_log ≥ max_log;   scale = max(max_log − min_log, 1e-12)
+            q = clamp(rint((ℓ − min_log)/scale·L) + 1, 1, L + 1),  q = 0  iff  v == 0 exactly
+    decode: v = 2^(((q − 1)·scale)/L + min_log),  v = 0 for q = 0
+
+F = log2(max(eps², FLT_MIN)) (``al_floor``).  Every step is float32 in the original's PyTorch order, rint is
+round-half-to-even, and ℓ is log2 evaluated in float64 and rounded to float32 (torch's float32 log2 on the CPU is
+correctly rounded to within a handful of ulps in 4M; NumPy's float32 log2 is not), so the codes equal the original
+CPU encoder's bit for bit whenever the floors agree (eps1 = 1e-30 ⇒ F = −126).  The decode uses float32 ``exp2``
+(the original's ``torch.pow(2, ·)`` differs from it by ≤ 1 ulp).  Worst-case relative round-trip error inside a
+block is 2^(scale/(2L)) − 1; both end points of a block are exact up to float rounding.
+
+**Signed first moment** ``uf8`` / ``uf4`` / ``d8`` / ``d4`` (blocks of ``m_block_size``, one float32 absmax per
+block floored at 1e-12): ``uf8`` q = clamp(rint(128·m/absmax), −128, 127) + 128; ``uf4`` likewise with 8, two codes
+per byte, even index in the high nibble; ``d8``/``d4`` the nearest entry of Dettmers' signed dynamic map with a
+sign-preserving nudge.  ``fp32`` means unquantized (handled by the caller).
+
+Array-agnostic (``xp`` is NumPy or CuPy); NumPy processes a few blocks at a time in per-thread scratch buffers, so
+nothing is allocated per step after the first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _workspace
+from ._qmaps import construct_dynamic_map, dynamic_map  # noqa: F401 - re-exported
+
+AL_FORMATS = ("al8", "al16")
+V_FORMATS = ("al8", "al16", "fp32")
+M_FORMATS = ("uf8", "uf4", "d8", "d4", "fp32")
+AL_LEVELS = {"al8": 254, "al16": 65534}
+AL_DTYPES = {"al8": np.dtype(np.uint8), "al16": np.dtype(np.uint16)}
+FLT_MIN = float(np.finfo(np.float32).tiny)
+_TINY = float(np.float32(1e-38))  # the original's clamp before log2
+_CHUNK = 1 << 15  # NumPy: elements per codec chunk (stays in cache)
+_F32 = np.float32
+
+
+def al_floor(eps: float) -> float:
+    """F = log2(max(eps², FLT_MIN)); −126 for eps = 1e-30 (the original CPU encoder's fixed floor)."""
+    return math.log2(max(float(eps) * float(eps), FLT_MIN))
+
+
+def nblocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def al_init(xp, n: int, block: int, fmt: str):
+    """Fresh AL state: codes 0 (all zeros), scale 1, min_log 0."""
+    nb = nblocks(n, block)
+    return xp.zeros(nb * block, AL_DTYPES[fmt]), xp.ones(nb, np.float32), xp.zeros(nb, np.float32)
+
+
+def _chunks(xp, nb: int, block: int):
+    step = nb if xp is not np else max(1, _CHUNK // block)
+    for b0 in range(0, nb, step):
+        yield b0, min(nb, b0 + step)
+
+
+def al_encode(xp, v, q, scale, min_log, *, block: int, fmt: str, floor: float) -> None:
+    """Quantize the float32 values ``v`` (length n ≥ 0, non-negative) into ``q``/``scale``/``min_log`` in place."""
+    n, levels = v.size, _F32(AL_LEVELS[fmt])
+    fl = _F32(floor)
+    for b0, b1 in _chunks(xp, scale.size, block):
+        k, lo = b1 - b0, b0 * block
+        m = max(0, min(n, b1 * block) - lo)
+        w = _workspace.get(xp, "al_f64", k * block, np.float64)
+        lg = _workspace.get(xp, "al_lg", k * block, np.float32)
+        tmp = _workspace.get(xp, "al_tmp", k * block, np.float32)
+        zero = _workspace.get(xp, "al_zero", k * block, np.bool_)
+        w[:m] = v[lo : lo + m]
+        w[m:] = 0.0
+        xp.equal(w, 0.0, out=zero)
+        xp.maximum(w, _TINY, out=w)
+        xp.log2(w, out=w)
+        lg[...] = w
+        lg2 = lg.reshape(k, block)
+        mx = xp.minimum(lg2.max(axis=1), _F32(126.0))
+        tmp[...] = lg
+        xp.copyto(tmp, _F32(np.inf), where=zero)
+        mn = xp.maximum(tmp.reshape(k, block).min(axis=1), fl)
+        xp.copyto(mn, mx - _F32(1.0), where=mn >= mx)
+        sc = xp.maximum(mx - mn, _F32(1e-12))
+        xp.subtract(lg2, mn[:, None], out=lg2)
+        xp.divide(lg2, sc[:, None], out=lg2)
+        xp.multiply(lg2, levels, out=lg2)
+        xp.rint(lg2, out=lg2)
+        xp.add(lg2, _F32(1.0), out=lg2)
+        xp.clip(lg2, _F32(1.0), levels + _F32(1.0), out=lg2)
+        xp.copyto(lg, _F32(0.0), where=zero)
+        xp.copyto(q[lo : lo + k * block], lg, casting="unsafe")
+        scale[b0:b1] = sc
+        min_log[b0:b1] = mn
+
+
+def al_decode(xp, q, scale, min_log, out, *, block: int, fmt: str) -> None:
+    """Dequantize into the float32 buffer ``out`` (its length n ≤ the padded code length)."""
+    n, levels = out.size, _F32(AL_LEVELS[fmt])
+    for b0, b1 in _chunks(xp, scale.size, block):
+        k, lo = b1 - b0, b0 * block
+        m = max(0, min(n, b1 * block) - lo)
+        if m == 0:
+            continue
+        x = _workspace.get(xp, "al_dec", k * block, np.float32)
+        zero = _workspace.get(xp, "al_zero", k * block, np.bool_)
+        qc = q[lo : lo + k * block]
+        xp.equal(qc, 0, out=zero)
+        x[...] = qc
+        x2 = x.reshape(k, block)
+        xp.subtract(x2, _F32(1.0), out=x2)
+        xp.multiply(x2, scale[b0:b1, None], out=x2)
+        xp.divide(x2, levels, out=x2)
+        xp.add(x2, min_log[b0:b1, None], out=x2)
+        xp.exp2(x2, out=x2)
+        xp.copyto(x, _F32(0.0), where=zero)
+        out[lo : lo + m] = x[:m]
+
+
+# ------------------------------------------------------------------------------------------ first moment
+def m_bits(fmt: str) -> int:
+    return 4 if fmt in ("uf4", "d4") else 8
+
+
+def m_init(xp, n: int, mblock: int, fmt: str):
+    """Fresh quantized first moment: codes of zero (128 / 0x88 / 127 / 0x77) and absmax 1 per block."""
+    nb = nblocks(n, mblock)
+    fill = {"uf8": 128, "uf4": 0x88, "d8": 127, "d4": 0x77}[fmt]
+    size = nb * mblock // (2 if m_bits(fmt) == 4 else 1)
+    return xp.full(size, fill, np.uint8), xp.ones(nb, np.float32)
+
+
+_DEVICE_MAPS: dict = {}
+
+
+def _qmap(xp, bits: int):
+    """The map on the array module's device (uploaded once per device, not per step)."""
+    if xp is np:
+        return dynamic_map(bits)
+    key = (bits, xp.cuda.Device().id)
+    if key not in _DEVICE_MAPS:
+        _DEVICE_MAPS[key] = xp.asarray(dynamic_map(bits))
+    return _DEVICE_MAPS[key]
+
+
+def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
+    """Quantize the float32 first moment ``m`` (length n) into ``q``/``scale`` in place."""
+    n, bits = m.size, m_bits(fmt)
+    for b0, b1 in _chunks(xp, scale.size, mblock):
+        k, lo = b1 - b0, b0 * mblock
+        cnt = max(0, min(n, b1 * mblock) - lo)
+        w = _workspace.get(xp, "m_w", k * mblock, np.float32)
+        a = _workspace.get(xp, "m_a", k * mblock, np.float32)
+        w[:cnt] = m[lo : lo + cnt]
+        w[cnt:] = 0.0
+        w2 = w.reshape(k, mblock)
+        xp.abs(w, out=a)
+        am = xp.maximum(a.reshape(k, mblock).max(axis=1), _F32(1e-12))
+        xp.divide(w2, am[:, None], out=w2)
+        scale[b0:b1] = am
+        if fmt in ("uf8", "uf4"):
+            half = _F32(128.0 if fmt == "uf8" else 8.0)
+            xp.multiply(w, half, out=w)
+            xp.rint(w, out=w)
+            xp.clip(w, -half, half - _F32(1.0), out=w)
+            xp.add(w, half, out=w)
+            codes = w
+        else:
+            codes = _nearest(xp, w, _qmap(xp, bits))
+        if bits == 8:
+            xp.copyto(q[lo : lo + k * mblock], codes, casting="unsafe")
+        else:
+            c = _workspace.get(xp, "m_c", k * mblock, np.uint8)
+            xp.copyto(c, codes, casting="unsafe")
+            out = q[lo // 2 : (lo + k * mblock) // 2]
+            xp.left_shift(c[0::2], 4, out=out)
+            xp.bitwise_or(out, c[1::2], out=out)
+
+
+def _nearest(xp, x, mp):
+    """Index of the nearest map entry (ties to the upper one), then nudged to keep the sign of x."""
+    last = mp.size - 1
+    i = xp.clip(xp.searchsorted(mp, x), 0, last)
+    prev = xp.maximum(i - 1, 0)
+    i = xp.where(xp.abs(x - mp[prev]) < xp.abs(x - mp[i]), prev, i)
+    sx = xp.sign(x)
+    flip = (sx != xp.sign(mp[i])) & (sx != 0)
+    i = xp.where(flip & (sx > 0) & (i < last), i + 1, i)
+    return xp.where(flip & (sx < 0) & (i > 0), i - 1, i)
+
+
+def m_decode(xp, q, scale, out, *, mblock: int, fmt: str) -> None:
+    """Dequantize into the float32 buffer ``out`` (length n)."""
+    n, bits = out.size, m_bits(fmt)
+    for b0, b1 in _chunks(xp, scale.size, mblock):
+        k, lo = b1 - b0, b0 * mblock
+        cnt = max(0, min(n, b1 * mblock) - lo)
+        if cnt == 0:
+            continue
+        w = _workspace.get(xp, "m_w", k * mblock, np.float32)
+        if bits == 8:
+            codes = q[lo : lo + k * mblock]
+        else:
+            codes = _workspace.get(xp, "m_c", k * mblock, np.uint8)
+            qb = q[lo // 2 : (lo + k * mblock) // 2]
+            xp.right_shift(qb, 4, out=codes[0::2])
+            xp.bitwise_and(qb, 0x0F, out=codes[1::2])
+        w2 = w.reshape(k, mblock)
+        if fmt in ("uf8", "uf4"):
+            half = _F32(128.0 if fmt == "uf8" else 8.0)
+            w[...] = codes
+            xp.subtract(w, half, out=w)
+            xp.multiply(w2, (scale[b0:b1] / half)[:, None], out=w2)
+        else:
+            xp.take(_qmap(xp, bits), codes, out=w)
+            xp.multiply(w2, scale[b0:b1, None], out=w2)
+        out[lo : lo + cnt] = w[:cnt]

@@ -1,0 +1,58 @@
+"""Smoke test of the benchmark CLI: ``python -m benchmarks.run --quick --only adamw --repeats 2`` runs in seconds
+and produces the table (timings are never asserted: the CI machine is shared)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_benchmark_prints_and_writes_the_table(tmp_path):
+    md = tmp_path / "bench.md"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "adamw", "--repeats", "2",
+         "--markdown", str(md)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "machine:" in out and "numpy" in out
+    header = "| suite | workload | implementation | median ms/step | speed vs baseline | state bytes/param |"
+    assert header in out
+    table = md.read_text()
+    assert header in table
+    rows = [line for line in table.splitlines() if line.startswith("| adamw |")]
+    assert len(rows) == 12, table  # 3 workloads x (torch fused, foreach, single-tensor, flatopt)
+    flat = [r for r in rows if "| flatopt" in r]
+    assert len(flat) == 3
+    for r in flat:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert float(cells[3]) > 0  # median ms/step
+        assert cells[4].endswith("×")  # a ratio to torch fused
+        assert float(cells[5]) == pytest.approx(8.0)  # m and v in float32: 8 bytes per parameter
+    assert "(baseline)" in table
+
+
+def test_a_module_whose_reference_is_missing_is_skipped_with_a_note(monkeypatch):
+    from benchmarks import run
+
+    real = run.importlib.import_module
+
+    def fake_import(name):
+        if name == "benchmarks.bench_fake":
+            raise ModuleNotFoundError("No module named 'no_such_oracle'", name="no_such_oracle")
+        return real(name)
+
+    monkeypatch.setattr(run.importlib, "import_module", fake_import)
+    notes = []
+    assert run.load_cases(["fake"], quick=True, log=notes.append) == []
+    assert notes == ["note: skipping bench_fake: reference package 'no_such_oracle' is not installed"]

@@ -1,0 +1,181 @@
+"""The block codecs of Adafactor8Bit (flatopt.quant): properties, and bit-exact codes against adafactor8bit 0.4.6."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatopt import _backend, quant
+
+B = 128  # a small AL block keeps the examples fast; the block size is a parameter of the codec, not of its math
+
+
+@st.composite
+def nonneg_arrays(draw, max_n=700):
+    n = draw(st.integers(1, max_n))
+    seed = draw(st.integers(0, 2**32 - 1))
+    sigma = draw(st.sampled_from([0.0, 1.0, 6.0, 20.0]))
+    zeros = draw(st.sampled_from([0.0, 0.1, 0.9, 1.0]))
+    r = np.random.default_rng(seed)
+    v = np.exp2(np.clip(r.standard_normal(n) * sigma - 10, -60, 60)).astype(np.float32)
+    v[r.random(n) < zeros] = 0.0
+    return v
+
+
+@settings(max_examples=60, deadline=None)
+@given(v=nonneg_arrays(), fmt=st.sampled_from(quant.AL_FORMATS))
+def test_al_round_trip_within_block_bound(v, fmt):
+    q, scale, min_log = quant.al_init(np, v.size, B, fmt)
+    quant.al_encode(np, v, q, scale, min_log, block=B, fmt=fmt, floor=quant.al_floor(1e-30))
+    out = np.empty_like(v)
+    quant.al_decode(np, q, scale, min_log, out, block=B, fmt=fmt)
+    assert q.dtype == quant.AL_DTYPES[fmt] and q.size % B == 0 and scale.dtype == min_log.dtype == np.float32
+    assert np.array_equal(q[: v.size] == 0, v == 0), "code 0 iff the value is exactly 0"
+    assert np.all(q[v.size:] == 0), "padding encodes as zeros"
+    assert np.all(out[v == 0] == 0)
+    levels = quant.AL_LEVELS[fmt]
+    # log-uniform codes: half a code step in log2 space, plus float32 rounding of log2 (|ℓ| ≤ 70) and of exp2
+    rel = np.abs(out[v > 0].astype(np.float64) / v[v > 0] - 1)
+    per_elem_bound = np.repeat(2.0 ** (scale.astype(np.float64) / (2 * levels)) - 1, B)[: v.size][v > 0]
+    assert np.all(rel <= per_elem_bound + 80 * 2.0**-23), rel.max()
+    # both end points of a block are exact up to float rounding
+    for k in range(scale.size):
+        blk = v[k * B:(k + 1) * B]
+        ob = out[k * B:(k + 1) * B]
+        nz = np.nonzero(blk)[0]
+        if nz.size:
+            for i in (nz[np.argmin(blk[nz])], nz[np.argmax(blk[nz])]):
+                assert abs(float(ob[i]) / float(blk[i]) - 1) <= 80 * 2.0**-23
+
+
+@settings(max_examples=30, deadline=None)
+@given(v=nonneg_arrays(), fmt=st.sampled_from(quant.AL_FORMATS), eps=st.sampled_from([1e-30, 1e-8, 1e-3]))
+def test_al_floor_rounds_up_never_to_zero(v, fmt, eps):
+    floor = quant.al_floor(eps)
+    assert floor == pytest.approx(math.log2(max(eps * eps, quant.FLT_MIN)))
+    q, scale, min_log = quant.al_init(np, v.size, B, fmt)
+    quant.al_encode(np, v, q, scale, min_log, block=B, fmt=fmt, floor=floor)
+    out = np.empty_like(v)
+    quant.al_decode(np, q, scale, min_log, out, block=B, fmt=fmt)
+    assert np.array_equal(out == 0, v == 0)
+    assert np.all(scale >= np.float32(1e-12))
+    nonzero_blocks = np.add.reduceat(v > 0, np.arange(0, v.size, B)) > 0
+    ok = (min_log >= np.float32(floor)) | (scale == 1)  # floored, or the "min ≥ max ⇒ max − 1" rule applied
+    assert np.all(ok[nonzero_blocks]), "min_log is floored (all-zero blocks aside)"
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 600), seed=st.integers(0, 2**32 - 1), fmt=st.sampled_from(["uf8", "uf4", "d8", "d4"]),
+       mblock=st.sampled_from([32, 256]))
+def test_m_round_trip(n, seed, fmt, mblock):
+    r = np.random.default_rng(seed)
+    m = (r.standard_normal(n) * 10.0 ** r.uniform(-8, 2)).astype(np.float32)
+    m[r.random(n) < 0.1] = 0.0
+    q, scale = quant.m_init(np, n, mblock, fmt)
+    quant.m_encode(np, m, q, scale, mblock=mblock, fmt=fmt)
+    out = np.empty_like(m)
+    quant.m_decode(np, q, scale, out, mblock=mblock, fmt=fmt)
+    absmax = np.repeat(scale, mblock)[:n].astype(np.float64)
+    err = np.abs(out.astype(np.float64) - m)
+    if fmt in ("uf8", "uf4"):
+        half = 128 if fmt == "uf8" else 8
+        # within one code step (saturation at +absmax included), plus float32 rounding of the decoded value
+        assert np.all(err <= absmax / half + 4 * 2.0**-24 * absmax)
+    else:
+        mp = quant.dynamic_map(quant.m_bits(fmt)).astype(np.float64)
+        assert np.all(err <= absmax * np.max(np.diff(mp)) + 4 * 2.0**-24 * absmax)
+        assert np.all(np.sign(out[m != 0]) == np.sign(m[m != 0])), "the dynamic map keeps the sign"
+    assert np.all(out[m == 0] == 0)
+
+
+def test_fresh_states_decode_to_zero():
+    for fmt in quant.AL_FORMATS:
+        q, s, ml = quant.al_init(np, 300, B, fmt)
+        out = np.ones(300, np.float32)
+        quant.al_decode(np, q, s, ml, out, block=B, fmt=fmt)
+        assert not out.any() and np.all(s == 1) and np.all(ml == 0)
+    for fmt in ("uf8", "uf4", "d8", "d4"):
+        q, s = quant.m_init(np, 300, 32, fmt)
+        out = np.ones(300, np.float32)
+        quant.m_decode(np, q, s, out, mblock=32, fmt=fmt)
+        assert not out.any()
+
+
+def test_dynamic_maps_match_their_construction():
+    for bits, size, zero in ((8, 256, 127), (4, 16, 7)):
+        mp = quant.dynamic_map(bits)
+        assert mp.size == size and mp[zero] == 0 and mp[-1] == 1 and np.all(np.diff(mp) > 0)
+        built = quant.construct_dynamic_map(bits)
+        assert np.max(np.abs(built - mp) / np.maximum(np.abs(mp), 1e-30)) <= 2.0**-22  # ≤ 1 ulp (torch linspace)
+
+
+# ------------------------------------------------------------------------------- the original's encoder
+@pytest.fixture(scope="module")
+def oracle():
+    pytest.importorskip("torch")
+    return pytest.importorskip("adafactor8bit.optimizer")
+
+
+@settings(max_examples=25, deadline=None)
+@given(v=nonneg_arrays(max_n=5000), fmt=st.sampled_from(quant.AL_FORMATS), block=st.sampled_from([128, 2048]))
+def test_al_codes_equal_the_original(oracle, v, fmt, block):
+    import torch
+
+    q_t, s_t, ml_t, _, _ = oracle._log_quantize_nonneg(torch.from_numpy(v), block,
+                                                       n_levels=256 if fmt == "al8" else 65536)
+    q, s, ml = quant.al_init(np, v.size, block, fmt)
+    quant.al_encode(np, v, q, s, ml, block=block, fmt=fmt, floor=quant.al_floor(1e-30))
+    assert np.array_equal(q_t.numpy().ravel().view(quant.AL_DTYPES[fmt]), q)
+    assert np.array_equal(s_t.numpy(), s) and np.array_equal(ml_t.numpy(), ml)
+    ref = oracle._log_dequantize_nonneg(q_t, s_t, ml_t, (v.size,), q.size - v.size,
+                                        n_levels=256 if fmt == "al8" else 65536).numpy()
+    out = np.empty_like(v)
+    quant.al_decode(np, q, s, ml, out, block=block, fmt=fmt)
+    # torch.pow(2, ·) and float32 exp2 differ by at most an ulp or two
+    assert np.all(np.abs(out.astype(np.float64) - ref) <= 2.0**-22 * np.abs(ref))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1), fmt=st.sampled_from(["uf8", "uf4", "d8", "d4"]))
+def test_m_codes_equal_the_original(oracle, n, seed, fmt):
+    import torch
+
+    m = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    q_t, s_t = oracle._m_quantize(torch.from_numpy(m), fmt, 256)
+    q, s = quant.m_init(np, n, 256, fmt)
+    quant.m_encode(np, m, q, s, mblock=256, fmt=fmt)
+    assert np.array_equal(q_t.numpy(), q) and np.array_equal(s_t.numpy(), s)
+    out = np.empty_like(m)
+    quant.m_decode(np, q, s, out, mblock=256, fmt=fmt)
+    ref = oracle._m_dequantize(q_t, s_t, n, (n,), 256, "cpu", fmt, use_cuda=False).numpy()
+    assert np.array_equal(out, ref)
+
+
+def test_dynamic_maps_equal_the_original(oracle):
+    assert np.array_equal(quant.dynamic_map(8), oracle._create_dynamic_map(True, 7, 8).numpy())
+    assert np.array_equal(quant.dynamic_map(4), oracle._create_dynamic_map(True, 3, 4).numpy())
+
+
+@pytest.mark.skipif(not _backend.gpu_available(), reason="needs a GPU")
+def test_cupy_codec_matches_numpy():
+    cp = _backend.cupy()
+    r = np.random.default_rng(0)
+    v = np.exp2(r.standard_normal(10000) * 8 - 10).astype(np.float32)
+    v[::7] = 0
+    for fmt in quant.AL_FORMATS:
+        q, s, ml = quant.al_init(np, v.size, 2048, fmt)
+        quant.al_encode(np, v, q, s, ml, block=2048, fmt=fmt, floor=-126.0)
+        qc, sc, mlc = quant.al_init(cp, v.size, 2048, fmt)
+        quant.al_encode(cp, cp.asarray(v), qc, sc, mlc, block=2048, fmt=fmt, floor=-126.0)
+        assert np.max(np.abs(q.astype(np.int64) - cp.asnumpy(qc).astype(np.int64))) <= 1
+    for fmt in ("uf8", "uf4", "d8", "d4"):
+        m = r.standard_normal(5000).astype(np.float32)
+        q, s = quant.m_init(np, m.size, 256, fmt)
+        quant.m_encode(np, m, q, s, mblock=256, fmt=fmt)
+        qc, sc = quant.m_init(cp, m.size, 256, fmt)
+        quant.m_encode(cp, cp.asarray(m), qc, sc, mblock=256, fmt=fmt)
+        assert np.array_equal(q, cp.asnumpy(qc))
