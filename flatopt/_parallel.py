@@ -97,17 +97,22 @@ def run_tasks(tasks: Sequence[tuple[int, str, Callable[[], None]]], *, wrap: Cal
     if len(groups) == 1:
         groups[0]()
         return
-    pool = _get_pool(threads - 1)
-    futures = [pool.submit(g) for g in groups[1:]]
+    run_jobs(groups, _get_pool(threads - 1))
+
+
+def run_jobs(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor) -> None:
+    """Run ``jobs[0]`` on the calling thread and the others on ``pool``; wait for all of them, then re-raise the
+    first error (so no job is still running when the caller sees it)."""
+    futures = [pool.submit(j) for j in jobs[1:]]
     first_error = None
     try:
-        groups[0]()
-    except Exception as exc:  # noqa: BLE001 - re-raised below after the workers finished
+        jobs[0]()
+    except BaseException as exc:  # noqa: BLE001 - re-raised below after the workers finished
         first_error = exc
     for f in futures:
         try:
             f.result()
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             first_error = first_error or exc
     if first_error is not None:
         raise first_error

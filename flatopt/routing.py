@@ -229,19 +229,8 @@ class Router:
             for j in jobs:
                 j()
             return
-        futures = [_group_pool().submit(j) for j in jobs[1:]]
-        first = None
-        try:
-            jobs[0]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised after the other groups finished
-            first = exc
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as exc:  # noqa: BLE001
-                first = first or exc
-        if first is not None:
-            raise first
+        # a pool of its own: the groups' optimizers use _parallel's pool inside (sharing it could deadlock)
+        _parallel.run_jobs(jobs, _group_pool())
 
     def end_iteration(self) -> None:
         with self._lock:
