@@ -112,11 +112,17 @@ def accuracy(xp, params, shapes, x, y) -> float:
 # ----------------------------------------------------------------------------------------- the optimizers
 def optimizer_factories(shapes) -> dict:
     """name -> factory(); each optimizer flatopt has, with settings that suit this small problem."""
-    f = {
+    hidden_matrices = [n for n, s in shapes.items() if n.startswith("layer") and len(s) == 2]
+    return {
         "sgd": lambda: flatopt.SGD(lr=0.1, momentum=0.9, nesterov=True),
         "adamw": lambda: flatopt.AdamW(lr=3e-3, weight_decay=1e-4),
+        "adafactor": lambda: flatopt.Adafactor(),  # the paper's relative step: no lr to tune
+        # 8-bit states; blocks of 128 so that this small model's states are quantized at all
+        "adafactor8bit": lambda: flatopt.Adafactor8Bit(block_size=128),
+        "kron_psgd": lambda: flatopt.KronPsgd(lr=3e-3),
+        "muon_adamw": lambda: flatopt.MuonAdamW(shapes, muon_names=hidden_matrices, lr=0.01, adamw_lr_ratio=0.3,
+                                                muon={"layout": "in_out"}),
     }
-    return f
 
 
 # ------------------------------------------------------------------------------------------------ training
