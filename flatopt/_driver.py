@@ -260,14 +260,6 @@ class PerParamOptimizer:
         if gpu:
             self._run_gpu(gpu)
 
-    def _cpu_tasks(self, it: OptItem, slot: _Slot, lr: float) -> list:
-        """The ``(cost, name, fn)`` tasks of one NumPy item (``t`` already advanced)."""
-        return _cpu.tasks(self, [(it, slot, lr)], CHUNK)
-
-    def _chunk_views(self, slot: _Slot, n: int) -> list:
-        """Cached ``[(lo, hi, state view)]`` chunks of ``CHUNK`` elements of a slot's state."""
-        return _cpu._slot_views(slot, n, CHUNK)  # noqa: SLF001
-
     def _run_gpu(self, gpu: list) -> None:
         cp = _backend.cupy()
         twin = _backend.force_twin()
@@ -408,32 +400,7 @@ class PerParamOptimizer:
         return slots, notes
 
 
-class _ChunkTask:
-    """One chunk of an elementwise update, with per-thread scratch buffers."""
-
-    __slots__ = ("opt", "st", "p", "g", "t", "lr")
-
-    def __init__(self, opt, st, p, g, t, lr):
-        self.opt, self.st, self.p, self.g, self.t, self.lr = opt, st, p, g, t, lr
-
-    def __call__(self) -> None:
-        n = self.p.size
-        scratch = [b[:n] for b in _scratch(self.p.dtype, self.opt.scratch_buffers)]
-        self.opt._update(np, self.st, self.p, self.g, t=self.t, lr=self.lr, scratch=scratch)  # noqa: SLF001
-
-
 _tls = threading.local()
-
-
-def _scratch(dtype: np.dtype, k: int) -> list:
-    """``k`` chunk-sized scratch buffers of ``dtype``, allocated once per thread."""
-    cache = getattr(_tls, "scratch", None)
-    if cache is None:
-        cache = _tls.scratch = {}
-    bufs = cache.get(dtype)
-    if bufs is None or len(bufs) < k:
-        bufs = cache[dtype] = [np.empty(CHUNK, dtype) for _ in range(max(k, 1))]
-    return bufs[:k]
 
 
 def _worker_stream(cp):

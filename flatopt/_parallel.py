@@ -2,9 +2,8 @@
 
 A *task* is a callable with a cost (about its number of elements).  Work too small to pay for threads runs on the
 calling thread; otherwise ``num_threads()`` workers (the caller and a persistent pool) claim the tasks in order, one
-at a time, so callers should cut large work into tasks of a few hundred thousand elements (``partition`` still
-computes static, size-balanced contiguous groups for callers that want them).  Tasks must be independent (disjoint
-params and state), so any partition gives the same bits as the serial loop.
+at a time, so callers should cut large work into tasks of a few hundred thousand elements.  Tasks must be
+independent (disjoint params and state), so any assignment to threads gives the same bits as the serial loop.
 
 ``FLATOPT_NUM_THREADS`` sets the number of threads (default: the number of CPUs this process may use).
 """
@@ -40,20 +39,6 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         if _pool is None or _pool._max_workers < workers:  # noqa: SLF001
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flatopt")
         return _pool
-
-
-def partition(costs: Sequence[int], groups: int) -> list[tuple[int, int]]:
-    """Cut ``range(len(costs))`` into at most ``groups`` contiguous (start, stop) ranges of about equal cost."""
-    total = sum(costs)
-    out, start, acc = [], 0, 0
-    for i, c in enumerate(costs):
-        acc += c
-        if len(out) < groups - 1 and acc * groups >= total * (len(out) + 1):
-            out.append((start, i + 1))
-            start = i + 1
-    if start < len(costs):
-        out.append((start, len(costs)))
-    return out
 
 
 class TaskError(RuntimeError):
