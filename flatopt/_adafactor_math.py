@@ -17,7 +17,17 @@ A block is either a group of whole matrices (small matrices of an N-D tensor) or
 always a contiguous range of the flat buffer.  The block layout depends only on the shape, so results are
 deterministic and independent of threads.  On NumPy the block buffers are per-thread scratch (``_workspace``)
 and the row/column vectors are kept in the state (never saved): after the first step of a name nothing is
-allocated.  On CuPy the whole tensor is one block and every data-dependent scalar (Σθ², α, ΣU², the clip factor)
+allocated.
+
+Threads: the step is written as a generator of *phases* (``factored_phases``/``unfactored_phases``).  Each phase is
+a list of ``(cost, fn)`` tasks over disjoint runs of consecutive blocks (about ``TASK`` elements each) that may run
+in any order on any thread; between two phases the generator does the small serial work (folds, the R/C update,
+the scalars) on the caller.  Every per-block reduction result (column sums of a block, ΣU² and Σθ² of a block) is
+written to its own slot, and the slots are folded afterwards in block order, exactly the serial loop's order: the
+bits are the same for any number of threads and any assignment of tasks to threads.  ``run_phased`` runs the
+phases of many steps together (one barrier per phase for the whole batch); ``run_serial`` runs one step inline.
+Column partials of pass 1 are kept for a window of at most ``PARTS`` elements at a time (folded after each window),
+so the extra scratch stays bounded.  On CuPy the whole tensor is one block and every data-dependent scalar (Σθ², α, ΣU², the clip factor)
 stays a 0-d device array: no host synchronisation.
 """
 
@@ -29,20 +39,26 @@ import math
 
 import numpy as np
 
-from . import _workspace
+from . import _parallel, _workspace
 
 # Elements per block on NumPy: 128 KiB of float32, so the block temporaries stay in the L2 cache.
 BLOCK = 1 << 15
+# Elements per task of a blocked pass (a run of consecutive blocks handed to one thread at a time).
+TASK = 1 << 18
+# Elements of pass-1 column partials kept per name at most (the window of blocks whose partials are folded at once).
+PARTS = 1 << 20
 
 
 @dataclasses.dataclass
 class Work:
-    """Per-name scratch vectors of a factored step (allocated at the first step, never saved)."""
+    """Per-name scratch of a step (allocated at the first step, never saved)."""
 
     rowv: object  # (B, r): new row statistic, then the row factor rsqrt(R / r̄)
     colv: object  # (B, c): new column statistic, then the column factor rsqrt(C)
-    colpart: object  # (kmax, c): column sums of one block
+    colpart: object  # (window·kmax, c): column sums of the blocks of one pass-1 window, kmax rows per block
     rbar: object  # (B, 1): mean of R over its rows
+    su: list = None  # ΣU² of each block
+    sp: list = None  # Σθ² of each block
 
 
 def factor_dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -75,6 +91,24 @@ def flat_blocks(n: int, limit: int) -> tuple[tuple[int, int], ...]:
     return tuple((lo, min(lo + limit, n)) for lo in range(0, n, limit))
 
 
+@functools.lru_cache(maxsize=4096)
+def runs(sizes: tuple[int, ...], k0: int, k1: int, task: int) -> tuple[tuple[int, int, int], ...]:
+    """``(cost, a, b)``: blocks k0:k1 cut into runs of consecutive blocks of about ``task`` elements."""
+    out = []
+    a, acc = k0, 0
+    for k in range(k0, k1):
+        acc += sizes[k]
+        if acc >= task or k == k1 - 1:
+            out.append((acc, a, k + 1))
+            a, acc = k + 1, 0
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sizes(bl: tuple) -> tuple[int, ...]:
+    return tuple(b[1] - b[0] for b in bl)
+
+
 def _limit(xp, n: int) -> int:
     return BLOCK if xp is np else max(n, 1)
 
@@ -105,31 +139,64 @@ def _row_col_sumsq(xp, g3, rows, cols, tmp):
     xp.sum(s3, axis=1, out=cols)
 
 
+def _kmax(bl) -> int:
+    return max(b[3] - b[2] for b in bl) if bl else 1
+
+
 def make_work(xp, shape: tuple[int, ...], dtype) -> Work:
     bdim, r, c = factor_dims(shape)
-    kmax = max(b1 - b0 for _, _, b0, b1, _, _ in blocks(bdim, r, c, _limit(xp, math.prod(shape)))) if bdim else 1
-    return Work(xp.empty((bdim, r), dtype), xp.empty((bdim, c), dtype), xp.empty((kmax, c), dtype),
-                xp.empty((bdim, 1), dtype))
+    bl = blocks(bdim, r, c, _limit(xp, math.prod(shape))) if bdim else ()
+    kmax = _kmax(bl)
+    window = max(1, min(len(bl), PARTS // max(kmax * c, 1)))
+    return Work(xp.empty((bdim, r), dtype), xp.empty((bdim, c), dtype), xp.empty((window * kmax, c), dtype),
+                xp.empty((bdim, 1), dtype), [None] * len(bl), [None] * len(bl))
 
 
-def factored_step(xp, st, p, g, shape, *, beta: float, eps1: float, need_rms: bool, scalars) -> None:
-    """One factored step.  ``scalars(ssq_p, ssq_u, n)`` returns (step scale α/max(1, RMS(U)/d), decay 1 − α·λ or
-    None, beta1 or None) from Σθ² (None unless ``need_rms``) and ΣU²."""
+def _fold(parts: list, acc):
+    """acc + parts[0] + parts[1] + ... in block order (the serial loop's order)."""
+    for s in parts:
+        acc = acc + s
+    return acc
+
+
+def factored_phases(xp, st, p, g, shape, *, beta: float, eps1: float, need_rms: bool, scalars):
+    """One factored step as a generator of phases (see the module documentation).  ``scalars(ssq_p, ssq_u, n)``
+    returns (step scale α/max(1, RMS(U)/d), decay 1 − α·λ or None, beta1 or None) from Σθ² (None unless
+    ``need_rms``) and ΣU²."""
     bdim, r, c = factor_dims(shape)
     n = p.size
     bl = blocks(bdim, r, c, _limit(xp, n))
     w = st.work
-    if w is None or w.rowv.shape != (bdim, r):
+    if w is None or w.rowv is None or w.rowv.shape != (bdim, r):
         w = st.work = make_work(xp, shape, p.dtype)
     big = max(hi - lo for lo, hi, *_ in bl)
-    ubuf, sqbuf = _buffers(xp, big, p.dtype)
-    rowv, colv = w.rowv, w.colv
-    # pass 1: row and column sums of G²
+    dtype = p.dtype
+    shared = None if xp is np else _buffers(xp, big, dtype)  # CuPy: one block, allocated per step as before
+    rowv, colv, colpart = w.rowv, w.colv, w.colpart
+    kmax = _kmax(bl)
+    window = colpart.shape[0] // kmax
+    nb = len(bl)
+    sizes = _sizes(bl)
+
+    # pass 1: row sums of G² (into rowv) and column sums of each block (into its slot of colpart), by windows
+    def pass1(k0, k1, base):
+        def run():
+            sq = (shared or _buffers(np, big, dtype))[1]
+            for k in range(k0, k1):
+                lo, hi, b0, b1, i0, i1 = bl[k]
+                j = (k - base) * kmax
+                _row_col_sumsq(xp, g[lo:hi].reshape(b1 - b0, i1 - i0, c), rowv[b0:b1, i0:i1],
+                               colpart[j:j + b1 - b0], sq[: hi - lo])
+        return run
+
     colv.fill(0)
-    for lo, hi, b0, b1, i0, i1 in bl:
-        part = w.colpart[: b1 - b0]
-        _row_col_sumsq(xp, g[lo:hi].reshape(b1 - b0, i1 - i0, c), rowv[b0:b1, i0:i1], part, sqbuf[: hi - lo])
-        colv[b0:b1] += part
+    for base in range(0, nb, window):
+        end = min(base + window, nb)
+        yield [(cost, pass1(a, b, base)) for cost, a, b in runs(sizes, base, end, TASK)]
+        for k in range(base, end):  # the fold, in block order
+            b0, b1 = bl[k][2], bl[k][3]
+            j = (k - base) * kmax
+            colv[b0:b1] += colpart[j:j + b1 - b0]
     omb = 1.0 - beta
     R = st.exp_avg_sq_row.reshape(bdim, r)
     C = st.exp_avg_sq_col.reshape(bdim, c)
@@ -148,77 +215,135 @@ def factored_step(xp, st, p, g, shape, *, beta: float, eps1: float, need_rms: bo
     xp.sqrt(C, out=colv)
     xp.divide(1.0, colv, out=colv)
 
-    def u_block(lo, hi, b0, b1, i0, i1):
+    def u_block(ubuf, lo, hi, b0, b1, i0, i1):
         u = ubuf[: hi - lo]
         u3 = u.reshape(b1 - b0, i1 - i0, c)
         xp.multiply(g[lo:hi].reshape(u3.shape), rowv[b0:b1, i0:i1, None], out=u3)
         u3 *= colv[b0:b1, None, :]
         return u
 
-    def fold(step_scale):  # pass 3 then gets Ũ = (G·row factor)·(column factor·step scale) directly
-        xp.multiply(colv, step_scale, out=colv)
-        return True
+    # pass 2: ΣU² and Σθ² of each block
+    su, sp = w.su, w.sp
 
-    ssq_u, ssq_p = 0.0, (0.0 if need_rms else None)
-    for b in bl:
-        ssq_u, ssq_p = _block_sums(xp, u_block(*b), p[b[0]:b[1]], sqbuf[: b[1] - b[0]], ssq_u, ssq_p)
-    _apply(xp, st, p, bl, u_block, scalars(ssq_p, ssq_u, n), fold)
+    def pass2(k0, k1):
+        def run():
+            ubuf, sq = shared or _buffers(np, big, dtype)
+            for k in range(k0, k1):
+                b = bl[k]
+                su[k] = _sumsq(xp, u_block(ubuf, *b), sq[: b[1] - b[0]])
+                if need_rms:
+                    sp[k] = _sumsq(xp, p[b[0]:b[1]], sq[: b[1] - b[0]])
+        return run
+
+    yield [(cost, pass2(a, b)) for cost, a, b in runs(sizes, 0, nb, TASK)]
+    ssq_u = _fold(su, 0.0)
+    ssq_p = _fold(sp, 0.0) if need_rms else None
+    step_scale, decay, beta1 = scalars(ssq_p, ssq_u, n)
+    # pass 3 gets Ũ = (G·row factor)·(column factor·step scale) directly
+    xp.multiply(colv, step_scale, out=colv)
+    yield _apply_tasks(xp, st, p, bl, sizes, u_block, shared, big, dtype, None, decay, beta1)
 
 
-def unfactored_step(xp, st, p, g, *, beta: float, eps1: float, need_rms: bool, scalars) -> None:
-    """One unfactored step: V ← β̂₂V + (1 − β̂₂)(G² + ε₁), U = G/√V."""
+def unfactored_phases(xp, st, p, g, *, beta: float, eps1: float, need_rms: bool, scalars):
+    """One unfactored step as a generator of phases: V ← β̂₂V + (1 − β̂₂)(G² + ε₁), U = G/√V."""
     n = p.size
-    bl = tuple((lo, hi) for lo, hi in flat_blocks(n, _limit(xp, n)))
-    ubuf, sqbuf = _buffers(xp, max(hi - lo for lo, hi in bl), p.dtype)
+    bl = flat_blocks(n, _limit(xp, n))
+    nb = len(bl)
+    big = max(hi - lo for lo, hi in bl)
+    dtype = p.dtype
+    shared = None if xp is np else _buffers(xp, big, dtype)
+    w = st.work
+    if w is None or len(w.su) != nb:
+        w = st.work = Work(None, None, None, None, [None] * nb, [None] * nb)
+    su, sp = w.su, w.sp
+    sizes = _sizes(bl)
     omb = 1.0 - beta
     v = st.exp_avg_sq
 
-    def u_block(lo, hi):
+    def u_block(ubuf, lo, hi):
         u = ubuf[: hi - lo]
         xp.sqrt(v[lo:hi], out=u)
         xp.divide(g[lo:hi], u, out=u)
         return u
 
     # pass 1 (with pass 2 fused: the block of V is still in cache)
-    ssq_u, ssq_p = 0.0, (0.0 if need_rms else None)
-    for lo, hi in bl:
-        s = sqbuf[: hi - lo]
-        xp.multiply(g[lo:hi], g[lo:hi], out=s)
-        s += eps1
-        s *= omb
-        vb = v[lo:hi]
-        vb *= beta
-        vb += s
-        ssq_u, ssq_p = _block_sums(xp, u_block(lo, hi), p[lo:hi], s, ssq_u, ssq_p)
-    _apply(xp, st, p, bl, u_block, scalars(ssq_p, ssq_u, n), None)
+    def pass12(k0, k1):
+        def run():
+            ubuf, sq = shared or _buffers(np, big, dtype)
+            for k in range(k0, k1):
+                lo, hi = bl[k]
+                s = sq[: hi - lo]
+                xp.multiply(g[lo:hi], g[lo:hi], out=s)
+                s += eps1
+                s *= omb
+                vb = v[lo:hi]
+                vb *= beta
+                vb += s
+                su[k] = _sumsq(xp, u_block(ubuf, lo, hi), s)
+                if need_rms:
+                    sp[k] = _sumsq(xp, p[lo:hi], s)
+        return run
+
+    yield [(cost, pass12(a, b)) for cost, a, b in runs(sizes, 0, nb, TASK)]
+    ssq_u = _fold(su, 0.0)
+    ssq_p = _fold(sp, 0.0) if need_rms else None
+    step_scale, decay, beta1 = scalars(ssq_p, ssq_u, n)
+    yield _apply_tasks(xp, st, p, bl, sizes, u_block, shared, big, dtype, step_scale, decay, beta1)
 
 
-def _block_sums(xp, u, pb, tmp, ssq_u, ssq_p):
-    """Pass 2 on one block: add ΣU² and (when wanted) Σθ² of the block."""
-    ssq_u = ssq_u + _sumsq(xp, u, tmp)
-    if ssq_p is not None:
-        ssq_p = ssq_p + _sumsq(xp, pb, tmp)
-    return ssq_u, ssq_p
-
-
-def _apply(xp, st, p, bl, u_block, sc, fold) -> None:
-    """Pass 3: Ũ = U·step scale, the optional first moment, θ ← θ·decay − Δ, block by block."""
-    step_scale, decay, beta1 = sc
-    folded = fold is not None and fold(step_scale)
+def _apply_tasks(xp, st, p, bl, sizes, u_block, shared, big, dtype, step_scale, decay, beta1) -> list:
+    """Pass 3: Ũ = U·step scale (unless folded into U: ``step_scale`` None), the optional first moment,
+    θ ← θ·decay − Δ, block by block."""
     m = st.exp_avg
-    for b in bl:
-        lo, hi = b[0], b[1]
-        u = u_block(*b)
-        if not folded:
-            u *= step_scale  # Ũ = α·U / max(1, RMS(U)/d)
-        delta = u
-        if m is not None:
-            mb = m[lo:hi]
-            mb *= beta1
-            u *= 1.0 - beta1
-            mb += u
-            delta = mb
-        pb = p[lo:hi]
-        if decay is not None:
-            pb *= decay
-        pb -= delta
+
+    def pass3(k0, k1):
+        def run():
+            ubuf = (shared or _buffers(np, big, dtype))[0]
+            for k in range(k0, k1):
+                b = bl[k]
+                lo, hi = b[0], b[1]
+                u = u_block(ubuf, *b)
+                if step_scale is not None:
+                    u *= step_scale  # Ũ = α·U / max(1, RMS(U)/d)
+                delta = u
+                if m is not None:
+                    mb = m[lo:hi]
+                    mb *= beta1
+                    u *= 1.0 - beta1
+                    mb += u
+                    delta = mb
+                pb = p[lo:hi]
+                if decay is not None:
+                    pb *= decay
+                pb -= delta
+        return run
+
+    return [(cost, pass3(a, b)) for cost, a, b in runs(sizes, 0, len(bl), TASK)]
+
+
+def run_serial(phases) -> None:
+    """Run one step's phases inline, in order."""
+    for phase in phases:
+        for _, fn in phase:
+            fn()
+
+
+def run_phased(steps: list, *, serial: bool = False) -> None:
+    """Run the phases of many independent steps (``(name, phase generator)``) together: phase k of every step is
+    one ``_parallel.run_tasks`` call (a barrier), the serial work between phases runs on the caller."""
+    active = steps
+    while active:
+        tasks, nxt = [], []
+        for name, gen in active:
+            try:
+                phase = next(gen)
+            except StopIteration:
+                continue
+            except Exception as exc:
+                raise _parallel.TaskError(f"parameter {name!r}: {type(exc).__name__}: {exc}") from exc
+            for cost, fn in phase:
+                tasks.append((cost, name, fn))
+            nxt.append((name, gen))
+        if tasks:
+            _parallel.run_tasks(tasks, serial=serial)
+        active = nxt

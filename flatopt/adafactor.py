@@ -117,6 +117,12 @@ def step_sizes(cfg: AdafactorConfig, t: int, lr: float) -> tuple[float, float]:
 
 def update(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float, scratch: list) -> None:
     """One step on the whole flat buffers (``cfg.lr`` is the current manual lr or None; see ``step_sizes``)."""
+    fm.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr))
+
+
+def phases(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float):
+    """``update`` as a generator of phases of independent block tasks (``_adafactor_math``): ``update`` runs them
+    inline, ``Adafactor.step_batch`` on NumPy runs the phases of all its items on the threads."""
     n = p.size
     if n == 0:
         return
@@ -130,9 +136,9 @@ def update(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: fl
 
     kw = dict(beta=beta, eps1=cfg.eps1, need_rms=scale, scalars=scalars)
     if st.exp_avg_sq is None:
-        fm.factored_step(xp, st, p, g, st_shape(st, p), **kw)
+        yield from fm.factored_phases(xp, st, p, g, st_shape(st, p), **kw)
     else:
-        fm.unfactored_step(xp, st, p, g, **kw)
+        yield from fm.unfactored_phases(xp, st, p, g, **kw)
 
 
 def st_shape(st: AdafactorState, p) -> tuple[int, int, int]:
@@ -209,7 +215,17 @@ class Adafactor(PerParamOptimizer):
         if cfg.lr != self._lr:
             cfg = dataclasses.replace(cfg, lr=self._lr, warmup_init=cfg.warmup_init and self._lr is None)
         self._step_cfg = cfg
-        super()._run(prepared)
+        cpu, gpu = [], []
+        for it, slot, scale in prepared:
+            slot.t += 1
+            lr = self._effective_lr(scale)
+            (gpu if slot.backend == "cupy" else cpu).append((it, slot, lr))
+        if cpu:
+            # every item's blocked passes, phase by phase, on the threads (bits independent of the threads)
+            fm.run_phased([(it.name, phases(np, cfg, slot.state, it.param, it.grad, t=slot.t, lr=lr))
+                           for it, slot, lr in cpu], serial=not self.threaded)
+        if gpu:
+            self._run_gpu(gpu)
 
     def _update(self, xp, state, param, grad, *, t: int, lr: float, scratch: list) -> None:
         update(xp, self._step_cfg, state, param, grad, t=t, lr=lr, scratch=scratch)

@@ -175,15 +175,31 @@ def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
             xp.add(w, half, out=w)
             codes = w
         else:
-            codes = _nearest(xp, w, _qmap(xp, bits))
+            codes = None
         if bits == 8:
-            xp.copyto(q[lo : lo + k * mblock], codes, casting="unsafe")
+            dst = q[lo : lo + k * mblock]
         else:
-            c = _workspace.get(xp, "m_c", k * mblock, np.uint8)
-            xp.copyto(c, codes, casting="unsafe")
+            dst = c = _workspace.get(xp, "m_c", k * mblock, np.uint8)
+        if codes is None:
+            _nearest_into(xp, w, _qmap(xp, bits), dst)
+        else:
+            xp.copyto(dst, codes, casting="unsafe")
+        if bits == 4:
             out = q[lo // 2 : (lo + k * mblock) // 2]
             xp.left_shift(c[0::2], 4, out=out)
             xp.bitwise_or(out, c[1::2], out=out)
+
+
+_NEAREST_SUB = 1024  # NumPy: elements per _nearest call (its int64 temporaries stay a few KB)
+
+
+def _nearest_into(xp, x, mp, out) -> None:
+    """out[...] = _nearest(x) cast to ``out``'s dtype; on NumPy in slices of ``_NEAREST_SUB`` elements (the map
+    lookup is elementwise, so the codes are the same) so no temporary of the chunk's size is allocated."""
+    step = x.size if xp is not np else _NEAREST_SUB
+    for s0 in range(0, x.size, step):
+        s1 = min(x.size, s0 + step)
+        xp.copyto(out[s0:s1], _nearest(xp, x[s0:s1], mp), casting="unsafe")
 
 
 def _nearest(xp, x, mp):
@@ -221,6 +237,12 @@ def m_decode(xp, q, scale, out, *, mblock: int, fmt: str) -> None:
             xp.subtract(w, half, out=w)
             xp.multiply(w2, (scale[b0:b1] / half)[:, None], out=w2)
         else:
-            xp.take(_qmap(xp, bits), codes, out=w)
+            if xp is np:  # codes are always valid indices: mode="clip" takes them as they are, and unlike the
+                # default mode="raise" it writes straight into ``out`` (no buffer); intp indices are not converted
+                idx = _workspace.get(xp, "m_idx", k * mblock, np.intp)
+                idx[...] = codes
+                np.take(_qmap(xp, bits), idx, out=w, mode="clip")
+            else:
+                xp.take(_qmap(xp, bits), codes, out=w)
             xp.multiply(w2, scale[b0:b1, None], out=w2)
         out[lo : lo + cnt] = w[:cnt]

@@ -40,3 +40,27 @@ def test_no_allocation_after_first_step(name, n):
     # at least 4 * n bytes
     assert peak - base < max(64 * 1024, 0.05 * 4 * n), (peak - base, n)
     assert current - base < 16 * 1024
+
+
+@pytest.mark.parametrize("name", sorted(__import__("tests.registry", fromlist=["REGISTRY"]).REGISTRY))
+def test_registry_allocates_no_temporaries_after_warmup(name):
+    """Every optimizer's NumPy path: after warm-up a step allocates no array of the parameter's size (a
+    temporary would show as >= 1x the parameter's bytes; a few small vectors and Python objects are allowed)."""
+    from .registry import REGISTRY
+
+    spec = REGISTRY[name]
+    shape = (256, 384)
+    opt = spec.make_for({"w": shape}) if spec.make_for else spec.make()
+    p, g = rng_arrays(0, shape), rng_arrays(1, shape) * 1e-2
+    for _ in range(5):
+        opt.step("w", shape, p, g)
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        for _ in range(3):
+            opt.step("w", shape, p, g)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - base < 0.25 * p.nbytes, f"{name}: {(peak - base) / p.nbytes:.2f}x the parameter's bytes"
