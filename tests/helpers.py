@@ -41,3 +41,30 @@ def make_params(shapes, dtype=np.float32, seed=0):
 def grads_for(params, it, seed=100):
     return {name: rng_arrays(seed + 7919 * it + i, shape, p.dtype)
             for i, (name, (shape, p)) in enumerate(sorted(params.items()))}
+
+
+def run_steps(opt, params, steps, start=0, batch=False):
+    """``steps`` iterations over ``params`` ({name: (shape, buffer)}, NumPy or CuPy) with deterministic gradients:
+    every item stepped by ``step`` in name order, or all at once by ``step_batch``; then ``end_iteration``."""
+    from flatopt import OptItem
+
+    on_gpu = _backend.backend_name(next(iter(params.values()))[1]) == "cupy"
+    for it in range(start, start + steps):
+        grads = grads_for({n: (s, _backend.to_numpy(p)) for n, (s, p) in params.items()}, it)
+        if on_gpu:
+            grads = {n: _backend.cupy().asarray(g) for n, g in grads.items()}
+        items = [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())]
+        if batch:
+            opt.step_batch(items)
+        else:
+            for item in items:
+                opt.step(*item)
+        opt.end_iteration()
+
+
+def make_for(spec, params):
+    """A fresh optimizer of a registry ``spec`` for ``params`` ({name: (shape, buffer)}): optimizers with a manifest
+    fixed at construction (``spec.make_for``) get exactly these names and shapes."""
+    if spec.make_for is not None:
+        return spec.make_for({n: s for n, (s, _) in params.items()})
+    return spec.make()

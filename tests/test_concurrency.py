@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import OptItem
 
-from .helpers import assert_bits_equal, assert_states_equal, grads_for
+from .helpers import assert_bits_equal, assert_states_equal, make_for, run_steps
 from .registry import REGISTRY
 
 NAMES = sorted(REGISTRY)
@@ -28,30 +27,12 @@ def _mixed_params(spec, count, seed=0, large_every=50):
     return params
 
 
-def _make(spec, params):
-    if spec.make_for is not None:  # a manifest fixed at construction
-        return spec.make_for({n: s for n, (s, _) in params.items()})
-    return spec.make()
-
-
-def _run(opt, params, iters, batch):
-    for it in range(iters):
-        grads = grads_for(params, it)
-        items = [OptItem(n, s, p, grads[n]) for n, (s, p) in params.items()]
-        if batch:
-            opt.step_batch(items)
-        else:
-            for item in items:
-                opt.step(*item)
-        opt.end_iteration()
-
-
 def test_thousands_of_items_adamw():
     a = _mixed_params(REGISTRY["adamw"], 2000, large_every=400)
     b = {n: (s, p.copy()) for n, (s, p) in a.items()}
     oa, ob = flatopt.AdamW(), flatopt.AdamW()
-    _run(oa, a, 4, batch=False)
-    _run(ob, b, 4, batch=True)
+    run_steps(oa, a, 4, batch=False)
+    run_steps(ob, b, 4, batch=True)
     for n in a:
         assert_bits_equal(a[n][1], b[n][1], n)
     assert_states_equal(oa.state_dict(), ob.state_dict())
@@ -62,9 +43,9 @@ def test_many_mixed_items(name):
     spec = REGISTRY[name]
     a = _mixed_params(spec, 60, seed=1, large_every=30)
     b = {n: (s, p.copy()) for n, (s, p) in a.items()}
-    oa, ob = _make(spec, a), _make(spec, b)
-    _run(oa, a, 3, batch=False)
-    _run(ob, b, 3, batch=True)
+    oa, ob = make_for(spec, a), make_for(spec, b)
+    run_steps(oa, a, 3, batch=False)
+    run_steps(ob, b, 3, batch=True)
     for n in a:
         assert_bits_equal(a[n][1], b[n][1], n)
 
@@ -74,13 +55,13 @@ def test_two_optimizers_in_two_threads(name):
     spec = REGISTRY[name]
     base = _mixed_params(spec, 20, seed=2, large_every=10)
     alone = {n: (s, p.copy()) for n, (s, p) in base.items()}
-    _run(_make(spec, alone), alone, 3, batch=True)
+    run_steps(make_for(spec, alone), alone, 3, batch=True)
     worlds = [{n: (s, p.copy()) for n, (s, p) in base.items()} for _ in range(2)]
     errors = []
 
     def work(params):
         try:
-            _run(_make(spec, params), params, 3, batch=True)
+            run_steps(make_for(spec, params), params, 3, batch=True)
         except Exception as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
@@ -104,10 +85,10 @@ def test_one_optimizer_shared_by_two_threads_is_serialised():
     ref = {n: (s, p.copy()) for n, (s, p) in base.items()}
     opt_ref = spec.make()
     for h in halves:
-        _run(opt_ref, {n: ref[n] for n in h}, 3, batch=True)
+        run_steps(opt_ref, {n: ref[n] for n in h}, 3, batch=True)
     shared = {n: (s, p.copy()) for n, (s, p) in base.items()}
     opt = spec.make()
-    threads = [threading.Thread(target=_run, args=(opt, {n: shared[n] for n in h}, 3, True)) for h in halves]
+    threads = [threading.Thread(target=run_steps, args=(opt, {n: shared[n] for n in h}, 3), kwargs={"batch": True}) for h in halves]
     for t in threads:
         t.start()
     for t in threads:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import flatopt
 from flatopt import OptItem
 
-from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_params, rng_arrays
+from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_params, rng_arrays, run_steps
 from .registry import REGISTRY
 
 NAMES = sorted(REGISTRY)
@@ -22,18 +22,6 @@ NAMES = sorted(REGISTRY)
 @pytest.fixture(params=NAMES)
 def spec(request):
     return REGISTRY[request.param]
-
-
-def run(opt, params, steps, start=0, batch=False):
-    for it in range(start, start + steps):
-        grads = grads_for(params, it)
-        items = [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())]
-        if batch:
-            opt.step_batch(items)
-        else:
-            for item in items:
-                opt.step(*item)
-        opt.end_iteration()
 
 
 def test_is_an_optimizer(spec):
@@ -103,7 +91,7 @@ def test_bad_input_changes_nothing(spec, dtype):
 def test_bad_item_in_batch_changes_nothing(spec):
     params = make_params(spec.shapes)
     opt = spec.make()
-    run(opt, params, 2)
+    run_steps(opt, params, 2)
     state = opt.state_dict()
     before = {n: p.copy() for n, (_, p) in params.items()}
     grads = grads_for(params, 5)
@@ -135,11 +123,11 @@ def test_save_load_continue_bit_exact(spec, through_file, tmp_path):
     shapes = spec.shapes
     a = make_params(shapes)
     opt_a = spec.make()
-    run(opt_a, a, 6)
+    run_steps(opt_a, a, 6)
 
     b = make_params(shapes)
     opt_b = spec.make()
-    run(opt_b, b, 3)
+    run_steps(opt_b, b, 3)
     state = opt_b.state_dict()
     if through_file:
         flatopt.save(tmp_path / "ckpt.npz", opt_b)
@@ -147,7 +135,7 @@ def test_save_load_continue_bit_exact(spec, through_file, tmp_path):
     del opt_b
     opt_c = spec.make()
     assert opt_c.load_state_dict(state) is True
-    run(opt_c, b, 3, start=3)
+    run_steps(opt_c, b, 3, start=3)
     for n in a:
         assert_bits_equal(a[n][1], b[n][1], n)
     final_a, final_c = opt_a.state_dict(), opt_c.state_dict()
@@ -157,11 +145,11 @@ def test_save_load_continue_bit_exact(spec, through_file, tmp_path):
 def test_load_rejects_other_algorithm_and_other_shapes(spec):
     params = make_params(spec.shapes)
     opt = spec.make()
-    run(opt, params, 2)
+    run_steps(opt, params, 2)
     mine = opt.state_dict()
     for other_name, other in REGISTRY.items():
         o = other.make()
-        run(o, make_params(other.shapes), 1)
+        run_steps(o, make_params(other.shapes), 1)
         st_other = o.state_dict()
         if st_other.algorithm == mine.algorithm and st_other.config_key == mine.config_key:
             continue
@@ -195,8 +183,8 @@ def test_step_batch_equals_serial(spec, picks, big, seed):
         opt_a, opt_b = (spec.make_for({n: s for n, (s, _) in a.items()}) for _ in range(2))
     else:
         opt_a, opt_b = spec.make(), spec.make()
-    run(opt_a, a, 3, batch=False)
-    run(opt_b, b, 3, batch=True)
+    run_steps(opt_a, a, 3, batch=False)
+    run_steps(opt_b, b, 3, batch=True)
     for n in a:
         assert_bits_equal(a[n][1], b[n][1], n)
     assert_states_equal(opt_a.state_dict(), opt_b.state_dict())

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import OptItem, _backend
+from flatopt import _backend
 
-from .helpers import assert_bits_equal, grads_for, make_params
+from .helpers import assert_bits_equal, make_for, make_params, run_steps
 from .registry import REGISTRY
 
 pytestmark = pytest.mark.skipif(not _backend.gpu_available(), reason="no CUDA device answers")
@@ -28,21 +28,6 @@ def _to_gpu(params):
     return {n: (s, cp.asarray(p)) for n, (s, p) in params.items()}
 
 
-def _run(opt, params, steps, batch=False, start=0):
-    cp = _backend.cupy() if _backend.backend_name(next(iter(params.values()))[1]) == "cupy" else None
-    for it in range(start, start + steps):
-        grads = grads_for({n: (s, _backend.to_numpy(p)) for n, (s, p) in params.items()}, it)
-        if cp is not None:
-            grads = {n: cp.asarray(g) for n, g in grads.items()}
-        items = [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())]
-        if batch:
-            opt.step_batch(items)
-        else:
-            for item in items:
-                opt.step(*item)
-        opt.end_iteration()
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
@@ -52,7 +37,7 @@ def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
     for twin in ("1", "0"):
         monkeypatch.setenv("FLATOPT_FORCE_TWIN", twin)
         params = _to_gpu(base)
-        _run(spec.make(), params, STEPS)
+        run_steps(make_for(spec, params), params, STEPS)
         outs.append(params)
     for n in base:
         assert_bits_equal(outs[0][n][1], outs[1][n][1], n)
@@ -64,8 +49,8 @@ def test_cupy_matches_numpy(name, dtype):
     spec = REGISTRY[name]
     host = make_params(spec.shapes, dtype)
     dev = _to_gpu(host)
-    _run(spec.make(), host, STEPS)
-    _run(spec.make(), dev, STEPS)
+    run_steps(make_for(spec, host), host, STEPS)
+    run_steps(make_for(spec, dev), dev, STEPS)
     for n, (_, p) in host.items():
         got = _backend.to_numpy(dev[n][1])
         tol = 4 * STEPS * np.finfo(dtype).eps * max(1.0, float(np.abs(p).max()))
@@ -77,8 +62,8 @@ def test_step_batch_on_streams_equals_serial(name):
     spec = REGISTRY[name]
     base = make_params(spec.shapes * 3 + ((600, 700), (700, 600)))
     a, b = _to_gpu(base), _to_gpu(base)
-    _run(spec.make(), a, 3, batch=False)
-    _run(spec.make(), b, 3, batch=True)
+    run_steps(make_for(spec, a), a, 3, batch=False)
+    run_steps(make_for(spec, b), b, 3, batch=True)
     for n in base:
         assert_bits_equal(a[n][1], b[n][1], n)
 
@@ -88,21 +73,21 @@ def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
     spec = REGISTRY[name]
     base = make_params(spec.shapes)
     ref = _to_gpu(base)
-    _run(spec.make(), ref, 6)
+    run_steps(make_for(spec, ref), ref, 6)
 
     dev = _to_gpu(base)
-    opt = spec.make()
-    _run(opt, dev, 2)
+    opt = make_for(spec, dev)
+    run_steps(opt, dev, 2)
     flatopt.save(tmp_path / "a.npz", opt)
     host = {n: (s, _backend.to_numpy(p).copy()) for n, (s, p) in dev.items()}
-    opt_h = spec.make()
+    opt_h = make_for(spec, host)
     assert opt_h.load_state_dict(flatopt.load(tmp_path / "a.npz"))
-    _run(opt_h, host, 2, start=2)  # continues on NumPy
+    run_steps(opt_h, host, 2, start=2)  # continues on NumPy
     flatopt.save(tmp_path / "b.npz", opt_h)
     back = _to_gpu(host)
-    opt_d = spec.make()
+    opt_d = make_for(spec, back)
     assert opt_d.load_state_dict(flatopt.load(tmp_path / "b.npz"))
-    _run(opt_d, back, 2, start=4)  # and back on CuPy
+    run_steps(opt_d, back, 2, start=4)  # and back on CuPy
     for n, (_, p) in ref.items():
         got, want = _backend.to_numpy(back[n][1]), _backend.to_numpy(p)
         tol = 4 * 6 * np.finfo(np.float32).eps * max(1.0, float(np.abs(want).max()))
