@@ -15,6 +15,8 @@ import threading
 
 import numpy as np
 
+from . import _kron_math
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -150,34 +152,58 @@ def probe_base(key: bytes, index: int) -> int:
     return int.from_bytes(hashlib.blake2b(index.to_bytes(8, "little"), key=key, digest_size=8).digest(), "little")
 
 
-def gaussian_probe(xp, key: bytes, index: int, shape: tuple[int, ...], dtype):
+def _buf(xp, key, n, dtype, scratch):
+    if not scratch:
+        return xp.empty(n, dtype)
+    return _kron_math.scratch(xp, key, (n,), dtype)
+
+
+def gaussian_probe(xp, key: bytes, index: int, shape: tuple[int, ...], dtype, *, scratch: bool = False):
     """Update ``index`` of the stream ``key``: N(0, 1) samples of ``shape``, drawn on the array's own device.
 
     Counter-based: pair j takes the splitmix64 output of (base + (j + 1)·golden), base = blake2b(key, index);
     its top 24 bits give u1 in (0, 1], bits 8..31 give u2 in [0, 1); Box–Muller gives r·cos(2πu2) (first half of
     the samples) and r·sin(2πu2) (second half).  Identical integer work on NumPy and CuPy, no state but ``index``,
-    no host synchronisation."""
+    no host synchronisation.  ``scratch=True``: every array, the result included, is per-thread scratch
+    (``_kron_math.scratch``, valid until the next probe on this thread) instead of a fresh allocation."""
     n = math.prod(shape)
     m = (n + 1) // 2
     dt = np.dtype(dtype).type
-    z = xp.arange(1, m + 1, dtype=xp.uint64)
+    u64 = np.dtype(np.uint64)
+    z = _buf(xp, "pz", m, u64, scratch)
+    w = _buf(xp, "pw", m, u64, scratch)
+    if m:  # z = 1, 2, ..., m (doubling: exact integer adds, no arange temporary)
+        z[0] = 1
+        k = 1
+        while k < m:
+            c = min(k, m - k)
+            xp.add(z[:c], np.uint64(k), out=z[k:k + c])
+            k += c
     z *= _GOLDEN
     z += np.uint64(probe_base(key, index))
-    z ^= z >> np.uint64(30)
+    xp.right_shift(z, np.uint64(30), out=w)
+    z ^= w
     z *= _C1
-    z ^= z >> np.uint64(27)
+    xp.right_shift(z, np.uint64(27), out=w)
+    z ^= w
     z *= _C2
-    z ^= z >> np.uint64(31)
-    r = (z >> np.uint64(40)).astype(dtype)
-    theta = ((z >> np.uint64(8)) & np.uint64(0xFFFFFF)).astype(dtype)
-    del z
+    xp.right_shift(z, np.uint64(31), out=w)
+    z ^= w
+    r = _buf(xp, "pr", m, dtype, scratch)
+    theta = _buf(xp, "pt", m, dtype, scratch)
+    xp.right_shift(z, np.uint64(40), out=w)
+    r[...] = w
+    xp.right_shift(z, np.uint64(8), out=w)
+    xp.bitwise_and(w, np.uint64(0xFFFFFF), out=w)
+    theta[...] = w
+    del z, w
     r += dt(1.0)
     r *= dt(2.0**-24)
     xp.log(r, out=r)
     r *= dt(-2.0)
     xp.sqrt(r, out=r)
     theta *= dt(2.0 * math.pi * 2.0**-24)
-    out = xp.empty(2 * m, dtype)
+    out = _buf(xp, "pv", 2 * m, dtype, scratch)
     xp.cos(theta, out=out[:m])
     xp.sin(theta, out=out[m:])
     out[:m] *= r
@@ -187,10 +213,11 @@ def gaussian_probe(xp, key: bytes, index: int, shape: tuple[int, ...], dtype):
 
 def probe_for(xp, ctx: tuple, index: int, shape: tuple[int, ...], dtype):
     """Probe ``index`` of a parameter whose context is ``(name, stream key, hook)``: the injected ``hook(name,
-    shape, index)`` when there is one (copied onto the parameter's backend), else ``gaussian_probe``."""
+    shape, index)`` when there is one (copied onto the parameter's backend), else ``gaussian_probe`` in per-thread
+    scratch (valid until the next probe drawn on this thread)."""
     name, key, hook = ctx
     if hook is None:
-        return gaussian_probe(xp, key, index, shape, dtype)
+        return gaussian_probe(xp, key, index, shape, dtype, scratch=True)
     v = xp.asarray(hook(name, shape, index), dtype=dtype)
     if v.shape != tuple(shape):
         raise ValueError(f"probe for {name!r} must have shape {tuple(shape)}, got {v.shape}")

@@ -48,7 +48,10 @@ The seed crate's KronPsgd (probe V = g, so Q never moves; heavy ball after the p
 
 When to use: matrices of moderate size where curvature is strongly anisotropic; start with an lr ~3× smaller than
 AdamW's and a 3–10× larger weight decay.  Memory: the momentum plus Σ d_i² floats (dense) / d_i (diagonal) per
-parameter.  Matmul-bound: ``step_batch`` runs items serially (``threaded = False``), leaving the cores to the
+parameter; on NumPy the temporaries of a step (about 13× the largest parameter's bytes, plus its factors' size)
+are per-thread scratch (``_kron_math.scratch`` over ``flatopt._workspace``) kept between steps, so a 1-D/2-D
+step allocates nothing of the parameter's size after the first (with SciPy; without it the blocked solve's
+32-row leaves still allocate; > 2-D shapes with ``merge_dims=False`` use fresh temporaries).  Matmul-bound: ``step_batch`` runs items serially (``threaded = False``), leaving the cores to the
 threaded BLAS (a thread pool on top oversubscribes them; on 2 cores it measured no better).  Triangular solves:
 cuBLAS trsm on CuPy; on NumPy a blocked substitution, or SciPy's trsm for large systems when SciPy is installed.
 """
@@ -161,9 +164,58 @@ def update(xp, cfg: KronPsgdConfig, st: KronPsgdState, param, grad, *, t: int, l
     g = grad.reshape(lay.merged)
     m = st.m.reshape(lay.merged)
     b1 = cfg.momentum
+    pdt = st.q.dtype
+    if len(lay.merged) > 2:  # merge_dims=False on a > 2-D tensor: the allocating path
+        _update_nd(xp, cfg, st, lay, param, g, m, b1, pdt, t, lr, do_update, balance)
+        return
+    # 1-D / 2-D: the same operations, every temporary in per-thread scratch (K.scratch; bit-identical)
+    tmp = K.scratch(xp, "g", lay.merged, g.dtype)
+    m *= b1
+    xp.multiply(g, 1.0 - b1, out=tmp)  # g * (1 - b1)
+    m += tmp
+    h = K.scratch(xp, "h", lay.merged, m.dtype)
+    xp.divide(m, 1.0 - b1**t, out=h)
+    if pdt != h.dtype:  # .astype(pdt)
+        hp = K.scratch(xp, "hp", lay.merged, pdt)
+        hp[...] = h
+        h = hp
+    factors = K.factor_views(st.q, lay)
+    if balance:
+        K.balance_ws(xp, factors)
+    if do_update:
+        if cfg.momentum_into_precond_update:
+            fit = h
+        else:  # g.astype(pdt, copy=True)
+            fit = K.scratch(xp, "fit", lay.merged, pdt)
+            fit[...] = g
+        v = L.probe_for(xp, st.ctx, st.updates, lay.merged, pdt)
+        ab = K.scratch(xp, "pt", lay.merged, fit.dtype)  # the probe's theta buffer, dead by now
+        xp.abs(fit, out=ab)
+        c = K.SQRT_EPS_F32 * xp.mean(ab)
+        cv = K.scratch(xp, "pt", lay.merged, np.result_type(c.dtype, v.dtype))
+        xp.multiply(c, v, out=cv)
+        fit += cv
+        K.update_precond_ws(xp, factors, fit, v, cfg.precond_lr, cfg.eps)
+        st.updates += 1
+    u = K.precondition_ws(xp, factors, h)
+    if cfg.clip is not None:
+        u = K.clip_rms_ws(xp, u, cfg.clip)
+    step = u.reshape(-1)  # C-contiguous scratch: ascontiguousarray and reshape are views
+    if step.dtype != param.dtype:  # .astype(param.dtype)
+        step = K.scratch(xp, "step", (lay.numel,), param.dtype)
+        step[...] = u.reshape(-1)
+    if cfg.weight_decay != 0 and lay.decays:
+        wd = K.scratch(xp, "g", (lay.numel,), np.result_type(param.dtype, cfg.weight_decay))  # tmp, dead
+        xp.multiply(param, cfg.weight_decay, out=wd)
+        step += wd
+    step *= -lr
+    param += step
+
+
+def _update_nd(xp, cfg, st, lay, param, g, m, b1, pdt, t, lr, do_update, balance) -> None:
+    """The step of a > 2-D merged shape (``merge_dims=False``), with fresh temporaries."""
     m *= b1
     m += g * (1.0 - b1)
-    pdt = st.q.dtype
     h = (m / (1.0 - b1**t)).astype(pdt, copy=False)
     factors = K.factor_views(st.q, lay)
     if balance:
