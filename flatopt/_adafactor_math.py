@@ -45,6 +45,9 @@ from . import _parallel, _workspace
 BLOCK = 1 << 15
 # Elements per task of a blocked pass (a run of consecutive blocks handed to one thread at a time).
 TASK = 1 << 18
+# Elements of a merged run of consecutive blocks for the elementwise work of passes 2 and 3 (forming U, the update):
+# bits unchanged, they are per element; every reduction (row and column sums, ΣU², Σθ²) stays per block.
+SUPER = 1 << 17
 # Elements of pass-1 column partials kept per name at most (the window of blocks whose partials are folded at once).
 PARTS = 1 << 20
 
@@ -109,6 +112,41 @@ def _sizes(bl: tuple) -> tuple[int, ...]:
     return tuple(b[1] - b[0] for b in bl)
 
 
+def _mergeable(a, b, r: int) -> bool:
+    if a[1] != b[0]:
+        return False
+    if a[4] == 0 and a[5] == r and b[4] == 0 and b[5] == r:  # whole matrices
+        return True
+    return a[2] == b[2] and a[3] == b[3] and a[5] == b[4]  # rows of one matrix
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(bdim: int, r: int, c: int, limit: int, window: int, task: int, sup: int):
+    """The block schedule of a factored shape: ``(blocks, pass-1 runs per window, runs)``; a run is
+    ``(cost, k0, k1, supers)`` and a super ``(lo, hi, b0, b1, i0, i1, ka, kb)`` covers blocks ka:kb (merged
+    while they stay one contiguous 3-D view of at most ``sup`` elements)."""
+    bl = blocks(bdim, r, c, limit)
+    sizes = _sizes(bl)
+
+    def with_supers(rs):
+        out = []
+        for cost, k0, k1 in rs:
+            supers = []
+            ka = k0
+            for k in range(k0 + 1, k1 + 1):
+                if k < k1 and _mergeable(bl[k - 1], bl[k], r) and bl[k][1] - bl[ka][0] <= sup:
+                    continue
+                a, z = bl[ka], bl[k - 1]
+                supers.append((a[0], z[1], a[2], z[3], a[4], z[5], ka, k))
+                ka = k
+            out.append((cost, k0, k1, tuple(supers)))
+        return tuple(out)
+
+    wins = tuple(with_supers(runs(sizes, base, min(base + window, len(bl)), task))
+                 for base in range(0, len(bl), window))
+    return bl, wins, with_supers(runs(sizes, 0, len(bl), task))
+
+
 def _limit(xp, n: int) -> int:
     return BLOCK if xp is np else max(n, 1)
 
@@ -165,35 +203,36 @@ def factored_phases(xp, st, p, g, shape, *, beta: float, eps1: float, need_rms: 
     ``need_rms``) and ΣU²."""
     bdim, r, c = factor_dims(shape)
     n = p.size
-    bl = blocks(bdim, r, c, _limit(xp, n))
+    limit = _limit(xp, n)
     w = st.work
     if w is None or w.rowv is None or w.rowv.shape != (bdim, r):
         w = st.work = make_work(xp, shape, p.dtype)
-    big = max(hi - lo for lo, hi, *_ in bl)
+    rowv, colv, colpart = w.rowv, w.colv, w.colpart
+    bl0 = blocks(bdim, r, c, limit)
+    kmax = _kmax(bl0)
+    window = colpart.shape[0] // kmax
+    bl, wins, all_runs = plan(bdim, r, c, limit, window, TASK, SUPER if xp is np else limit)
+    big = max(s[1] - s[0] for run in all_runs for s in run[3])
     dtype = p.dtype
     shared = None if xp is np else _buffers(xp, big, dtype)  # CuPy: one block, allocated per step as before
-    rowv, colv, colpart = w.rowv, w.colv, w.colpart
-    kmax = _kmax(bl)
-    window = colpart.shape[0] // kmax
-    nb = len(bl)
-    sizes = _sizes(bl)
+    onp = xp is np
 
     # pass 1: row sums of G² (into rowv) and column sums of each block (into its slot of colpart), by windows
     def pass1(k0, k1, base):
         def run():
-            sq = (shared or _buffers(np, big, dtype))[1]
-            for k in range(k0, k1):
+            sq = None if onp else shared[1]
+            for k in range(k0, k1):  # block by block (einsum's row sums depend on the cut: keep the blocks)
                 lo, hi, b0, b1, i0, i1 = bl[k]
                 j = (k - base) * kmax
                 _row_col_sumsq(xp, g[lo:hi].reshape(b1 - b0, i1 - i0, c), rowv[b0:b1, i0:i1],
-                               colpart[j:j + b1 - b0], sq[: hi - lo])
+                               colpart[j:j + b1 - b0], None if onp else sq[: hi - lo])
         return run
 
     colv.fill(0)
-    for base in range(0, nb, window):
-        end = min(base + window, nb)
-        yield [(cost, pass1(a, b, base)) for cost, a, b in runs(sizes, base, end, TASK)]
-        for k in range(base, end):  # the fold, in block order
+    for wi, win in enumerate(wins):
+        base = wi * window
+        yield [(cost, pass1(k0, k1, base)) for cost, k0, k1, _ in win]
+        for k in range(base, min(base + window, len(bl))):  # the fold, in block order
             b0, b1 = bl[k][2], bl[k][3]
             j = (k - base) * kmax
             colv[b0:b1] += colpart[j:j + b1 - b0]
@@ -215,33 +254,37 @@ def factored_phases(xp, st, p, g, shape, *, beta: float, eps1: float, need_rms: 
     xp.sqrt(C, out=colv)
     xp.divide(1.0, colv, out=colv)
 
-    def u_block(ubuf, lo, hi, b0, b1, i0, i1):
+    def u_block(ubuf, lo, hi, b0, b1, i0, i1, *_):
         u = ubuf[: hi - lo]
         u3 = u.reshape(b1 - b0, i1 - i0, c)
         xp.multiply(g[lo:hi].reshape(u3.shape), rowv[b0:b1, i0:i1, None], out=u3)
         u3 *= colv[b0:b1, None, :]
         return u
 
-    # pass 2: ΣU² and Σθ² of each block
+    # pass 2: ΣU² and Σθ² of each block (U formed for a merged run of blocks, summed block by block)
     su, sp = w.su, w.sp
 
-    def pass2(k0, k1):
+    def pass2(supers):
         def run():
             ubuf, sq = shared or _buffers(np, big, dtype)
-            for k in range(k0, k1):
-                b = bl[k]
-                su[k] = _sumsq(xp, u_block(ubuf, *b), sq[: b[1] - b[0]])
-                if need_rms:
-                    sp[k] = _sumsq(xp, p[b[0]:b[1]], sq[: b[1] - b[0]])
+            for s in supers:
+                u = u_block(ubuf, *s)
+                lo = s[0]
+                for k in range(s[6], s[7]):
+                    klo, khi = bl[k][0], bl[k][1]
+                    su[k] = _sumsq(xp, u[klo - lo:khi - lo], sq[: khi - klo])
+                    if need_rms:
+                        sp[k] = _sumsq(xp, p[klo:khi], sq[: khi - klo])
         return run
 
-    yield [(cost, pass2(a, b)) for cost, a, b in runs(sizes, 0, nb, TASK)]
+    yield [(cost, pass2(supers)) for cost, _, _, supers in all_runs]
     ssq_u = _fold(su, 0.0)
     ssq_p = _fold(sp, 0.0) if need_rms else None
     step_scale, decay, beta1 = scalars(ssq_p, ssq_u, n)
     # pass 3 gets Ũ = (G·row factor)·(column factor·step scale) directly
     xp.multiply(colv, step_scale, out=colv)
-    yield _apply_tasks(xp, st, p, bl, sizes, u_block, shared, big, dtype, None, decay, beta1)
+    yield _apply_tasks(xp, st, p, [(cost, supers) for cost, _, _, supers in all_runs], u_block, shared, big, dtype,
+                       None, decay, beta1)
 
 
 def unfactored_phases(xp, st, p, g, *, beta: float, eps1: float, need_rms: bool, scalars):
@@ -288,19 +331,19 @@ def unfactored_phases(xp, st, p, g, *, beta: float, eps1: float, need_rms: bool,
     ssq_u = _fold(su, 0.0)
     ssq_p = _fold(sp, 0.0) if need_rms else None
     step_scale, decay, beta1 = scalars(ssq_p, ssq_u, n)
-    yield _apply_tasks(xp, st, p, bl, sizes, u_block, shared, big, dtype, step_scale, decay, beta1)
+    yield _apply_tasks(xp, st, p, [(cost, bl[a:b]) for cost, a, b in runs(sizes, 0, nb, TASK)], u_block, shared, big,
+                       dtype, step_scale, decay, beta1)
 
 
-def _apply_tasks(xp, st, p, bl, sizes, u_block, shared, big, dtype, step_scale, decay, beta1) -> list:
+def _apply_tasks(xp, st, p, task_runs, u_block, shared, big, dtype, step_scale, decay, beta1) -> list:
     """Pass 3: Ũ = U·step scale (unless folded into U: ``step_scale`` None), the optional first moment,
-    θ ← θ·decay − Δ, block by block."""
+    θ ← θ·decay − Δ, for the (merged) blocks of each run (elementwise: any cut gives the same bits)."""
     m = st.exp_avg
 
-    def pass3(k0, k1):
+    def pass3(supers):
         def run():
             ubuf = (shared or _buffers(np, big, dtype))[0]
-            for k in range(k0, k1):
-                b = bl[k]
+            for b in supers:
                 lo, hi = b[0], b[1]
                 u = u_block(ubuf, *b)
                 if step_scale is not None:
@@ -318,7 +361,7 @@ def _apply_tasks(xp, st, p, bl, sizes, u_block, shared, big, dtype, step_scale, 
                 pb -= delta
         return run
 
-    return [(cost, pass3(a, b)) for cost, a, b in runs(sizes, 0, len(bl), TASK)]
+    return [(cost, pass3(supers)) for cost, supers in task_runs]
 
 
 def run_serial(phases) -> None:

@@ -489,3 +489,36 @@ def test_gpu_step_does_not_synchronise(monkeypatch):
     with cupyx.allow_synchronize(False):
         opt.step("w", shape, p, g)
     cp.cuda.Device().synchronize()
+
+
+# ------------------------------------------------------------------------------------------------ threads
+@pytest.mark.parametrize("cfg", ["default", "manual_beta1_wd", "unfactored"])
+def test_bits_independent_of_thread_count(cfg, monkeypatch):
+    """The blocked passes of one large matrix (and of a batch) run on the threads; every reduction is folded in
+    block order, so FLATOPT_NUM_THREADS=1 and =2 give the same bits, for ``step`` and ``step_batch`` alike."""
+    # (1024, 1024): one matrix cut into many tasks per pass; (64, 40000): rows wider than a block, several
+    # pass-1 windows (PARTS made small); a 3-D tensor of small matrices; vectors.
+    monkeypatch.setattr(_adafactor_math, "PARTS", 1 << 18)
+    shapes = [(1024, 1024), (64, 40000), (40, 24, 96), (300_000,), (96,)]
+    items = [(f"w{i}", s, *data(s, np.float32, seed=10 * i, steps=3)) for i, s in enumerate(shapes)]
+    results = {}
+    for threads in ("1", "2"):
+        monkeypatch.setenv("FLATOPT_NUM_THREADS", threads)
+        for mode in ("step", "step_batch"):
+            opt = flatopt.Adafactor(**CONFIGS[cfg])
+            ps = [theta.copy() for _, _, theta, _ in items]
+            for k in range(3):
+                if mode == "step":
+                    for (name, shape, _, grads), p in zip(items, ps):
+                        opt.step(name, shape, p, grads[k])
+                else:
+                    opt.step_batch([(name, shape, p, grads[k]) for (name, shape, _, grads), p in zip(items, ps)])
+                opt.end_iteration()
+            results[threads, mode] = (ps, opt.state_dict().buffers)
+    ref_ps, ref_buf = results["1", "step"]
+    for key, (ps, buf) in results.items():
+        for (name, *_), a, b in zip(items, ref_ps, ps):
+            assert_bits_equal(a, b, f"{cfg} {key} {name}")
+        assert sorted(buf) == sorted(ref_buf)
+        for k in ref_buf:
+            assert_bits_equal(ref_buf[k], buf[k], f"{cfg} {key} {k}")
