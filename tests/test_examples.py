@@ -101,3 +101,18 @@ def test_muon_tiny_lm_tied_head_is_updated_once_and_learns():
     for n in p_tied:
         assert p_tied[n].tobytes() == p_untied[n].tobytes(), n
     assert np.mean(tied[-5:]) < 0.8 * np.mean(tied[:5])
+
+
+def test_readme_quickstart_runs(tmp_path, monkeypatch):
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    start = readme.index("## Quickstart")
+    code = readme[readme.index("```python\n", start) + len("```python\n"): readme.index("```", readme.index(
+        "```python\n", start) + 10)]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md:quickstart", "exec"), scope)  # noqa: S102 - our own README
+    rng = np.random.default_rng(0)  # the quickstart's starting point
+    w0, t0 = (rng.standard_normal(512 * 256).astype(np.float32) for _ in range(2))
+    start, end = np.abs(w0 - t0).mean(), np.abs(scope["w"] - scope["target"]).mean()
+    assert end < 0.5 * start, (start, end)
+    assert (tmp_path / "ckpt.npz").exists()
