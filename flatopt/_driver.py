@@ -19,7 +19,10 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from . import _backend, _cpu, _parallel
+from . import _backend, _cpu, _gpu_run, _parallel
+from . import _slots as slotlib
+from ._slots import Slot as _Slot, config_from_dict, config_to_dict, persistent_fields  # noqa: F401 - re-exported
+from ._slots import is_array as _is_array
 from ._types import FORMAT_VERSION, OptimizerState, OptItem
 from ._validate import check_batch_aliasing, check_item, check_lr
 
@@ -29,44 +32,6 @@ from ._validate import check_batch_aliasing, check_item, check_lr
 # 16K 117, 32K 64, 64K 47, 128K 46, 256K 51, 512K 59 (shorter ufunc calls make the two threads hand the GIL to each
 # other too often).  _cpu.py turns a batch into tasks (chunked large items, bucketed small ones).
 CHUNK = 1 << 16
-
-
-@dataclasses.dataclass
-class _Slot:
-    """What the driver keeps per parameter name."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    backend: str  # "numpy" or "cupy"
-    t: int
-    state: Any  # the algorithm's state dataclass
-    pinned: bool = True  # False right after load_state_dict: arrays may still move to the param's backend
-    chunk_views: list | None = None  # cached per-chunk views of the state (elementwise algorithms)
-    home: Any = None  # the bucket plan (_cpu.BucketPlan) whose arenas hold this state, if any
-    bucket_key: Any = None  # cached _cpu.bucket_key (False: cannot be bucketed)
-
-
-def persistent_fields(state: Any) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(state) if f.metadata.get("persist", True)]
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or _backend.is_cupy_array(x)
-
-
-def config_to_dict(config: Any) -> dict:
-    def conv(v):
-        if isinstance(v, tuple):
-            return [conv(x) for x in v]
-        return v
-
-    return {f.name: conv(getattr(config, f.name)) for f in dataclasses.fields(config)}
-
-
-def config_from_dict(cls: type, d: Mapping) -> Any:
-    current = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in current}
-    return cls(**kwargs)
 
 
 class PerParamOptimizer:
@@ -258,45 +223,7 @@ class PerParamOptimizer:
             # chunked large items, bucketed small ones: see _cpu.py
             _parallel.run_tasks(_cpu.tasks(self, cpu, CHUNK), serial=not self.threaded)
         if gpu:
-            self._run_gpu(gpu)
-
-    def _run_gpu(self, gpu: list) -> None:
-        cp = _backend.cupy()
-        twin = _backend.force_twin()
-
-        def one(it, slot, lr):
-            with it.param.device:
-                if twin or not self._kernel_update(slot.state, it.param, it.grad, t=slot.t, lr=lr):
-                    scratch = [cp.empty_like(it.param) for _ in range(self.scratch_buffers)]
-                    self._update(cp, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=scratch)
-
-        if len(gpu) == 1:
-            one(*gpu[0])
-            return
-        # Each worker group runs on its own non-blocking stream, ordered after the caller's stream (which
-        # produced the gradients) and joined back into it by events: no host synchronisation.
-        caller = cp.cuda.get_current_stream()
-        start = caller.record()
-        done = []
-        done_lock = threading.Lock()
-
-        def wrap(group_fn):
-            def run():
-                with gpu[0][0].param.device:
-                    stream = _worker_stream(cp)
-                    with stream:
-                        stream.wait_event(start)
-                        group_fn()
-                        ev = stream.record()
-                with done_lock:
-                    done.append(ev)
-
-            return run
-
-        tasks = [(it.param.size, it.name, (lambda it=it, s=slot, lr=lr: one(it, s, lr))) for it, slot, lr in gpu]
-        _parallel.run_tasks(tasks, wrap=wrap)
-        for ev in done:
-            caller.wait_event(ev)
+            _gpu_run.run_gpu(self, gpu)
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def _config_key(self) -> dict:
@@ -312,17 +239,7 @@ class PerParamOptimizer:
     def state_dict(self) -> OptimizerState:
         """A complete snapshot (arrays copied, on the backend they live on)."""
         with self._lock:
-            params, buffers = {}, {}
-            for name in sorted(self._slots):
-                slot = self._slots[name]
-                meta = {"shape": list(slot.shape), "dtype": slot.dtype.name, "t": slot.t}
-                for f in persistent_fields(slot.state):
-                    v = getattr(slot.state, f.name)
-                    if _is_array(v):
-                        buffers[f"{f.name}/{name}"] = v.copy()
-                    elif v is not None:
-                        meta[f.name] = v
-                params[name] = meta
+            params, buffers = slotlib.snapshot(self._slots)
             return OptimizerState(
                 algorithm=self.algorithm,
                 config=self._config_dict(),
@@ -362,52 +279,15 @@ class PerParamOptimizer:
             return None
         if state.config_key != self._config_key():
             return None
-        slots: dict[str, _Slot] = {}
-        used = set()
-        for name, meta in state.params.items():
-            try:
-                shape = tuple(int(d) for d in meta["shape"])
-                dtype = np.dtype(meta["dtype"])
-                t = int(meta["t"])
-                self._check_shape(name, shape)
-            except Exception:  # noqa: BLE001 - any malformed entry means "does not fit"
-                return None
-            template = self._init_named(name, np, shape, dtype)
-            kw = {}
-            backend = None
-            for f in persistent_fields(template):
-                tv = getattr(template, f.name)
-                key = f"{f.name}/{name}"
-                if _is_array(tv):
-                    v = state.buffers.get(key)
-                    if not _is_array(v) or v.shape != tv.shape or v.dtype != tv.dtype:
-                        return None
-                    backend = _backend.backend_name(v)
-                    kw[f.name] = v.copy()
-                    used.add(key)
-                elif tv is None and state.buffers.get(key) is not None:
-                    return None
-                else:
-                    kw[f.name] = meta.get(f.name, tv)
-            st = dataclasses.replace(template, **kw)
-            slots[name] = _Slot(shape, dtype, backend or "numpy", t, st, pinned=False)
-        if set(state.buffers) - used:
+        slots = slotlib.restore(state.params, state.buffers,
+                               lambda name, shape, dtype: self._init_named(name, np, shape, dtype), self._check_shape)
+        if slots is None:
             return None
         cur = self._config_dict()
         notes = [
             f"{k}: kept {cur[k]!r} (snapshot had {v!r})" for k, v in state.config.items() if k in cur and cur[k] != v
         ]
         return slots, notes
-
-
-_tls = threading.local()
-
-
-def _worker_stream(cp):
-    s = getattr(_tls, "stream", None)
-    if s is None or s.device_id != cp.cuda.Device().id:
-        s = _tls.stream = cp.cuda.Stream(non_blocking=True)
-    return s
 
 
 def _make_lr_scale(spec) -> Callable[[str], float]:
