@@ -53,12 +53,12 @@ def make_data(shapes, seed: int = 0):
              rng.standard_normal(math.prod(s), dtype=np.float32) * 0.1) for s in shapes]
 
 
-def flatopt_case(workload, shapes) -> Case:
+def flatopt_case(workload, shapes, **knobs) -> Case:
     holder: dict = {}
 
     def setup():
         data = make_data(shapes)
-        opt = flatopt.KronPsgd(update_probability=1.0, **HP)
+        opt = flatopt.KronPsgd(update_probability=1.0, **HP, **knobs)
         items = [flatopt.OptItem(f"p{i}", s, p, g) for i, (s, (p, g)) in enumerate(zip(shapes, data))]
         holder["opt"], holder["n"] = opt, sum(p.size for p, _ in data)
         return lambda: opt.step_batch(items)
@@ -66,7 +66,8 @@ def flatopt_case(workload, shapes) -> Case:
     def bpp():
         return holder.pop("opt").preconditioner_nbytes() / holder["n"]
 
-    return Case(SUITE, workload, "flatopt", setup, state_bytes_per_param=bpp, note="step_batch")
+    note = "step_batch" + "".join(f", {k}={v!r}" for k, v in knobs.items())
+    return Case(SUITE, workload, "flatopt", setup, state_bytes_per_param=bpp, note=note)
 
 
 def _eager_kron_torch():
@@ -123,4 +124,6 @@ def cases(quick: bool) -> list[Case]:
         if have_ref:
             out.append(kron_torch_case(workload, shapes))
         out.append(flatopt_case(workload, shapes))
+        if any(len(s) > 2 for s in shapes):  # like for like: kron_torch's merge of >2-D shapes
+            out.append(flatopt_case(workload, shapes, merge_rule="kron_torch"))
     return out
