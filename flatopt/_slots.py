@@ -31,29 +31,6 @@ class Slot:
     bucket_key: Any = None  # cached _cpu.bucket_key (False: cannot be bucketed)
 
 
-def persistent_fields(state: Any) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(state) if f.metadata.get("persist", True)]
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or _backend.is_cupy_array(x)
-
-
-def config_to_dict(config: Any) -> dict:
-    def conv(v):
-        if isinstance(v, tuple):
-            return [conv(x) for x in v]
-        return v
-
-    return {f.name: conv(getattr(config, f.name)) for f in dataclasses.fields(config)}
-
-
-def config_from_dict(cls: type, d: Mapping) -> Any:
-    current = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in current}
-    return cls(**kwargs)
-
-
 def snapshot(slots: dict[str, Slot]) -> tuple[dict, dict]:
     """``(params, buffers)`` of every slot: metadata and JSON scalars per name, arrays keyed "<field>/<name>"."""
     params, buffers = {}, {}
