@@ -37,6 +37,8 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:  # noqa: SLF001
+            if _pool is not None:  # FLATOPT_NUM_THREADS grew: retire the old pool's threads once idle
+                _pool.shutdown(wait=False)
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flatopt")
         return _pool
 

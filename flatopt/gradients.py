@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from . import _backend
 
 __all__ = ["global_norm", "all_finite", "clip_by_global_norm"]
@@ -42,7 +44,11 @@ def global_norm(buffers: Sequence):
 
 
 def _sumsq64(xp, b, chunk: int = 1 << 16):
-    """Σ x² of a float32 buffer in float64, chunked so no full-size float64 copy is made."""
+    """Σ x² of a float32 buffer in float64: chunked on NumPy so no full-size float64 copy is made; one cast and
+    one dot on CuPy (a pooled temporary; a host loop of small launches would cost more)."""
+    if xp is not np:
+        c = b.astype(xp.float64)
+        return xp.dot(c, c)
     acc = xp.zeros((), xp.float64)
     for lo in range(0, b.size, chunk):
         c = b[lo : lo + chunk].astype(xp.float64)
