@@ -16,6 +16,7 @@ import torch
 import flatopt
 
 from .bench_adamw import flatopt_case, torch_case, transformer_shapes
+from .harness import Case
 
 SUITE = "adafactor"
 TORCH_HP = dict(lr=1e-2, eps=(1e-30, 1e-3), d=1.0, weight_decay=0.0)
@@ -36,7 +37,7 @@ def workloads(quick: bool) -> list[tuple[str, list[tuple[int, ...]]]]:
     ]
 
 
-def cases(quick: bool) -> list[Case]:  # noqa: F821 - Case from the harness, via bench_adamw
+def cases(quick: bool) -> list[Case]:
     torch.set_num_threads(2)
     out = []
     for workload, shapes in workloads(quick):

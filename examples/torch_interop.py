@@ -22,8 +22,6 @@ import copy
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flatopt  # noqa: E402

@@ -126,12 +126,15 @@ def optimizer_factories(shapes) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ training
-def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every):
+def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every, order_seed=None, evaluate=False):
+    """Train from ``init_params(shapes, seed)`` on mini-batches drawn with ``order_seed`` (default ``seed + 1``).
+    With ``evaluate``, the loss on the whole training set and on the held-out set is recorded after every epoch
+    (``train_losses``, ``test_losses``)."""
     (xtr, ytr), (xte, yte) = data
     params = {k: xp.asarray(v) for k, v in init_params(shapes, seed).items()}
     opt = factory()
-    rng = np.random.default_rng(seed + 1)
-    curve, step_ms = [], []
+    rng = np.random.default_rng(seed + 1 if order_seed is None else order_seed)
+    curve, step_ms, train_losses, test_losses = [], [], [], []
     n = len(xtr)
     for epoch in range(epochs):
         order = rng.permutation(n)
@@ -146,6 +149,9 @@ def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every):
                 xp.cuda.get_current_stream().synchronize()
             step_ms.append((time.perf_counter() - t0) * 1e3)
             curve.append(float(loss))
+        if evaluate:
+            train_losses.append(float(forward_backward(xp, params, shapes, xtr, ytr)[0]))
+            test_losses.append(float(forward_backward(xp, params, shapes, xte, yte)[0]))
         if log_every and (epoch + 1) % log_every == 0:
             print(f"  {name:12s} epoch {epoch + 1:3d}/{epochs}  loss {np.mean(curve[-(n // batch):]):.4f}",
                   flush=True)
@@ -160,6 +166,9 @@ def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every):
         "test_acc": accuracy(xp, params, shapes, xte, yte),
         "ms_per_step": float(np.median(step_ms)),
         "state_bytes_per_param": state_bytes / n_params,
+        "state": state,
+        "train_losses": train_losses,
+        "test_losses": test_losses,
     }
 
 

@@ -1,9 +1,22 @@
-"""The non-APOLLO update paths of ``Adafactor8Bit`` (private): factored, unfactored (Adafactor- and Adam-style),
-SGD and CAME, plus the scalars and the final apply shared with the APOLLO path.
+"""The non-APOLLO update paths of ``Adafactor8Bit`` (private): factored, CAME, unfactored (Adafactor- and
+Adam-style) and SGD, plus the helpers the APOLLO path shares (α, the gradient copy, the clip, the m EMA).
 
-Formulas: ``reference/adafactor8bit.md`` §4–§5 (the original's pure-PyTorch path, float32, in its operation order).
-Data-dependent scalars (α, norms, clip denominators, the Fira factor) are 0-d float32 arrays of the parameter's
-array module, so on CuPy they stay on the device (no host synchronisation).
+Formulas: ``reference/adafactor8bit.md`` §4–§5 (the original's pure-PyTorch path, float32).  Each path is a
+generator of *phases* in the manner of ``flatopt._adafactor_math``: the factored paths (Adafactor and CAME) are
+composed from Adafactor's own blocked passes (``FactoredPasses``: row/column statistics, factors, ΣU², apply) with
+the 8-bit factor EMA (lerp, requantized) plugged in; the elementwise states (V, m) are updated over ranges aligned
+to the codec blocks (``_a8_state.ema_range``), so ranges run on any thread and every reduction is folded in range
+order: the bits do not depend on the threads.  The exact float32 EMA drives the step; only the stored copy is
+requantized.
+
+Differences in float32 rounding from the original (all within its float32 noise; codes still equal): the row and
+column sums are per block (einsum) rather than torch's reductions, and the clip and step scale are folded into one
+multiplier (θ ← θ·decay − s·U rather than θ·decay + (−α/clip)·U).  ``lag_norm`` (the original: CUDA only) is
+honoured on every backend for the non-APOLLO paths: the clip and the Fira factor of step t use step t − 1's norm
+(no clip at t = 1); a non-finite norm is carried over as 0.
+
+Data-dependent scalars (α, norms, clip denominators, the Fira factor) are 0-d arrays of the parameter's array
+module, so on CuPy they stay on the device (no host synchronisation); on CuPy a path is one range / one block.
 """
 
 from __future__ import annotations
@@ -13,7 +26,8 @@ import math
 import numpy as np
 
 from . import _a8_state as S
-from . import _came, _fira, _workspace, quant
+from . import _adafactor_math as fm
+from . import _fira, _workspace, quant
 
 F32 = np.float32
 
@@ -58,30 +72,6 @@ def alpha_rho(xp, cfg, p, t: int, lr):
     return xp.maximum(rms, F32(cfg.eps[1])) * rho, rho
 
 
-def decay(xp, cfg, p, alpha, rho) -> None:
-    """p ← p·(1 − c·weight_decay), c = α (scale_weight_decay) or ρ; before the update."""
-    if cfg.weight_decay != 0:
-        c = alpha if cfg.scale_weight_decay else rho
-        xp.multiply(p, F32(1.0) - c * F32(cfg.weight_decay), out=p, casting="unsafe")
-
-
-def apply(xp, st, p, upd, alpha, *, d: float, fira: bool, margin: float) -> None:
-    """p ← p − α/max(1, RMS(u)/d)·(f·u), f the Fira factor when enabled (``upd`` is scratch and is overwritten)."""
-    n = upd.size
-    if fira:
-        nrm = norm(xp, upd)
-        bad = ~xp.isfinite(nrm)
-        xp.copyto(upd, F32(0.0), where=bad)
-        nrm = xp.where(bad, F32(0.0), nrm)
-        f = _fira.factor(xp, st.fira_prev, nrm, margin)
-        xp.multiply(upd, f, out=upd)
-    elif d > 0:
-        nrm = norm(xp, upd)
-    coef = -alpha / xp.maximum(nrm / F32(math.sqrt(n) * d), F32(1.0)) if d > 0 else -alpha
-    xp.multiply(upd, coef.astype(np.float32), out=upd)
-    xp.add(p, upd, out=p, casting="unsafe")
-
-
 def clip_(xp, u, d: float) -> None:
     if d > 0:
         xp.divide(u, xp.maximum(norm(xp, u) / F32(math.sqrt(u.size)) / F32(d), F32(1.0)), out=u)
@@ -92,119 +82,339 @@ def m_ema(xp, st, slot, x, beta1, tmp):
     return S.ema(xp, st, slot, x, 1.0 - beta1, floor=0.0)
 
 
+# ------------------------------------------------------------------------------------ the stepped paths
+# Elements per task of the elementwise (flat) passes on NumPy (rounded up to whole codec blocks).
+TASK = 1 << 16
+
+
 def update(xp, cfg, st, p, g, *, t: int, lr, shape) -> None:
-    """One non-APOLLO step of Adafactor8Bit on the flat buffers ``p`` (in place) and ``g``."""
+    """One non-APOLLO step of Adafactor8Bit on the flat buffers ``p`` (in place) and ``g`` (all phases inline)."""
+    fm.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr, shape=shape))
+
+
+def phases(xp, cfg, st, p, g, *, t: int, lr, shape):
+    """One non-APOLLO step as a generator of phases of independent tasks (``flatopt._adafactor_math``): lists of
+    ``(cost, fn)`` over disjoint ranges, with the small serial work (factor EMAs, scalars) between them.  Every
+    reduction is per range and folded in range order, so the bits do not depend on the threads.  Full-size
+    scratch (the update, an exact quantized first moment) is the calling thread's workspace: run one such step
+    at a time (``Adafactor8Bit`` does)."""
     n = p.size
+    if n == 0:
+        return
     sgd = S.is_sgd(cfg)
-    eps1 = eps1_of(cfg)
     adam = (not cfg.factored) and cfg.beta2 is not None and cfg.beta3 is None
-    came = cfg.beta3 is not None and cfg.beta1 is not None and len(shape) >= 2 and cfg.factored
-    g32 = grad32(xp, cfg, g, writable=came)
     b = 0.0 if sgd else (1.0 - cfg.beta2 if cfg.beta2 is not None else math.pow(t, cfg.beta2_decay))
-    alpha, rho = alpha_rho(xp, cfg, p, t, lr)
-    eps_denom = eps1 if adam else 0.0
-    if cfg.beta1 is not None and not cfg.relative_step and not sgd:
-        if (adam if cfg.bias_correction is None else cfg.bias_correction):
-            bc1 = 1.0 - cfg.beta1**t
-            if cfg.beta2 is not None:
-                bc2 = 1.0 - cfg.beta2**t
-                alpha = alpha * F32(math.sqrt(bc2) / bc1)
-                eps_denom = eps1 * math.sqrt(bc2) if adam else eps_denom
-            else:
-                alpha = alpha / F32(bc1)
-    decay(xp, cfg, p, alpha, rho)
-    fira, margin = cfg.enable_fira_for_adafactor, cfg.fira_margin
-    tmp, upd = ws(xp, "tmp", n), ws(xp, "upd", n)
-    if sgd:
-        if cfg.beta1 is not None:
-            m = m_ema(xp, st, "m", g32, cfg.beta1, tmp)
-            xp.divide(m, F32(1.0 - cfg.beta1), out=upd)
-        else:
-            upd[...] = g32
-        apply(xp, st, p, upd, alpha, d=cfg.d, fira=fira, margin=margin)
-    elif len(shape) < 2 or not cfg.factored:
-        _full(xp, cfg, st, p, g32, b, alpha, adam, eps_denom, tmp, upd)
+    sc = Scalars(xp, cfg, st, n, t, lr, adam=adam, sgd=sgd)
+    if cfg.beta3 is not None and cfg.beta1 is not None and len(shape) >= 2 and cfg.factored:
+        yield from _came_path(xp, cfg, st, p, g, b, sc, shape)
+    elif not sgd and len(shape) >= 2 and cfg.factored:
+        yield from _factored(xp, cfg, st, p, g, b, sc, shape)
     else:
-        _factored(xp, cfg, st, p, g32, b, alpha, shape, tmp, upd)
+        yield from _flat(xp, cfg, st, p, g, b, sc, sgd=sgd, adam=adam)
 
 
-def _full(xp, cfg, st, p, g32, b, alpha, adam, eps_denom, tmp, upd):
+class Scalars:
+    """The step's scalars: ρ, α = ρ·max(RMS(θ), eps2) (RMS before decay) with the bias corrections, the decay
+    factor 1 − c·λ, and the step scale s with θ ← θ·decay − s·U: s = α·f/max(1, ‖U‖/(√n·d)) (f the Fira factor;
+    no clip for d = 0; ``lag_norm``: the previous step's ‖U‖ and Fira factor), negated for ``maximize`` when U is
+    formed from the raw gradient.  0-d arrays of ``xp`` where data-dependent (no host synchronisation on CuPy)."""
+
+    def __init__(self, xp, cfg, st, n, t, lr, *, adam, sgd):
+        self.xp, self.cfg, self.st, self.n = xp, cfg, st, n
+        base, scale = lr
+        self.rho = F32(scale * (min(base, 1.0 / math.sqrt(t)) if cfg.relative_step else base))
+        self.mult, eps1 = None, eps1_of(cfg)
+        self.eps_denom = eps1 if adam else 0.0
+        if cfg.beta1 is not None and not cfg.relative_step and not sgd:
+            if (adam if cfg.bias_correction is None else cfg.bias_correction):
+                bc1 = 1.0 - cfg.beta1**t
+                if cfg.beta2 is not None:
+                    bc2 = 1.0 - cfg.beta2**t
+                    self.mult = ("mul", F32(math.sqrt(bc2) / bc1))
+                    self.eps_denom = eps1 * math.sqrt(bc2) if adam else self.eps_denom
+                else:
+                    self.mult = ("div", F32(bc1))
+
+    def alpha(self, ssq_p):
+        xp, cfg = self.xp, self.cfg
+        alpha = self.rho
+        if cfg.scale_parameter:
+            rms = xp.sqrt(xp.asarray(ssq_p, dtype=np.float32)) / F32(math.sqrt(self.n))
+            alpha = xp.maximum(rms, F32(cfg.eps[1])) * self.rho
+        if self.mult is not None:
+            alpha = alpha * self.mult[1] if self.mult[0] == "mul" else alpha / self.mult[1]
+        return alpha
+
+    def decay(self, alpha):
+        cfg = self.cfg
+        if cfg.weight_decay == 0:
+            return None
+        c = alpha if cfg.scale_weight_decay else self.rho
+        return F32(1.0) - c * F32(cfg.weight_decay)
+
+    def step_scale(self, alpha, ssq_u, *, d: float, negate: bool = False):
+        """s (see the class doc) from ΣU² (None when neither the clip nor Fira needs it)."""
+        xp, cfg, st = self.xp, self.cfg, self.st
+        fira = cfg.enable_fira_for_adafactor
+        if not fira and not d > 0:
+            s = alpha
+        else:
+            nrm = xp.sqrt(xp.asarray(ssq_u, dtype=np.float32))
+            bad = ~xp.isfinite(nrm)
+            if fira:  # the limiter reads a non-finite norm as 0 (and the update is dropped below)
+                nrm = xp.where(bad, F32(0.0), nrm)
+            if cfg.lag_norm:  # the previous step's norm and Fira factor; this step's are kept for the next
+                used = st.prev_update_norm.reshape(()).copy()
+                st.prev_update_norm[...] = xp.where(bad, F32(0.0), nrm)  # a non-finite norm is not carried over
+                if fira:
+                    f = st.lag_fira_scale.reshape(()).copy()
+                    st.lag_fira_scale[...] = _fira.factor(xp, st.fira_prev, nrm, cfg.fira_margin)
+                nrm = used
+            elif fira:
+                f = _fira.factor(xp, st.fira_prev, nrm, cfg.fira_margin)
+            s = alpha * f if fira else alpha
+            if d > 0:
+                s = s / xp.maximum(nrm / F32(math.sqrt(self.n) * d), F32(1.0))
+            if fira:  # an update whose norm is not finite is dropped (U's non-finite entries are zeroed too)
+                s = xp.where(bad, F32(0.0), s)
+        return -s if negate else s
+
+
+def _ranges(xp, n: int, align: int):
+    """``(cost, lo, hi)`` ranges of about ``TASK`` elements starting at multiples of ``align`` (CuPy: one)."""
+    if xp is not np:
+        return ((n, 0, n),)
+    step = max(1, -(-TASK // align)) * align
+    return tuple((min(lo + step, n) - lo, lo, min(lo + step, n)) for lo in range(0, n, step))
+
+
+def _src_chunk(xp, cfg, g, lo, hi):
+    """g[lo:hi], negated into per-thread scratch for ``maximize`` (``g`` is never written)."""
+    if not cfg.maximize:
+        return g[lo:hi]
+    out = _workspace.get(xp, "a8.negg", hi - lo, np.float32)
+    xp.negative(g[lo:hi], out=out, casting="same_kind")
+    return out
+
+
+def _m_tasks(xp, cfg, st, g):
+    """The first moment m ← lerp(m, g, 1 − β1) over aligned ranges (tasks) and the array of its exact values:
+    the float32 state itself, or (quantized) the calling thread's full-size workspace."""
+    n = g.size
+    exact = st.m if st.m is not None else ws(xp, "a8.m_exact", n)
+
+    def task(lo, hi):
+        def run():
+            S.ema_range(xp, st, "m", lo, hi, _src_chunk(xp, cfg, g, lo, hi), 1.0 - cfg.beta1, exact[lo:hi],
+                        floor=0.0)
+        return run
+
+    return exact, [(c, task(lo, hi)) for c, lo, hi in _ranges(xp, n, S.align(st))]
+
+
+def _factored(xp, cfg, st, p, g, b, sc, shape):
+    """Factored second moment through Adafactor's blocked passes (``_adafactor_math.FactoredPasses``) with the
+    original's factor EMA (lerp; requantized) and r̄ floor; Adam-style momentum (EMA of G, then normalised)."""
+    fp = fm.FactoredPasses(xp, st, p, shape)
+    if cfg.beta1 is None:  # U from G: ΣU² fused into the statistics pass
+        yield from _fused_stats(xp, cfg, st, fp, g, b)
+        src, ssq_u = g, fp.fused_ssq()
+    else:
+        src, extra = _m_tasks(xp, cfg, st, g)
+        yield from fp.stats(g, extra)
+        R, C = _ema_factors(xp, st, fp, ("row_var", "col_var"), b, eps1_of(cfg))
+        fp.factors(R, C, rbar_floor=F32(eps1_of(cfg)))
+        yield from fp.sums(src, cfg.scale_parameter)
+        ssq_u = fp.ssq_u
+    alpha = sc.alpha(fp.ssq_p)
+    s = sc.step_scale(alpha, ssq_u, d=cfg.d, negate=cfg.maximize and cfg.beta1 is None)
+    yield fp.apply(st, src, s, sc.decay(alpha), None, zero_nonfinite=cfg.enable_fira_for_adafactor)
+
+
+def _fused_stats(xp, cfg, st, fp, g, b):
+    """Phases: the factor statistics of G with the row EMA done block by block inside the pass (``FactoredPasses``'
+    fused mode: ΣU² and Σθ² come out of the same pass), then the column EMA and the factors."""
+    eps1 = eps1_of(cfg)
+    bdim, r, c = fp.dims
+    floor = quant.al_floor(eps1)
+    R = S.load(xp, st, "row_var").reshape(bdim, r)  # exact values, updated block by block below
+
+    def rows(b0, b1, i0, i1, sums):  # R ← lerp(R, mean_j G² + ε₁, b) for these rows; sums ← 1/R
+        sums /= F32(c)
+        sums += F32(eps1)
+        rb = R[b0:b1, i0:i1]
+        S.lerp_(xp, rb, sums, b, _workspace.get(xp, "a8.rows", sums.size, np.float32).reshape(sums.shape))
+        return xp.divide(F32(1.0), rb, out=sums)
+
+    yield from fp.stats(g, rows=rows, need_rms=cfg.scale_parameter)
+    S.store(xp, st, "row_var", R.reshape(-1), floor=floor)
+    fp.colv += F32(eps1)
+    C = S.ema(xp, st, "col_var", fp.colv.reshape(-1), b, floor=floor).reshape(bdim, c)
+    fp.factors(R, C, rbar_floor=F32(eps1))
+
+
+def _ema_factors(xp, st, fp, slots, w, add):
+    """(R, C) ← lerp((R, C), (fp.rowv, fp.colv) + add, w), requantized; the exact values, shaped (B, r), (B, c)."""
+    bdim, r, c = fp.dims
+    floor = quant.al_floor(eps1_of(st.cfg))
+    fp.rowv += F32(add)
+    fp.colv += F32(add)
+    rv = S.ema(xp, st, slots[0], fp.rowv.reshape(-1), w, floor=floor)
+    cv = S.ema(xp, st, slots[1], fp.colv.reshape(-1), w, floor=floor)
+    return rv.reshape(bdim, r), cv.reshape(bdim, c)
+
+
+def _came_path(xp, cfg, st, p, g, b, sc, shape):
+    """CAME (factored, β1 and β3) through the same blocked passes: U = G·rsqrt(R/r̄)·rsqrt(C) clipped by RMS(U)/d;
+    m ← lerp(m, U, 1 − β1); res = (U − m)² + eps_came; confidence factors ← lerp(·, row/column means of res, 1 − β3);
+    step m·rsqrt(c_row/c̄)·rsqrt(c_col) (no second clip; Fira optional).  Full-size scratch: U (then U − m) and,
+    for a quantized m, its exact values."""
+    n = p.size
+    eps1 = eps1_of(cfg)
+    fp = fm.FactoredPasses(xp, st, p, shape)
+    yield from _fused_stats(xp, cfg, st, fp, g, b)
+    alpha = sc.alpha(fp.ssq_p)
+    if cfg.d > 0:  # fold 1/max(1, RMS(U)/d) into the column factor
+        rms = xp.sqrt(xp.asarray(fp.fused_ssq(), dtype=np.float32)) / F32(math.sqrt(n))
+        xp.divide(fp.colv, xp.maximum(rms / F32(cfg.d), F32(1.0)), out=fp.colv)
+    if cfg.maximize:
+        xp.negative(fp.colv, out=fp.colv)
+    u_all = ws(xp, "a8.u", n)
+    yield fp.write(g, u_all)
+    m_all = st.m if st.m is not None else ws(xp, "a8.m_exact", n)
+
+    def moment(lo, hi):
+        def run():
+            u = u_all[lo:hi]
+            m = S.ema_range(xp, st, "m", lo, hi, u, 1.0 - cfg.beta1, m_all[lo:hi], floor=0.0)
+            xp.subtract(u, m, out=u)  # U − m: its square is the instability
+        return run
+
+    yield [(c, moment(lo, hi)) for c, lo, hi in _ranges(xp, n, S.align(st))]
+    yield from fp.stats(u_all)
+    CR, CC = _ema_factors(xp, st, fp, ("conf_row", "conf_col"), 1.0 - cfg.beta3, cfg.eps_came)
+    fp.factors(CR, CC, rbar_floor=F32(eps1))
+    ssq = None
+    if cfg.enable_fira_for_adafactor:
+        yield from fp.sums(m_all, False)
+        ssq = fp.ssq_u
+    s = sc.step_scale(alpha, ssq, d=0.0)
+    yield fp.apply(st, m_all, s, sc.decay(alpha), None, zero_nonfinite=cfg.enable_fira_for_adafactor)
+
+
+def _flat(xp, cfg, st, p, g, b, sc, *, sgd: bool, adam: bool):
+    """The elementwise paths over aligned ranges: unfactored Adafactor-style (v ← lerp(v, g² + ε₁, b),
+    u = g·rsqrt(max(v, ε₁²))), Adam-style (u = g/(√v + eps)), SGD; with β1 either Adam-style momentum
+    (u from m) or, for the "momentum-only" rule, m ← EMA of the clipped u (then no second clip).
+
+    Phase 1: V (and m) EMA, U into a full-size buffer, ΣU² and Σθ² per range; [phase 2, momentum-only: m ← EMA of
+    U·clip, ΣM² for Fira]; last phase: θ ← θ·decay − s·U.  Without a data-dependent scalar (d = 0, no Fira, no
+    parameter scaling: the AdamW-style presets) phase 1 updates θ itself and there is no other phase."""
+    n = p.size
     eps1 = eps1_of(cfg)
     eps_sq = F32(max(eps1 * eps1, quant.FLT_MIN))
-    eps_g2 = 0.0 if adam else eps1
     mo1d = (not adam) if cfg.momentum_only_1d is None else cfg.momentum_only_1d
-    if st.variance is None:  # quantized: the original's lerp form
-        v = S.ema(xp, st, "variance", g32, b, square=True, add=eps_g2, floor=quant.al_floor(eps1))
-    else:  # float32: v·(1 − b) + b·g² (+ b·eps1)
-        v = st.variance
+    mo1d = mo1d and cfg.beta1 is not None and not sgd
+    rng = _ranges(xp, n, S.align(st))
+    nr = len(rng)
+    need_norm = cfg.d > 0 or cfg.enable_fira_for_adafactor
+    # no data-dependent scalar (no clip, Fira or parameter scaling): each range is updated in the same pass
+    one_pass = not (need_norm or mo1d or cfg.scale_parameter)
+    u_all = None if one_pass else ws(xp, "a8.u", n)
+    su, sp = [None] * nr, [None] * nr
+    v_floor = quant.al_floor(eps1)
+    eps_g2 = 0.0 if adam else eps1
+    if one_pass:
+        alpha = sc.alpha(None)
+        s1, decay1 = sc.step_scale(alpha, None, d=0.0), sc.decay(alpha)
+
+    def second_moment(lo, hi, x):
+        if st.variance is None and not sgd:
+            return S.ema_range(xp, st, "variance", lo, hi, x, b, ws(xp, "a8.v", hi - lo), floor=v_floor,
+                               square=True, add=eps_g2)
+        v = st.variance[lo:hi]  # float32: v·(1 − b) + b·g² (+ b·eps1), the original's order
+        tmp = _workspace.get(xp, "a8.t1", hi - lo, np.float32)
         xp.multiply(v, F32(1.0 - b), out=v)
-        xp.multiply(g32, F32(b), out=tmp)
-        xp.multiply(tmp, g32, out=tmp)
+        xp.multiply(x, F32(b), out=tmp)
+        xp.multiply(tmp, x, out=tmp)
         xp.add(v, tmp, out=v)
         if eps_g2 > 0:
             xp.add(v, F32(b * eps_g2), out=v)
+        return v
 
-    def inv_std(out):  # 1/(√v + eps) (Adam-style) or rsqrt(max(v, eps1²))
+    def normalise(v, src, out):  # out = src/(√v + eps) (Adam-style) or src·rsqrt(max(v, eps1²))
         if adam:
             xp.sqrt(v, out=out)
-            xp.add(out, F32(eps_denom), out=out)
-            xp.divide(F32(1.0), out, out=out)
+            xp.add(out, F32(sc.eps_denom), out=out)
+            if cfg.beta1 is not None and not mo1d:
+                xp.divide(F32(1.0), out, out=out)
+                xp.multiply(src, out, out=out)
+            else:
+                xp.divide(src, out, out=out)
         else:
             xp.maximum(v, eps_sq, out=out)
             xp.sqrt(out, out=out)
             xp.divide(F32(1.0), out, out=out)
+            xp.multiply(src, out, out=out)
         return out
 
-    fira, margin, d = cfg.enable_fira_for_adafactor, cfg.fira_margin, cfg.d
-    if cfg.beta1 is not None and mo1d:
-        u = xp.multiply(g32, inv_std(upd), out=upd)
-        clip_(xp, u, d)
-        m = m_ema(xp, st, "m", u, cfg.beta1, tmp)
-        upd[...] = m
-        apply(xp, st, p, upd, alpha, d=0.0, fira=fira, margin=margin)
+    def pass1(k, lo, hi):
+        def run():
+            x = _src_chunk(xp, cfg, g, lo, hi)
+            u = _workspace.get(xp, "a8.uc", hi - lo, np.float32) if one_pass else u_all[lo:hi]
+            if sgd:
+                if cfg.beta1 is not None:
+                    m = _m_range(lo, hi, x)
+                    xp.divide(m, F32(1.0 - cfg.beta1), out=u)
+                else:
+                    u[...] = x
+            else:
+                v = second_moment(lo, hi, x)
+                src = x if (cfg.beta1 is None or mo1d) else _m_range(lo, hi, x)
+                normalise(v, src, u)
+            if one_pass:  # θ ← θ·decay − s·U now
+                u *= s1
+                pb = p[lo:hi]
+                if decay1 is not None:
+                    pb *= decay1
+                pb -= u
+                return
+            if need_norm or mo1d:
+                su[k] = fm.sumsq(xp, u, None)
+            if cfg.scale_parameter:
+                sp[k] = fm.sumsq(xp, p[lo:hi], None)
+        return run
+
+    def _m_range(lo, hi, x):
+        out = st.m[lo:hi] if st.m is not None else _workspace.get(xp, "a8.mx", hi - lo, np.float32)
+        return S.ema_range(xp, st, "m", lo, hi, x, 1.0 - cfg.beta1, out, floor=0.0)
+
+    yield [(c, pass1(k, lo, hi)) for k, (c, lo, hi) in enumerate(rng)]
+    if one_pass:
         return
-    if cfg.beta1 is not None:
-        m = m_ema(xp, st, "m", g32, cfg.beta1, tmp)
-        xp.multiply(m, inv_std(upd), out=upd)
-    elif adam:
-        xp.sqrt(v, out=upd)
-        xp.add(upd, F32(eps_denom), out=upd)
-        xp.divide(g32, upd, out=upd)
-    else:
-        xp.multiply(g32, inv_std(upd), out=upd)
-    apply(xp, st, p, upd, alpha, d=d, fira=fira, margin=margin)
+    ssq_p = fm.fold(sp, F32(0.0)) if cfg.scale_parameter else None
+    d = cfg.d
+    if mo1d:  # u ← u / max(1, RMS(u)/d); m ← lerp(m, u, 1 − β1); the step is m (no second clip)
+        clip = xp.maximum(xp.sqrt(xp.asarray(fm.fold(su, F32(0.0)), dtype=np.float32)) / F32(math.sqrt(n)) / F32(d),
+                          F32(1.0)) if d > 0 else None
 
+        def pass2(k, lo, hi):
+            def run():
+                u = u_all[lo:hi]
+                if clip is not None:
+                    xp.divide(u, clip, out=u)
+                m = _m_range(lo, hi, u)
+                if m is not u:
+                    u[...] = m
+                if cfg.enable_fira_for_adafactor:
+                    su[k] = fm.sumsq(xp, u, None)
+            return run
 
-def factored_inv(xp, cfg, st, g32, b, shape, tmp):
-    """EMA the row/column factors of g² + eps1; return (inv_row (B,R,1), inv_col (B,1,C)) from exact values."""
-    eps1 = eps1_of(cfg)
-    bsz, r_, c_ = math.prod(shape[:-2]), shape[-2], shape[-1]
-    g2 = xp.multiply(g32, g32, out=tmp).reshape(bsz, r_, c_)
-    row_mean = xp.add(g2.mean(axis=-1), F32(eps1)).astype(np.float32).reshape(-1)
-    col_mean = xp.add(g2.mean(axis=-2), F32(eps1)).astype(np.float32).reshape(-1)
-    floor = quant.al_floor(eps1)
-    rv = S.ema(xp, st, "row_var", row_mean, b, floor=floor)
-    cv = S.ema(xp, st, "col_var", col_mean, b, floor=floor)
-    rbar = xp.maximum(rv.reshape(bsz, r_).mean(axis=-1), F32(eps1)).astype(np.float32)
-    inv_row = F32(1.0) / xp.sqrt(rv.reshape(bsz, r_) / rbar[:, None])
-    inv_col = F32(1.0) / xp.sqrt(cv.reshape(bsz, c_))
-    return inv_row[:, :, None], inv_col[:, None, :]
-
-
-def _factored(xp, cfg, st, p, g32, b, alpha, shape, tmp, upd):
-    bsz, r_, c_ = math.prod(shape[:-2]), shape[-2], shape[-1]
-    inv_row, inv_col = factored_inv(xp, cfg, st, g32, b, shape, tmp)
-    fira, margin = cfg.enable_fira_for_adafactor, cfg.fira_margin
-    g3, u3 = g32.reshape(bsz, r_, c_), upd.reshape(bsz, r_, c_)
-    if cfg.beta3 is not None and cfg.beta1 is not None:
-        xp.multiply(g3, inv_row, out=g3)
-        xp.multiply(g3, inv_col, out=g3)
-        clip_(xp, g32, cfg.d)
-        m = m_ema(xp, st, "m", g32, cfg.beta1, tmp)
-        _came.factored_confidence(xp, cfg, st, g32, m, (bsz, r_, c_), upd, lo_rank=False)
-        apply(xp, st, p, upd, alpha, d=0.0, fira=fira, margin=margin)
-        return
-    src = m_ema(xp, st, "m", g32, cfg.beta1, tmp) if cfg.beta1 is not None else g32
-    xp.multiply(src.reshape(bsz, r_, c_), inv_row, out=u3)
-    xp.multiply(u3, inv_col, out=u3)
-    apply(xp, st, p, upd, alpha, d=cfg.d, fira=fira, margin=margin)
+        yield [(c, pass2(k, lo, hi)) for k, (c, lo, hi) in enumerate(rng)]
+        d = 0.0
+    ssq_u = fm.fold(su, F32(0.0)) if (d > 0 or cfg.enable_fira_for_adafactor) else None
+    alpha = sc.alpha(ssq_p)
+    s = sc.step_scale(alpha, ssq_u, d=d)
+    yield fm.apply_tasks(xp, st, p, [(c, ((lo, hi),)) for c, lo, hi in rng], lambda _, lo, hi: u_all[lo:hi],
+                         (None, None), 0, np.float32, s, sc.decay(alpha), None,
+                         cfg.enable_fira_for_adafactor and (xp is not np or s == 0))

@@ -32,9 +32,10 @@ def _fields():
         out += [s, f"{s}_q", f"{s}_scale", f"{s}_min_log"]
     for s in SIGNED:
         out += [s, f"{s}_q", f"{s}_scale"]
-    out += list(FP32_ONLY) + ["fira_prev", "apollo_seed", "current_proj_seed", "last_proj_step"]
+    out += list(FP32_ONLY) + ["fira_prev", "prev_update_norm", "lag_fira_scale", "apollo_seed", "current_proj_seed",
+                              "last_proj_step"]
     fs = [(f, object, dataclasses.field(default=None)) for f in out]
-    for f in ("cfg", "sizes", "proj"):  # the resolved group config, logical slot sizes, cached projection
+    for f in ("cfg", "sizes", "proj", "work"):  # resolved group config, slot sizes, cached projection, scratch
         fs.append((f, object, dataclasses.field(default=None, metadata={"persist": False})))
     return fs
 
@@ -117,6 +118,10 @@ def init(xp, cfg, shape, dtype, *, apollo_seed: int | None = None):
         signed("m", n)
     if cfg.enable_fira_for_adafactor:
         st.fira_prev = _fira.init(xp)
+    if cfg.lag_norm:  # the previous step's update norm (0: no clip at the first step) and Fira factor
+        st.prev_update_norm = xp.zeros(1, np.float32)
+        if cfg.enable_fira_for_adafactor:
+            st.lag_fira_scale = xp.ones(1, np.float32)
     return st
 
 
@@ -172,9 +177,9 @@ def ema(xp, st, slot, x, w: float, *, floor: float, square: bool = False, add: f
     return v
 
 
-def _ema_kernel(xp, st, slot, x, w, *, floor, square, add, first):
+def _ema_kernel(xp, st, slot, x, w, *, floor, square, add, first, out=None):
     cfg, n = st.cfg, st.sizes[slot]
-    out = _workspace.get(xp, "slot_" + slot, n, np.float32)
+    out = _workspace.get(xp, "slot_" + slot, n, np.float32) if out is None else out
     x = xp.ascontiguousarray(x.reshape(-1))
     q, scale = getattr(st, f"{slot}_q"), getattr(st, f"{slot}_scale")
     if slot in SIGNED:
@@ -189,6 +194,64 @@ def _ema_kernel(xp, st, slot, x, w, *, floor, square, add, first):
                                   np.int64(n), np.int32(cfg.block_size), np.float32(w), np.int32(square),
                                   np.float32(add), np.float32(floor), np.int32(first)))
     return out
+
+
+def align(st) -> int:
+    """The chunk alignment of this state's elementwise slots: ``ema_range`` chunks start at multiples of it."""
+    cfg = st.cfg
+    return math.lcm(cfg.block_size, cfg.m_block_size)
+
+
+def ema_range(xp, st, slot, lo: int, hi: int, x, w: float, out, *, floor: float, square: bool = False,
+              add: float = 0.0):
+    """``ema`` restricted to the elements lo:hi of an elementwise slot (``lo`` a multiple of ``align(st)``, so the
+    range covers whole codec blocks except at the slot's end), in the same float32 operations: the exact values
+    are written into ``out`` (length hi − lo; a float32 slot is updated in place instead) and returned.  The codes
+    of other ranges are untouched, so disjoint ranges may run on different threads (scratch is per thread)."""
+    n = hi - lo
+    arr = getattr(st, slot)
+    if arr is None and xp is not np and st.cfg.use_cuda_kernel and not _backend.force_twin():
+        assert (lo, hi) == (0, st.sizes[slot])  # CuPy steps a slot as one range
+        return _ema_kernel(xp, st, slot, x, w, floor=floor, square=square, add=add, first=False, out=out)
+    xin = x
+    if square or add:
+        xin = _workspace.get(xp, "a8.ema_in", n, np.float32)
+        xp.multiply(x, x, out=xin) if square else xin.__setitem__(Ellipsis, x)
+        xp.add(xin, np.float32(add), out=xin)
+    if arr is not None:
+        v = arr[lo:hi]
+    else:
+        v = out
+        _range_codec(xp, st, slot, lo, hi, v, decode=True)
+    lerp_(xp, v, xin, w, _workspace.get(xp, "a8.ema_tmp", n, np.float32))
+    if arr is None:
+        _range_codec(xp, st, slot, lo, hi, v, decode=False, floor=floor)
+    return v
+
+
+def _range_codec(xp, st, slot, lo, hi, v, *, decode: bool, floor: float = 0.0) -> None:
+    cfg = st.cfg
+    if slot in SIGNED:
+        mb, fmt = cfg.m_block_size, cfg.m_quant_type
+        nb = quant.nblocks(hi - lo, mb)
+        per = 2 if quant.m_bits(fmt) == 4 else 1
+        q = getattr(st, f"{slot}_q")[lo // per:(lo + nb * mb) // per]
+        scale = getattr(st, f"{slot}_scale")[lo // mb:lo // mb + nb]
+        if decode:
+            quant.m_decode(xp, q, scale, v, mblock=mb, fmt=fmt)
+        else:
+            quant.m_encode(xp, v, q, scale, mblock=mb, fmt=fmt)
+        return
+    bs = cfg.block_size
+    fmt = (cfg.c_quant_type or cfg.v_quant_type) if slot.startswith(("conf", "res")) else cfg.v_quant_type
+    nb = quant.nblocks(hi - lo, bs)
+    q = getattr(st, f"{slot}_q")[lo:lo + nb * bs]
+    scale = getattr(st, f"{slot}_scale")[lo // bs:lo // bs + nb]
+    min_log = getattr(st, f"{slot}_min_log")[lo // bs:lo // bs + nb]
+    if decode:
+        quant.al_decode(xp, q, scale, min_log, v, block=bs, fmt=fmt)
+    else:
+        quant.al_encode(xp, v, q, scale, min_log, block=bs, fmt=fmt, floor=floor)
 
 
 def lerp_(xp, a, b, w: float, tmp):

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _a8_state as S
 from . import _came, _fira
-from ._a8_paths import F32, alpha_rho, apply, clip_, eps1_of, grad32, m_ema, ws
+from ._a8_paths import F32, alpha_rho, clip_, grad32, m_ema, ws
 from . import quant
 
 
@@ -85,7 +85,6 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector) 
     tmp = ws(xp, "a_tmp", nl)
     _low_rank_direction(xp, cfg, st, glow, upd_low.reshape(lr_, lc_), tmp, b, t)
     # scaling factor s: per channel (norm over the low-rank axis) or for the whole tensor
-    ax = -1 if right else -2
     u2 = upd_low.reshape(lr_, lc_)
     if cfg.apollo_scale_type == "channel":
         spec = "ij,ij->i" if right else "ij,ij->j"

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from . import _backend, _workspace
+from . import _kron_blocked as B
 
 SQRT_EPS_F32 = math.sqrt(float(np.finfo(np.float32).eps))  # kron_torch's damping factor, 2^-11.5 (in the fit dtype)
 
@@ -234,11 +235,14 @@ def clip_rms(xp, u, clip: float):
 # > 2-D tensors take the twins above.
 
 
-def _mode_mul_into(xp, x, m, i: int, out, transpose: bool = False):
-    """out = x ×_i M (or Mᵀ), x 1-D or 2-D (``mode_mul``'s operands)."""
+def _mode_mul_into(xp, x, m, i: int, out, transpose: bool = False, tri: bool = False):
+    """out = x ×_i M (or Mᵀ), x 1-D or 2-D (``mode_mul``'s operands); ``tri``: M is upper triangular (a factor Q),
+    whose zero half the blocked product skips."""
     if x.ndim == 1 or i == 0:
-        return xp.matmul(m.T if transpose else m, x, out=out)
-    return xp.matmul(x, m if transpose else m.T, out=out)
+        t = m.T if transpose else m
+        return B.tri_mul(xp, t, x, out, left=True, lower=transpose) if tri else xp.matmul(t, x, out=out)
+    t = m if transpose else m.T
+    return B.tri_mul(xp, t, x, out, left=False, lower=not transpose) if tri else xp.matmul(x, t, out=out)
 
 
 def _apply_factors_ws(xp, factors, h):
@@ -249,7 +253,7 @@ def _apply_factors_ws(xp, factors, h):
         if is_diag:
             xp.multiply(a, _bcast(q, i, k), out=out)
         else:
-            _mode_mul_into(xp, a, q, i, out)
+            _mode_mul_into(xp, a, q, i, out, tri=True)
         a = out
     return a
 
@@ -284,7 +288,7 @@ def _gram_ws(xp, x, i: int, is_diag: bool, key: str):
         xc[...] = x
     d = x.shape[i]
     out = scratch(xp, key, (d, d), x.dtype)
-    return xp.matmul(xc, xc.T, out=out) if i == 0 else xp.matmul(xc.T, xc, out=out)
+    return B.gram(xp, xc, out, rows=i == 0)
 
 
 def _spectral_lower_bound_ws(xp, s, amax):
@@ -340,7 +344,7 @@ def update_precond_ws(xp, factors, h, v, eta: float, floor: float) -> None:
             d = _triu_(xp, d)
             d /= xp.maximum(_spectral_lower_bound_ws(xp, s, amax), floor)
             new = scratch(xp, "t2", q.shape, np.result_type(d.dtype, q.dtype))  # t2 is dead
-            xp.matmul(d, q, out=new)
+            B.upper_upper(xp, d, q, new)
             xp.subtract(q, new, out=new)
         if xp is np:
             fin = scratch(xp, "fin", new.shape, np.bool_)
@@ -384,8 +388,8 @@ def precondition_ws(xp, factors, g):
             _mode_mul_into(xp, u, qtq, i, out)
         else:
             mid = scratch(xp, "b0", g.shape, np.result_type(u.dtype, q.dtype))
-            _mode_mul_into(xp, u, q, i, mid)
-            _mode_mul_into(xp, mid, q, i, out, transpose=True)
+            _mode_mul_into(xp, u, q, i, mid, tri=True)
+            _mode_mul_into(xp, mid, q, i, out, transpose=True, tri=True)
         u = out
     return u
 

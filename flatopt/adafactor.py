@@ -43,6 +43,7 @@ import math
 import numpy as np
 
 from . import _adafactor_math as fm
+from . import _gpu_run
 from ._driver import PerParamOptimizer, config_to_dict
 from ._validate import check_lr, check_range
 
@@ -225,7 +226,7 @@ class Adafactor(PerParamOptimizer):
             fm.run_phased([(it.name, phases(np, cfg, slot.state, it.param, it.grad, t=slot.t, lr=lr))
                            for it, slot, lr in cpu], serial=not self.threaded)
         if gpu:
-            self._run_gpu(gpu)
+            _gpu_run.run_gpu(self, gpu)
 
     def _update(self, xp, state, param, grad, *, t: int, lr: float, scratch: list) -> None:
         update(xp, self._step_cfg, state, param, grad, t=t, lr=lr, scratch=scratch)

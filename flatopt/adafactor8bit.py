@@ -18,7 +18,13 @@ b = 1 − beta2, or t^beta2_decay (−0.8) when beta2 is None; ρ = min(lr, 1/�
 Quantization (``quantize``, parameters with numel ≥ ``min_8bit_size``): second moments and CAME confidences in AL8 /
 AL16 (``flatopt.quant``), the first moment in uf8 / uf4 / d8 / d4.  The exact float32 EMA drives each step; only
 the stored copy is requantized.  ``state_dict`` holds the codes (uint8/uint16), block scales and min-logs as stored;
-block sizes and formats are part of the checkpoint key.
+block sizes and formats are recorded with them, and ``load_state_dict`` converts a snapshot saved with another
+layout (``flatopt._a8_migrate``: requantized, or reset keeping t when the path changed; one warning).
+
+Execution (``flatopt._a8_paths``): the factored and CAME paths run on Adafactor's own blocked passes
+(``flatopt._adafactor_math.FactoredPasses``) with the 8-bit factor EMA plugged in; elementwise states update over
+ranges aligned to the codec blocks.  On NumPy a parameter of ≥ ``SPLIT_MIN`` elements spreads its passes over the
+threads (bits independent of the thread count); smaller ones step whole, several at once.
 
 Deviations from the original (all deliberate, see the reference §1.4–§1.6, §6, §11):
 * codec floor F = log2(max(eps², FLT_MIN)) and the 126 cap on every state and backend (the original's CPU encoder
@@ -29,7 +35,11 @@ Deviations from the original (all deliberate, see the reference §1.4–§1.6, �
 * non-finite gradients: read as 0 on the APOLLO path (as the original on every device), not sanitised elsewhere
   (as its CPU path); the Fira limiter zeroes an update whose norm is non-finite; same policy on NumPy and CuPy;
 * APOLLO projections come from NumPy/CuPy generators unless injected (``apollo_proj_fn``, ``apollo_next_seed``);
-* ``stochastic_round_writeback``, ``lag_norm``, ``warmup_multiplier`` do not apply (float32/float64 parameters).
+* ``lag_norm`` (the original: CUDA kernels only, ignored on its CPU path) is honoured on every backend for the
+  non-APOLLO paths: the clip and Fira factor of step t use step t − 1's update norm (no clip at t = 1);
+* ``stochastic_round_writeback`` (BF16/FP16 parameters in the original) and ``warmup_multiplier`` (a CUDA
+  allocator priming trick) are accepted and validated but have no effect: flatopt's parameters are float32/float64,
+  whose write-back is exact, and it allocates nothing per step.
 
 GPU (CuPy arrays): the same array-agnostic code with every data-dependent scalar (α, norms, clip and Fira factors)
 a 0-d device array — no host synchronisation; each quantized state update (dequantize, EMA, block min/max or absmax
@@ -43,21 +53,28 @@ Use it to save optimizer memory: the factored path costs ≈ 0.002 B/param, Adam
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import _a8_paths, _apollo
+from . import _a8_paths, _adafactor_math, _apollo, _gpu_run, _parallel
 from . import _a8_state as S
+from . import _a8_migrate
 from ._driver import PerParamOptimizer
 from ._validate import check_range
 from .quant import M_FORMATS, V_FORMATS
 from .routing import Select
 
 Adafactor8BitState = S.Adafactor8BitState
+StateMigrationWarning = _a8_migrate.StateMigrationWarning
 MATTERS = ("quantize", "block_size", "m_block_size", "m_quant_type", "v_quant_type", "c_quant_type",
-           "min_8bit_size", "factored", "apollo_rank", "apollo_factorize")
+           "min_8bit_size", "factored", "apollo_rank", "apollo_factorize", "lag_norm")
+# NumPy: parameters of at least this many elements step one at a time, their passes split over the threads; smaller
+# ones step whole, several at once (each on one thread).
+SPLIT_MIN = 1 << 17
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +114,9 @@ class Adafactor8BitConfig:
     fira_margin: float = 0.01
     momentum_only_1d: bool | None = None
     bias_correction: bool | None = None
+    lag_norm: bool = False
+    stochastic_round_writeback: bool = False
+    warmup_multiplier: int = 0
 
     def __post_init__(self):
         o = "Adafactor8Bit"
@@ -117,14 +137,14 @@ class Adafactor8BitConfig:
         check_range(o, "apollo_eps", self.apollo_eps, 0.0, math.inf, lo_open=True)
         for f in ("maximize", "relative_step", "scale_parameter", "scale_weight_decay", "factored", "quantize",
                   "use_cuda_kernel", "apollo_scale_front", "apollo_factorize", "apollo_cache_proj",
-                  "enable_fira_for_apollo", "enable_fira_for_adafactor"):
+                  "enable_fira_for_apollo", "enable_fira_for_adafactor", "lag_norm", "stochastic_round_writeback"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"{o}: {f} must be a bool, got {getattr(self, f)!r}")
         for f in ("momentum_only_1d", "bias_correction"):
             if getattr(self, f) is not None and not isinstance(getattr(self, f), bool):
                 raise TypeError(f"{o}: {f} must be None or a bool, got {getattr(self, f)!r}")
         for f, lo in (("block_size", 128), ("m_block_size", 32), ("min_8bit_size", 0), ("apollo_rank", 0),
-                      ("apollo_update_proj_gap", 1)):
+                      ("apollo_update_proj_gap", 1), ("warmup_multiplier", 0)):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
                 raise ValueError(f"{o}: {f} must be an int >= {lo}, got {v!r}")
@@ -220,6 +240,28 @@ class Adafactor8Bit(PerParamOptimizer):
     def _effective_lr(self, scale: float):
         return (self._lr if self._lr is not None else 0.0, scale)
 
+    def _run(self, prepared: list) -> None:
+        cpu, gpu = [], []
+        for it, slot, scale in prepared:
+            slot.t += 1
+            (gpu if slot.backend == "cupy" else cpu).append((it, slot, self._effective_lr(scale)))
+        whole, split = [], []
+        for it, slot, lr in cpu:
+            big = it.param.size >= SPLIT_MIN and slot.state.apollo_seed is None and self.threaded
+            (split if big else whole).append((it, slot, lr))
+        if whole:  # each item on one thread, several at once (per-thread scratch)
+            _parallel.run_tasks([(it.param.size, it.name, functools.partial(self._step_whole, it, slot, lr))
+                                 for it, slot, lr in whole], serial=not self.threaded)
+        for it, slot, lr in split:  # one at a time: its passes on all threads (bits independent of the threads)
+            st = slot.state
+            _adafactor_math.run_phased([(it.name, _a8_paths.phases(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr,
+                                                                   shape=st.sizes["shape"]))])
+        if gpu:
+            _gpu_run.run_gpu(self, gpu)
+
+    def _step_whole(self, it, slot, lr) -> None:
+        self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[])
+
     def _update(self, xp, state, param, grad, *, t, lr, scratch):
         cfg = state.cfg
         shape = state.sizes["shape"]
@@ -236,12 +278,52 @@ class Adafactor8Bit(PerParamOptimizer):
     def _load_extra(self, extra: dict) -> None:
         self._apollo_seed_counter = int(extra.get("apollo_seed_counter", 1))
 
-    def load_state_dict(self, state, *, restore_hparams: bool = False) -> bool:
-        counter = self._apollo_seed_counter
-        ok = super().load_state_dict(state, restore_hparams=restore_hparams)
-        if not ok:
-            self._apollo_seed_counter = counter
-        return ok
+    def load_state_dict(self, state, *, restore_hparams: bool = False, migrate: bool = True) -> bool:
+        """The driver's load; a snapshot of this algorithm saved with another state layout (formats, block sizes,
+        ``quantize``, ``min_8bit_size``, path, group overrides) is converted to this optimizer's layout or reset per
+        parameter (``flatopt._a8_migrate``), with one ``StateMigrationWarning`` naming the parameters (also in
+        ``last_load_notes``).  ``migrate=False`` or ``restore_hparams=True``: such a snapshot is refused."""
+        with self._lock:
+            counter = self._apollo_seed_counter
+            # None: no migration; False: allowed (_build_from_state puts its _a8_migrate.Report here if used)
+            self._migration = None if restore_hparams or not migrate else False
+            try:
+                ok = super().load_state_dict(state, restore_hparams=restore_hparams)
+                report = self._migration
+            finally:
+                self._migration = None
+            if not ok:
+                self._apollo_seed_counter = counter
+            elif restore_hparams:
+                self._restore_groups(state.config.get("groups", []))
+            elif report:
+                self._apollo_seed_counter = report.seed_counter
+                message = report.warning()
+                if message:
+                    warnings.warn(message, _a8_migrate.StateMigrationWarning, stacklevel=2)
+            return ok
+
+    def _restore_groups(self, saved: list) -> None:
+        """After ``restore_hparams``: each group takes the snapshot's overrides when its selector has the same
+        description (selectors themselves are code and stay this object's), the group configurations are rebuilt
+        from the restored base, and every loaded parameter steps with its rebuilt configuration."""
+        groups = []
+        for i, (sel, ov, _) in enumerate(self._groups):
+            if i < len(saved) and saved[i].get("select") == sel.describe():
+                ov = dict(saved[i].get("overrides", ov))
+            groups.append((sel, ov, dataclasses.replace(self.config, **ov)))
+        self._groups = groups
+        for name, slot in self._slots.items():
+            slot.state.cfg = self.config_for(name, slot.shape)
+
+    def _build_from_state(self, state):
+        built = super()._build_from_state(state)
+        if built is None and getattr(self, "_migration", None) is False:
+            built = _a8_migrate.build(self, state)
+            if built is not None:
+                slots, notes, self._migration = built
+                built = slots, notes
+        return built
 
 
 def hybrid_groups(apollo_rank: int = 256, weight_decay: float = 1e-2) -> list:

@@ -74,31 +74,42 @@ def al_encode(xp, v, q, scale, min_log, *, block: int, fmt: str, floor: float) -
     for b0, b1 in _chunks(xp, scale.size, block):
         k, lo = b1 - b0, b0 * block
         m = max(0, min(n, b1 * block) - lo)
-        w = _workspace.get(xp, "al_f64", k * block, np.float64)
         lg = _workspace.get(xp, "al_lg", k * block, np.float32)
-        tmp = _workspace.get(xp, "al_tmp", k * block, np.float32)
-        zero = _workspace.get(xp, "al_zero", k * block, np.bool_)
-        w[:m] = v[lo : lo + m]
-        w[m:] = 0.0
-        xp.equal(w, 0.0, out=zero)
-        xp.maximum(w, _TINY, out=w)
+        if m == k * block and v.dtype == np.float32:
+            src = v[lo : lo + m]
+        else:  # the last blocks, zero-padded (or values to round to float32 first)
+            src = lg
+            lg[:m] = v[lo : lo + m]
+            lg[m:] = 0.0
+        # NumPy: a block without zeros (the common case) skips the masking; CuPy always masks (no host read)
+        zero = None
+        if xp is not np or not np.all(src):
+            zero = _workspace.get(xp, "al_zero", k * block, np.bool_)
+            xp.equal(src, 0.0, out=zero)
+        w = _workspace.get(xp, "al_f64", k * block, np.float64)  # log2 in float64 (rounded to float32 below);
+        xp.maximum(src, _F32(_TINY), out=w)  # explicit buffers: a casting ufunc call would allocate its own
         xp.log2(w, out=w)
         lg[...] = w
+        tmp = _workspace.get(xp, "al_tmp", k * block, np.float32)
         lg2 = lg.reshape(k, block)
         mx = xp.minimum(lg2.max(axis=1), _F32(126.0))
-        tmp[...] = lg
-        xp.copyto(tmp, _F32(np.inf), where=zero)
-        mn = xp.maximum(tmp.reshape(k, block).min(axis=1), fl)
+        if zero is None:
+            mn = lg2.min(axis=1)
+        else:
+            tmp[...] = lg
+            xp.copyto(tmp, _F32(np.inf), where=zero)
+            mn = tmp.reshape(k, block).min(axis=1)
+        mn = xp.maximum(mn, fl)
         xp.copyto(mn, mx - _F32(1.0), where=mn >= mx)
         sc = xp.maximum(mx - mn, _F32(1e-12))
         xp.subtract(lg2, mn[:, None], out=lg2)
         xp.divide(lg2, sc[:, None], out=lg2)
         xp.multiply(lg2, levels, out=lg2)
         xp.rint(lg2, out=lg2)
-        xp.add(lg2, _F32(1.0), out=lg2)
-        xp.clip(lg2, _F32(1.0), levels + _F32(1.0), out=lg2)
-        xp.copyto(lg, _F32(0.0), where=zero)
-        xp.copyto(q[lo : lo + k * block], lg, casting="unsafe")
+        xp.clip(lg2, _F32(0.0), levels, out=lg2)  # clamp(rint(·) + 1, 1, L + 1) = clamp(rint(·), 0, L) + 1
+        if zero is not None:
+            xp.copyto(lg, _F32(-1.0), where=zero)  # code 0 iff exactly zero
+        xp.add(lg, _F32(1.0), out=q[lo : lo + k * block], casting="unsafe")
         scale[b0:b1] = sc
         min_log[b0:b1] = mn
 
@@ -160,36 +171,43 @@ def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
         cnt = max(0, min(n, b1 * mblock) - lo)
         w = _workspace.get(xp, "m_w", k * mblock, np.float32)
         a = _workspace.get(xp, "m_a", k * mblock, np.float32)
-        w[:cnt] = m[lo : lo + cnt]
-        w[cnt:] = 0.0
-        w2 = w.reshape(k, mblock)
-        xp.abs(w, out=a)
+        if cnt == k * mblock and m.dtype == np.float32:
+            src = m[lo : lo + cnt]
+        else:  # the last block, zero-padded
+            src = w
+            w[:cnt] = m[lo : lo + cnt]
+            w[cnt:] = 0.0
+        xp.abs(src, out=a)
         am = xp.maximum(a.reshape(k, mblock).max(axis=1), _F32(1e-12))
-        xp.divide(w2, am[:, None], out=w2)
         scale[b0:b1] = am
+        w2 = w.reshape(k, mblock)
         if fmt in ("uf8", "uf4"):
+            # rint(half·(m/absmax)) with one division: m/(absmax/half) is the same float (half a power of two)
             half = _F32(128.0 if fmt == "uf8" else 8.0)
-            xp.multiply(w, half, out=w)
+            xp.divide(src.reshape(k, mblock), (am / half)[:, None], out=w2)
             xp.rint(w, out=w)
-            xp.clip(w, -half, half - _F32(1.0), out=w)
-            xp.add(w, half, out=w)
-            codes = w
-        else:
-            codes = None
+            xp.minimum(w, half - _F32(1.0), out=w)  # |m/absmax| ≤ 1: only +half needs the clamp
+            if bits == 8:
+                xp.add(w, half, out=q[lo : lo + k * mblock], casting="unsafe")
+            else:  # two codes per byte, the even index high: 16·(w₀ + 8) + (w₁ + 8), exact in float32
+                h = _workspace.get(xp, "m_h", k * mblock // 2, np.float32)
+                xp.multiply(w[0::2], _F32(16.0), out=h)
+                xp.add(h, w[1::2], out=h)
+                xp.add(h, _F32(136.0), out=q[lo // 2 : (lo + k * mblock) // 2], casting="unsafe")
+            continue
+        xp.divide(src.reshape(k, mblock), am[:, None], out=w2)
         if bits == 8:
-            dst = q[lo : lo + k * mblock]
+            _nearest_into(xp, w, _qmap(xp, bits), q[lo : lo + k * mblock])
         else:
-            dst = c = _workspace.get(xp, "m_c", k * mblock, np.uint8)
-        if codes is None:
-            _nearest_into(xp, w, _qmap(xp, bits), dst)
-        else:
-            xp.copyto(dst, codes, casting="unsafe")
-        if bits == 4:
+            c = _workspace.get(xp, "m_c", k * mblock, np.uint8)
+            _nearest_into(xp, w, _qmap(xp, bits), c)
             out = q[lo // 2 : (lo + k * mblock) // 2]
             xp.left_shift(c[0::2], 4, out=out)
             xp.bitwise_or(out, c[1::2], out=out)
 
 
+# uf4 decode table: byte b -> ((b >> 4) − 8, (b & 15) − 8), the codes of elements 2i and 2i + 1
+_UF4_PAIRS = np.array([[(b >> 4) - 8, (b & 15) - 8] for b in range(256)], np.float32)
 _NEAREST_SUB = 1024  # NumPy: elements per _nearest call (its int64 temporaries stay a few KB)
 
 
@@ -222,7 +240,17 @@ def m_decode(xp, q, scale, out, *, mblock: int, fmt: str) -> None:
         cnt = max(0, min(n, b1 * mblock) - lo)
         if cnt == 0:
             continue
-        w = _workspace.get(xp, "m_w", k * mblock, np.float32)
+        full = cnt == k * mblock
+        w = out[lo : lo + cnt] if full else _workspace.get(xp, "m_w", k * mblock, np.float32)
+        w2 = w.reshape(k, mblock)
+        if fmt == "uf4" and xp is np:  # a table of the two signed codes of each byte: one gather
+            idx = _workspace.get(xp, "m_idx", k * mblock // 2, np.intp)
+            idx[...] = q[lo // 2 : (lo + k * mblock) // 2]
+            np.take(_UF4_PAIRS, idx, axis=0, out=w.reshape(-1, 2), mode="clip")
+            xp.multiply(w2, (scale[b0:b1] / _F32(8.0))[:, None], out=w2)
+            if not full:
+                out[lo : lo + cnt] = w[:cnt]
+            continue
         if bits == 8:
             codes = q[lo : lo + k * mblock]
         else:
@@ -230,11 +258,9 @@ def m_decode(xp, q, scale, out, *, mblock: int, fmt: str) -> None:
             qb = q[lo // 2 : (lo + k * mblock) // 2]
             xp.right_shift(qb, 4, out=codes[0::2])
             xp.bitwise_and(qb, 0x0F, out=codes[1::2])
-        w2 = w.reshape(k, mblock)
         if fmt in ("uf8", "uf4"):
             half = _F32(128.0 if fmt == "uf8" else 8.0)
-            w[...] = codes
-            xp.subtract(w, half, out=w)
+            xp.subtract(codes, half, out=w, dtype=np.float32)
             xp.multiply(w2, (scale[b0:b1] / half)[:, None], out=w2)
         else:
             if xp is np:  # codes are always valid indices: mode="clip" takes them as they are, and unlike the
@@ -245,4 +271,5 @@ def m_decode(xp, q, scale, out, *, mblock: int, fmt: str) -> None:
             else:
                 xp.take(_qmap(xp, bits), codes, out=w)
             xp.multiply(w2, scale[b0:b1, None], out=w2)
-        out[lo : lo + cnt] = w[:cnt]
+        if not full:
+            out[lo : lo + cnt] = w[:cnt]

@@ -117,7 +117,7 @@ def test_matches_float64_reference(cfg, shape, dtype):
         assert err <= f32_bound(ref, dtot, STEPS), (err, f32_bound(ref, dtot, STEPS))
 
 
-@pytest.mark.parametrize("shape", [(3, 300, 200), (2, 70000), (70000, 2), (200000,), (4000, 5, 6)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 300, 200), (2, 70000), (70000, 2), (200000,), (5000, 5, 6)], ids=str)
 def test_blocked_paths_match_reference(shape):
     """Row blocks of large matrices, groups of small matrices and flat blocks of long vectors."""
     assert math.prod(shape) > _adafactor_math.BLOCK

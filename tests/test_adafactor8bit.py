@@ -162,6 +162,111 @@ def test_default_factored_path_against_float64_reference():
     np.testing.assert_allclose(p, p64.ravel(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("fira", [False, True])
+def test_lag_norm_against_float64_reference(fira):
+    """``lag_norm``: step t clips with step t − 1's RMS(U) (no clip at t = 1) and, with Fira, uses step t − 1's
+    limiter factor; written independently in float64 (factored, relative step, parameter scaling, decay)."""
+    shape = (6, 5, 7)
+    p = rng_arrays(0, shape, scale=0.1)
+    p64 = p.astype(np.float64).reshape(shape)
+    rv, cv = np.zeros((6, 5, 1)), np.zeros((6, 1, 7))
+    opt = flatopt.Adafactor8Bit(weight_decay=0.1, lag_norm=True, enable_fira_for_adafactor=fira, d=0.5)
+    prev_norm, prev_fira, fira_prev = 0.0, 1.0, None
+    for t in range(1, 7):
+        g = rng_arrays(t, shape) * (3.0 if t % 2 else 0.2)  # norms that jump: the limiter and clip both act
+        opt.step("w", shape, p, g)
+        g64 = g.astype(np.float64).reshape(shape)
+        b = t**-0.8
+        alpha = min(1e-2, 1 / math.sqrt(t)) * max(math.sqrt(np.mean(p64**2)), 1e-3)
+        rv = (1 - b) * rv + b * (np.mean(g64**2, axis=-1, keepdims=True) + 1e-30)
+        cv = (1 - b) * cv + b * (np.mean(g64**2, axis=-2, keepdims=True) + 1e-30)
+        u = g64 / np.sqrt(rv / np.mean(rv, axis=-2, keepdims=True) * cv)
+        norm = math.sqrt(np.sum(u**2))
+        f = 1.0
+        if fira:
+            f = prev_fira
+            if fira_prev is None:  # Fira: the first norm is taken as is; then growth ≤ 1.01 per step
+                new_f, fira_prev = 1.0, norm
+            else:
+                new_f = 1.0 / (max(norm / (fira_prev + 1e-8), 1.01) / 1.01)
+                fira_prev = norm * new_f
+            prev_fira = new_f
+        clip = max(1.0, prev_norm / math.sqrt(u.size) / 0.5)
+        prev_norm = norm
+        p64 = p64 * (1 - alpha * 0.1) - alpha * f / clip * u
+    np.testing.assert_allclose(p, p64.ravel(), rtol=2e-5, atol=1e-7)
+    sd = opt.state_dict()
+    assert "prev_update_norm/w" in sd.buffers and ("lag_fira_scale/w" in sd.buffers) == fira
+
+
+PATHS = {  # every blocked path, quantized (block sizes that do not divide the rows, uf4 packing) and not
+    "factored": dict(),
+    "factored_m_fira_max": dict(beta1=0.9, enable_fira_for_adafactor=True, maximize=True, weight_decay=0.01),
+    "came": dict(CAME, m_quant_type="uf4", v_quant_type="al16"),
+    "adam": dict(ADAM, m_quant_type="d8"),
+    "momentum_only": dict(factored=False, beta1=0.9, d=1.0, enable_fira_for_adafactor=True),
+    "sgd": dict(beta1=0.9, beta2=None, beta2_decay=None, relative_step=False, d=1.0, lr=0.01),
+    "lag": dict(beta1=0.9, lag_norm=True),
+}
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch):
+    """A parameter above ``SPLIT_MIN`` steps with its ranges/blocks on all threads; one below steps whole on one
+    thread; the serial driver runs the same phases inline.  All three give the same bits (every reduction is per
+    block and folded in block order), also with a block size that does not divide the rows."""
+    from flatopt import _adafactor_math, _parallel
+    from flatopt import adafactor8bit as a8
+
+    shape = (3, 301, 157)  # 141 771 elements: above SPLIT_MIN
+    assert math.prod(shape) >= a8.SPLIT_MIN
+    monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)  # threads even for this size,
+    monkeypatch.setattr(_adafactor_math, "TASK", 1 << 15)  # with several tasks per factored pass
+    seen, run_jobs = [], _parallel.run_jobs
+
+    def spy(jobs, pool):  # the phases were handed to more than one thread (which thread claims what may vary)
+        seen.append(len(jobs))
+        return run_jobs(jobs, pool)
+
+    monkeypatch.setattr(_parallel, "run_jobs", spy)
+    cfg = dict(PATHS[name], quantize=quantize, block_size=384, m_block_size=96)
+    outs = []
+    for i, (threads, split_min) in enumerate((("2", a8.SPLIT_MIN), ("1", a8.SPLIT_MIN), ("2", 1 << 30))):
+        monkeypatch.setenv("FLATOPT_NUM_THREADS", threads)
+        monkeypatch.setattr(a8, "SPLIT_MIN", split_min)
+        seen.clear()
+        p = rng_arrays(0, shape, scale=0.1)
+        opt = flatopt.Adafactor8Bit(**cfg)
+        for t in range(3):
+            opt.step("w", shape, p, rng_arrays(1 + t, shape))
+        outs.append((p, opt.state_dict()))
+        if i == 0:
+            assert seen and max(seen) == 2, "the split step did not run on two threads"
+    for p, sd in outs[1:]:
+        assert_bits_equal(p, outs[0][0], name)
+        assert_states_equal(sd, outs[0][1])
+
+
+def test_options_of_the_original_that_do_not_apply_are_accepted():
+    """``stochastic_round_writeback`` (BF16/FP16 parameters in the original; flatopt's are float32/float64, whose
+    write-back is exact) and ``warmup_multiplier`` (a CUDA-allocator priming trick) are accepted, validated, and
+    change nothing."""
+    shape = (40, 30)
+    outs = []
+    for kw in ({}, dict(stochastic_round_writeback=True, warmup_multiplier=3)):
+        p = rng_arrays(0, shape, scale=0.1)
+        opt = flatopt.Adafactor8Bit(beta1=0.9, **kw)
+        for t in range(3):
+            opt.step("w", shape, p, rng_arrays(1 + t, shape))
+        outs.append(p)
+    assert_bits_equal(outs[1], outs[0], "options without effect")
+    with pytest.raises(ValueError, match="warmup_multiplier"):
+        flatopt.Adafactor8Bit(warmup_multiplier=-1)
+    with pytest.raises(TypeError, match="stochastic_round_writeback"):
+        flatopt.Adafactor8Bit(stochastic_round_writeback=1)
+
+
 # --------------------------------------------------------------------------- state layout and resume
 def test_state_dict_holds_codes_and_resumes_bit_exactly():
     cfgs = dict(beta1=0.9, apollo_rank=3, block_size=128, m_block_size=32, min_8bit_size=0,
@@ -195,7 +300,9 @@ def test_state_dict_holds_codes_and_resumes_bit_exactly():
         assert_bits_equal(a[n], bprm[n], n)
     assert_states_equal(opt_a.state_dict(), opt_c.state_dict())
     other = flatopt.Adafactor8Bit(**dict(cfgs, block_size=256))
-    assert other.load_state_dict(sd) is False, "a block-size change must not load silently"
+    assert other.load_state_dict(sd, migrate=False) is False, "a block-size change must not load silently"
+    with pytest.warns(flatopt.adafactor8bit.StateMigrationWarning):  # migrated (tests/test_a8_migrate.py)
+        assert other.load_state_dict(sd) is True
 
 
 # ----------------------------------------------------------------------------------- per-group options
@@ -339,3 +446,28 @@ def test_apollo_seeds_and_refresh_schedule():
     assert calls[::2] == [1, 1, 1, 1001, 1001, 1001, 2001] and calls[1::2] == [2, 2, 2, 1002, 1002, 1002, 2002]
     oracle = pytest.importorskip("adafactor8bit.optimizer")
     assert oracle.next_seed(1) == 505211975917066638
+
+
+def test_restore_hparams_restores_the_step_configuration():
+    """``load_state_dict(restore_hparams=True)`` restores the base options and the group overrides (for groups
+    with the same selector description), and the loaded parameters step with them: the continued run equals the
+    saving optimizer's, bit for bit."""
+    groups = lambda wd: [(Select(patterns=["b*"], description="biases"), dict(weight_decay=wd, quantize=False))]  # noqa: E731
+    shapes = {"w": (40, 30), "bias": (30,)}
+    a = flatopt.Adafactor8Bit(beta1=0.9, weight_decay=0.1, min_8bit_size=0, block_size=128, m_block_size=32,
+                              groups=groups(0.05))
+    params = {n: rng_arrays(i, s, scale=0.1) for i, (n, s) in enumerate(shapes.items())}
+    for t in range(2):
+        for n, s in shapes.items():
+            a.step(n, s, params[n], rng_arrays(10 + t, s))
+    b = flatopt.Adafactor8Bit(beta1=0.5, weight_decay=0.0, min_8bit_size=0, block_size=128, m_block_size=32,
+                              groups=groups(0.0))
+    assert b.load_state_dict(a.state_dict(), restore_hparams=True)
+    assert b.config_for("bias", (30,)).weight_decay == 0.05 and b.config.beta1 == 0.9
+    pb = {n: p.copy() for n, p in params.items()}
+    for t in range(2, 4):
+        for n, s in shapes.items():
+            a.step(n, s, params[n], rng_arrays(10 + t, s))
+            b.step(n, s, pb[n], rng_arrays(10 + t, s))
+    for n in shapes:
+        assert_bits_equal(pb[n], params[n], n)

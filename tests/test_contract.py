@@ -153,6 +153,9 @@ def test_load_rejects_other_algorithm_and_other_shapes(spec):
         st_other = o.state_dict()
         if st_other.algorithm == mine.algorithm and st_other.config_key == mine.config_key:
             continue
+        if st_other.algorithm == mine.algorithm == "adafactor8bit":  # another layout migrates by default (with a
+            assert opt.load_state_dict(st_other, migrate=False) is False, other_name  # warning; test_a8_migrate)
+            continue
         assert opt.load_state_dict(st_other) is False, other_name
         assert_states_equal(opt.state_dict(), mine)
     assert opt.load_state_dict("not a state") is False

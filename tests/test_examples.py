@@ -61,16 +61,41 @@ def test_warmup_clip_skip_skips_poisoned_steps_and_learns():
     assert np.mean(out["losses"][-10:]) < 0.5 * np.mean(out["losses"][:10])
 
 
-def test_adafactor8bit_digits_quantized_learns_and_is_leaner():
+def test_adafactor8bit_digits_reaches_fp32_loss_within_a_few_percent():
+    """The claim of examples/adafactor8bit_digits.py at a small size: hidden 64 (both hidden matrices quantized with
+    --min-8bit-size 1024; only their first moment is 8-bit, uf8), 12 epochs, seeds 0-2, losses on the whole
+    training set and on the held-out set averaged over the last 3 epochs, relative to float32 of the same seed.
+
+    Tolerances, from 16 seeds measured at exactly this size:
+    * fp32 against itself (mini-batches reshuffled) differs by a median |Δ| of 3.1 % (train) / 2.6 % (held-out), at
+      most 7.6 % / 16 %; "within a few percent" is taken as twice the typical difference: |median Δ| ≤ 6 %;
+    * 8-bit (uf8 momentum) measured median +2.9 % / +2.0 % (range −2.6..+18.5 % / −0.7..+7.1 %; seeds 0-2 give
+      +2.8 % / +0.6 %); a median of 3 seeds exceeds 6 % only if two of them do, and 3 of the 16 seeds did;
+    * a coarser first-moment code (uf4) measured +32 % / +14 % median and fails, so the bound sees a degraded codec;
+    * with Dettmers' d8 code (keeps small momentum entries, which uf8 rounds to zero: the cause of uf8's small cost)
+      every one of the 16 seeds was within 1.3 % / 1.4 % of fp32; bound 2.5 % per seed.
+    """
     pytest.importorskip("sklearn")
     _load("train_digits")
     mod = _load("adafactor8bit_digits")
-    results = {r["name"]: r for r in mod.main(["--epochs", "3", "--hidden", "64", "--min-8bit-size", "1024"])}
-    for r in results.values():  # the APOLLO hybrid starts slowest: at this tiny size it only has to learn
+    res = mod.main(["--seeds", "3", "--epochs", "12", "--last", "3", "--hidden", "64", "--min-8bit-size", "1024",
+                    "--variants", "8-bit,8-bit d8 momentum", "--preset-epochs", "3"])
+    runs, gaps = res["runs"], res["gaps"]
+    for k in ("train", "test"):
+        assert abs(np.median(gaps["8-bit"][k])) <= 6.0, (k, gaps["8-bit"][k])
+        assert max(abs(g) for g in gaps["8-bit d8 momentum"][k]) <= 2.5, (k, gaps["8-bit d8 momentum"][k])
+    for name, rs in runs.items():
+        for r in rs:  # every run learns: training loss at the end well below after the first epoch
+            assert r["train_losses"][-1] < 0.3 * r["train_losses"][0], name
+            assert r["test_acc"] > 0.9, (name, r["test_acc"])
+    # what the example says is stored in 8 bits at this size: only the first moment of the two hidden matrices
+    assert mod.stored_8bit(runs["8-bit"][0]["state"]) == {"layer0.weight": ["m"], "layer1.weight": ["m"]}
+    assert runs["8-bit"][0]["state_bytes_per_param"] < 0.5 * runs["fp32"][0]["state_bytes_per_param"]
+    presets = {r["name"]: r for r in res["presets"]}
+    for r in presets.values():  # the APOLLO hybrid starts slowest: at this tiny size it only has to learn
         factor = 0.95 if r["name"].startswith("hybrid") else 0.7
         assert r["final_loss"] < factor * (sum(r["curve"][:5]) / 5), r["name"]
-    assert results["adafactor 8-bit"]["state_bytes_per_param"] < results["adafactor fp32"]["state_bytes_per_param"]
-    assert results["adamw-style 8-bit"]["state_bytes_per_param"] < 0.5 * results["adamw-style fp32"][
+    assert presets["adamw-style 8-bit"]["state_bytes_per_param"] < 0.5 * presets["adamw-style fp32"][
         "state_bytes_per_param"]
 
 

@@ -138,6 +138,7 @@ REF_CASES = [
     ((2, 3, 4), {"merge_dims": False}),  # the general k-mode path
     ((5, 1), {}),
     ((12, 3), {"max_size_triangular": 8}),  # a diagonal factor above the size limit
+    ((300, 270), {}),  # factors above _kron_blocked.LEAF: the blocked triangular/symmetric products
 ]
 
 
@@ -451,6 +452,31 @@ def test_non_finite_gradient_keeps_q():
         opt.step("w", (4, 3), p, g)
     for a, b in zip(opt.factors("w"), before):
         assert_bits_equal(a, b)
+
+
+@pytest.mark.parametrize("n,m", [(257, 40), (700, 300), (300, 700), (1030, 65)])
+def test_blocked_products_equal_the_full_ones(n, m):
+    """``_kron_blocked``: D·Q, T·X, X·T (upper and lower T) and the Gram matrices agree with the plain products to
+    float64 rounding; the zero block of D·Q is exactly zero and the Gram matrices are exactly symmetric."""
+    from flatopt import _kron_blocked as B
+
+    rng = np.random.default_rng(n)
+    q, d = np.triu(rng.standard_normal((n, n))), np.triu(rng.standard_normal((n, n)))
+    x, y = rng.standard_normal((n, m)), rng.standard_normal((m, n))
+
+    def close(got, want):
+        assert np.max(np.abs(got - want)) <= 1e-13 * np.max(np.abs(want))
+
+    uu = B.upper_upper(np, d, q, np.empty((n, n)))
+    close(uu, d @ q)
+    assert np.all(np.tril(uu, -1) == 0)
+    for t, lower in ((q, False), (q.T, True)):
+        close(B.tri_mul(np, t, x, np.empty((n, m)), left=True, lower=lower), t @ x)
+        close(B.tri_mul(np, t, y, np.empty((m, n)), left=False, lower=lower), y @ t)
+    for a, rows in ((x, True), (y, False)):
+        g = B.gram(np, a, np.empty((n, n)), rows)
+        close(g, a @ a.T if rows else a.T @ a)
+        assert np.array_equal(g, g.T)
 
 
 @pytest.mark.parametrize("d,n", [(1, 4), (7, 3), (33, 5), (100, 41), (130, 300)])

@@ -1,0 +1,93 @@
+"""A NumPy-backed stand-in for CuPy's array module, for tests on machines without a GPU.
+
+``xp = FakeDevice()`` is not ``numpy``, so flatopt takes its CuPy branches (one block per pass, data-dependent
+scalars kept as 0-d arrays); every array it returns is a :class:`DeviceArray`, which refuses the conversions that
+would synchronise a real device with the host (``bool``, ``float``, ``int``, ``item``, ``tolist``): a step that
+runs here without :class:`HostSync` keeps its scalars on the device.  What it cannot check: CUDA kernels (run the
+twins: ``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), streams, and CuPy's own API differences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class HostSync(AssertionError):
+    """A device value was read on the host."""
+
+
+class DeviceArray(np.ndarray):
+    def __array_wrap__(self, obj, context=None, return_scalar=False):  # 0-d results stay arrays (CuPy's rule)
+        return np.asarray(obj).view(DeviceArray)
+
+    def _sync(self, *_a, **_k):
+        raise HostSync("a device value was read on the host")
+
+    __bool__ = __float__ = __int__ = __complex__ = item = tolist = _sync
+
+
+def _wrap(r):
+    if isinstance(r, np.ndarray):
+        return r.view(DeviceArray)
+    if isinstance(r, np.generic):
+        return np.asarray(r).view(DeviceArray)
+    if isinstance(r, tuple):
+        return tuple(_wrap(x) for x in r)
+    return r
+
+
+class _Device:
+    id = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Cuda:
+    @staticmethod
+    def Device(_i=None):  # noqa: N802 - CuPy's name
+        return _Device()
+
+
+class _RandomState:  # CuPy's RandomState takes a dtype and 64-bit seeds (here folded to NumPy's 32 bits)
+    def __init__(self, seed=None):
+        self._rs = np.random.RandomState(None if seed is None else int(seed) % (1 << 32))
+
+    def standard_normal(self, size=None, dtype=float):
+        return _wrap(self._rs.standard_normal(size).astype(dtype))
+
+
+class _Random:
+    RandomState = _RandomState
+
+
+class FakeDevice:
+    """The array module (see the module documentation)."""
+
+    cuda = _Cuda()
+    random = _Random()
+    ndarray = DeviceArray
+
+    def __getattr__(self, name):
+        obj = getattr(np, name)
+        if callable(obj) and not isinstance(obj, type):
+            def call(*a, **k):
+                return _wrap(obj(*a, **k))
+            call.__name__ = name
+            return call
+        return obj
+
+    def asnumpy(self, a):
+        return np.asarray(a).view(np.ndarray).copy()
+
+
+def solve_triangular(a, b, trans=0, lower=False, check_finite=True):
+    """``cupyx.scipy.linalg.solve_triangular`` for the stand-in (a dense solve: tests only)."""
+    a = np.asarray(a).view(np.ndarray)
+    a = np.tril(a) if lower else np.triu(a)
+    if trans in ("T", 1):
+        a = a.T
+    return _wrap(np.linalg.solve(a.astype(np.float64), np.asarray(b).view(np.ndarray).astype(np.float64)).astype(b.dtype))
