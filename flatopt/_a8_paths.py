@@ -215,10 +215,21 @@ def _m_tasks(xp, cfg, st, g):
 def _factored(xp, cfg, st, p, g, b, sc, shape):
     """Factored second moment through Adafactor's blocked passes (``_adafactor_math.FactoredPasses``) with the
     original's factor EMA (lerp; requantized) and r̄ floor; Adam-style momentum (EMA of G, then normalised)."""
-    fp = fm.FactoredPasses(xp, st, p, shape)
-    if cfg.beta1 is None:  # U from G: ΣU² fused into the statistics pass
+    momentum = cfg.beta1 is not None
+    # a quantized m is updated block by block inside the statistics pass when the blocks meet its codec blocks
+    fp = fm.FactoredPasses(xp, st, p, shape, align=cfg.m_block_size if momentum and st.m is None else 1)
+    if not momentum:  # U from G: ΣU² fused into the statistics pass
         yield from _fused_stats(xp, cfg, st, fp, g, b)
         src, ssq_u = g, fp.fused_ssq()
+    elif fp.aligned:  # m ← lerp(m, G, 1 − β1) per block in the same pass, ΣU² from m fused too
+        src = st.m if st.m is not None else ws(xp, "a8.m_exact", p.size)
+
+        def m_block(lo, hi):
+            return S.ema_range(xp, st, "m", lo, hi, _src_chunk(xp, cfg, g, lo, hi), 1.0 - cfg.beta1, src[lo:hi],
+                               floor=0.0)
+
+        yield from _fused_stats(xp, cfg, st, fp, g, b, wsrc=m_block)
+        ssq_u = fp.fused_ssq()
     else:
         src, extra = _m_tasks(xp, cfg, st, g)
         yield from fp.stats(g, extra)
@@ -231,9 +242,10 @@ def _factored(xp, cfg, st, p, g, b, sc, shape):
     yield fp.apply(st, src, s, sc.decay(alpha), None, zero_nonfinite=cfg.enable_fira_for_adafactor)
 
 
-def _fused_stats(xp, cfg, st, fp, g, b):
+def _fused_stats(xp, cfg, st, fp, g, b, wsrc=None):
     """Phases: the factor statistics of G with the row EMA done block by block inside the pass (``FactoredPasses``'
-    fused mode: ΣU² and Σθ² come out of the same pass), then the column EMA and the factors."""
+    fused mode: ΣU² and Σθ² come out of the same pass; ``wsrc``: U's source per block, see ``stats``), then the
+    column EMA and the factors."""
     eps1 = eps1_of(cfg)
     bdim, r, c = fp.dims
     floor = quant.al_floor(eps1)
@@ -246,7 +258,7 @@ def _fused_stats(xp, cfg, st, fp, g, b):
         S.lerp_(xp, rb, sums, b, _workspace.get(xp, "a8.rows", sums.size, np.float32).reshape(sums.shape))
         return xp.divide(F32(1.0), rb, out=sums)
 
-    yield from fp.stats(g, rows=rows, need_rms=cfg.scale_parameter)
+    yield from fp.stats(g, rows=rows, need_rms=cfg.scale_parameter, wsrc=wsrc)
     S.store(xp, st, "row_var", R.reshape(-1), floor=floor)
     fp.colv += F32(eps1)
     C = S.ema(xp, st, "col_var", fp.colv.reshape(-1), b, floor=floor).reshape(bdim, c)

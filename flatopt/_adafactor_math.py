@@ -70,6 +70,7 @@ class Work:
     rsum: object = None  # (B, r): row sums of the column-scaled blocks (for ΣU²)
     wpart: object = None  # like colpart: per-block Σ_i x²/R_i (fused statistics), allocated when first used
     wsum: object = None  # (B, c): W = Σ_i x²/R_i
+    align: int = 1  # the block alignment this scratch was laid out for
     su: list = None  # ΣU² of each block
     sp: list = None  # Σθ² of each block
 
@@ -80,23 +81,35 @@ def factor_dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def blocks(bdim: int, r: int, c: int, limit: int) -> tuple[tuple[int, int, int, int, int, int], ...]:
+def blocks(bdim: int, r: int, c: int, limit: int, align: int = 1) -> tuple[tuple[int, int, int, int, int, int], ...]:
     """Contiguous blocks ``(lo, hi, b0, b1, i0, i1)`` of a (B, r, c) tensor: whole matrices b0:b1 (rows 0:r) when a
-    matrix fits in ``limit`` elements, otherwise rows i0:i1 of matrix b0 (b1 = b0 + 1)."""
+    matrix fits in ``limit`` elements, otherwise rows i0:i1 of matrix b0 (b1 = b0 + 1).  With ``align``, the counts
+    of matrices or rows per block are rounded to multiples that make the block starts multiples of ``align`` where
+    that costs at most a block of 4·``limit`` elements (``aligned`` tells)."""
     out = []
     mat = r * c
     if mat <= limit:
         k = max(1, limit // max(mat, 1))
+        step = align // math.gcd(mat, align) if mat else 1
+        if step * mat <= 4 * limit:
+            k = max(step, k // step * step)
         for b0 in range(0, bdim, k):
             b1 = min(b0 + k, bdim)
             out.append((b0 * mat, b1 * mat, b0, b1, 0, r))
     else:
         rows = max(1, limit // c)
+        step = align // math.gcd(c, align)
+        if step * c <= 4 * limit:
+            rows = max(step, rows // step * step)
         for b in range(bdim):
             for i0 in range(0, r, rows):
                 i1 = min(i0 + rows, r)
                 out.append((b * mat + i0 * c, b * mat + i1 * c, b, b + 1, i0, i1))
     return tuple(out)
+
+
+def aligned(bl, align: int) -> bool:
+    return all(b[0] % align == 0 for b in bl)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -131,11 +144,11 @@ def _mergeable(a, b, r: int) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(bdim: int, r: int, c: int, limit: int, window: int, task: int, sup: int):
+def plan(bdim: int, r: int, c: int, limit: int, window: int, task: int, sup: int, align: int = 1):
     """The block schedule of a factored shape: ``(blocks, pass-1 runs per window, runs)``; a run is
     ``(cost, k0, k1, supers)`` and a super ``(lo, hi, b0, b1, i0, i1, ka, kb)`` covers blocks ka:kb (merged
     while they stay one contiguous 3-D view of at most ``sup`` elements)."""
-    bl = blocks(bdim, r, c, limit)
+    bl = blocks(bdim, r, c, limit, align)
     sizes = _sizes(bl)
 
     def with_supers(rs):
@@ -202,14 +215,14 @@ def _kmax(bl) -> int:
     return max(b[3] - b[2] for b in bl) if bl else 1
 
 
-def make_work(xp, shape: tuple[int, ...], dtype) -> Work:
+def make_work(xp, shape: tuple[int, ...], dtype, align: int = 1) -> Work:
     bdim, r, c = factor_dims(shape)
-    bl = blocks(bdim, r, c, _limit(xp, math.prod(shape))) if bdim else ()
+    bl = blocks(bdim, r, c, _limit(xp, math.prod(shape)), align) if bdim else ()
     kmax = _kmax(bl)
     window = max(1, min(len(bl), PARTS // max(kmax * c, 1)))
     return Work(xp.empty((bdim, r), dtype), xp.empty((bdim, c), dtype), xp.empty((window * kmax, c), dtype),
                 xp.empty((bdim, 1), dtype), rowsq=xp.empty((bdim, r), dtype), rsum=xp.empty((bdim, r), dtype),
-                su=[None] * len(bl), sp=[None] * len(bl))
+                su=[None] * len(bl), sp=[None] * len(bl), align=align)
 
 
 def fold(parts: list, acc):
@@ -226,17 +239,19 @@ class FactoredPasses:
     ``apply`` (θ ← θ·decay − s·U).  ``factored_phases`` composes them for Adafactor; ``flatopt._a8_paths`` composes
     them for the 8-bit Adafactor and CAME."""
 
-    def __init__(self, xp, st, p, shape):
+    def __init__(self, xp, st, p, shape, align: int = 1):
         self.xp, self.p = xp, p
         bdim, r, c = self.dims = factor_dims(shape)
         limit = _limit(xp, p.size)
         w = st.work
-        if w is None or w.rowv is None or w.rowv.shape != (bdim, r):
-            w = st.work = make_work(xp, shape, p.dtype)
+        if w is None or w.rowv is None or w.rowv.shape != (bdim, r) or w.align != align:
+            w = st.work = make_work(xp, shape, p.dtype, align)
         self.w, self.rowv, self.colv = w, w.rowv, w.colv
-        self.kmax = _kmax(blocks(bdim, r, c, limit))
+        self.kmax = _kmax(blocks(bdim, r, c, limit, align))
         self.window = w.colpart.shape[0] // self.kmax
-        self.bl, self.wins, self.runs = plan(bdim, r, c, limit, self.window, TASK, SUPER if xp is np else limit)
+        self.bl, self.wins, self.runs = plan(bdim, r, c, limit, self.window, TASK, SUPER if xp is np else limit,
+                                             align)
+        self.aligned = aligned(self.bl, align)  # every block starts at a multiple of ``align``
         self.big = max(s[1] - s[0] for run in self.runs for s in run[3])
         self.shared = None if xp is np else _buffers(xp, self.big, p.dtype)  # CuPy: one block, per step
         self.ssq_u = self.ssq_p = None
@@ -244,7 +259,7 @@ class FactoredPasses:
     def _bufs(self):
         return self.shared or _buffers(np, self.big, self.p.dtype)
 
-    def stats(self, x, extra=(), *, rows=None, need_rms: bool = False):
+    def stats(self, x, extra=(), *, rows=None, need_rms: bool = False, wsrc=None):
         """Phases: colv ← mean_i x², rowv ← mean_j x² (row sums per block; column sums per block, folded in block
         order by windows of ``PARTS`` elements); ``extra`` tasks join the first phase.
 
@@ -252,7 +267,9 @@ class FactoredPasses:
         with s the block's row sums (a view of rowv); it must make the rows' new statistic R from them (kept where
         the caller keeps R) and return 1/R in s.  The task then also sums W_j = Σ_i x_ij²/R_i per block, so that
         ``fused_ssq`` gives ΣU² = Σ_b r̄_b·Σ_j c_bj²·W_bj (r_i² = r̄/R_i) without another pass over x; and, with
-        ``need_rms``, Σθ² per block (into ``ssq_p``).  rowv then holds 1/R, not the means."""
+        ``need_rms``, Σθ² per block (into ``ssq_p``).  rowv then holds 1/R, not the means.  ``wsrc(lo, hi)``
+        (fused mode, ``aligned`` blocks) returns, per block, the values U is formed from instead of x (e.g. a first
+        moment updated block by block in this same pass); W then sums their squares."""
         xp, bl, kmax, window, p = self.xp, self.bl, self.kmax, self.window, self.p
         _, r, c = self.dims
         w = self.w
@@ -272,6 +289,11 @@ class FactoredPasses:
                     _row_col_sumsq(xp, x[lo:hi].reshape(s3.shape), rowv[b0:b1, i0:i1], colpart[j:j + b1 - b0], s3)
                     if fused:
                         inv = rows(b0, b1, i0, i1, rowv[b0:b1, i0:i1])
+                        if wsrc is not None:  # W from another source's squares (the statistics came from x)
+                            u3 = self._bufs()[0][: hi - lo].reshape(s3.shape)
+                            src = wsrc(lo, hi).reshape(s3.shape)
+                            xp.multiply(src, src, out=u3)
+                            s3 = u3
                         _weighted_col_sums(xp, inv, s3, w.wpart[j:j + b1 - b0])
                     if need_rms:
                         sp[k] = sumsq(xp, p[lo:hi], sq[: hi - lo])
@@ -369,11 +391,18 @@ class FactoredPasses:
         """Tasks: out ← x·row factor·column factor (elementwise, any cut gives the same bits)."""
         u_block = self._u_block(x)
 
+        xp, rowv, colv, c = self.xp, self.rowv, self.colv, self.dims[2]
+
         def run_(supers):
             def run():
                 ubuf = self._bufs()[0]
-                for s in supers:
-                    out[s[0]:s[1]] = u_block(ubuf, *s)
+                for lo, hi, b0, b1, i0, i1, *_ in supers:
+                    if xp is not np:
+                        out[lo:hi] = u_block(ubuf, lo, hi, b0, b1, i0, i1)
+                        continue
+                    v3 = ubuf[: hi - lo].reshape(b1 - b0, i1 - i0, c)
+                    np.multiply(x[lo:hi].reshape(v3.shape), colv[b0:b1, None, :], out=v3)
+                    np.einsum("bij,bi->bij", v3, rowv[b0:b1, i0:i1], out=out[lo:hi].reshape(v3.shape))
             return run
         return [(cost, run_(supers)) for cost, _, _, supers in self.runs]
 

@@ -178,7 +178,10 @@ def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
             w[:cnt] = m[lo : lo + cnt]
             w[cnt:] = 0.0
         xp.abs(src, out=a)
-        am = xp.maximum(a.reshape(k, mblock).max(axis=1), _F32(1e-12))
+        if xp is np:  # non-negative floats order as their bit patterns: an int32 max is faster (NaN stays NaN)
+            am = np.maximum(a.view(np.int32).reshape(k, mblock).max(axis=1).view(np.float32), _F32(1e-12))
+        else:
+            am = xp.maximum(a.reshape(k, mblock).max(axis=1), _F32(1e-12))
         scale[b0:b1] = am
         w2 = w.reshape(k, mblock)
         if fmt in ("uf8", "uf4"):
@@ -187,7 +190,11 @@ def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
             xp.divide(src.reshape(k, mblock), (am / half)[:, None], out=w2)
             xp.rint(w, out=w)
             xp.minimum(w, half - _F32(1.0), out=w)  # |m/absmax| ≤ 1: only +half needs the clamp
-            if bits == 8:
+            if bits == 8 and xp is np:  # w ∈ [−128, 127]: as int8, then the sign bit flipped = w + 128 as uint8
+                dst = q[lo : lo + k * mblock]
+                np.copyto(dst.view(np.int8), w, casting="unsafe")
+                np.bitwise_xor(dst, np.uint8(128), out=dst)
+            elif bits == 8:
                 xp.add(w, half, out=q[lo : lo + k * mblock], casting="unsafe")
             else:  # two codes per byte, the even index high: 16·(w₀ + 8) + (w₁ + 8), exact in float32
                 h = _workspace.get(xp, "m_h", k * mblock // 2, np.float32)
