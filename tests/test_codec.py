@@ -155,6 +155,37 @@ def test_m_codes_equal_the_original(oracle, n, seed, fmt):
     assert np.array_equal(out, ref)
 
 
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 77])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_codes_equal_the_original_on_whole_chunks(oracle, n, zeros):
+    """The NumPy codec's whole-chunk paths (no padding copy; AL's no-zero fast path; uf8's int8 + xor, uf4's
+    arithmetic packing) against the original encoder, on sizes that fill its chunks and one that does not."""
+    import torch
+
+    rng = np.random.default_rng(n + zeros)
+    v = (rng.random(n, dtype=np.float32) ** 6) * np.float32(1e-3)
+    m = rng.standard_normal(n).astype(np.float32)
+    if zeros:
+        v[rng.random(n) < 0.05] = 0
+        m[rng.random(n) < 0.05] = 0
+    for fmt in quant.AL_FORMATS:
+        q_t, s_t, ml_t, _, _ = oracle._log_quantize_nonneg(torch.from_numpy(v), 2048,
+                                                           n_levels=256 if fmt == "al8" else 65536)
+        q, sc, ml = quant.al_init(np, n, 2048, fmt)
+        quant.al_encode(np, v, q, sc, ml, block=2048, fmt=fmt, floor=quant.al_floor(1e-30))
+        assert np.array_equal(q_t.numpy().ravel().view(quant.AL_DTYPES[fmt]), q), fmt
+        assert np.array_equal(s_t.numpy(), sc) and np.array_equal(ml_t.numpy(), ml), fmt
+    for fmt in ("uf8", "uf4", "d8"):
+        q_t, s_t = oracle._m_quantize(torch.from_numpy(m), fmt, 256)
+        q, sc = quant.m_init(np, n, 256, fmt)
+        quant.m_encode(np, m, q, sc, mblock=256, fmt=fmt)
+        assert np.array_equal(q_t.numpy(), q) and np.array_equal(s_t.numpy(), sc), fmt
+        out = np.empty_like(m)
+        quant.m_decode(np, q, sc, out, mblock=256, fmt=fmt)
+        ref = oracle._m_dequantize(q_t, s_t, n, (n,), 256, "cpu", fmt, use_cuda=False).numpy()
+        assert np.array_equal(out, ref), fmt
+
+
 def test_dynamic_maps_equal_the_original(oracle):
     assert np.array_equal(quant.dynamic_map(8), oracle._create_dynamic_map(True, 7, 8).numpy())
     assert np.array_equal(quant.dynamic_map(4), oracle._create_dynamic_map(True, 3, 4).numpy())
