@@ -2,7 +2,7 @@
 Adam-style) and SGD, plus the helpers the APOLLO path shares (α, the gradient copy, the clip, the m EMA).
 
 Formulas: ``reference/adafactor8bit.md`` §4–§5 (the original's pure-PyTorch path, float32).  Each path is a
-generator of *phases* in the manner of ``flatopt._adafactor_math``: the factored paths (Adafactor and CAME) are
+generator of *phases* (``flatopt._blocks``): the factored paths (Adafactor and CAME) are
 composed from Adafactor's own blocked passes (``FactoredPasses``: row/column statistics, factors, ΣU², apply) with
 the 8-bit factor EMA (lerp, requantized) plugged in; the elementwise states (V, m) are updated over ranges aligned
 to the codec blocks (``_a8_state.ema_range``), so ranges run on any thread and every reduction is folded in range
@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _a8_state as S
 from . import _adafactor_math as fm
+from . import _blocks
 from . import _fira, _workspace, quant
 
 F32 = np.float32
@@ -89,11 +90,11 @@ TASK = 1 << 16
 
 def update(xp, cfg, st, p, g, *, t: int, lr, shape) -> None:
     """One non-APOLLO step of Adafactor8Bit on the flat buffers ``p`` (in place) and ``g`` (all phases inline)."""
-    fm.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr, shape=shape))
+    _blocks.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr, shape=shape))
 
 
 def phases(xp, cfg, st, p, g, *, t: int, lr, shape):
-    """One non-APOLLO step as a generator of phases of independent tasks (``flatopt._adafactor_math``): lists of
+    """One non-APOLLO step as a generator of phases of independent tasks (``flatopt._blocks``): lists of
     ``(cost, fn)`` over disjoint ranges, with the small serial work (factor EMAs, scalars) between them.  Every
     reduction is per range and folded in range order, so the bits do not depend on the threads.  Full-size
     scratch (the update, an exact quantized first moment) is the calling thread's workspace: run one such step
@@ -392,9 +393,9 @@ def _flat(xp, cfg, st, p, g, b, sc, *, sgd: bool, adam: bool):
                 pb -= u
                 return
             if need_norm or mo1d:
-                su[k] = fm.sumsq(xp, u, None)
+                su[k] = _blocks.sumsq(xp, u, None)
             if cfg.scale_parameter:
-                sp[k] = fm.sumsq(xp, p[lo:hi], None)
+                sp[k] = _blocks.sumsq(xp, p[lo:hi], None)
         return run
 
     def _m_range(lo, hi, x):
@@ -404,10 +405,10 @@ def _flat(xp, cfg, st, p, g, b, sc, *, sgd: bool, adam: bool):
     yield [(c, pass1(k, lo, hi)) for k, (c, lo, hi) in enumerate(rng)]
     if one_pass:
         return
-    ssq_p = fm.fold(sp, F32(0.0)) if cfg.scale_parameter else None
+    ssq_p = _blocks.fold(sp, F32(0.0)) if cfg.scale_parameter else None
     d = cfg.d
     if mo1d:  # u ← u / max(1, RMS(u)/d); m ← lerp(m, u, 1 − β1); the step is m (no second clip)
-        clip = xp.maximum(xp.sqrt(xp.asarray(fm.fold(su, F32(0.0)), dtype=np.float32)) / F32(math.sqrt(n)) / F32(d),
+        clip = xp.maximum(xp.sqrt(xp.asarray(_blocks.fold(su, F32(0.0)), dtype=np.float32)) / F32(math.sqrt(n)) / F32(d),
                           F32(1.0)) if d > 0 else None
 
         def pass2(k, lo, hi):
@@ -419,12 +420,12 @@ def _flat(xp, cfg, st, p, g, b, sc, *, sgd: bool, adam: bool):
                 if m is not u:
                     u[...] = m
                 if cfg.enable_fira_for_adafactor:
-                    su[k] = fm.sumsq(xp, u, None)
+                    su[k] = _blocks.sumsq(xp, u, None)
             return run
 
         yield [(c, pass2(k, lo, hi)) for k, (c, lo, hi) in enumerate(rng)]
         d = 0.0
-    ssq_u = fm.fold(su, F32(0.0)) if (d > 0 or cfg.enable_fira_for_adafactor) else None
+    ssq_u = _blocks.fold(su, F32(0.0)) if (d > 0 or cfg.enable_fira_for_adafactor) else None
     alpha = sc.alpha(ssq_p)
     s = sc.step_scale(alpha, ssq_u, d=d)
     yield fm.apply_tasks(xp, st, p, [(c, ((lo, hi),)) for c, lo, hi in rng], lambda _, lo, hi: u_all[lo:hi],

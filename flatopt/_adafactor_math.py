@@ -17,45 +17,24 @@ factors, ΣU² of another source, U into a buffer, the update) for ``flatopt._a8
 On NumPy the sums use ``einsum``/``add.reduce`` loops (no BLAS: deterministic, independent of any thread count);
 block partials are added in block order.
 
-A block is either a group of whole matrices (small matrices of an N-D tensor) or a range of rows of one matrix, and
-always a contiguous range of the flat buffer.  The block layout depends only on the shape, so results are
-deterministic and independent of threads.  On NumPy the block buffers are per-thread scratch (``_workspace``)
-and the row/column vectors are kept in the state (never saved): after the first step of a name nothing is
-allocated.
-
-Threads: the step is written as a generator of *phases* (``factored_phases``/``unfactored_phases``).  Each phase is
-a list of ``(cost, fn)`` tasks over disjoint runs of consecutive blocks (about ``TASK`` elements each) that may run
-in any order on any thread; between two phases the generator does the small serial work (folds, the R/C update,
-the scalars) on the caller.  Every per-block reduction result (column sums of a block, ΣU² and Σθ² of a block) is
-written to its own slot, and the slots are folded afterwards in block order, exactly the serial loop's order: the
-bits are the same for any number of threads and any assignment of tasks to threads.  ``run_phased`` runs the
-phases of many steps together (one barrier per phase for the whole batch); ``run_serial`` runs one step inline.
-Column partials of pass 1 are kept for a window of at most ``PARTS`` elements at a time (folded after each window),
-so the extra scratch stays bounded.  On CuPy the whole tensor is one block and every data-dependent scalar (Σθ², α, ΣU², the clip factor)
-stays a 0-d device array: no host synchronisation.
+The block layout, the tasks and the phase runner are ``flatopt._blocks`` (bits independent of the threads: every
+per-block reduction has its own slot, folded in block order).  Column partials of the statistics pass are kept for
+a window of at most ``PARTS`` elements at a time (folded after each window), so the extra scratch stays bounded.
+On NumPy the block buffers are per-thread scratch (``_workspace``) and the row/column vectors are kept in the state
+(never saved): after the first step of a name nothing is allocated.  On CuPy the whole tensor is one block and
+every data-dependent scalar (Σθ², α, ΣU², the clip factor) stays a 0-d device array: no host synchronisation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
 
-from . import _parallel, _workspace
+from . import _blocks, _workspace
+from ._blocks import aligned, block_sizes, blocks, factor_dims, flat_blocks, fold, plan, runs, sumsq
 
-# Elements per block on NumPy: 512 KiB of float32, so a block, its two scratch blocks and the parameter's block stay
-# in a 2 MiB L2 cache (measured on the transformer-like benchmark: 1.4x faster than 128 KiB blocks, whose per-call
-# overhead dominated; 1 MiB blocks were no faster).
-BLOCK = 1 << 17
-# Elements per task of a blocked pass (a run of consecutive blocks handed to one thread at a time).
-TASK = 1 << 18
-# Elements of a merged run of consecutive blocks for the elementwise work of passes 2 and 3 (forming U, the update):
-# bits unchanged, they are per element; every reduction (row and column sums, ΣU², Σθ²) stays per block.
-SUPER = 1 << 17
-# Elements of pass-1 column partials kept per name at most (the window of blocks whose partials are folded at once).
-PARTS = 1 << 20
 
 
 @dataclasses.dataclass
@@ -73,121 +52,6 @@ class Work:
     align: int = 1  # the block alignment this scratch was laid out for
     su: list = None  # ΣU² of each block
     sp: list = None  # Σθ² of each block
-
-
-def factor_dims(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(B, r, c) of a factored shape: the last two dims are factored, the leading ones are a batch."""
-    return math.prod(shape[:-2]), shape[-2], shape[-1]
-
-
-@functools.lru_cache(maxsize=4096)
-def blocks(bdim: int, r: int, c: int, limit: int, align: int = 1) -> tuple[tuple[int, int, int, int, int, int], ...]:
-    """Contiguous blocks ``(lo, hi, b0, b1, i0, i1)`` of a (B, r, c) tensor: whole matrices b0:b1 (rows 0:r) when a
-    matrix fits in ``limit`` elements, otherwise rows i0:i1 of matrix b0 (b1 = b0 + 1).  With ``align``, the counts
-    of matrices or rows per block are rounded to multiples that make the block starts multiples of ``align`` where
-    that costs at most a block of 4·``limit`` elements (``aligned`` tells)."""
-    out = []
-    mat = r * c
-    if mat <= limit:
-        k = max(1, limit // max(mat, 1))
-        step = align // math.gcd(mat, align) if mat else 1
-        if step * mat <= 4 * limit:
-            k = max(step, k // step * step)
-        for b0 in range(0, bdim, k):
-            b1 = min(b0 + k, bdim)
-            out.append((b0 * mat, b1 * mat, b0, b1, 0, r))
-    else:
-        rows = max(1, limit // c)
-        step = align // math.gcd(c, align)
-        if step * c <= 4 * limit:
-            rows = max(step, rows // step * step)
-        for b in range(bdim):
-            for i0 in range(0, r, rows):
-                i1 = min(i0 + rows, r)
-                out.append((b * mat + i0 * c, b * mat + i1 * c, b, b + 1, i0, i1))
-    return tuple(out)
-
-
-def aligned(bl, align: int) -> bool:
-    return all(b[0] % align == 0 for b in bl)
-
-
-@functools.lru_cache(maxsize=4096)
-def flat_blocks(n: int, limit: int) -> tuple[tuple[int, int], ...]:
-    return tuple((lo, min(lo + limit, n)) for lo in range(0, n, limit))
-
-
-@functools.lru_cache(maxsize=4096)
-def runs(sizes: tuple[int, ...], k0: int, k1: int, task: int) -> tuple[tuple[int, int, int], ...]:
-    """``(cost, a, b)``: blocks k0:k1 cut into runs of consecutive blocks of about ``task`` elements."""
-    out = []
-    a, acc = k0, 0
-    for k in range(k0, k1):
-        acc += sizes[k]
-        if acc >= task or k == k1 - 1:
-            out.append((acc, a, k + 1))
-            a, acc = k + 1, 0
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=4096)
-def _sizes(bl: tuple) -> tuple[int, ...]:
-    return tuple(b[1] - b[0] for b in bl)
-
-
-def _mergeable(a, b, r: int) -> bool:
-    if a[1] != b[0]:
-        return False
-    if a[4] == 0 and a[5] == r and b[4] == 0 and b[5] == r:  # whole matrices
-        return True
-    return a[2] == b[2] and a[3] == b[3] and a[5] == b[4]  # rows of one matrix
-
-
-@functools.lru_cache(maxsize=1024)
-def plan(bdim: int, r: int, c: int, limit: int, window: int, task: int, sup: int, align: int = 1):
-    """The block schedule of a factored shape: ``(blocks, pass-1 runs per window, runs)``; a run is
-    ``(cost, k0, k1, supers)`` and a super ``(lo, hi, b0, b1, i0, i1, ka, kb)`` covers blocks ka:kb (merged
-    while they stay one contiguous 3-D view of at most ``sup`` elements)."""
-    bl = blocks(bdim, r, c, limit, align)
-    sizes = _sizes(bl)
-
-    def with_supers(rs):
-        out = []
-        for cost, k0, k1 in rs:
-            supers = []
-            ka = k0
-            for k in range(k0 + 1, k1 + 1):
-                if k < k1 and _mergeable(bl[k - 1], bl[k], r) and bl[k][1] - bl[ka][0] <= sup:
-                    continue
-                a, z = bl[ka], bl[k - 1]
-                supers.append((a[0], z[1], a[2], z[3], a[4], z[5], ka, k))
-                ka = k
-            out.append((cost, k0, k1, tuple(supers)))
-        return tuple(out)
-
-    wins = tuple(with_supers(runs(sizes, base, min(base + window, len(bl)), task))
-                 for base in range(0, len(bl), window))
-    return bl, wins, with_supers(runs(sizes, 0, len(bl), task))
-
-
-def _limit(xp, n: int) -> int:
-    return BLOCK if xp is np else max(n, 1)
-
-
-def _buffers(xp, size: int, dtype) -> tuple:
-    if xp is np:
-        return _workspace.get(np, "adafactor.u", size, dtype), _workspace.get(np, "adafactor.sq", size, dtype)
-    return xp.empty(size, dtype), xp.empty(size, dtype)
-
-
-def sumsq(xp, x, tmp):
-    """Σx² of a block (``tmp`` is a scratch block of the same size; NumPy needs none: einsum writes nothing)."""
-    if xp is np:
-        return np.einsum("i,i->", x, x)
-    if tmp is None:
-        tmp = _workspace.get(xp, "adafactor.sumsq", x.size, x.dtype)
-    xp.multiply(x, x, out=tmp)
-    return xp.sum(tmp)
 
 
 def _row_col_sumsq(xp, g3, rows, cols, s3):
@@ -217,19 +81,12 @@ def _kmax(bl) -> int:
 
 def make_work(xp, shape: tuple[int, ...], dtype, align: int = 1) -> Work:
     bdim, r, c = factor_dims(shape)
-    bl = blocks(bdim, r, c, _limit(xp, math.prod(shape)), align) if bdim else ()
+    bl = blocks(bdim, r, c, _blocks.limit(xp, math.prod(shape)), align) if bdim else ()
     kmax = _kmax(bl)
-    window = max(1, min(len(bl), PARTS // max(kmax * c, 1)))
+    window = max(1, min(len(bl), _blocks.PARTS // max(kmax * c, 1)))
     return Work(xp.empty((bdim, r), dtype), xp.empty((bdim, c), dtype), xp.empty((window * kmax, c), dtype),
                 xp.empty((bdim, 1), dtype), rowsq=xp.empty((bdim, r), dtype), rsum=xp.empty((bdim, r), dtype),
                 su=[None] * len(bl), sp=[None] * len(bl), align=align)
-
-
-def fold(parts: list, acc):
-    """acc + parts[0] + parts[1] + ... in block order (the serial loop's order)."""
-    for s in parts:
-        acc = acc + s
-    return acc
 
 
 class FactoredPasses:
@@ -242,22 +99,23 @@ class FactoredPasses:
     def __init__(self, xp, st, p, shape, align: int = 1):
         self.xp, self.p = xp, p
         bdim, r, c = self.dims = factor_dims(shape)
-        limit = _limit(xp, p.size)
+        limit = _blocks.limit(xp, p.size)
         w = st.work
         if w is None or w.rowv is None or w.rowv.shape != (bdim, r) or w.align != align:
             w = st.work = make_work(xp, shape, p.dtype, align)
         self.w, self.rowv, self.colv = w, w.rowv, w.colv
         self.kmax = _kmax(blocks(bdim, r, c, limit, align))
         self.window = w.colpart.shape[0] // self.kmax
-        self.bl, self.wins, self.runs = plan(bdim, r, c, limit, self.window, TASK, SUPER if xp is np else limit,
+        sup = _blocks.SUPER if xp is np else limit
+        self.bl, self.wins, self.runs = plan(bdim, r, c, limit, self.window, _blocks.TASK, sup,
                                              align)
         self.aligned = aligned(self.bl, align)  # every block starts at a multiple of ``align``
         self.big = max(s[1] - s[0] for run in self.runs for s in run[3])
-        self.shared = None if xp is np else _buffers(xp, self.big, p.dtype)  # CuPy: one block, per step
+        self.shared = None if xp is np else _blocks.buffers(xp, self.big, p.dtype)  # CuPy: one block, per step
         self.ssq_u = self.ssq_p = None
 
     def _bufs(self):
-        return self.shared or _buffers(np, self.big, self.p.dtype)
+        return self.shared or _blocks.buffers(np, self.big, self.p.dtype)
 
     def stats(self, x, extra=(), *, rows=None, need_rms: bool = False, wsrc=None):
         """Phases: colv ← mean_i x², rowv ← mean_j x² (row sums per block; column sums per block, folded in block
@@ -447,16 +305,16 @@ def factored_phases(xp, st, p, g, shape, *, beta: float, eps1: float, need_rms: 
 def unfactored_phases(xp, st, p, g, *, beta: float, eps1: float, need_rms: bool, scalars):
     """One unfactored step as a generator of phases: V ← β̂₂V + (1 − β̂₂)(G² + ε₁), U = G/√V."""
     n = p.size
-    bl = flat_blocks(n, _limit(xp, n))
+    bl = flat_blocks(n, _blocks.limit(xp, n))
     nb = len(bl)
     big = max(hi - lo for lo, hi in bl)
     dtype = p.dtype
-    shared = None if xp is np else _buffers(xp, big, dtype)
+    shared = None if xp is np else _blocks.buffers(xp, big, dtype)
     w = st.work
     if w is None or len(w.su) != nb:
         w = st.work = Work(None, None, None, None, su=[None] * nb, sp=[None] * nb)
     su, sp = w.su, w.sp
-    sizes = _sizes(bl)
+    sizes = block_sizes(bl)
     omb = 1.0 - beta
     v = st.exp_avg_sq
 
@@ -469,7 +327,7 @@ def unfactored_phases(xp, st, p, g, *, beta: float, eps1: float, need_rms: bool,
     # pass 1 (with pass 2 fused: the block of V is still in cache)
     def pass12(k0, k1):
         def run():
-            ubuf, sq = shared or _buffers(np, big, dtype)
+            ubuf, sq = shared or _blocks.buffers(np, big, dtype)
             for k in range(k0, k1):
                 lo, hi = bl[k]
                 s = sq[: hi - lo]
@@ -484,11 +342,12 @@ def unfactored_phases(xp, st, p, g, *, beta: float, eps1: float, need_rms: bool,
                     sp[k] = sumsq(xp, p[lo:hi], s)
         return run
 
-    yield [(cost, pass12(a, b)) for cost, a, b in runs(sizes, 0, nb, TASK)]
+    yield [(cost, pass12(a, b)) for cost, a, b in runs(sizes, 0, nb, _blocks.TASK)]
     ssq_u = fold(su, 0.0)
     ssq_p = fold(sp, 0.0) if need_rms else None
     step_scale, decay, beta1 = scalars(ssq_p, ssq_u, n)
-    yield apply_tasks(xp, st, p, [(cost, bl[a:b]) for cost, a, b in runs(sizes, 0, nb, TASK)], u_block, shared, big,
+    tasks = [(cost, bl[a:b]) for cost, a, b in runs(sizes, 0, nb, _blocks.TASK)]
+    yield apply_tasks(xp, st, p, tasks, u_block, shared, big,
                        dtype, step_scale, decay, beta1)
 
 
@@ -500,7 +359,7 @@ def apply_tasks(xp, st, p, task_runs, u_block, shared, big, dtype, step_scale, d
 
     def pass3(supers):
         def run():
-            ubuf = (shared or _buffers(np, big, dtype))[0]
+            ubuf = (shared or _blocks.buffers(np, big, dtype))[0]
             for b in supers:
                 lo, hi = b[0], b[1]
                 u = u_block(ubuf, *b)
@@ -522,31 +381,3 @@ def apply_tasks(xp, st, p, task_runs, u_block, shared, big, dtype, step_scale, d
         return run
 
     return [(cost, pass3(supers)) for cost, supers in task_runs]
-
-
-def run_serial(phases) -> None:
-    """Run one step's phases inline, in order."""
-    for phase in phases:
-        for _, fn in phase:
-            fn()
-
-
-def run_phased(steps: list, *, serial: bool = False) -> None:
-    """Run the phases of many independent steps (``(name, phase generator)``) together: phase k of every step is
-    one ``_parallel.run_tasks`` call (a barrier), the serial work between phases runs on the caller."""
-    active = steps
-    while active:
-        tasks, nxt = [], []
-        for name, gen in active:
-            try:
-                phase = next(gen)
-            except StopIteration:
-                continue
-            except Exception as exc:
-                raise _parallel.TaskError(f"parameter {name!r}: {type(exc).__name__}: {exc}") from exc
-            for cost, fn in phase:
-                tasks.append((cost, name, fn))
-            nxt.append((name, gen))
-        if tasks:
-            _parallel.run_tasks(tasks, serial=serial)
-        active = nxt

@@ -43,6 +43,7 @@ import math
 import numpy as np
 
 from . import _adafactor_math as fm
+from . import _blocks
 from . import _gpu_run
 from ._driver import PerParamOptimizer, config_to_dict
 from ._validate import check_lr, check_range
@@ -101,7 +102,7 @@ def init(xp, cfg: AdafactorConfig, shape, dtype) -> AdafactorState:
     n = math.prod(shape)
     st = AdafactorState(exp_avg=xp.zeros(n, dtype) if cfg.beta1 is not None else None)
     if is_factored(cfg, shape):
-        b, r, c = fm.factor_dims(tuple(shape))
+        b, r, c = _blocks.factor_dims(tuple(shape))
         st.exp_avg_sq_row, st.exp_avg_sq_col = xp.zeros(b * r, dtype), xp.zeros(b * c, dtype)
     else:
         st.exp_avg_sq = xp.zeros(n, dtype)
@@ -118,11 +119,11 @@ def step_sizes(cfg: AdafactorConfig, t: int, lr: float) -> tuple[float, float]:
 
 def update(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float, scratch: list) -> None:
     """One step on the whole flat buffers (``cfg.lr`` is the current manual lr or None; see ``step_sizes``)."""
-    fm.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr))
+    _blocks.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr))
 
 
 def phases(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float):
-    """``update`` as a generator of phases of independent block tasks (``_adafactor_math``): ``update`` runs them
+    """``update`` as a generator of phases of independent block tasks (``_blocks``): ``update`` runs them
     inline, ``Adafactor.step_batch`` on NumPy runs the phases of all its items on the threads."""
     n = p.size
     if n == 0:
@@ -223,7 +224,7 @@ class Adafactor(PerParamOptimizer):
             (gpu if slot.backend == "cupy" else cpu).append((it, slot, lr))
         if cpu:
             # every item's blocked passes, phase by phase, on the threads (bits independent of the threads)
-            fm.run_phased([(it.name, phases(np, cfg, slot.state, it.param, it.grad, t=slot.t, lr=lr))
+            _blocks.run_phased([(it.name, phases(np, cfg, slot.state, it.param, it.grad, t=slot.t, lr=lr))
                            for it, slot, lr in cpu], serial=not self.threaded)
         if gpu:
             _gpu_run.run_gpu(self, gpu)

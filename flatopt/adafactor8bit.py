@@ -60,7 +60,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import _a8_paths, _adafactor_math, _apollo, _gpu_run, _parallel
+from . import _a8_paths, _apollo, _blocks, _gpu_run, _parallel
 from . import _a8_state as S
 from . import _a8_migrate
 from ._driver import PerParamOptimizer
@@ -254,7 +254,7 @@ class Adafactor8Bit(PerParamOptimizer):
                                  for it, slot, lr in whole], serial=not self.threaded)
         for it, slot, lr in split:  # one at a time: its passes on all threads (bits independent of the threads)
             st = slot.state
-            _adafactor_math.run_phased([(it.name, _a8_paths.phases(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr,
+            _blocks.run_phased([(it.name, _a8_paths.phases(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr,
                                                                    shape=st.sizes["shape"]))])
         if gpu:
             _gpu_run.run_gpu(self, gpu)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _adafactor_math, _backend
+from flatopt import _backend, _blocks
 
 from .helpers import assert_bits_equal, rng_arrays
 
@@ -120,7 +120,7 @@ def test_matches_float64_reference(cfg, shape, dtype):
 @pytest.mark.parametrize("shape", [(3, 300, 200), (2, 70000), (70000, 2), (200000,), (5000, 5, 6)], ids=str)
 def test_blocked_paths_match_reference(shape):
     """Row blocks of large matrices, groups of small matrices and flat blocks of long vectors."""
-    assert math.prod(shape) > _adafactor_math.BLOCK
+    assert math.prod(shape) > _blocks.BLOCK
     theta, grads = data(shape, np.float64, steps=3)
     got = run_flat(flatopt.Adafactor(beta1=0.9, weight_decay=0.01), shape, theta, grads)
     ref, dtot = reference(shape, theta, grads, beta1=0.9, weight_decay=0.01)
@@ -132,7 +132,7 @@ def test_single_block_layout_of_the_cupy_twin(monkeypatch):
     shape = (3, 300, 200)
     theta, grads = data(shape, np.float64, steps=3)
     blocked = run_flat(flatopt.Adafactor(beta1=0.9), shape, theta, grads)
-    monkeypatch.setattr(_adafactor_math, "BLOCK", 1 << 40)
+    monkeypatch.setattr(_blocks, "BLOCK", 1 << 40)
     whole = run_flat(flatopt.Adafactor(beta1=0.9), shape, theta, grads)
     ref, dtot = reference(shape, theta, grads, beta1=0.9)
     assert np.max(np.abs(whole - ref)) <= 1e-12 * dtot and np.max(np.abs(whole - blocked)) <= 1e-12 * dtot
@@ -498,7 +498,7 @@ def test_bits_independent_of_thread_count(cfg, monkeypatch):
     block order, so FLATOPT_NUM_THREADS=1 and =2 give the same bits, for ``step`` and ``step_batch`` alike."""
     # (1024, 1024): one matrix cut into many tasks per pass; (64, 40000): rows wider than a block, several
     # pass-1 windows (PARTS made small); a 3-D tensor of small matrices; vectors.
-    monkeypatch.setattr(_adafactor_math, "PARTS", 1 << 18)
+    monkeypatch.setattr(_blocks, "PARTS", 1 << 18)
     shapes = [(1024, 1024), (64, 40000), (40, 24, 96), (300_000,), (96,)]
     items = [(f"w{i}", s, *data(s, np.float32, seed=10 * i, steps=3)) for i, s in enumerate(shapes)]
     results = {}

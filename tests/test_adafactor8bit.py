@@ -216,13 +216,13 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
     """A parameter above ``SPLIT_MIN`` steps with its ranges/blocks on all threads; one below steps whole on one
     thread; the serial driver runs the same phases inline.  All three give the same bits (every reduction is per
     block and folded in block order), also with a block size that does not divide the rows."""
-    from flatopt import _adafactor_math, _parallel
+    from flatopt import _blocks, _parallel
     from flatopt import adafactor8bit as a8
 
     shape = (3, 301, 157)  # 141 771 elements: above SPLIT_MIN
     assert math.prod(shape) >= a8.SPLIT_MIN
     monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)  # threads even for this size,
-    monkeypatch.setattr(_adafactor_math, "TASK", 1 << 15)  # with several tasks per factored pass
+    monkeypatch.setattr(_blocks, "TASK", 1 << 15)  # with several tasks per factored pass
     seen, run_jobs = [], _parallel.run_jobs
 
     def spy(jobs, pool):  # the phases were handed to more than one thread (which thread claims what may vary)
