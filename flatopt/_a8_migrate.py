@@ -136,7 +136,7 @@ def _fmt(rep) -> str:
 
 
 def _floor(cfg, slot) -> float:
-    """The AL floor the update encodes ``slot`` with (see _a8_paths, _apollo, _came)."""
+    """The AL floor the update encodes ``slot`` with (see _a8_paths, _a8_flat, _apollo, _came)."""
     eps = cfg.apollo_eps if slot == "v_low" else (1e-30 if cfg.eps[0] is None else float(cfg.eps[0]))
     return quant.al_floor(eps)
 

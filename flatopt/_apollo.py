@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _a8_state as S
 from . import _came, _fira
-from ._a8_paths import F32, alpha_rho, clip_, grad32, m_ema, ws
+from ._a8_common import F32, alpha_rho, clip_, grad32, m_ema, ws
 from . import quant
 
 
