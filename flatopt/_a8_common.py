@@ -46,14 +46,25 @@ def norm(xp, x):
     return xp.sqrt(xp.dot(x, x)).astype(np.float32)
 
 
-def alpha_rho(xp, cfg, p, t: int, lr):
-    """(α, ρ): ρ = scale·(min(lr, 1/√t) if relative_step else lr), α = ρ·max(RMS(p), eps2) if scale_parameter."""
+def rho_of(cfg, t: int, lr) -> np.float32:
+    """ρ = scale·(min(lr, 1/√t) if relative_step else lr), ``lr`` the driver's (lr, lr_scale) pair; a NumPy float32
+    scalar (a kernel argument on CuPy, no upload)."""
     base, scale = lr
-    rho = F32(scale * (min(base, 1.0 / math.sqrt(t)) if cfg.relative_step else base))
+    return F32(scale * (min(base, 1.0 / math.sqrt(t)) if cfg.relative_step else base))
+
+
+def scaled(xp, cfg, rho, ssq_p, n: int):
+    """α = ρ·max(RMS(θ), eps2) from Σθ² when ``scale_parameter``, else ρ."""
     if not cfg.scale_parameter:
-        return rho, rho  # a NumPy float32 scalar: a kernel argument on CuPy, no upload
-    rms = xp.sqrt(xp.dot(p, p)).astype(np.float32) / F32(math.sqrt(p.size))
-    return xp.maximum(rms, F32(cfg.eps[1])) * rho, rho
+        return rho
+    rms = xp.sqrt(xp.asarray(ssq_p, dtype=np.float32)) / F32(math.sqrt(n))
+    return xp.maximum(rms, F32(cfg.eps[1])) * rho
+
+
+def alpha_rho(xp, cfg, p, t: int, lr):
+    """(α, ρ) of a whole-tensor step (the APOLLO path)."""
+    rho = rho_of(cfg, t, lr)
+    return scaled(xp, cfg, rho, xp.dot(p, p) if cfg.scale_parameter else None, p.size), rho
 
 
 def clip_(xp, u, d: float) -> None:
@@ -79,8 +90,7 @@ class Scalars:
 
     def __init__(self, xp, cfg, st, n, t, lr, *, adam, sgd):
         self.xp, self.cfg, self.st, self.n = xp, cfg, st, n
-        base, scale = lr
-        self.rho = F32(scale * (min(base, 1.0 / math.sqrt(t)) if cfg.relative_step else base))
+        self.rho = rho_of(cfg, t, lr)
         self.mult, eps1 = None, eps1_of(cfg)
         self.eps_denom = eps1 if adam else 0.0
         if cfg.beta1 is not None and not cfg.relative_step and not sgd:
@@ -94,11 +104,7 @@ class Scalars:
                     self.mult = ("div", F32(bc1))
 
     def alpha(self, ssq_p):
-        xp, cfg = self.xp, self.cfg
-        alpha = self.rho
-        if cfg.scale_parameter:
-            rms = xp.sqrt(xp.asarray(ssq_p, dtype=np.float32)) / F32(math.sqrt(self.n))
-            alpha = xp.maximum(rms, F32(cfg.eps[1])) * self.rho
+        alpha = scaled(self.xp, self.cfg, self.rho, ssq_p, self.n)
         if self.mult is not None:
             alpha = alpha * self.mult[1] if self.mult[0] == "mul" else alpha / self.mult[1]
         return alpha

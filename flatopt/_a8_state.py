@@ -157,24 +157,11 @@ def store(xp, st, slot, values, *, floor: float) -> None:
 
 
 def ema(xp, st, slot, x, w: float, *, floor: float, square: bool = False, add: float = 0.0, first: bool = False):
-    """slot ← lerp(slot, x', w) with x' = (x² if ``square`` else x) + ``add`` (x'·w at the ``first`` step); the
-    stored codes are requantized and the exact float32 values returned.  On CuPy, for a quantized slot and
-    ``use_cuda_kernel`` (unless ``FLATOPT_FORCE_TWIN``), one fused kernel launch per state (kernels/adafactor8bit.cu)."""
+    """slot ← lerp(slot, x', w) with x' = (x² if ``square`` else x) + ``add`` (x'·w at the ``first`` step), on the
+    whole slot: ``ema_range`` over 0:n, the exact values of a quantized slot in a per-thread workspace."""
     n = st.sizes[slot]
-    if getattr(st, slot) is None and xp is not np and st.cfg.use_cuda_kernel and not _backend.force_twin():
-        return _ema_kernel(xp, st, slot, x, w, floor=floor, square=square, add=add, first=first)
-    v = load(xp, st, slot)
-    xin = x
-    if square or add:
-        xin = _workspace.get(xp, "ema_in", n, np.float32)
-        xp.multiply(x, x, out=xin) if square else xin.__setitem__(Ellipsis, x)
-        xp.add(xin, np.float32(add), out=xin)
-    if first:
-        xp.multiply(xin, np.float32(w), out=v)
-    else:
-        lerp_(xp, v, xin, w, _workspace.get(xp, "ema_tmp", n, np.float32))
-    store(xp, st, slot, v, floor=floor)
-    return v
+    out = _workspace.get(xp, "slot_" + slot, n, np.float32) if getattr(st, slot) is None else None
+    return ema_range(xp, st, slot, 0, n, x, w, out, floor=floor, square=square, add=add, first=first)
 
 
 def _ema_kernel(xp, st, slot, x, w, *, floor, square, add, first, out=None):
@@ -203,16 +190,19 @@ def align(st) -> int:
 
 
 def ema_range(xp, st, slot, lo: int, hi: int, x, w: float, out, *, floor: float, square: bool = False,
-              add: float = 0.0):
-    """``ema`` restricted to the elements lo:hi of an elementwise slot (``lo`` a multiple of ``align(st)``, so the
-    range covers whole codec blocks except at the slot's end), in the same float32 operations: the exact values
-    are written into ``out`` (length hi − lo; a float32 slot is updated in place instead) and returned.  The codes
-    of other ranges are untouched, so disjoint ranges may run on different threads (scratch is per thread)."""
+              add: float = 0.0, first: bool = False):
+    """slot[lo:hi] ← lerp(slot[lo:hi], x', w) with x' = (x² if ``square`` else x) + ``add`` (x'·w at the ``first``
+    step); ``lo`` a multiple of ``align(st)``, so the range covers whole codec blocks except at the slot's end.  The
+    exact float32 values are written into ``out`` (length hi − lo; a float32 slot is updated in place instead) and
+    returned; the stored codes of the range are requantized, those of other ranges untouched, so disjoint ranges may
+    run on different threads (scratch is per thread).  On CuPy, for a quantized slot and ``use_cuda_kernel`` (unless
+    ``FLATOPT_FORCE_TWIN``), the whole slot is one fused kernel launch (kernels/adafactor8bit.cu)."""
     n = hi - lo
     arr = getattr(st, slot)
     if arr is None and xp is not np and st.cfg.use_cuda_kernel and not _backend.force_twin():
-        assert (lo, hi) == (0, st.sizes[slot])  # CuPy steps a slot as one range
-        return _ema_kernel(xp, st, slot, x, w, floor=floor, square=square, add=add, first=False, out=out)
+        if (lo, hi) != (0, st.sizes[slot]):
+            raise ValueError(f"{slot}: the fused kernel updates a whole slot (CuPy steps one range)")
+        return _ema_kernel(xp, st, slot, x, w, floor=floor, square=square, add=add, first=first, out=out)
     xin = x
     if square or add:
         xin = _workspace.get(xp, "a8.ema_in", n, np.float32)
@@ -223,7 +213,10 @@ def ema_range(xp, st, slot, lo: int, hi: int, x, w: float, out, *, floor: float,
     else:
         v = out
         _range_codec(xp, st, slot, lo, hi, v, decode=True)
-    lerp_(xp, v, xin, w, _workspace.get(xp, "a8.ema_tmp", n, np.float32))
+    if first:
+        xp.multiply(xin, np.float32(w), out=v)
+    else:
+        lerp_(xp, v, xin, w, _workspace.get(xp, "a8.ema_tmp", n, np.float32))
     if arr is None:
         _range_codec(xp, st, slot, lo, hi, v, decode=False, floor=floor)
     return v

@@ -45,8 +45,8 @@ class Work:
     colv: object  # (B, c): new column statistic, then the column factor rsqrt(C)
     colpart: object  # (window·kmax, c): column sums of the blocks of one pass-1 window, kmax rows per block
     rbar: object  # (B, 1): mean of R over its rows
-    rowsq: object = None  # (B, r): squared row factors (for ΣU²)
-    rsum: object = None  # (B, r): row sums of the column-scaled blocks (for ΣU²)
+    rowsq: object = None  # (B, r): squared row factors (for ``sums``), allocated when first used
+    rsum: object = None  # (B, r): row sums of the column-scaled blocks (for ``sums``), likewise
     wpart: object = None  # like colpart: per-block Σ_i x²/R_i (fused statistics), allocated when first used
     wsum: object = None  # (B, c): W = Σ_i x²/R_i
     align: int = 1  # the block alignment this scratch was laid out for
@@ -85,8 +85,7 @@ def make_work(xp, shape: tuple[int, ...], dtype, align: int = 1) -> Work:
     kmax = _kmax(bl)
     window = max(1, min(len(bl), _blocks.PARTS // max(kmax * c, 1)))
     return Work(xp.empty((bdim, r), dtype), xp.empty((bdim, c), dtype), xp.empty((window * kmax, c), dtype),
-                xp.empty((bdim, 1), dtype), rowsq=xp.empty((bdim, r), dtype), rsum=xp.empty((bdim, r), dtype),
-                su=[None] * len(bl), sp=[None] * len(bl), align=align)
+                xp.empty((bdim, 1), dtype), su=[None] * len(bl), sp=[None] * len(bl), align=align)
 
 
 class FactoredPasses:
@@ -216,8 +215,11 @@ class FactoredPasses:
         after the phase.  ΣU² = Σ_i r_i²·Σ_j (x_ij·c_j)² (row sums of the column-scaled block, weighted by the
         squared row factors): one broadcast multiply and one reduction per element instead of forming U."""
         xp, bl, p, c = self.xp, self.bl, self.p, self.dims[2]
-        su, sp, colv, rsum = self.w.su, self.w.sp, self.colv, self.w.rsum
-        rowsq = xp.multiply(self.rowv, self.rowv, out=self.w.rowsq)
+        w = self.w
+        if w.rowsq is None:  # only the unfused users need these (allocated once)
+            w.rowsq, w.rsum = xp.empty_like(self.rowv), xp.empty_like(self.rowv)
+        su, sp, colv, rsum = w.su, w.sp, self.colv, w.rsum
+        rowsq = xp.multiply(self.rowv, self.rowv, out=w.rowsq)
 
         def pass2(supers):
             def run():

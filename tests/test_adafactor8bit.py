@@ -194,7 +194,7 @@ def test_lag_norm_against_float64_reference(fira):
         clip = max(1.0, prev_norm / math.sqrt(u.size) / 0.5)
         prev_norm = norm
         p64 = p64 * (1 - alpha * 0.1) - alpha * f / clip * u
-    np.testing.assert_allclose(p, p64.ravel(), rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(p, p64.ravel(), rtol=1e-6, atol=1e-7)  # measured ≤ 5.4e-8: six steps of float32 rounding
     sd = opt.state_dict()
     assert "prev_update_norm/w" in sd.buffers and ("lag_fira_scale/w" in sd.buffers) == fira
 

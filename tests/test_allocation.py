@@ -50,8 +50,14 @@ def test_registry_allocates_no_temporaries_after_warmup(name):
     spec = REGISTRY[name]
     shape = (256, 384)
     opt = spec.make_for({"w": shape}) if spec.make_for else spec.make()
+    ratio = _peak_ratio_after_warmup(opt, shape, warmup=5)
+    assert ratio < 0.25, f"{name}: {ratio:.2f}x the parameter's bytes"
+
+
+def _peak_ratio_after_warmup(opt, shape, warmup: int) -> float:
+    """Peak traced allocation of 3 steps of ``w`` after ``warmup`` steps, in multiples of the parameter's bytes."""
     p, g = rng_arrays(0, shape), rng_arrays(1, shape) * 1e-2
-    for _ in range(5):
+    for _ in range(warmup):
         opt.step("w", shape, p, g)
     tracemalloc.start()
     try:
@@ -62,4 +68,21 @@ def test_registry_allocates_no_temporaries_after_warmup(name):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak - base < 0.25 * p.nbytes, f"{name}: {(peak - base) / p.nbytes:.2f}x the parameter's bytes"
+    return (peak - base) / p.nbytes
+
+
+@pytest.mark.parametrize("options", [dict(beta1=0.9), dict(beta1=0.9, m_quant_type="uf4", block_size=384),
+                                     dict(beta1=0.9, beta2=0.999, beta3=0.9999, relative_step=False),
+                                     dict(factored=False, beta1=0.9, beta2=0.999, relative_step=False, d=0.0,
+                                          scale_parameter=False),
+                                     dict(factored=False, beta1=0.9, enable_fira_for_adafactor=True)],
+                         ids=["factored_uf8", "factored_uf4_unaligned", "came", "adam_one_pass", "momentum_only"])
+def test_adafactor8bit_split_steps_allocate_nothing(options):
+    """Above ``SPLIT_MIN`` an Adafactor8Bit step spreads its passes over the threads; after warm-up it allocates no
+    array of the parameter's size either (its full-size scratch is per-thread workspace)."""
+    from flatopt import adafactor8bit as a8
+
+    shape = (512, 384)
+    assert shape[0] * shape[1] >= a8.SPLIT_MIN
+    ratio = _peak_ratio_after_warmup(flatopt.Adafactor8Bit(**options), shape, warmup=3)
+    assert ratio < 0.25, f"{ratio:.2f}x the parameter's bytes"
