@@ -43,7 +43,6 @@ def mode_mul(xp, x, m, i: int, transpose: bool = False):
 
 
 _LEAF = 32
-_scipy_trsm = None
 
 
 def scratch(xp, key: str, shape, dtype, order: str = "C"):
@@ -68,27 +67,11 @@ def _like(xp, key: str, x, dtype=None):
 def _solve_upper_t(xp, q, b, key: str | None = None):
     """Q⁻ᵀ·B for an upper-triangular Q (a forward substitution with Qᵀ), B of shape (d, n).
 
-    CuPy: cuBLAS trsm through ``cupyx.scipy.linalg.solve_triangular``.  NumPy: ``_lower_solve``; for large
-    systems (d²·n >= 2²²) SciPy's trsm when SciPy is importable (an optional accelerator, 2-4x faster there; SciPy
-    is not a dependency; below that size its threaded OpenBLAS costs more than the solve)."""
+    CuPy: cuBLAS trsm through ``cupyx.scipy.linalg.solve_triangular``.  NumPy: ``_lower_solve`` (NumPy's own BLAS
+    only: SciPy's trsm, 2-4x faster on its own, brings a second OpenBLAS whose idle threads spin against NumPy's;
+    the whole MLP-block step of ``benchmarks/bench_kron.py`` measured 12-22 % slower with it)."""
     if xp is not np:
         return _backend.solve_triangular()(q, b, trans="T", lower=False, check_finite=False)
-    global _scipy_trsm
-    if q.shape[0] ** 2 * b.shape[1] >= 1 << 22:
-        if _scipy_trsm is None:
-            try:
-                from scipy.linalg import solve_triangular  # noqa: PLC0415
-
-                _scipy_trsm = solve_triangular
-            except ImportError:
-                _scipy_trsm = False
-        if _scipy_trsm:
-            if key is None:
-                return _scipy_trsm(q, b, trans="T", lower=False, check_finite=False)
-            # the Fortran-ordered copy SciPy's LAPACK wrapper would make, in scratch, solved in place
-            fb = scratch(xp, key, b.shape, np.result_type(q.dtype, b.dtype), "F")
-            fb[...] = b
-            return _scipy_trsm(q, fb, trans="T", lower=False, check_finite=False, overwrite_b=True)
     if key is None:
         out = np.empty(b.shape, np.result_type(q, b))
     else:
