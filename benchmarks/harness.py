@@ -2,7 +2,7 @@
 
 Each ``benchmarks/bench_<suite>.py`` module defines ``cases(quick: bool) -> list[Case]``.  A case's ``setup()``
 builds its inputs and returns a zero-argument ``step`` function (one optimizer step over the whole workload); the
-harness warms it up, then times ``repeats`` calls and reports the median.  Within one (suite, workload), ratios are
+harness warms it up, then times ``repeats`` calls (each after one untimed settling call, see ``SETTLE``) and reports the median.  Within one (suite, workload), ratios are
 ``baseline median / case median``: > 1 means faster than the baseline.  The machine is noisy: compare ratios
 measured in one process, never absolute times across runs.
 """
@@ -41,9 +41,18 @@ def time_case(case: Case, repeats: int, warmup: int = 2) -> Result:
     return _time_group([case], repeats, warmup)[0]
 
 
-def _time_group(cases: list[Case], repeats: int, warmup: int = 2) -> list[Result]:
+# Untimed steps of the same case right before each timed one.  Torch's OpenMP workers (libgomp) and OpenBLAS's
+# threads spin for a while after their parallel region ends; a step timed right after another library's step
+# shares the cores with those spinning threads, which no real training loop does (measured: flatopt's 8-bit
+# factored step 1.2x slower right after the original's step, and 1.0x with one settling step or a 10 ms pause).
+# One settling step puts every timed step in its own library's steady state: its own threads hot, no one else's.
+SETTLE = 1
+
+
+def _time_group(cases: list[Case], repeats: int, warmup: int = 2, settle: int = SETTLE) -> list[Result]:
     """Time the cases of one workload with their repeats interleaved (case A, B, C, then B, C, A, ...), so that a
-    burst of load from other processes hits every case alike instead of skewing one of them."""
+    burst of load from other processes hits every case alike instead of skewing one of them; each timed step
+    follows ``settle`` untimed steps of the same case (see ``SETTLE``)."""
     steps = []
     try:
         for c in cases:
@@ -59,6 +68,8 @@ def _time_group(cases: list[Case], repeats: int, warmup: int = 2) -> list[Result
             for r in range(repeats):
                 for j in range(k):
                     i = (j + r) % k
+                    for _ in range(settle):
+                        steps[i]()
                     t0 = time.perf_counter()
                     steps[i]()
                     times[i].append((time.perf_counter() - t0) * 1e3)

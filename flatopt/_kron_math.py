@@ -82,13 +82,15 @@ def _solve_upper_t(xp, q, b, key: str | None = None):
 
 def _lower_solve(low, b, out, key: str | None = None, depth: int = 0) -> None:
     """out = L⁻¹·B for a lower-triangular L, NumPy only: a recursive blocked forward substitution (the updates are
-    GEMMs); a leaf of at most 32 rows is solved by ``numpy.linalg.solve`` on its row-and-column reversal, which is
-    upper triangular, so LAPACK's LU neither pivots nor eliminates (every multiplier is exactly 0) and the solve is
-    exactly a triangular substitution.  With ``key``, the right-hand sides of the lower halves are formed in
-    per-thread scratch (the same operations) instead of fresh arrays."""
+    GEMMs); a leaf of at most 32 rows is one GEMM with the leaf's inverse, L⁻¹ = P·(P·L·P)⁻¹·P (P the reversal):
+    P·L·P is upper triangular, so LAPACK's LU in ``numpy.linalg.inv`` neither pivots nor eliminates (every
+    multiplier is exactly 0) and the inverse is its triangular inverse.  Only the 32×32 inverse is allocated (a
+    ``solve`` with the leaf's 32 right-hand-side rows allocated several copies of them: 0.5x a 256x384 parameter).
+    With ``key``, the right-hand sides of the lower halves are formed in per-thread scratch (the same operations)
+    instead of fresh arrays."""
     d = low.shape[0]
     if d <= _LEAF:
-        out[...] = np.linalg.solve(low[::-1, ::-1], b[::-1])[::-1]
+        np.matmul(np.linalg.inv(low[::-1, ::-1])[::-1, ::-1], b, out=out)
         return
     h = (d // 2 + _LEAF - 1) // _LEAF * _LEAF
     _lower_solve(low[:h, :h], b[:h], out[:h], key, depth + 1)
