@@ -17,13 +17,14 @@ never in the checkpoint, and rebuilt from the seed after a load).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from . import _a8_state as S
-from . import _came, _fira
-from ._a8_common import F32, alpha_rho, clip_, grad32, m_ema, ws
+from . import _came, _fira, _parallel, _workspace
+from ._a8_common import F32, TASK, alpha_rho, clip_, grad32, m_ema, ranges, ws
 from . import quant
 
 
@@ -68,22 +69,56 @@ class ApolloProjector:
         return pt
 
 
-def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector) -> None:
-    """One APOLLO step of Adafactor8Bit (non-finite gradient entries are read as 0, as in the original)."""
+def _row_tasks(xp, rows: int, cols: int, fn, threads: bool) -> None:
+    """fn(i0, i1) over row ranges of about ``TASK`` elements (cut by the shape alone, so every reduction a range
+    makes is folded in the same order whatever the threads), on the threads when ``threads`` (NumPy; the caller
+    must not itself be a worker task), else inline; CuPy: one range."""
+    if xp is not np:
+        fn(0, rows)
+        return
+    step = max(1, TASK // max(cols, 1))
+    tasks = [((min(i + step, rows) - i) * cols, "apollo", functools.partial(fn, i, min(i + step, rows)))
+             for i in range(0, rows, step)]
+    _parallel.run_tasks(tasks, serial=not threads)
+
+
+def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, threads: bool = False) -> None:
+    """One APOLLO step of Adafactor8Bit (non-finite gradient entries are read as 0, as in the original).  With
+    ``threads`` (NumPy): P is drawn on a worker while the caller makes the passes over G and θ (its sanitising
+    check, Σθ², G's channel norms), and θ·decay + G·(coef·s) runs over row ranges on all threads
+    (``_row_tasks``); the bits do not depend on it."""
     r_, c_, right, _ = S.apollo_shape(shape)
-    g32 = grad32(xp, cfg, g, nan_to_zero=True, writable=False)
-    gm = g32.reshape(r_, c_)
     b = 1.0 - cfg.beta2 if cfg.beta2 is not None else math.pow(t, cfg.beta2_decay)
-    alpha, rho = alpha_rho(xp, cfg, p, t, lr)
     projector.refresh(st, t, cfg.apollo_update_proj_gap)
-    pt = projector.matrix(xp, st, cfg.apollo_rank, r_, c_, right, cfg.apollo_cache_proj)
+    need_norm = cfg.enable_fira_for_apollo or cfg.d > 0
+    got = {}
+
+    def make_proj():  # P's generation (single-threaded in NumPy, GIL released) beside the passes over G and θ
+        got["pt"] = projector.matrix(xp, st, cfg.apollo_rank, r_, c_, right, cfg.apollo_cache_proj)
+
+    def g_passes():
+        got["g32"] = g32 = grad32(xp, cfg, g, nan_to_zero=True, writable=False)
+        got["ar"] = alpha_rho(xp, cfg, p, t, lr)
+        if need_norm and cfg.apollo_scale_type == "channel":
+            got["ng2"] = _channel_sumsq(xp, g32.reshape(r_, c_), right, False)
+
+    if xp is np:
+        _parallel.run_beside(make_proj, g_passes, serial=not threads)
+    else:
+        make_proj()
+        g_passes()
+    pt, g32, (alpha, rho) = got["pt"], got["g32"], got["ar"]
+    gm = g32.reshape(r_, c_)
     lr_, lc_ = (r_, cfg.apollo_rank) if right else (cfg.apollo_rank, c_)
     nl = lr_ * lc_
     glow = ws(xp, "a_glow", nl).reshape(lr_, lc_)
     xp.matmul(gm, pt, out=glow) if right else xp.matmul(pt, gm, out=glow)
     upd_low = ws(xp, "a_upd", nl)
     tmp = ws(xp, "a_tmp", nl)
-    _low_rank_direction(xp, cfg, st, glow, upd_low.reshape(lr_, lc_), tmp, b, t)
+    if xp is np and not cfg.apollo_factorize and not (cfg.beta3 is not None and cfg.beta1 is not None):
+        _plain_direction_ranges(cfg, st, glow.reshape(-1), upd_low, tmp, b, t, threads)
+    else:
+        _low_rank_direction(xp, cfg, st, glow, upd_low.reshape(lr_, lc_), tmp, b, t)
     # scaling factor s: per channel (norm over the low-rank axis) or for the whole tensor
     u2 = upd_low.reshape(lr_, lc_)
     if cfg.apollo_scale_type == "channel":
@@ -97,11 +132,9 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector) 
     sq = F32(math.sqrt(cfg.apollo_scale))
     if cfg.apollo_scale_front:
         s = s * sq
-    need_norm = cfg.enable_fira_for_apollo or cfg.d > 0
     if need_norm:
         if cfg.apollo_scale_type == "channel":
-            ng2 = xp.einsum("ij,ij->i", gm, gm) if right else xp.einsum("ij,ij->j", gm, gm)
-            nrm = xp.sqrt(xp.sum(ng2.reshape(s.shape) * (s * s)))
+            nrm = xp.sqrt(xp.sum(got["ng2"].reshape(s.shape) * (s * s)))
         else:
             nrm = xp.sqrt(xp.dot(g32, g32)) * s
         nrm = xp.asarray(nrm, dtype=np.float32)
@@ -111,18 +144,45 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector) 
     coef = -alpha
     if cfg.d > 0:
         coef = coef / xp.maximum(nrm / F32(math.sqrt(p.size) * cfg.d), F32(1.0))
+    decay = None
     if cfg.weight_decay != 0:
         c = alpha if cfg.scale_weight_decay else rho
-        xp.multiply(p, F32(1.0) - c * F32(cfg.weight_decay), out=p, casting="unsafe")
+        decay = F32(1.0) - c * F32(cfg.weight_decay)
     if cfg.beta1 is not None and not cfg.relative_step and cfg.bias_correction is not False:
         bc1 = 1.0 - cfg.beta1**t
         coef = coef * F32(math.sqrt(1.0 - cfg.beta2**t) / bc1 if cfg.beta2 is not None else 1.0 / bc1)
-    out = ws(xp, "upd", p.size).reshape(r_, c_)
-    if cfg.apollo_scale_type == "channel":  # p + (coef·G)·s in torch's addcmul; here G·(coef·s): one pass less
-        xp.multiply(gm, (coef * final).astype(np.float32), out=out)
-    else:
-        xp.multiply(gm, (coef * final).astype(np.float32), out=out)
-    xp.add(p, out.reshape(-1), out=p, casting="unsafe")
+    # p + (coef·G)·s in torch's addcmul; here G·(coef·s): one pass less.  Per channel, cs is (R, 1) or (1, C)
+    cs = xp.asarray(coef * final, dtype=np.float32)
+    pm = p.reshape(r_, c_)
+
+    def apply(i0, i1):
+        out = _workspace.get(xp, "a8.apollo_upd", (i1 - i0) * c_, np.float32).reshape(i1 - i0, c_)
+        xp.multiply(gm[i0:i1], cs[i0:i1] if cs.ndim == 2 and cs.shape[0] == r_ else cs, out=out)
+        pb = pm[i0:i1]
+        if decay is not None:
+            xp.multiply(pb, decay, out=pb, casting="unsafe")
+        xp.add(pb, out, out=pb, casting="unsafe")
+
+    _row_tasks(xp, r_, c_, apply, threads)
+
+
+def _channel_sumsq(xp, gm, right: bool, threads: bool):
+    """Σ_j G_ij² per row ("right") or Σ_i G_ij² per column, over row ranges (column sums folded in range order)."""
+    r_, c_ = gm.shape
+    if right:
+        out = xp.empty(r_, np.float32)
+        _row_tasks(xp, r_, c_, lambda i0, i1: xp.einsum("ij,ij->i", gm[i0:i1], gm[i0:i1], out=out[i0:i1]), threads)
+        return out
+    parts = {}
+
+    def part(i0, i1):
+        parts[i0] = xp.einsum("ij,ij->j", gm[i0:i1], gm[i0:i1])
+
+    _row_tasks(xp, r_, c_, part, threads)
+    acc = None
+    for i0 in sorted(parts):
+        acc = parts[i0] if acc is None else acc + parts[i0]
+    return acc
 
 
 def _low_rank_direction(xp, cfg, st, glow, out, tmp, b: float, t: int) -> None:
@@ -169,3 +229,28 @@ def _low_rank_direction(xp, cfg, st, glow, out, tmp, b: float, t: int) -> None:
     xp.sqrt(v, out=tmp)
     xp.add(tmp, ae, out=tmp)
     xp.divide(src, tmp, out=o)
+
+
+def _plain_direction_ranges(cfg, st, flat, o, tmp, b: float, t: int, threads: bool) -> None:
+    """NumPy, the plain path (no factorization, no CAME): v ← EMA of G_low², m ← EMA of G_low, U_low = m/(√v + ε)
+    over ranges aligned to the codec blocks, on the threads when ``threads`` (elementwise, blockwise codecs: the
+    same bits as the whole-slot ``_low_rank_direction``)."""
+    n, ae = flat.size, F32(cfg.apollo_eps)
+    vx = ws(np, "a_vlow", n) if st.v_low is None else None  # exact values of a quantized state
+    mx = ws(np, "a_mlow", n) if cfg.beta1 is not None and st.m_low is None else None
+    floor = quant.al_floor(cfg.apollo_eps)
+
+    def task(lo, hi):
+        v = S.ema_range(np, st, "v_low", lo, hi, flat[lo:hi], b, None if vx is None else vx[lo:hi], floor=floor,
+                        square=True, first=t == 1)
+        src = flat[lo:hi]
+        if cfg.beta1 is not None:
+            src = S.ema_range(np, st, "m_low", lo, hi, src, 1.0 - cfg.beta1, None if mx is None else mx[lo:hi],
+                              floor=0.0)
+        tb = tmp[lo:hi]
+        np.sqrt(v, out=tb)
+        np.add(tb, ae, out=tb)
+        np.divide(src, tb, out=o[lo:hi])
+
+    _parallel.run_tasks([(c, "apollo", functools.partial(task, lo, hi)) for c, lo, hi in ranges(np, n, S.align(st))],
+                        serial=not threads)

@@ -87,6 +87,18 @@ def run_tasks(tasks: Sequence[tuple[int, str, Callable[[], None]]], *, wrap: Cal
     run_jobs(groups, _get_pool(threads - 1))
 
 
+def run_beside(background: Callable[[], None], here: Callable[[], None], *, serial: bool = False) -> None:
+    """Run ``background`` on a pool worker while the calling thread runs ``here`` (both inline, in that order, with
+    one thread or ``serial``); wait for both, then re-raise the first error.  ``here`` keeps the caller's
+    per-thread scratch; ``background`` must not use any that the caller reads afterwards."""
+    threads = num_threads()
+    if serial or threads == 1:
+        background()
+        here()
+        return
+    run_jobs([here, background], _get_pool(threads - 1))
+
+
 def run_jobs(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor) -> None:
     """Run ``jobs[0]`` on the calling thread and the others on ``pool``; wait for all of them, then re-raise the
     first error (so no job is still running when the caller sees it)."""

@@ -23,8 +23,9 @@ layout (``flatopt._a8_migrate``: requantized, or reset keeping t when the path c
 
 Execution (``flatopt._a8_paths``): the factored and CAME paths run on Adafactor's own blocked passes
 (``flatopt._adafactor_math.FactoredPasses``) with the 8-bit factor EMA plugged in; elementwise states update over
-ranges aligned to the codec blocks.  On NumPy a parameter of ≥ ``SPLIT_MIN`` elements spreads its passes over the
-threads (bits independent of the thread count); smaller ones step whole, several at once.
+ranges aligned to the codec blocks.  On NumPy a parameter of ≥ ``SPLIT_MIN`` elements spreads its passes (APOLLO: its
+full-size elementwise passes) over the threads (bits independent of the thread count); smaller ones step whole,
+several at once.
 
 Deviations from the original (all deliberate, see the reference §1.4–§1.6, §6, §11):
 * codec floor F = log2(max(eps², FLT_MIN)) and the 126 cap on every state and backend (the original's CPU encoder
@@ -247,13 +248,17 @@ class Adafactor8Bit(PerParamOptimizer):
             (gpu if slot.backend == "cupy" else cpu).append((it, slot, self._effective_lr(scale)))
         whole, split = [], []
         for it, slot, lr in cpu:
-            big = it.param.size >= SPLIT_MIN and slot.state.apollo_seed is None and self.threaded
+            big = it.param.size >= SPLIT_MIN and self.threaded
             (split if big else whole).append((it, slot, lr))
         if whole:  # each item on one thread, several at once (per-thread scratch)
             _parallel.run_tasks([(it.param.size, it.name, functools.partial(self._step_whole, it, slot, lr))
                                  for it, slot, lr in whole], serial=not self.threaded)
         for it, slot, lr in split:  # one at a time: its passes on all threads (bits independent of the threads)
             st = slot.state
+            if st.apollo_seed is not None:
+                _apollo.update(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr, shape=st.sizes["shape"],
+                               projector=self._projector, threads=True)
+                continue
             _blocks.run_phased([(it.name, _a8_paths.phases(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr,
                                                                    shape=st.sizes["shape"]))])
         if gpu:

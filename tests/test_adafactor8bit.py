@@ -207,7 +207,11 @@ PATHS = {  # every blocked path, quantized (block sizes that do not divide the r
     "momentum_only": dict(factored=False, beta1=0.9, d=1.0, enable_fira_for_adafactor=True),
     "sgd": dict(beta1=0.9, beta2=None, beta2_decay=None, relative_step=False, d=1.0, lr=0.01),
     "lag": dict(beta1=0.9, lag_norm=True),
+    # APOLLO: its full-size passes over row ranges (channel norms of G folded by range on the "left" layout)
+    "apollo_left": dict(APOLLO, apollo_rank=4, weight_decay=0.01, d=1.0),
+    "apollo_right_tensor": dict(APOLLO, apollo_rank=4, apollo_scale_type="tensor", weight_decay=0.01),
 }
+SHAPES = {"apollo_right_tensor": (941, 157)}  # R ≥ C; the others (3, 301, 157) (APOLLO views it as 3 × 47 257)
 
 
 @pytest.mark.parametrize("quantize", [True, False])
@@ -219,7 +223,7 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
     from flatopt import _blocks, _parallel
     from flatopt import adafactor8bit as a8
 
-    shape = (3, 301, 157)  # 141 771 elements: above SPLIT_MIN
+    shape = SHAPES.get(name, (3, 301, 157))  # 141 771 (147 737) elements: above SPLIT_MIN
     assert math.prod(shape) >= a8.SPLIT_MIN
     monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)  # threads even for this size,
     monkeypatch.setattr(_blocks, "TASK", 1 << 15)  # with several tasks per factored pass
