@@ -2,7 +2,8 @@
 
 Each ``benchmarks/bench_<suite>.py`` module defines ``cases(quick: bool) -> list[Case]``.  A case's ``setup()``
 builds its inputs and returns a zero-argument ``step`` function (one optimizer step over the whole workload); the
-harness warms it up, then times ``repeats`` calls (each after one untimed settling call, see ``SETTLE``) and reports the median.  Within one (suite, workload), ratios are
+harness warms it up, then times ``repeats`` calls (each after untimed settling calls of the same case, see
+``SETTLE``) and reports the median.  Within one (suite, workload), ratios are
 ``baseline median / case median``: > 1 means faster than the baseline.  The machine is noisy: compare ratios
 measured in one process, never absolute times across runs.
 """
@@ -41,18 +42,22 @@ def time_case(case: Case, repeats: int, warmup: int = 2) -> Result:
     return _time_group([case], repeats, warmup)[0]
 
 
-# Untimed steps of the same case right before each timed one.  Torch's OpenMP workers (libgomp) and OpenBLAS's
-# threads spin for a while after their parallel region ends; a step timed right after another library's step
-# shares the cores with those spinning threads, which no real training loop does (measured: flatopt's 8-bit
-# factored step 1.2x slower right after the original's step, and 1.0x with one settling step or a 10 ms pause).
-# One settling step puts every timed step in its own library's steady state: its own threads hot, no one else's.
+# Untimed steps of the same case right before each timed one: at least one, and at least ``SETTLE_S`` seconds of
+# them.  Torch's OpenMP workers (libgomp) and OpenBLAS's threads spin for a while after their parallel region
+# ends (OpenBLAS's default: about 2^28 cycles, ~0.1 s); a step timed right after another library's step shares
+# the cores with those spinning threads, which no real training loop does.  Measured: two threads of elementwise
+# NumPy work ran 1.8x slower right after a threaded GEMM than after 0.2 s of sleep; flatopt's 8-bit factored
+# step 1.2x slower right after the original's; the original's APOLLO step up to 2x slower right after a flatopt
+# step that had called the threaded BLAS.  Settling puts every timed step in its own library's steady state.
 SETTLE = 1
+SETTLE_S = 0.25
 
 
-def _time_group(cases: list[Case], repeats: int, warmup: int = 2, settle: int = SETTLE) -> list[Result]:
+def _time_group(cases: list[Case], repeats: int, warmup: int = 2, settle: int = SETTLE,
+                settle_s: float = SETTLE_S) -> list[Result]:
     """Time the cases of one workload with their repeats interleaved (case A, B, C, then B, C, A, ...), so that a
     burst of load from other processes hits every case alike instead of skewing one of them; each timed step
-    follows ``settle`` untimed steps of the same case (see ``SETTLE``)."""
+    follows at least ``settle`` untimed steps and ``settle_s`` seconds of them of the same case (see ``SETTLE``)."""
     steps = []
     try:
         for c in cases:
@@ -68,7 +73,10 @@ def _time_group(cases: list[Case], repeats: int, warmup: int = 2, settle: int = 
             for r in range(repeats):
                 for j in range(k):
                     i = (j + r) % k
+                    t_end = time.perf_counter() + settle_s
                     for _ in range(settle):
+                        steps[i]()
+                    while settle and time.perf_counter() < t_end:
                         steps[i]()
                     t0 = time.perf_counter()
                     steps[i]()
@@ -87,7 +95,7 @@ def _time_group(cases: list[Case], repeats: int, warmup: int = 2, settle: int = 
 
 
 def run_cases(cases: list[Case], repeats: int, log: Callable[[str], None] = print, *,
-              interleave: bool = True) -> list[Result]:
+              interleave: bool = True, settle_s: float = SETTLE_S) -> list[Result]:
     """Time every case and fill in the ratios.  With ``interleave`` the cases of one (suite, workload) are set up
     together and their repeats interleaved (more memory at once, less noise in the ratios); otherwise one case at a
     time.  Results keep the order of ``cases``."""
@@ -96,7 +104,8 @@ def run_cases(cases: list[Case], repeats: int, log: Callable[[str], None] = prin
         groups.setdefault((c.suite, c.workload), []).append(c)
     by_case: dict[int, Result] = {}
     for group in groups.values():
-        rs = _time_group(group, repeats) if interleave else [time_case(c, repeats) for c in group]
+        rs = (_time_group(group, repeats, settle_s=settle_s) if interleave
+              else [_time_group([c], repeats, settle_s=settle_s)[0] for c in group])
         for c, r in zip(group, rs):
             log(f"  {c.suite:10s} {c.workload:44s} {c.impl:28s} {r.median_ms:10.3f} ms")
             by_case[id(c)] = r

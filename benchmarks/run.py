@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _set_threads(args.threads)
     warm = _warm_allocator()
-    from .harness import markdown, run_cases
+    from .harness import SETTLE_S, markdown, run_cases
 
     repeats = args.repeats or (3 if args.quick else 11)
     available = discover()
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print("nothing to run")
         return 1
     print(f"{len(cases)} cases, {repeats} timed steps each (median; ratio = baseline median / median):")
-    results = run_cases(cases, repeats)
+    results = run_cases(cases, repeats, settle_s=0.0 if args.quick else SETTLE_S)  # quick: a smoke test
     table = markdown(results)
     print()
     print(table)

@@ -42,8 +42,15 @@ def grad32(xp, cfg, g, *, nan_to_zero=False, writable=True):
     return out
 
 
+def sumsq(xp, x):
+    """Σx² of a flat array: einsum on NumPy (no BLAS call: a threaded BLAS's idle workers spin for a while after
+    each call and slow the elementwise passes that follow on the other threads; and the bits do not depend on the
+    BLAS thread count), ``dot`` on CuPy."""
+    return np.einsum("i,i->", x, x) if xp is np else xp.dot(x, x)
+
+
 def norm(xp, x):
-    return xp.sqrt(xp.dot(x, x)).astype(np.float32)
+    return xp.sqrt(sumsq(xp, x)).astype(np.float32)
 
 
 def rho_of(cfg, t: int, lr) -> np.float32:
@@ -64,7 +71,7 @@ def scaled(xp, cfg, rho, ssq_p, n: int):
 def alpha_rho(xp, cfg, p, t: int, lr):
     """(α, ρ) of a whole-tensor step (the APOLLO path)."""
     rho = rho_of(cfg, t, lr)
-    return scaled(xp, cfg, rho, xp.dot(p, p) if cfg.scale_parameter else None, p.size), rho
+    return scaled(xp, cfg, rho, sumsq(xp, p) if cfg.scale_parameter else None, p.size), rho
 
 
 def clip_(xp, u, d: float) -> None:

@@ -55,7 +55,7 @@ _cap_depth = 0
 _cap_limit = None
 
 
-def _cap_enter() -> bool:
+def cap_enter() -> bool:
     """Cap the BLAS at one thread (nested/concurrent callers share one cap; the last one out restores)."""
     global _cap_depth, _cap_limit
     ctl = _blas_controller()
@@ -68,7 +68,7 @@ def _cap_enter() -> bool:
     return True
 
 
-def _cap_exit() -> None:
+def cap_exit() -> None:
     global _cap_depth, _cap_limit
     with _cap_lock:
         _cap_depth -= 1
@@ -93,7 +93,7 @@ def run(fns: Sequence[Callable[[], None] | None], *, single_threaded_blas: bool 
     ``threadpoolctl`` when it is installed; the cap is process-wide for that time), so that K workers do not
     oversubscribe the cores with K multi-threaded BLAS calls.  OpenBLAS partitions a GEMM over rows/columns only,
     so the bits do not depend on the BLAS thread count."""
-    capped = single_threaded_blas and _cap_enter()
+    capped = single_threaded_blas and cap_enter()
     try:
         futures = [_worker(k).submit(fn) for k, fn in enumerate(fns) if fn is not None]
         first = None
@@ -104,6 +104,6 @@ def run(fns: Sequence[Callable[[], None] | None], *, single_threaded_blas: bool 
                 first = first or exc
     finally:
         if capped:
-            _cap_exit()
+            cap_exit()
     if first is not None:
         raise first
