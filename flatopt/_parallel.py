@@ -93,8 +93,14 @@ def run_beside(background: Callable[[], None], here: Callable[[], None], *, seri
     per-thread scratch; ``background`` must not use any that the caller reads afterwards."""
     threads = num_threads()
     if serial or threads == 1:
-        background()
-        here()
+        first = None
+        for job in (background, here):
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other job ran
+                first = first or exc
+        if first is not None:
+            raise first
         return
     run_jobs([here, background], _get_pool(threads - 1))
 

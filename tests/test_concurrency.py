@@ -95,3 +95,34 @@ def test_one_optimizer_shared_by_two_threads_is_serialised():
         t.join()
     for n in names:
         assert_bits_equal(shared[n][1], ref[n][1], n)
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_run_beside_runs_both_and_reraises(threads, monkeypatch):
+    """``_parallel.run_beside``: the background job on a worker (two threads) or first inline (one thread), the
+    other on the caller; both always finish before an error from either is re-raised."""
+    from flatopt import _parallel
+
+    monkeypatch.setenv("FLATOPT_NUM_THREADS", threads)
+    seen = []
+
+    def here():
+        seen.append(("here", threading.current_thread() is threading.main_thread()))
+
+    def background():
+        seen.append(("background", threading.current_thread() is threading.main_thread()))
+
+    _parallel.run_beside(background, here)
+    assert sorted(seen) == [("background", threads == "1"), ("here", True)]
+
+    done = []
+
+    def bad():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        _parallel.run_beside(bad, lambda: done.append("here"))
+    assert done == ["here"]
+    with pytest.raises(ValueError, match="boom"):
+        _parallel.run_beside(lambda: done.append("background"), bad)
+    assert done == ["here", "background"]
