@@ -14,8 +14,9 @@ Unfactored (``unfactored_phases``): V ← β̂₂V + (1 − β̂₂)(G² + ε₁
 ``FactoredPasses`` exposes the factored passes as building blocks (statistics with or without the fused ΣU²,
 factors, ΣU² of another source, U into a buffer, the update) for ``flatopt._a8_paths``.
 
-On NumPy the sums use ``einsum``/``add.reduce`` loops (no BLAS: deterministic, independent of any thread count);
-block partials are added in block order.
+On NumPy the sums use ``einsum``/``add.reduce`` loops, or for a large tensor single-threaded BLAS GEMVs when the
+caller holds the BLAS at one thread (``BLAS_MIN``); deterministic, independent of the thread count; block partials
+are added in block order.
 
 The block layout, the tasks and the phase runner are ``flatopt._blocks`` (bits independent of the threads: every
 per-block reduction has its own slot, folded in block order).  Column partials of the statistics pass are kept for
@@ -54,10 +55,32 @@ class Work:
     sp: list = None  # Σθ² of each block
 
 
-def _row_col_sumsq(xp, g3, rows, cols, s3):
+# NumPy: tensors of at least this many elements sum their statistics pass (row, column and weighted column sums of
+# G², Σθ²) with single-threaded BLAS GEMVs/dot instead of einsum when the caller holds the BLAS at one thread
+# (``flatopt._shards.cap_enter``; needs ``threadpoolctl``).  NumPy's einsum loops are not dispatched to AVX2 and
+# scale poorly over two threads; the transformer-like set's step measured 56.2 -> 51.5 ms (medians of 12).  The
+# choice is per tensor (its size), so a tensor's bits do not depend on what it is stepped with; a threaded BLAS
+# is never called from the block tasks (its idle workers would spin against them).
+BLAS_MIN = 1 << 17
+
+_ONES: dict = {}
+
+
+def _ones(n: int, dtype):
+    key = (n, np.dtype(dtype))
+    if key not in _ONES:
+        _ONES[key] = np.ones(n, dtype)
+    return _ONES[key]
+
+
+def _row_col_sumsq(xp, g3, rows, cols, s3, blas: bool = False):
     """rows[b, i] = Σ_j g3[b, i, j]², cols[b, j] = Σ_i g3[b, i, j]²; ``s3`` (scratch shaped like g3) keeps the
-    squares.  NumPy: einsum and add.reduce loops (no BLAS: deterministic, independent of any thread count)."""
+    squares.  NumPy: einsum and add.reduce loops, or (``blas``: the BLAS capped at one thread) GEMVs."""
     xp.multiply(g3, g3, out=s3)
+    if xp is np and blas:
+        np.matmul(s3, _ones(s3.shape[2], s3.dtype), out=rows)
+        np.matmul(_ones(s3.shape[1], s3.dtype), s3, out=cols)
+        return
     if xp is np:
         np.einsum("bij->bi", s3, out=rows)
         np.add.reduce(s3, axis=1, out=cols)
@@ -66,8 +89,11 @@ def _row_col_sumsq(xp, g3, rows, cols, s3):
     xp.sum(s3, axis=1, out=cols)
 
 
-def _weighted_col_sums(xp, inv, s3, out) -> None:
+def _weighted_col_sums(xp, inv, s3, out, blas: bool = False) -> None:
     """out[b, j] = Σ_i inv[b, i]·s3[b, i, j] (``s3`` may be overwritten)."""
+    if xp is np and blas:
+        np.matmul(inv[:, None, :], s3, out=out[:, None, :])
+        return
     if xp is np:
         np.einsum("bi,bij->bj", inv, s3, out=out)
         return
@@ -112,6 +138,7 @@ class FactoredPasses:
         self.big = max(s[1] - s[0] for run in self.runs for s in run[3])
         self.shared = None if xp is np else _blocks.buffers(xp, self.big, p.dtype)  # CuPy: one block, per step
         self.ssq_u = self.ssq_p = None
+        self.blas = False
 
     def _bufs(self):
         return self.shared or _blocks.buffers(np, self.big, self.p.dtype)
@@ -143,7 +170,8 @@ class FactoredPasses:
                     lo, hi, b0, b1, i0, i1 = bl[k]
                     j = (k - base) * kmax
                     s3 = sq[: hi - lo].reshape(b1 - b0, i1 - i0, c)
-                    _row_col_sumsq(xp, x[lo:hi].reshape(s3.shape), rowv[b0:b1, i0:i1], colpart[j:j + b1 - b0], s3)
+                    _row_col_sumsq(xp, x[lo:hi].reshape(s3.shape), rowv[b0:b1, i0:i1], colpart[j:j + b1 - b0], s3,
+                                   self.blas)
                     if fused:
                         inv = rows(b0, b1, i0, i1, rowv[b0:b1, i0:i1])
                         if wsrc is not None:  # W from another source's squares (the statistics came from x)
@@ -151,9 +179,9 @@ class FactoredPasses:
                             src = wsrc(lo, hi).reshape(s3.shape)
                             xp.multiply(src, src, out=u3)
                             s3 = u3
-                        _weighted_col_sums(xp, inv, s3, w.wpart[j:j + b1 - b0])
+                        _weighted_col_sums(xp, inv, s3, w.wpart[j:j + b1 - b0], self.blas)
                     if need_rms:
-                        sp[k] = sumsq(xp, p[lo:hi], sq[: hi - lo])
+                        sp[k] = np.dot(p[lo:hi], p[lo:hi]) if self.blas else sumsq(xp, p[lo:hi], sq[: hi - lo])
             return run
 
         colv.fill(0)
@@ -275,12 +303,14 @@ class FactoredPasses:
                            zero_nonfinite and (xp is not np or step_scale == 0))
 
 
-def factored_phases(xp, st, p, g, shape, *, beta: float, eps1: float, need_rms: bool, scalars):
+def factored_phases(xp, st, p, g, shape, *, beta: float, eps1: float, need_rms: bool, scalars, blas: bool = False):
     """One factored step of Adafactor as a generator of phases (see the module documentation):
     R ← β̂₂R + (1 − β̂₂)(mean_j G² + ε₁), C likewise, U = G·rsqrt(R/r̄)·rsqrt(C); ``scalars(ssq_p, ssq_u, n)``
     returns (step scale α/max(1, RMS(U)/d), decay 1 − α·λ or None, beta1 or None) from Σθ² (None unless
-    ``need_rms``) and ΣU²."""
+    ``need_rms``) and ΣU².  ``blas`` (NumPy, the caller holds the BLAS at one thread): a tensor of at least
+    ``BLAS_MIN`` elements makes its statistics-pass sums as GEMVs and Σθ² as a dot (see ``BLAS_MIN``)."""
     fp = FactoredPasses(xp, st, p, shape)
+    fp.blas = blas and xp is np and p.size >= BLAS_MIN
     bdim, r, c = fp.dims
     omb = 1.0 - beta
     R, C = st.exp_avg_sq_row.reshape(bdim, r), st.exp_avg_sq_col.reshape(bdim, c)

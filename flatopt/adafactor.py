@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _adafactor_math as fm
 from . import _blocks
-from . import _gpu_run
+from . import _gpu_run, _shards
 from ._driver import PerParamOptimizer, config_to_dict
 from ._validate import check_lr, check_range
 
@@ -122,7 +122,7 @@ def update(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: fl
     _blocks.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr))
 
 
-def phases(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float):
+def phases(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float, blas: bool = False):
     """``update`` as a generator of phases of independent block tasks (``_blocks``): ``update`` runs them
     inline, ``Adafactor.step_batch`` on NumPy runs the phases of all its items on the threads."""
     n = p.size
@@ -138,7 +138,7 @@ def phases(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: fl
 
     kw = dict(beta=beta, eps1=cfg.eps1, need_rms=scale, scalars=scalars)
     if st.exp_avg_sq is None:
-        yield from fm.factored_phases(xp, st, p, g, st_shape(st, p), **kw)
+        yield from fm.factored_phases(xp, st, p, g, st_shape(st, p), blas=blas, **kw)
     else:
         yield from fm.unfactored_phases(xp, st, p, g, **kw)
 
@@ -223,9 +223,16 @@ class Adafactor(PerParamOptimizer):
             lr = self._effective_lr(scale)
             (gpu if slot.backend == "cupy" else cpu).append((it, slot, lr))
         if cpu:
-            # every item's blocked passes, phase by phase, on the threads (bits independent of the threads)
-            _blocks.run_phased([(it.name, phases(np, cfg, slot.state, it.param, it.grad, t=slot.t, lr=lr))
-                           for it, slot, lr in cpu], serial=not self.threaded)
+            # every item's blocked passes, phase by phase, on the threads (bits independent of the threads); with
+            # the BLAS held at one thread (threadpoolctl) large tensors sum their statistics by GEMV (fm.BLAS_MIN)
+            capped = any(it.param.size >= fm.BLAS_MIN for it, _, _ in cpu) and _shards.cap_enter()
+            try:
+                _blocks.run_phased([(it.name, phases(np, cfg, slot.state, it.param, it.grad, t=slot.t, lr=lr,
+                                                     blas=capped)) for it, slot, lr in cpu],
+                                   serial=not self.threaded)
+            finally:
+                if capped:
+                    _shards.cap_exit()
         if gpu:
             _gpu_run.run_gpu(self, gpu)
 

@@ -522,3 +522,32 @@ def test_bits_independent_of_thread_count(cfg, monkeypatch):
         assert sorted(buf) == sorted(ref_buf)
         for k in ref_buf:
             assert_bits_equal(ref_buf[k], buf[k], f"{cfg} {key} {k}")
+
+
+def test_blas_sums_of_large_tensors_match_the_einsum_sums(monkeypatch):
+    """With the BLAS held at one thread (threadpoolctl), a tensor of >= BLAS_MIN elements sums its statistics by
+    GEMV/dot; the same steps with the cap unavailable use einsum; both agree with the float64 reference."""
+    pytest.importorskip("threadpoolctl")
+    from flatopt import _adafactor_math as fm
+    from flatopt import _shards
+
+    shape = (512, 512)
+    assert math.prod(shape) >= fm.BLAS_MIN
+    theta, grads = data(shape, np.float32, steps=3)
+    calls = []
+    orig = fm.FactoredPasses.stats
+
+    def spy(self, *a, **k):
+        calls.append(self.blas)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(fm.FactoredPasses, "stats", spy)
+    got_blas = run_flat(flatopt.Adafactor(), shape, theta, grads)
+    assert calls and all(calls), "the GEMV sums were not used"
+    monkeypatch.setattr(_shards, "cap_enter", lambda: False)
+    calls.clear()
+    got_einsum = run_flat(flatopt.Adafactor(), shape, theta, grads)
+    assert calls and not any(calls)
+    ref, dtot = reference(shape, theta.astype(np.float64), [g.astype(np.float64) for g in grads])
+    for got in (got_blas, got_einsum):  # both within float32 round-off of the float64 reference
+        assert np.max(np.abs(got - ref)) <= f32_bound(ref, dtot, 3)
