@@ -11,7 +11,8 @@ order: the bits do not depend on the threads.  The exact float32 EMA drives the 
 requantized.
 
 Differences in float32 rounding from the original (all within its float32 noise; codes still equal): the row and
-column sums are per block (einsum) rather than torch's reductions, and the clip and step scale are folded into one
+column sums are per block (einsum, or single-threaded BLAS GEMVs for tensors of ``_adafactor_math.BLAS_MIN``
+elements or more while the BLAS is held at one thread) rather than torch's reductions, and the clip and step scale are folded into one
 multiplier (θ ← θ·decay − s·U rather than θ·decay + (−α/clip)·U).  ``lag_norm`` (the original: CUDA only) is
 honoured on every backend for the non-APOLLO paths: the clip and the Fira factor of step t use step t − 1's norm
 (no clip at t = 1); a non-finite norm is carried over as 0.
@@ -33,12 +34,12 @@ from ._a8_common import F32, Scalars, eps1_of, ranges, src_chunk, ws
 from ._a8_flat import flat_phases
 
 
-def update(xp, cfg, st, p, g, *, t: int, lr, shape) -> None:
+def update(xp, cfg, st, p, g, *, t: int, lr, shape, blas: bool = False) -> None:
     """One non-APOLLO step of Adafactor8Bit on the flat buffers ``p`` (in place) and ``g`` (all phases inline)."""
-    _blocks.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr, shape=shape))
+    _blocks.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr, shape=shape, blas=blas))
 
 
-def phases(xp, cfg, st, p, g, *, t: int, lr, shape):
+def phases(xp, cfg, st, p, g, *, t: int, lr, shape, blas: bool = False):
     """One non-APOLLO step as a generator of phases of independent tasks (``flatopt._blocks``): lists of
     ``(cost, fn)`` over disjoint ranges, with the small serial work (factor EMAs, scalars) between them.  Every
     reduction is per range and folded in range order, so the bits do not depend on the threads.  Full-size
@@ -52,9 +53,9 @@ def phases(xp, cfg, st, p, g, *, t: int, lr, shape):
     b = 0.0 if sgd else (1.0 - cfg.beta2 if cfg.beta2 is not None else math.pow(t, cfg.beta2_decay))
     sc = Scalars(xp, cfg, st, n, t, lr, adam=adam, sgd=sgd)
     if cfg.beta3 is not None and cfg.beta1 is not None and len(shape) >= 2 and cfg.factored:
-        yield from _came_path(xp, cfg, st, p, g, b, sc, shape)
+        yield from _came_path(xp, cfg, st, p, g, b, sc, shape, blas)
     elif not sgd and len(shape) >= 2 and cfg.factored:
-        yield from _factored(xp, cfg, st, p, g, b, sc, shape)
+        yield from _factored(xp, cfg, st, p, g, b, sc, shape, blas)
     else:
         yield from flat_phases(xp, cfg, st, p, g, b, sc, sgd=sgd, adam=adam)
 
@@ -74,12 +75,13 @@ def _m_tasks(xp, cfg, st, g):
     return exact, [(c, task(lo, hi)) for c, lo, hi in ranges(xp, n, S.align(st))]
 
 
-def _factored(xp, cfg, st, p, g, b, sc, shape):
+def _factored(xp, cfg, st, p, g, b, sc, shape, blas=False):
     """Factored second moment through Adafactor's blocked passes (``_adafactor_math.FactoredPasses``) with the
     original's factor EMA (lerp; requantized) and r̄ floor; Adam-style momentum (EMA of G, then normalised)."""
     momentum = cfg.beta1 is not None
     # a quantized m is updated block by block inside the statistics pass when the blocks meet its codec blocks
     fp = fm.FactoredPasses(xp, st, p, shape, align=cfg.m_block_size if momentum and st.m is None else 1)
+    fp.blas = blas and xp is np and p.size >= fm.BLAS_MIN  # GEMV sums (the caller holds the BLAS at one thread)
     if not momentum:  # U from G: ΣU² fused into the statistics pass
         yield from _fused_stats(xp, cfg, st, fp, g, b)
         src, ssq_u = g, fp.fused_ssq()
@@ -138,7 +140,7 @@ def _ema_factors(xp, st, fp, slots, w, add):
     return rv.reshape(bdim, r), cv.reshape(bdim, c)
 
 
-def _came_path(xp, cfg, st, p, g, b, sc, shape):
+def _came_path(xp, cfg, st, p, g, b, sc, shape, blas=False):
     """CAME (factored, β1 and β3) through the same blocked passes: U = G·rsqrt(R/r̄)·rsqrt(C) clipped by RMS(U)/d;
     m ← lerp(m, U, 1 − β1); res = (U − m)² + eps_came; confidence factors ← lerp(·, row/column means of res, 1 − β3);
     step m·rsqrt(c_row/c̄)·rsqrt(c_col) (no second clip; Fira optional).  Full-size scratch: U (then U − m) and,
@@ -146,6 +148,7 @@ def _came_path(xp, cfg, st, p, g, b, sc, shape):
     n = p.size
     eps1 = eps1_of(cfg)
     fp = fm.FactoredPasses(xp, st, p, shape)
+    fp.blas = blas and xp is np and p.size >= fm.BLAS_MIN  # GEMV sums (the caller holds the BLAS at one thread)
     yield from _fused_stats(xp, cfg, st, fp, g, b)
     alpha = sc.alpha(fp.ssq_p)
     if cfg.d > 0:  # fold 1/max(1, RMS(U)/d) into the column factor

@@ -61,7 +61,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import _a8_paths, _apollo, _blocks, _gpu_run, _parallel
+from . import _a8_paths, _apollo, _blocks, _gpu_run, _parallel, _shards
+from . import _adafactor_math as _am
 from . import _a8_state as S
 from . import _a8_migrate
 from ._driver import PerParamOptimizer
@@ -250,24 +251,33 @@ class Adafactor8Bit(PerParamOptimizer):
         for it, slot, lr in cpu:
             big = it.param.size >= SPLIT_MIN and self.threaded
             (split if big else whole).append((it, slot, lr))
-        if whole:  # each item on one thread, several at once (per-thread scratch)
-            _parallel.run_tasks([(it.param.size, it.name, functools.partial(self._step_whole, it, slot, lr))
-                                 for it, slot, lr in whole], serial=not self.threaded)
-        for it, slot, lr in split:  # one at a time: its passes on all threads (bits independent of the threads)
-            st = slot.state
-            if st.apollo_seed is not None:
-                _apollo.update(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr, shape=st.sizes["shape"],
-                               projector=self._projector, threads=True)
-                continue
-            _blocks.run_phased([(it.name, _a8_paths.phases(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr,
-                                                                   shape=st.sizes["shape"]))])
+        # factored/CAME tensors of >= BLAS_MIN elements sum their statistics by single-threaded GEMVs while the
+        # BLAS is held at one thread (threadpoolctl; per tensor, whatever it is stepped with: same bits)
+        blas = any(it.param.size >= _am.BLAS_MIN and slot.state.apollo_seed is None for it, slot, _ in cpu)
+        capped = blas and _shards.cap_enter()
+        try:
+            if whole:  # each item on one thread, several at once (per-thread scratch)
+                _parallel.run_tasks([(it.param.size, it.name, functools.partial(self._step_whole, it, slot, lr,
+                                                                                capped))
+                                     for it, slot, lr in whole], serial=not self.threaded)
+            for it, slot, lr in split:  # one at a time: its passes on all threads (bits independent of the threads)
+                st = slot.state
+                if st.apollo_seed is not None:
+                    _apollo.update(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr, shape=st.sizes["shape"],
+                                   projector=self._projector, threads=True)
+                    continue
+                _blocks.run_phased([(it.name, _a8_paths.phases(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr,
+                                                               shape=st.sizes["shape"], blas=capped))])
+        finally:
+            if capped:
+                _shards.cap_exit()
         if gpu:
             _gpu_run.run_gpu(self, gpu)
 
-    def _step_whole(self, it, slot, lr) -> None:
-        self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[])
+    def _step_whole(self, it, slot, lr, blas: bool = False) -> None:
+        self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[], blas=blas)
 
-    def _update(self, xp, state, param, grad, *, t, lr, scratch):
+    def _update(self, xp, state, param, grad, *, t, lr, scratch, blas: bool = False):
         cfg = state.cfg
         shape = state.sizes["shape"]
         if param.size == 0:  # nothing to update (the step count still advances)
@@ -275,7 +285,7 @@ class Adafactor8Bit(PerParamOptimizer):
         if state.apollo_seed is not None:
             _apollo.update(xp, cfg, state, param, grad, t=t, lr=lr, shape=shape, projector=self._projector)
         else:
-            _a8_paths.update(xp, cfg, state, param, grad, t=t, lr=lr, shape=shape)
+            _a8_paths.update(xp, cfg, state, param, grad, t=t, lr=lr, shape=shape, blas=blas)
 
     def _extra_state(self) -> dict:
         return {"apollo_seed_counter": self._apollo_seed_counter}
