@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from . import _a8_state as S
-from . import _adafactor_math as fm
+from ._factored_passes import apply_tasks
 from . import _blocks, _workspace, quant
 from ._a8_common import F32, eps1_of, ranges, src_chunk, ws
 
@@ -126,6 +126,6 @@ def flat_phases(xp, cfg, st, p, g, b, sc, *, sgd: bool, adam: bool):
     ssq_u = _blocks.fold(su, F32(0.0)) if (d > 0 or cfg.enable_fira_for_adafactor) else None
     alpha = sc.alpha(ssq_p)
     s = sc.step_scale(alpha, ssq_u, d=d)
-    yield fm.apply_tasks(xp, st, p, [(c, ((lo, hi),)) for c, lo, hi in rng], lambda _, lo, hi: u_all[lo:hi],
+    yield apply_tasks(xp, st, p, [(c, ((lo, hi),)) for c, lo, hi in rng], lambda _, lo, hi: u_all[lo:hi],
                          (None, None), 0, np.float32, s, sc.decay(alpha), None,
                          cfg.enable_fira_for_adafactor and (xp is not np or s == 0))

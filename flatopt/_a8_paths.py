@@ -11,7 +11,7 @@ order: the bits do not depend on the threads.  The exact float32 EMA drives the 
 requantized.
 
 Differences in float32 rounding from the original (all within its float32 noise; codes still equal): the row and
-column sums are per block (einsum, or single-threaded BLAS GEMVs for tensors of ``_adafactor_math.BLAS_MIN``
+column sums are per block (einsum, or single-threaded BLAS GEMVs for tensors of ``_factored_passes.BLAS_MIN``
 elements or more while the BLAS is held at one thread) rather than torch's reductions, and the clip and step scale are folded into one
 multiplier (θ ← θ·decay − s·U rather than θ·decay + (−α/clip)·U).  ``lag_norm`` (the original: CUDA only) is
 honoured on every backend for the non-APOLLO paths: the clip and the Fira factor of step t use step t − 1's norm
@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from . import _a8_state as S
-from . import _adafactor_math as fm
+from ._factored_passes import BLAS_MIN, FactoredPasses
 from . import _blocks, _workspace, quant
 from ._a8_common import F32, Scalars, eps1_of, ranges, src_chunk, ws
 from ._a8_flat import flat_phases
@@ -76,12 +76,12 @@ def _m_tasks(xp, cfg, st, g):
 
 
 def _factored(xp, cfg, st, p, g, b, sc, shape, blas=False):
-    """Factored second moment through Adafactor's blocked passes (``_adafactor_math.FactoredPasses``) with the
+    """Factored second moment through Adafactor's blocked passes (``_factored_passes.FactoredPasses``) with the
     original's factor EMA (lerp; requantized) and r̄ floor; Adam-style momentum (EMA of G, then normalised)."""
     momentum = cfg.beta1 is not None
     # a quantized m is updated block by block inside the statistics pass when the blocks meet its codec blocks
-    fp = fm.FactoredPasses(xp, st, p, shape, align=cfg.m_block_size if momentum and st.m is None else 1)
-    fp.blas = blas and xp is np and p.size >= fm.BLAS_MIN  # GEMV sums (the caller holds the BLAS at one thread)
+    fp = FactoredPasses(xp, st, p, shape, align=cfg.m_block_size if momentum and st.m is None else 1)
+    fp.blas = blas and xp is np and p.size >= BLAS_MIN  # GEMV sums (the caller holds the BLAS at one thread)
     if not momentum:  # U from G: ΣU² fused into the statistics pass
         yield from _fused_stats(xp, cfg, st, fp, g, b)
         src, ssq_u = g, fp.fused_ssq()
@@ -147,8 +147,8 @@ def _came_path(xp, cfg, st, p, g, b, sc, shape, blas=False):
     for a quantized m, its exact values."""
     n = p.size
     eps1 = eps1_of(cfg)
-    fp = fm.FactoredPasses(xp, st, p, shape)
-    fp.blas = blas and xp is np and p.size >= fm.BLAS_MIN  # GEMV sums (the caller holds the BLAS at one thread)
+    fp = FactoredPasses(xp, st, p, shape)
+    fp.blas = blas and xp is np and p.size >= BLAS_MIN  # GEMV sums (the caller holds the BLAS at one thread)
     yield from _fused_stats(xp, cfg, st, fp, g, b)
     alpha = sc.alpha(fp.ssq_p)
     if cfg.d > 0:  # fold 1/max(1, RMS(U)/d) into the column factor

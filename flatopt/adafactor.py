@@ -91,7 +91,7 @@ class AdafactorState:
     exp_avg_sq_col: object = None
     exp_avg_sq: object = None
     exp_avg: object = None
-    work: object = dataclasses.field(default=None, metadata={"persist": False})  # fm.Work scratch vectors
+    work: object = dataclasses.field(default=None, metadata={"persist": False})  # _factored_passes.Work scratch vectors
 
 
 def is_factored(cfg: AdafactorConfig, shape) -> bool:

@@ -22,7 +22,7 @@ block sizes and formats are recorded with them, and ``load_state_dict`` converts
 layout (``flatopt._a8_migrate``: requantized, or reset keeping t when the path changed; one warning).
 
 Execution (``flatopt._a8_paths``): the factored and CAME paths run on Adafactor's own blocked passes
-(``flatopt._adafactor_math.FactoredPasses``) with the 8-bit factor EMA plugged in; elementwise states update over
+(``flatopt._factored_passes.FactoredPasses``) with the 8-bit factor EMA plugged in; elementwise states update over
 ranges aligned to the codec blocks.  On NumPy a parameter of ≥ ``SPLIT_MIN`` elements spreads its passes (APOLLO: its
 full-size elementwise passes) over the threads (bits independent of the thread count); smaller ones step whole,
 several at once.
@@ -61,8 +61,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import _a8_paths, _apollo, _blocks, _gpu_run, _parallel, _shards
-from . import _adafactor_math as _am
+from . import _a8_paths, _apollo, _blocks, _factored_passes, _gpu_run, _parallel, _shards
 from . import _a8_state as S
 from . import _a8_migrate
 from ._driver import PerParamOptimizer
@@ -253,7 +252,7 @@ class Adafactor8Bit(PerParamOptimizer):
             (split if big else whole).append((it, slot, lr))
         # factored/CAME tensors of >= BLAS_MIN elements sum their statistics by single-threaded GEMVs while the
         # BLAS is held at one thread (threadpoolctl; per tensor, whatever it is stepped with: same bits)
-        blas = any(it.param.size >= _am.BLAS_MIN and slot.state.apollo_seed is None for it, slot, _ in cpu)
+        blas = any(it.param.size >= _factored_passes.BLAS_MIN and slot.state.apollo_seed is None for it, slot, _ in cpu)
         capped = blas and _shards.cap_enter()
         try:
             if whole:  # each item on one thread, several at once (per-thread scratch)

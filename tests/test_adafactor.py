@@ -528,7 +528,7 @@ def test_blas_sums_of_large_tensors_match_the_einsum_sums(monkeypatch):
     """With the BLAS held at one thread (threadpoolctl), a tensor of >= BLAS_MIN elements sums its statistics by
     GEMV/dot; the same steps with the cap unavailable use einsum; both agree with the float64 reference."""
     pytest.importorskip("threadpoolctl")
-    from flatopt import _adafactor_math as fm
+    from flatopt import _factored_passes as fm
     from flatopt import _shards
 
     shape = (512, 512)
