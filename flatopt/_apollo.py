@@ -9,7 +9,7 @@ apollo_seed, apollo_seed := next_seed(current_proj_seed).  Moments are not reset
 
 ``ApolloProjector(proj_fn, next_seed)`` is the documented hook for exact comparisons (a testing aid):
 ``proj_fn(seed, shape) -> array`` returns the *unscaled* N(0, 1) matrix and ``next_seed(seed) -> int`` advances a
-seed.  The defaults use NumPy's PCG64 (``default_rng(seed)``) on NumPy arrays and CuPy's generator on CuPy arrays —
+seed; ``proj_fn`` may be called from a flatopt worker thread (one call at a time per parameter).  The defaults use NumPy's PCG64 (``default_rng(seed)``) on NumPy arrays and CuPy's generator on CuPy arrays —
 not bit-compatible with the original's torch generators, nor with each other; tests inject torch-generated P and
 the original's ``next_seed``.  P is regenerated every step unless ``apollo_cache_proj`` (then it is kept in memory,
 never in the checkpoint, and rebuilt from the seed after a load).
