@@ -46,7 +46,7 @@ def time_case(case: Case, repeats: int, warmup: int = 2) -> Result:
 # them.  Torch's OpenMP workers (libgomp) and OpenBLAS's threads spin for a while after their parallel region
 # ends (OpenBLAS's default: about 2^28 cycles, ~0.1 s); a step timed right after another library's step shares
 # the cores with those spinning threads, which no real training loop does.  Measured: two threads of elementwise
-# NumPy work ran 1.8x slower right after a threaded GEMM than after 0.2 s of sleep; flatopt's 8-bit factored
+# NumPy work ran 1.4-1.8x slower right after a threaded GEMM than after 0.2 s of sleep; flatopt's 8-bit factored
 # step 1.2x slower right after the original's; the original's APOLLO step up to 2x slower right after a flatopt
 # step that had called the threaded BLAS.  Settling puts every timed step in its own library's steady state.
 SETTLE = 1

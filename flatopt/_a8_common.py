@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import _a8_state as S
-from . import _fira, _workspace
+from . import _blocks, _fira, _workspace
 
 F32 = np.float32
 
@@ -43,10 +43,10 @@ def grad32(xp, cfg, g, *, nan_to_zero=False, writable=True):
 
 
 def sumsq(xp, x):
-    """Σx² of a flat array: einsum on NumPy (no BLAS call: a threaded BLAS's idle workers spin for a while after
-    each call and slow the elementwise passes that follow on the other threads; and the bits do not depend on the
-    BLAS thread count), ``dot`` on CuPy."""
-    return np.einsum("i,i->", x, x) if xp is np else xp.dot(x, x)
+    """Σx² of a flat array: ``_blocks.sumsq`` (einsum) on NumPy — no BLAS call: a threaded BLAS's idle workers spin
+    for a while after each call and slow the elementwise passes that follow on the other threads, and the bits do
+    not depend on the BLAS thread count — and ``dot`` on CuPy."""
+    return _blocks.sumsq(np, x, None) if xp is np else xp.dot(x, x)
 
 
 def norm(xp, x):

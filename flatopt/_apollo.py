@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from . import _a8_state as S
-from . import _came, _fira, _parallel, _shards, _workspace
+from . import _blocks, _came, _fira, _parallel, _shards, _workspace
 from ._a8_common import F32, TASK, alpha_rho, clip_, grad32, m_ema, ranges, sumsq, ws
 from . import quant
 
@@ -196,10 +196,8 @@ def _channel_sumsq(xp, gm, right: bool, threads: bool):
         parts[i0] = xp.einsum("ij,ij->j", gm[i0:i1], gm[i0:i1])
 
     _row_tasks(xp, r_, c_, part, threads)
-    acc = None
-    for i0 in sorted(parts):
-        acc = parts[i0] if acc is None else acc + parts[i0]
-    return acc
+    first, *rest = (parts[i0] for i0 in sorted(parts))
+    return _blocks.fold(rest, first)
 
 
 def _low_rank_direction(xp, cfg, st, glow, out, tmp, b: float, t: int) -> None:

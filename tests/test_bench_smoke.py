@@ -56,3 +56,13 @@ def test_a_module_whose_reference_is_missing_is_skipped_with_a_note(monkeypatch)
     notes = []
     assert run.load_cases(["fake"], quick=True, log=notes.append) == []
     assert notes == ["note: skipping bench_fake: reference package 'no_such_oracle' is not installed"]
+
+
+def test_threads_probe_runs():
+    """``python -m benchmarks.threads_probe codec`` (the probe behind README's threading claims) runs and prints its
+    line (timings are not asserted)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.threads_probe", "codec"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("codec: uf8 decode+encode") == 2, proc.stdout

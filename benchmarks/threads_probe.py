@@ -1,0 +1,136 @@
+"""Probes behind the threading claims in README "Performance" (not a benchmark suite; prints medians).
+
+``python -m benchmarks.threads_probe`` measures, on this machine:
+
+1. **spin** — two threads of elementwise NumPy work right after a threaded GEMM, and after a 0.2 s pause (OpenBLAS's
+   idle workers spin for a while after a call and take a core from the threads that run next);
+2. **codec** — uf8 decode + encode of 1M elements per thread, serially and on two threads, with 32K and 128K codec
+   chunks (short NumPy calls hand the GIL over at every call and do not run in parallel);
+3. **adafactor** — ``Adafactor.step_batch`` on the transformer-like set with the BLAS held at one thread (GEMV
+   statistics sums, ``_factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+
+def _median_ms(fn, repeats: int, before=None) -> float:
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def spin(repeats: int = 7) -> None:
+    a = np.random.rand(2048, 1024).astype(np.float32)
+    b = np.random.rand(1024, 256).astype(np.float32)
+    c = np.empty((2048, 256), np.float32)
+    xs = [np.random.rand(1 << 20).astype(np.float32) for _ in range(2)]
+    ys = [np.empty(1 << 20, np.float32) for _ in range(2)]
+    pool = ThreadPoolExecutor(1)
+
+    def work(k):
+        for _ in range(20):
+            np.multiply(xs[k], xs[k], out=ys[k])
+            np.sqrt(ys[k], out=ys[k])
+
+    def two():
+        f = pool.submit(work, 1)
+        work(0)
+        f.result()
+
+    two()
+    after_gemm = _median_ms(two, repeats, before=lambda: np.matmul(a, b, out=c))
+    after_pause = _median_ms(two, repeats, before=lambda: time.sleep(0.2))
+    print(f"spin: two threads of elementwise work {after_gemm:.1f} ms right after a GEMM, {after_pause:.1f} ms after a "
+          f"0.2 s pause ({after_gemm / after_pause:.2f}x)")
+
+
+def codec(repeats: int = 7) -> None:
+    from flatopt import quant
+
+    n = 1 << 20
+    rng = np.random.default_rng(0)
+    saved = quant._CHUNK  # noqa: SLF001
+    try:
+        for chunk in (1 << 15, 1 << 17):
+            quant._CHUNK = chunk  # noqa: SLF001
+            ms = [(rng.standard_normal(n) * 1e-3).astype(np.float32) for _ in range(2)]
+            qs = [quant.m_init(np, n, 256, "uf8") for _ in range(2)]
+            outs = [np.empty(n, np.float32) for _ in range(2)]
+
+            def work(k):
+                quant.m_decode(np, qs[k][0], qs[k][1], outs[k], mblock=256, fmt="uf8")
+                quant.m_encode(np, ms[k], qs[k][0], qs[k][1], mblock=256, fmt="uf8")
+
+            def serial():
+                work(0)
+                work(1)
+
+            def two():
+                th = threading.Thread(target=work, args=(1,))
+                th.start()
+                work(0)
+                th.join()
+
+            s, t = _median_ms(serial, repeats), _median_ms(two, repeats)
+            print(f"codec: uf8 decode+encode, 2 x 1M elements, {chunk >> 10}K chunks: serial {s:.2f} ms, two threads "
+                  f"{t:.2f} ms ({s / t:.2f}x)")
+    finally:
+        quant._CHUNK = saved  # noqa: SLF001
+
+
+def adafactor(repeats: int = 12) -> None:
+    try:
+        import threadpoolctl  # noqa: F401
+    except ImportError:
+        print("adafactor: needs threadpoolctl (pip install threadpoolctl)")
+        return
+    import flatopt
+    from flatopt import _shards, adafactor as af_mod
+
+    from .bench_adamw import make_data, transformer_shapes
+
+    shapes = transformer_shapes()
+    sets = [[flatopt.OptItem(f"p{i}", s, p, g) for i, (s, (p, g)) in enumerate(zip(shapes, make_data(shapes)))]
+            for _ in range(2)]
+    opts = [flatopt.Adafactor(), flatopt.Adafactor()]
+    real = _shards.cap_enter
+
+    def run(k):
+        af_mod._shards.cap_enter = real if k == 0 else (lambda: False)  # noqa: SLF001
+        try:
+            t_end = time.perf_counter() + 0.25  # settle, as the harness does
+            opts[k].step_batch(sets[k])
+            while time.perf_counter() < t_end:
+                opts[k].step_batch(sets[k])
+            t0 = time.perf_counter()
+            opts[k].step_batch(sets[k])
+            return (time.perf_counter() - t0) * 1e3
+        finally:
+            af_mod._shards.cap_enter = real  # noqa: SLF001
+
+    times = {0: [], 1: []}
+    for r in range(repeats):
+        for k in ((0, 1) if r % 2 else (1, 0)):
+            times[k].append(run(k))
+    g, e = statistics.median(times[0]), statistics.median(times[1])
+    print(f"adafactor: transformer-like set, BLAS held at one thread (GEMV sums) {g:.1f} ms, einsum sums {e:.1f} ms "
+          f"({e / g:.2f}x)")
+
+
+if __name__ == "__main__":
+    wanted = sys.argv[1:] or ["spin", "codec", "adafactor"]
+    for name in wanted:
+        {"spin": spin, "codec": codec, "adafactor": adafactor}[name]()
