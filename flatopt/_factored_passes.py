@@ -53,7 +53,7 @@ class Work:
 
 # NumPy: tensors of at least this many elements sum their statistics pass (row, column and weighted column sums of
 # G², Σθ²) with single-threaded BLAS GEMVs/dot instead of einsum when the caller holds the BLAS at one thread
-# (``flatopt._shards.cap_enter``; needs ``threadpoolctl``).  NumPy's einsum loops are not dispatched to AVX2 and
+# (``flatopt._shards.blas_capped``; needs ``threadpoolctl``).  NumPy's einsum loops are not dispatched to AVX2 and
 # scale poorly over two threads; in-process A/B on the transformer-like set 0-9 % faster (56.2 -> 51.5 ms in the
 # best run; ``python -m benchmarks.threads_probe adafactor``), benchmark ratio 1.95x -> 2.15x (medians).  The
 # choice is per tensor (its size), so a tensor's bits do not depend on what it is stepped with; a threaded BLAS

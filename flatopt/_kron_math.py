@@ -69,7 +69,8 @@ def _solve_upper_t(xp, q, b, key: str | None = None):
 
     CuPy: cuBLAS trsm through ``cupyx.scipy.linalg.solve_triangular``.  NumPy: ``_lower_solve`` (NumPy's own BLAS
     only: SciPy's trsm, 2-4x faster on its own, brings a second OpenBLAS whose idle threads spin against NumPy's;
-    the whole MLP-block step of ``benchmarks/bench_kron.py`` measured 12-22 % slower with it)."""
+    the whole MLP-block step of ``benchmarks/bench_kron.py`` measured 12-22 % slower with it: commit 2c93a1f, which
+    used it, against 34c3903, which dropped it)."""
     if xp is not np:
         return _backend.solve_triangular()(q, b, trans="T", lower=False, check_finite=False)
     if key is None:

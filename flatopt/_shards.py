@@ -9,6 +9,7 @@ deadlock.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -77,6 +78,18 @@ def cap_exit() -> None:
             _cap_limit = None
 
 
+@contextlib.contextmanager
+def blas_capped(wanted: bool = True):
+    """``with blas_capped(wanted) as capped:`` — the BLAS held at one thread inside the block when ``wanted`` and
+    threadpoolctl can (``capped`` says whether it is), restored on exit."""
+    capped = bool(wanted) and cap_enter()
+    try:
+        yield capped
+    finally:
+        if capped:
+            cap_exit()
+
+
 def default_workers() -> int:
     """Workers for matmul-heavy sharding: ``min(_parallel.num_threads(), 8)`` when the BLAS can be capped at one
     thread meanwhile (``threadpoolctl`` installed and a BLAS found), else 1 (leave the cores to the BLAS)."""
@@ -93,8 +106,7 @@ def run(fns: Sequence[Callable[[], None] | None], *, single_threaded_blas: bool 
     ``threadpoolctl`` when it is installed; the cap is process-wide for that time), so that K workers do not
     oversubscribe the cores with K multi-threaded BLAS calls.  OpenBLAS partitions a GEMM over rows/columns only,
     so the bits do not depend on the BLAS thread count."""
-    capped = single_threaded_blas and cap_enter()
-    try:
+    with blas_capped(single_threaded_blas):
         futures = [_worker(k).submit(fn) for k, fn in enumerate(fns) if fn is not None]
         first = None
         for f in futures:
@@ -102,8 +114,5 @@ def run(fns: Sequence[Callable[[], None] | None], *, single_threaded_blas: bool 
                 f.result()
             except BaseException as exc:  # noqa: BLE001 - re-raised after every worker finished
                 first = first or exc
-    finally:
-        if capped:
-            cap_exit()
     if first is not None:
         raise first

@@ -225,14 +225,10 @@ class Adafactor(PerParamOptimizer):
         if cpu:
             # every item's blocked passes, phase by phase, on the threads (bits independent of the threads); with
             # the BLAS held at one thread (threadpoolctl) large tensors sum their statistics by GEMV (fm.BLAS_MIN)
-            capped = any(it.param.size >= fm.BLAS_MIN for it, _, _ in cpu) and _shards.cap_enter()
-            try:
+            with _shards.blas_capped(any(it.param.size >= fm.BLAS_MIN for it, _, _ in cpu)) as capped:
                 _blocks.run_phased([(it.name, phases(np, cfg, slot.state, it.param, it.grad, t=slot.t, lr=lr,
                                                      blas=capped)) for it, slot, lr in cpu],
                                    serial=not self.threaded)
-            finally:
-                if capped:
-                    _shards.cap_exit()
         if gpu:
             _gpu_run.run_gpu(self, gpu)
 

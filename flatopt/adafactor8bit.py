@@ -252,9 +252,9 @@ class Adafactor8Bit(PerParamOptimizer):
             (split if big else whole).append((it, slot, lr))
         # factored/CAME tensors of >= BLAS_MIN elements sum their statistics by single-threaded GEMVs while the
         # BLAS is held at one thread (threadpoolctl; per tensor, whatever it is stepped with: same bits)
-        blas = any(it.param.size >= _factored_passes.BLAS_MIN and slot.state.apollo_seed is None for it, slot, _ in cpu)
-        capped = blas and _shards.cap_enter()
-        try:
+        blas = any(it.param.size >= _factored_passes.BLAS_MIN and slot.state.apollo_seed is None
+                   for it, slot, _ in cpu)
+        with _shards.blas_capped(blas) as capped:
             if whole:  # each item on one thread, several at once (per-thread scratch)
                 _parallel.run_tasks([(it.param.size, it.name, functools.partial(self._step_whole, it, slot, lr,
                                                                                 capped))
@@ -267,9 +267,6 @@ class Adafactor8Bit(PerParamOptimizer):
                     continue
                 _blocks.run_phased([(it.name, _a8_paths.phases(np, st.cfg, st, it.param, it.grad, t=slot.t, lr=lr,
                                                                shape=st.sizes["shape"], blas=capped))])
-        finally:
-            if capped:
-                _shards.cap_exit()
         if gpu:
             _gpu_run.run_gpu(self, gpu)
 

@@ -44,8 +44,9 @@ FLT_MIN = float(np.finfo(np.float32).tiny)
 _TINY = float(np.float32(1e-38))  # the original's clamp before log2
 # NumPy: elements per codec chunk (its scratch stays in the L2 cache).  Each chunk is ~10 NumPy calls; two threads
 # hand the GIL over at every call, so short calls do not run in parallel: measured on 2 cores, uf8 decode + encode
-# of 1M elements per thread scaled 0.91x from one to two threads with 32K chunks, 1.54x with 128K (1.68x with
-# 256K); Adafactor8Bit's factored + uf8 momentum step went 19.7 -> 14.7 ms, the AdamW-style AL8 step 35 -> 21 ms.
+# of 1M elements per thread scaled 0.91-1.02x from one to two threads with 32K chunks, 1.54-1.82x with 128K
+# (``python -m benchmarks.threads_probe codec``); Adafactor8Bit's factored + uf8 momentum step went 19.7 -> 14.7 ms,
+# the AdamW-style AL8 step 35 -> 21 ms (``benchmarks/bench_adafactor8bit.py``, this constant at 1 << 15 vs 1 << 17).
 _CHUNK = 1 << 17
 _F32 = np.float32
 

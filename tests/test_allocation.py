@@ -75,8 +75,10 @@ def _peak_ratio_after_warmup(opt, shape, warmup: int) -> float:
                                      dict(beta1=0.9, beta2=0.999, beta3=0.9999, relative_step=False),
                                      dict(factored=False, beta1=0.9, beta2=0.999, relative_step=False, d=0.0,
                                           scale_parameter=False),
-                                     dict(factored=False, beta1=0.9, enable_fira_for_adafactor=True)],
-                         ids=["factored_uf8", "factored_uf4_unaligned", "came", "adam_one_pass", "momentum_only"])
+                                     dict(factored=False, beta1=0.9, enable_fira_for_adafactor=True),
+                                     dict(apollo_rank=8, beta1=0.9, min_8bit_size=0)],
+                         ids=["factored_uf8", "factored_uf4_unaligned", "came", "adam_one_pass", "momentum_only",
+                              "apollo_threaded"])
 def test_adafactor8bit_split_steps_allocate_nothing(options):
     """Above ``SPLIT_MIN`` an Adafactor8Bit step spreads its passes over the threads; after warm-up it allocates no
     array of the parameter's size either (its full-size scratch is per-thread workspace)."""
@@ -85,4 +87,15 @@ def test_adafactor8bit_split_steps_allocate_nothing(options):
     shape = (512, 384)
     assert shape[0] * shape[1] >= a8.SPLIT_MIN
     ratio = _peak_ratio_after_warmup(flatopt.Adafactor8Bit(**options), shape, warmup=3)
+    assert ratio < 0.25, f"{ratio:.2f}x the parameter's bytes"
+
+
+def test_adafactor_gemv_path_allocates_nothing():
+    """A tensor of >= BLAS_MIN elements (GEMV statistics sums while the BLAS is held at one thread, when
+    threadpoolctl is there; einsum otherwise) allocates no array of its size after warm-up either."""
+    from flatopt import _factored_passes
+
+    shape = (512, 384)
+    assert shape[0] * shape[1] >= _factored_passes.BLAS_MIN
+    ratio = _peak_ratio_after_warmup(flatopt.Adafactor(), shape, warmup=3)
     assert ratio < 0.25, f"{ratio:.2f}x the parameter's bytes"

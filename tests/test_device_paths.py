@@ -58,10 +58,16 @@ def _numpy_steps(opt, params, steps):
     return {n: p for n, (_, p) in params.items()}
 
 
+# Measured max |device − NumPy| / max|θ| after 3 steps: ≤ 6.3e-8 everywhere except CAME, 4.6e-6 (its confidence
+# divides by (U − m)², which amplifies the block-vs-whole rounding of U); bounds ~8× and ~2× above.
+TOL = {"came": 1e-5}
+
+
 def _compare(a, b, what):
+    tol = TOL.get(what, 5e-7)
     for n in a:  # one block here, several blocks on NumPy for large shapes: float32 rounding only
         scale = max(float(np.max(np.abs(b[n]))), 1e-30)
-        assert float(np.max(np.abs(a[n] - b[n]))) <= 1e-5 * scale, (what, n)
+        assert float(np.max(np.abs(a[n] - b[n]))) <= tol * scale, (what, n)
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
