@@ -7,7 +7,11 @@
 2. **codec** — uf8 decode + encode of 1M elements per thread, serially and on two threads, with 32K and 128K codec
    chunks (short NumPy calls hand the GIL over at every call and do not run in parallel);
 3. **adafactor** — ``Adafactor.step_batch`` on the transformer-like set with the BLAS held at one thread (GEMV
-   statistics sums, ``_factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl).
+   statistics sums, ``_factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl);
+4. **apollo** — the 256×1024 APOLLO projection of a 2048×1024 weight: NumPy's float32 ziggurat
+   (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``_apollo_proj._draw_block``, one
+   thread), and the projection GEMM G·Pᵀ on one thread cut into row ranges of 128 and 1024 rows (each range
+   repacks P; ``_apollo.GEMM_TASK``).
 """
 
 from __future__ import annotations
@@ -130,7 +134,39 @@ def adafactor(repeats: int = 12) -> None:
           f"({e / g:.2f}x)")
 
 
+def apollo(repeats: int = 15) -> None:
+    from flatopt import _apollo_proj, _shards
+
+    rank, cols, rows = 256, 1024, 2048
+    n = rank * cols
+    buf = np.empty(n, np.float32)
+
+    def blocked():
+        for b, lo in enumerate(range(0, n, _apollo_proj.PROJ_BLOCK)):
+            _apollo_proj._draw_block(7, b, buf[lo:lo + _apollo_proj.PROJ_BLOCK], 1.0)  # noqa: SLF001
+
+    zig = _median_ms(lambda: np.random.default_rng(7).standard_normal((rank, cols), dtype=np.float32), repeats)
+    bm = _median_ms(blocked, repeats)
+    print(f"apollo: {rank}x{cols} projection, float32 ziggurat {zig:.2f} ms, blocked Box-Muller {bm:.2f} ms "
+          f"(one thread, {zig / bm:.1f}x)")
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((rows, cols), dtype=np.float32)
+    pt = buf.reshape(rank, cols).T
+    out = np.empty((rows, rank), np.float32)
+
+    def ranges(step):
+        return lambda: [np.matmul(g[i:i + step], pt, out=out[i:i + step]) for i in range(0, rows, step)]
+
+    with _shards.blas_capped() as capped:
+        if not capped:
+            print("apollo: the GEMM probe needs threadpoolctl (pip install threadpoolctl)")
+            return
+        short, long_ = _median_ms(ranges(128), repeats), _median_ms(ranges(1024), repeats)
+    print(f"apollo: G·Pᵀ ({rows}x{cols}·{cols}x{rank}) on one thread in 128-row ranges {short:.1f} ms, in 1024-row "
+          f"ranges {long_:.1f} ms ({short / long_:.2f}x)")
+
+
 if __name__ == "__main__":
-    wanted = sys.argv[1:] or ["spin", "codec", "adafactor"]
+    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo"]
     for name in wanted:
-        {"spin": spin, "codec": codec, "adafactor": adafactor}[name]()
+        {"spin": spin, "codec": codec, "adafactor": adafactor, "apollo": apollo}[name]()

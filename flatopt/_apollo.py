@@ -7,12 +7,7 @@ G_low = G·Pᵀ (R×r); otherwise ("left") P is R×r and G_low = Pᵀ·G (r×C).
 parameters are first stepped.  Refresh when t − last_proj_step ≥ gap (steps 1, 1 + gap, ...): current_proj_seed :=
 apollo_seed, apollo_seed := next_seed(current_proj_seed).  Moments are not reset on refresh.
 
-``ApolloProjector(proj_fn, next_seed)`` is the documented hook for exact comparisons (a testing aid):
-``proj_fn(seed, shape) -> array`` returns the *unscaled* N(0, 1) matrix and ``next_seed(seed) -> int`` advances a
-seed; ``proj_fn`` may be called from a flatopt worker thread (one call at a time per parameter).  The defaults use NumPy's PCG64 (``default_rng(seed)``) on NumPy arrays and CuPy's generator on CuPy arrays —
-not bit-compatible with the original's torch generators, nor with each other; tests inject torch-generated P and
-the original's ``next_seed``.  P is regenerated every step unless ``apollo_cache_proj`` (then it is kept in memory,
-never in the checkpoint, and rebuilt from the seed after a load).
+The projector (seeds, the default draw, the ``apollo_proj_fn`` hook) is ``flatopt._apollo_proj``.
 """
 
 from __future__ import annotations
@@ -24,61 +19,46 @@ import numpy as np
 
 from . import _a8_state as S
 from . import _blocks, _came, _fira, _parallel, _shards, _workspace
+from ._apollo_proj import ApolloProjector
 from ._a8_common import F32, TASK, alpha_rho, clip_, grad32, m_ema, ranges, sumsq, ws
 from . import quant
 
 
-def _default_proj(seed: int, shape, xp=np):
-    if xp is np:
-        return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
-    return xp.random.RandomState(seed).standard_normal(shape, dtype=np.float32)
-
-
-def _default_next_seed(seed: int) -> int:
-    return int(np.random.default_rng(seed).integers(0, 2**63 - 1))
-
-
-class ApolloProjector:
-    """Seeded APOLLO projection matrices with an injectable source (see the module docstring)."""
-
-    def __init__(self, proj_fn=None, next_seed=None):
-        self.proj_fn = proj_fn
-        self.next_seed = next_seed or _default_next_seed
-
-    def refresh(self, st, t: int, gap: int) -> bool:
-        if t - st.last_proj_step >= gap:
-            st.current_proj_seed = int(st.apollo_seed)
-            st.apollo_seed = int(self.next_seed(st.current_proj_seed))
-            st.last_proj_step = t
-            st.proj = None
-            return True
-        return False
-
-    def matrix(self, xp, st, rank: int, r_: int, c_: int, right: bool, cache: bool):
-        """Pᵀ (C×r for "right", r×R for "left"), float32 (a transposed view of P/√r)."""
-        if st.proj is not None and st.proj[0] == st.current_proj_seed:
-            return st.proj[1]
-        shape = (rank, c_) if right else (r_, rank)
-        raw = self.proj_fn(st.current_proj_seed, shape) if self.proj_fn else _default_proj(st.current_proj_seed,
-                                                                                              shape, xp)
-        raw = xp.array(raw, dtype=np.float32, copy=True)  # (never write into a caller's array)
-        xp.divide(raw, F32(math.sqrt(rank)), out=raw)
-        pt = raw.T  # a transposed view: BLAS reads it in place
-        if cache:
-            st.proj = (st.current_proj_seed, pt)
-        return pt
-
-
-def _row_tasks(xp, rows: int, cols: int, fn, threads: bool) -> None:
-    """fn(i0, i1) over row ranges of about ``TASK`` elements (cut by the shape alone, so every reduction a range
+def _row_tasks(xp, rows: int, cols: int, fn, threads: bool, task: int = TASK) -> None:
+    """fn(i0, i1) over row ranges of about ``task`` elements (cut by the shape alone, so every reduction a range
     makes is folded in the same order whatever the threads), on the threads when ``threads`` (NumPy; the caller
     must not itself be a worker task), else inline; CuPy: one range."""
     if xp is not np:
         fn(0, rows)
         return
-    step = max(1, TASK // max(cols, 1))
+    step = max(1, task // max(cols, 1))
     tasks = [((min(i + step, rows) - i) * cols, "apollo", functools.partial(fn, i, min(i + step, rows)))
              for i in range(0, rows, step)]
+    _parallel.run_tasks(tasks, serial=not threads)
+
+
+# Elements of G per projection-GEMM task.  A GEMM cut into short row ranges repacks P for every range: at
+# 2048×1024, r = 256, on one thread, 128-row ranges (the elementwise ``TASK``) took 1.28–1.37× the time of 1024-row
+# ones (``python -m benchmarks.threads_probe apollo``).
+GEMM_TASK = 1 << 20
+
+
+def _project(xp, gm, pt, glow, right: bool, threads: bool) -> None:
+    """G_low = G·Pᵀ ("right") or Pᵀ·G ("left") into ``glow``.  NumPy: cut by the shape alone into row ranges of G
+    ("right") or column ranges ("left") of about ``GEMM_TASK`` elements — the same GEMMs in every mode (an uncut
+    GEMM gave other bits than the cut ones), run on our threads when ``threads`` (with the BLAS capped)."""
+    if xp is not np:
+        xp.matmul(gm, pt, out=glow) if right else xp.matmul(pt, gm, out=glow)
+        return
+    if right:
+        _row_tasks(xp, gm.shape[0], gm.shape[1], lambda i0, i1: np.matmul(gm[i0:i1], pt, out=glow[i0:i1]), threads,
+                   GEMM_TASK)
+        return
+    rows, cols = gm.shape
+    step = max(1, GEMM_TASK // max(rows, 1))
+    tasks = [((min(j + step, cols) - j) * rows, "apollo",
+              functools.partial(lambda j0, j1: np.matmul(pt, gm[:, j0:j1], out=glow[:, j0:j1]), j, min(j + step, cols)))
+             for j in range(0, cols, step)]
     _parallel.run_tasks(tasks, serial=not threads)
 
 
@@ -94,42 +74,54 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, 
 def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, threads: bool,
             capped: bool) -> None:
     """One APOLLO step of Adafactor8Bit (non-finite gradient entries are read as 0, as in the original).  With
-    ``threads`` (NumPy): P is drawn on a worker while the caller makes the passes over G and θ (its sanitising
-    check, Σθ², G's channel norms), and θ·decay + G·(coef·s) runs over row ranges on all threads
-    (``_row_tasks``); the bits do not depend on it."""
+    ``threads`` (NumPy): P's blocks are drawn on the workers while the caller makes the passes over G and θ (Σθ²;
+    G's channel norms or ‖G‖², which double as its finiteness check), then joins the draw; the projection GEMM
+    (``_project``), the low-rank moments and θ·decay + G·(coef·s) run over ranges on all threads; the bits do not
+    depend on it."""
     r_, c_, right, _ = S.apollo_shape(shape)
     b = 1.0 - cfg.beta2 if cfg.beta2 is not None else math.pow(t, cfg.beta2_decay)
     projector.refresh(st, t, cfg.apollo_update_proj_gap)
     need_norm = cfg.enable_fira_for_apollo or cfg.d > 0
     got = {}
+    pt, draws = projector.prepare(xp, st, cfg.apollo_rank, r_, c_, right, cfg.apollo_cache_proj)
 
-    def make_proj():  # P's generation (single-threaded in NumPy, GIL released) beside the passes over G and θ
-        got["pt"] = projector.matrix(xp, st, cfg.apollo_rank, r_, c_, right, cfg.apollo_cache_proj)
+    def g_stat(g32):  # G's squared channel norms (channel) or ‖G‖² (tensor)
+        if cfg.apollo_scale_type == "channel":
+            return _channel_sumsq(xp, g32.reshape(r_, c_), right, False)
+        return sumsq(xp, g32)
 
     def g_passes():
-        got["g32"] = g32 = grad32(xp, cfg, g, nan_to_zero=True, writable=False)
         got["ar"] = alpha_rho(xp, cfg, p, t, lr)
-        if need_norm and cfg.apollo_scale_type == "channel":
-            got["ng2"] = _channel_sumsq(xp, g32.reshape(r_, c_), right, False)
+        if need_norm and xp is np and g.dtype == np.float32 and not cfg.maximize:
+            # the statistic of G as given doubles as the finiteness check of grad32 (a non-finite entry, or an
+            # overflowing square, makes it non-finite: then G is sanitised and it is measured again)
+            stat = g_stat(g)
+            if np.isfinite(np.add.reduce(stat, axis=None)):
+                got["g32"], got["ng2"] = g, stat
+                return
+        got["g32"] = g32 = grad32(xp, cfg, g, nan_to_zero=True, writable=False)
+        if need_norm:
+            got["ng2"] = g_stat(g32)
 
-    if xp is np:
-        _parallel.run_beside(make_proj, g_passes, serial=not threads)
+    if xp is np:  # P's blocks on the workers while the caller makes the passes over G and θ, then joins them
+        _parallel.run_beside_tasks(g_passes, draws, serial=not threads)
     else:
-        make_proj()
+        for job in draws:
+            job()
         g_passes()
-    pt, g32, (alpha, rho) = got["pt"], got["g32"], got["ar"]
+    projector.keep(st, pt, cfg.apollo_cache_proj)
+    g32, (alpha, rho) = got["g32"], got["ar"]
     gm = g32.reshape(r_, c_)
     lr_, lc_ = (r_, cfg.apollo_rank) if right else (cfg.apollo_rank, c_)
     nl = lr_ * lc_
     glow = ws(xp, "a_glow", nl).reshape(lr_, lc_)
-    if right and xp is np:  # row ranges of G (the same GEMMs in every mode), on our threads when ``threads``
-        _row_tasks(xp, r_, c_, lambda i0, i1: np.matmul(gm[i0:i1], pt, out=glow[i0:i1]), threads and capped)
-    else:
-        xp.matmul(gm, pt, out=glow) if right else xp.matmul(pt, gm, out=glow)
+    _project(xp, gm, pt, glow, right, threads and capped)
     upd_low = ws(xp, "a_upd", nl)
     tmp = ws(xp, "a_tmp", nl)
-    if xp is np and not cfg.apollo_factorize and not (cfg.beta3 is not None and cfg.beta1 is not None):
-        _plain_direction_ranges(cfg, st, glow.reshape(-1), upd_low, tmp, b, t, threads)
+    came = cfg.beta3 is not None and cfg.beta1 is not None
+    if xp is np and not came:
+        ranged = _factorized_direction_ranges if cfg.apollo_factorize else _plain_direction_ranges
+        ranged(cfg, st, glow, upd_low, tmp, b, t, threads)
     else:
         _low_rank_direction(xp, cfg, st, glow, upd_low.reshape(lr_, lc_), tmp, b, t)
     # scaling factor s: per channel (norm over the low-rank axis) or for the whole tensor
@@ -149,7 +141,7 @@ def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector,
         if cfg.apollo_scale_type == "channel":
             nrm = xp.sqrt(xp.sum(got["ng2"].reshape(s.shape) * (s * s)))
         else:
-            nrm = xp.sqrt(sumsq(xp, g32)) * s
+            nrm = xp.sqrt(got["ng2"]) * s
         nrm = xp.asarray(nrm, dtype=np.float32)
     final = s * _fira.factor(xp, st.fira_prev, nrm, cfg.fira_margin) if cfg.enable_fira_for_apollo else s
     if not cfg.apollo_scale_front:
@@ -168,9 +160,14 @@ def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector,
     cs = xp.asarray(coef * final, dtype=np.float32)
     pm = p.reshape(r_, c_)
 
+    per_row = cfg.apollo_scale_type == "channel" and right  # cs is (R, 1); (1, C) on the left; a scalar (tensor)
+
     def apply(i0, i1):
         out = _workspace.get(xp, "a8.apollo_upd", (i1 - i0) * c_, np.float32).reshape(i1 - i0, c_)
-        xp.multiply(gm[i0:i1], cs[i0:i1] if cs.ndim == 2 and cs.shape[0] == r_ else cs, out=out)
+        if per_row and xp is np:  # one factor per row: einsum's loop, not ufunc broadcasting (1.35 vs 1.7 ms)
+            np.einsum("ij,i->ij", gm[i0:i1], cs[i0:i1, 0], out=out)
+        else:
+            xp.multiply(gm[i0:i1], cs[i0:i1] if per_row else cs, out=out)
         pb = pm[i0:i1]
         if decay is not None:
             xp.multiply(pb, decay, out=pb, casting="unsafe")
@@ -205,13 +202,7 @@ def _low_rank_direction(xp, cfg, st, glow, out, tmp, b: float, t: int) -> None:
         g2 = xp.multiply(glow, glow, out=tmp.reshape(lr_, lc_))
         rm = (g2.mean(axis=-1) + F32(quant.FLT_MIN)).astype(np.float32)
         cm = (g2.mean(axis=-2) + F32(quant.FLT_MIN)).astype(np.float32)
-        rv, cv = st.row_var_low, st.col_var_low
-        for v, x in ((rv, rm), (cv, cm)):
-            if t == 1:
-                xp.multiply(x, F32(b), out=v)
-            else:
-                xp.multiply(v, F32(1.0 - b), out=v)
-                xp.add(v, x * F32(b), out=v)
+        rv, cv = _factor_emas(xp, st, rm, cm, b, t)
         if cfg.beta1 is not None and cfg.beta3 is not None:
             rbar = xp.maximum(rv.mean(), F32(quant.FLT_MIN))
             u = xp.multiply(glow, (F32(1.0) / xp.sqrt(rv / rbar))[:, None], out=tmp.reshape(lr_, lc_))
@@ -246,6 +237,7 @@ def _plain_direction_ranges(cfg, st, flat, o, tmp, b: float, t: int, threads: bo
     """NumPy, the plain path (no factorization, no CAME): v ← EMA of G_low², m ← EMA of G_low, U_low = m/(√v + ε)
     over ranges aligned to the codec blocks, on the threads when ``threads`` (elementwise, blockwise codecs: the
     same bits as the whole-slot ``_low_rank_direction``)."""
+    flat = flat.reshape(-1)
     n, ae = flat.size, F32(cfg.apollo_eps)
     vx = ws(np, "a_vlow", n) if st.v_low is None else None  # exact values of a quantized state
     mx = ws(np, "a_mlow", n) if cfg.beta1 is not None and st.m_low is None else None
@@ -265,3 +257,59 @@ def _plain_direction_ranges(cfg, st, flat, o, tmp, b: float, t: int, threads: bo
 
     _parallel.run_tasks([(c, "apollo", functools.partial(task, lo, hi)) for c, lo, hi in ranges(np, n, S.align(st))],
                         serial=not threads)
+
+
+def _factorized_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, threads: bool) -> None:
+    """NumPy, ``apollo_factorize`` without CAME (the whole-slot ``_low_rank_direction`` on ranges, on the threads
+    when ``threads``): the row and column means of G_low² + FLT_MIN over row ranges (row means as NumPy's ``mean``
+    of each row; column sums folded in range order), the float32 factor EMAs, then over ranges of whole rows and
+    whole codec blocks m ← EMA of G_low and U_low = m/(√V̂ + ε) with V̂ = row·col/max(mean(row), ε)."""
+    lr_, lc_ = glow.shape
+    n, ae, tiny = glow.size, F32(cfg.apollo_eps), F32(quant.FLT_MIN)
+    g2 = tmp.reshape(lr_, lc_)
+    rm, parts = np.empty(lr_, np.float32), {}
+
+    def stats(i0, i1):
+        x = np.multiply(glow[i0:i1], glow[i0:i1], out=g2[i0:i1])
+        x.mean(axis=-1, out=rm[i0:i1])
+        parts[i0] = np.add.reduce(x, axis=0)
+
+    _row_tasks(np, lr_, lc_, stats, threads)
+    first, *rest = (parts[i0] for i0 in sorted(parts))
+    cm = _blocks.fold(rest, first) / F32(lr_)
+    np.add(rm, tiny, out=rm)
+    np.add(cm, tiny, out=cm)
+    rv, cv = _factor_emas(np, st, rm, cm, b, t)
+    den = np.maximum(rv.mean(), ae)
+    flat = glow.reshape(-1)
+    mx = ws(np, "a_mlow", n) if cfg.beta1 is not None and st.m_low is None else None
+
+    def task(i0, i1):
+        lo, hi = i0 * lc_, i1 * lc_
+        src = flat[lo:hi]
+        if cfg.beta1 is not None:
+            src = S.ema_range(np, st, "m_low", lo, hi, src, 1.0 - cfg.beta1, None if mx is None else mx[lo:hi],
+                              floor=0.0)
+        vb = g2[i0:i1]
+        np.multiply(rv[i0:i1, None], cv[None, :], out=vb)
+        np.divide(vb, den, out=vb)
+        np.sqrt(vb, out=vb)
+        np.add(vb, ae, out=vb)
+        np.divide(src.reshape(i1 - i0, lc_), vb, out=o[lo:hi].reshape(i1 - i0, lc_))
+
+    unit = math.lcm(S.align(st), lc_) // lc_  # rows that fill whole codec blocks of m_low
+    step = max(unit, TASK // lc_ // unit * unit)
+    _parallel.run_tasks([((min(i + step, lr_) - i) * lc_, "apollo", functools.partial(task, i, min(i + step, lr_)))
+                         for i in range(0, lr_, step)], serial=not threads)
+
+
+def _factor_emas(xp, st, rm, cm, b: float, t: int):
+    """``apollo_factorize``'s float32 row and column EMAs (b·x at t = 1, then (1 − b)·v + b·x), updated in place."""
+    rv, cv = st.row_var_low, st.col_var_low
+    for v, x in ((rv, rm), (cv, cm)):
+        if t == 1:
+            xp.multiply(x, F32(b), out=v)
+        else:
+            xp.multiply(v, F32(1.0 - b), out=v)
+            xp.add(v, x * F32(b), out=v)
+    return rv, cv

@@ -105,6 +105,34 @@ def run_beside(background: Callable[[], None], here: Callable[[], None], *, seri
     run_jobs([here, background], _get_pool(threads - 1))
 
 
+def run_beside_tasks(here: Callable[[], None], tasks: Sequence[Callable[[], None]], *,
+                     serial: bool = False) -> None:
+    """The pool's workers claim ``tasks`` (independent callables) in order while the calling thread runs ``here``,
+    then the caller claims what is left; wait for all, then re-raise the first error (a thread stops claiming at
+    its first error; an error in ``here`` still lets the caller claim).  With one thread or ``serial``: the tasks
+    in order, then ``here``.  ``here`` keeps the caller's per-thread scratch; a task must not
+    use any that the caller reads afterwards."""
+    threads = num_threads()
+    if serial or threads == 1 or not tasks:
+        run_beside(lambda: [task() for task in tasks], here, serial=True)
+        return
+    claim = itertools.count().__next__
+
+    def claimed() -> None:
+        i = claim()
+        while i < len(tasks):
+            tasks[i]()
+            i = claim()
+
+    def here_then_claimed() -> None:
+        try:
+            here()
+        finally:
+            claimed()
+
+    run_jobs([here_then_claimed] + [claimed] * min(threads - 1, len(tasks)), _get_pool(threads - 1))
+
+
 def run_jobs(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor) -> None:
     """Run ``jobs[0]`` on the calling thread and the others on ``pool``; wait for all of them, then re-raise the
     first error (so no job is still running when the caller sees it)."""

@@ -210,8 +210,10 @@ PATHS = {  # every blocked path, quantized (block sizes that do not divide the r
     # APOLLO: its full-size passes over row ranges (channel norms of G folded by range on the "left" layout)
     "apollo_left": dict(APOLLO, apollo_rank=4, weight_decay=0.01, d=1.0),
     "apollo_right_tensor": dict(APOLLO, apollo_rank=4, apollo_scale_type="tensor", weight_decay=0.01),
+    "apollo_factorize_right": dict(APOLLO, apollo_rank=4, apollo_factorize=True, weight_decay=0.01),
+    "apollo_factorize_left": dict(APOLLO, apollo_rank=4, apollo_factorize=True, beta1=None),
 }
-SHAPES = {"apollo_right_tensor": (941, 157)}  # R ≥ C; the others (3, 301, 157) (APOLLO views it as 3 × 47 257)
+SHAPES = {"apollo_right_tensor": (941, 157), "apollo_factorize_right": (941, 157)}  # R ≥ C; the others (3, 301, 157) (APOLLO views it as 3 × 47 257)
 
 
 @pytest.mark.parametrize("quantize", [True, False])
@@ -220,13 +222,16 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
     """A parameter above ``SPLIT_MIN`` steps with its ranges/blocks on all threads; one below steps whole on one
     thread; the serial driver runs the same phases inline.  All three give the same bits (every reduction is per
     block and folded in block order), also with a block size that does not divide the rows."""
-    from flatopt import _blocks, _parallel
+    from flatopt import _apollo, _apollo_proj, _blocks, _parallel
     from flatopt import adafactor8bit as a8
 
     shape = SHAPES.get(name, (3, 301, 157))  # 141 771 (147 737) elements: above SPLIT_MIN
     assert math.prod(shape) >= a8.SPLIT_MIN
     monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)  # threads even for this size,
     monkeypatch.setattr(_blocks, "TASK", 1 << 15)  # with several tasks per factored pass
+    monkeypatch.setattr(_apollo_proj, "PROJ_BLOCK", 100)  # APOLLO: P drawn in several blocks,
+    monkeypatch.setattr(_apollo, "GEMM_TASK", 1 << 14)  # the projection GEMM in several ranges,
+    monkeypatch.setattr(_apollo, "TASK", 1 << 10)  # its low-rank (factorized) passes in several ranges
     seen, run_jobs = [], _parallel.run_jobs
 
     def spy(jobs, pool):  # the phases were handed to more than one thread (which thread claims what may vary)
@@ -427,6 +432,78 @@ def test_no_host_synchronisation_inside_a_step(name):
     with cupyx.allow_synchronize(False):
         for _ in range(3):
             opt.step("w", (R, C), p, g)
+
+
+@pytest.mark.parametrize("shape", [(256, 1024), (1000, 3), (7, 9), (1, 1)])
+def test_default_projection_is_seeded_gaussian(shape, monkeypatch):
+    """The default NumPy projection (no ``apollo_proj_fn``): P·√r is standard normal — mean, variance, the
+    fractions within 1σ and 2σ, the Box–Muller bound √(2·ln 2²⁴) — a function of the seed alone (the same from
+    any thread count and in any order of its blocks, another for another seed), and its blocks are not
+    correlated with each other.  Odd block lengths (a last, partial pair) included."""
+    from flatopt import _apollo_proj, _parallel
+
+    class St:
+        proj = None
+        current_proj_seed = 12345
+
+    def draw(seed, threads):
+        monkeypatch.setenv("FLATOPT_NUM_THREADS", threads)
+        st = St()
+        st.current_proj_seed = seed
+        rank = shape[0]
+        pt, jobs = _apollo_proj.ApolloProjector().prepare(np, st, rank, 10_000, shape[1], True, cache=True)
+        _parallel.run_beside_tasks(lambda: None, jobs)
+        return np.array(pt.T) * np.float32(math.sqrt(rank))
+
+    monkeypatch.setattr(_apollo_proj, "PROJ_BLOCK", 4097)  # odd: several blocks with a half pair at the end
+    a = draw(7, "2")
+    assert a.shape == shape and a.dtype == np.float32
+    assert_bits_equal(a, draw(7, "1"), "thread count")
+    assert not np.array_equal(a, draw(8, "2")) or a.size == 0
+    z = a.ravel().astype(np.float64)
+    assert np.all(np.abs(z) <= math.sqrt(2 * math.log(2.0**24)) + 1e-5)
+    if z.size >= 100_000:
+        se = 1 / math.sqrt(z.size)
+        assert abs(z.mean()) < 5 * se and abs(z.var() - 1) < 5 * math.sqrt(2) * se
+        for k, frac in ((1, 0.682689), (2, 0.954500)):
+            assert abs(np.mean(np.abs(z) < k) - frac) < 5 * math.sqrt(frac * (1 - frac)) * se
+        n = 4097 * (z.size // 4097)
+        blocks = z[:n].reshape(-1, 4097)
+        corr = np.corrcoef(blocks[:8])[np.triu_indices(8, 1)]
+        assert np.all(np.abs(corr) < 5 / math.sqrt(4097))
+        half = 2048  # the sine half of a block is not the cosine half
+        assert abs(np.corrcoef(blocks[:, :half].ravel(), blocks[:, half + 1:2 * half + 1].ravel())[0, 1]) < 5 * se
+
+
+@pytest.mark.parametrize("scale_type", ["channel", "tensor"])
+def test_apollo_reads_nonfinite_gradient_entries_as_zero(scale_type):
+    """APOLLO reads NaN/±Inf as 0 (as the original): the step with a poisoned entry is bit for bit the step with a
+    0 there — G's norm statistic doubles as the finiteness check, so a poisoned G must take the sanitising path —
+    and a gradient whose squares overflow (finite entries) steps as −G does with ``maximize`` (a sanitised copy)."""
+    shape = (96, 40)
+    cfg = dict(APOLLO, apollo_rank=4, apollo_scale_type=scale_type, d=1.0)
+    for bad in (np.nan, np.inf, -np.inf):
+        runs = []
+        for poison in (True, False):
+            opt = flatopt.Adafactor8Bit(**cfg)
+            p = rng_arrays(0, shape, scale=0.1)
+            for t in range(3):
+                g = rng_arrays(1 + t, shape)
+                g[5 + t] = bad if poison else 0.0
+                with np.errstate(all="ignore"):
+                    opt.step("w", shape, p, g)
+            runs.append(p)
+        assert_bits_equal(runs[0], runs[1], f"{scale_type} {bad}")
+    runs = []
+    for sign in (1, -1):
+        opt = flatopt.Adafactor8Bit(**cfg, maximize=sign < 0)
+        p = rng_arrays(0, shape, scale=0.1)
+        g = rng_arrays(1, shape)
+        g[3] = 3e30  # finite, its square overflows float32
+        with np.errstate(all="ignore"):
+            opt.step("w", shape, p, g * np.float32(sign))
+        runs.append(p)
+    assert_bits_equal(runs[0], runs[1], f"{scale_type} overflow")
 
 
 def test_apollo_seeds_and_refresh_schedule():

@@ -59,10 +59,11 @@ def test_a_module_whose_reference_is_missing_is_skipped_with_a_note(monkeypatch)
 
 
 def test_threads_probe_runs():
-    """``python -m benchmarks.threads_probe codec`` (the probe behind README's threading claims) runs and prints its
-    line (timings are not asserted)."""
+    """``python -m benchmarks.threads_probe codec apollo`` (probes behind README's threading claims and APOLLO's
+    constants) run and print their lines (timings are not asserted)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.threads_probe", "codec"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.threads_probe", "codec", "apollo"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("codec: uf8 decode+encode") == 2, proc.stdout
+    assert "apollo: 256x1024 projection" in proc.stdout and "apollo: G·Pᵀ" in proc.stdout, proc.stdout
