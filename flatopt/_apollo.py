@@ -106,9 +106,8 @@ def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector,
     if xp is np:  # P's blocks on the workers while the caller makes the passes over G and θ, then joins them
         _parallel.run_beside_tasks(g_passes, draws, serial=not threads)
     else:
-        for job in draws:
+        for job in (*draws, g_passes):
             job()
-        g_passes()
     projector.keep(st, pt, cfg.apollo_cache_proj)
     g32, (alpha, rho) = got["g32"], got["ar"]
     gm = g32.reshape(r_, c_)
@@ -121,12 +120,16 @@ def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector,
     came = cfg.beta3 is not None and cfg.beta1 is not None
     if xp is np and not came:
         ranged = _factorized_direction_ranges if cfg.apollo_factorize else _plain_direction_ranges
-        ranged(cfg, st, glow, upd_low, tmp, b, t, threads)
+        norms = ranged(cfg, st, glow, upd_low, tmp, b, t, threads,
+                       row_norms=right and cfg.apollo_scale_type == "channel")
     else:
+        norms = None
         _low_rank_direction(xp, cfg, st, glow, upd_low.reshape(lr_, lc_), tmp, b, t)
     # scaling factor s: per channel (norm over the low-rank axis) or for the whole tensor
     u2 = upd_low.reshape(lr_, lc_)
-    if cfg.apollo_scale_type == "channel":
+    if norms is not None:  # ‖U_low,i‖², ‖G_low,i‖², measured by the range tasks
+        s = np.sqrt(norms[0]).reshape(lr_, 1) / (np.sqrt(norms[1]).reshape(lr_, 1) + F32(1e-8))
+    elif cfg.apollo_scale_type == "channel":
         spec = "ij,ij->i" if right else "ij,ij->j"
         shp = (lr_, 1) if right else (1, lc_)
         s = xp.sqrt(xp.einsum(spec, u2, u2)).reshape(shp) / (xp.sqrt(xp.einsum(spec, glow, glow)).reshape(shp)
@@ -233,12 +236,32 @@ def _low_rank_direction(xp, cfg, st, glow, out, tmp, b: float, t: int) -> None:
     xp.divide(src, tmp, out=o)
 
 
-def _plain_direction_ranges(cfg, st, flat, o, tmp, b: float, t: int, threads: bool) -> None:
+def _row_norms(glow, o, want: bool, step: int):
+    """(‖U_low,i‖², ‖G_low,i‖², fn(lo, hi) that measures the rows of a flat range) when ``want`` and every range
+    (starting at multiples of ``step`` elements) covers whole rows; else (None, None, a no-op)."""
+    rows, cols = glow.shape
+    if not want or step % cols:
+        return None, None, lambda lo, hi: None
+    un2, gn2 = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    um = o.reshape(rows, cols)
+
+    def measure(lo, hi):
+        i0, i1 = lo // cols, hi // cols
+        np.einsum("ij,ij->i", um[i0:i1], um[i0:i1], out=un2[i0:i1])
+        np.einsum("ij,ij->i", glow[i0:i1], glow[i0:i1], out=gn2[i0:i1])
+
+    return un2, gn2, measure
+
+
+def _plain_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, threads: bool, *, row_norms: bool = False):
     """NumPy, the plain path (no factorization, no CAME): v ← EMA of G_low², m ← EMA of G_low, U_low = m/(√v + ε)
     over ranges aligned to the codec blocks, on the threads when ``threads`` (elementwise, blockwise codecs: the
-    same bits as the whole-slot ``_low_rank_direction``)."""
-    flat = flat.reshape(-1)
+    same bits as the whole-slot ``_low_rank_direction``).  With ``row_norms``, when the ranges cover whole rows,
+    each range also measures its rows of U_low and G_low: returns (‖U_low,i‖², ‖G_low,i‖²), else None."""
+    flat = glow.reshape(-1)
     n, ae = flat.size, F32(cfg.apollo_eps)
+    cuts = ranges(np, n, S.align(st))
+    un2, gn2, measure = _row_norms(glow, o, row_norms, cuts[0][2])
     vx = ws(np, "a_vlow", n) if st.v_low is None else None  # exact values of a quantized state
     mx = ws(np, "a_mlow", n) if cfg.beta1 is not None and st.m_low is None else None
     floor = quant.al_floor(cfg.apollo_eps)
@@ -254,16 +277,19 @@ def _plain_direction_ranges(cfg, st, flat, o, tmp, b: float, t: int, threads: bo
         np.sqrt(v, out=tb)
         np.add(tb, ae, out=tb)
         np.divide(src, tb, out=o[lo:hi])
+        measure(lo, hi)
 
-    _parallel.run_tasks([(c, "apollo", functools.partial(task, lo, hi)) for c, lo, hi in ranges(np, n, S.align(st))],
-                        serial=not threads)
+    _parallel.run_tasks([(c, "apollo", functools.partial(task, lo, hi)) for c, lo, hi in cuts], serial=not threads)
+    return None if un2 is None else (un2, gn2)
 
 
-def _factorized_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, threads: bool) -> None:
+def _factorized_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, threads: bool, *,
+                                 row_norms: bool = False):
     """NumPy, ``apollo_factorize`` without CAME (the whole-slot ``_low_rank_direction`` on ranges, on the threads
     when ``threads``): the row and column means of G_low² + FLT_MIN over row ranges (row means as NumPy's ``mean``
     of each row; column sums folded in range order), the float32 factor EMAs, then over ranges of whole rows and
-    whole codec blocks m ← EMA of G_low and U_low = m/(√V̂ + ε) with V̂ = row·col/max(mean(row), ε)."""
+    whole codec blocks m ← EMA of G_low and U_low = m/(√V̂ + ε) with V̂ = row·col/max(mean(row), ε); with
+    ``row_norms`` each range also measures its rows (returns (‖U_low,i‖², ‖G_low,i‖²), else None)."""
     lr_, lc_ = glow.shape
     n, ae, tiny = glow.size, F32(cfg.apollo_eps), F32(quant.FLT_MIN)
     g2 = tmp.reshape(lr_, lc_)
@@ -296,11 +322,14 @@ def _factorized_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, thread
         np.sqrt(vb, out=vb)
         np.add(vb, ae, out=vb)
         np.divide(src.reshape(i1 - i0, lc_), vb, out=o[lo:hi].reshape(i1 - i0, lc_))
+        measure(lo, hi)
 
     unit = math.lcm(S.align(st), lc_) // lc_  # rows that fill whole codec blocks of m_low
     step = max(unit, TASK // lc_ // unit * unit)
+    un2, gn2, measure = _row_norms(glow, o, row_norms, step * lc_)
     _parallel.run_tasks([((min(i + step, lr_) - i) * lc_, "apollo", functools.partial(task, i, min(i + step, lr_)))
                          for i in range(0, lr_, step)], serial=not threads)
+    return None if un2 is None else (un2, gn2)
 
 
 def _factor_emas(xp, st, rm, cm, b: float, t: int):
