@@ -24,6 +24,7 @@ CONFIGS = {  # the reference's §3 table (quantize=True unless said)
     "factored fp32": dict(quantize=False),
     "factored AL8 + uf8 m": dict(beta1=0.9),
     "factored AL8 + uf4 m": dict(beta1=0.9, m_quant_type="uf4"),
+    "factored AL8 + d8 m": dict(beta1=0.9, m_quant_type="d8"),
     "CAME AL8/AL8/uf8": dict(beta1=0.9, beta2=0.999, beta3=0.9999, relative_step=False, scale_parameter=False,
                              lr=1e-3),
     "AdamW-style AL8 + uf8": dict(factored=False, beta1=0.9, beta2=0.999, relative_step=False, lr=1e-3,
@@ -38,6 +39,8 @@ CONFIGS = {  # the reference's §3 table (quantize=True unless said)
                               scale_parameter=False, d=0.0, quantize=False),
     "APOLLO-mini r=1 tensor": dict(apollo_rank=1, apollo_scale_type="tensor"),
     "APOLLO r=256 factorize + uf8": dict(apollo_rank=256, beta1=0.9, apollo_factorize=True),
+    "APOLLO r=256 factorize + CAME": dict(apollo_rank=256, beta1=0.9, beta2=0.999, beta3=0.9999, relative_step=False,
+                                          lr=1e-3, scale_parameter=False, d=0.0, apollo_factorize=True),
 }
 QUICK = ("factored AL8", "factored AL8 + uf8 m", "AdamW-style AL8 + uf8", "APOLLO r=256 AL8 + uf8")
 

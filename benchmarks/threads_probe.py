@@ -5,7 +5,8 @@
 1. **spin** — two threads of elementwise NumPy work right after a threaded GEMM, and after a 0.2 s pause (OpenBLAS's
    idle workers spin for a while after a call and take a core from the threads that run next);
 2. **codec** — uf8 decode + encode of 1M elements per thread, serially and on two threads, with 32K and 128K codec
-   chunks (short NumPy calls hand the GIL over at every call and do not run in parallel);
+   chunks (short NumPy calls hand the GIL over at every call and do not run in parallel); the d8 encoder's
+   nearest-entry search, exact against the table look-up of ``flatopt._nearest_lut``;
 3. **adafactor** — ``Adafactor.step_batch`` on the transformer-like set with the BLAS held at one thread (GEMV
    statistics sums, ``_factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl);
 4. **apollo** — the 256×1024 APOLLO projection of a 2048×1024 weight: NumPy's float32 ziggurat
@@ -93,6 +94,13 @@ def codec(repeats: int = 7) -> None:
                   f"{t:.2f} ms ({s / t:.2f}x)")
     finally:
         quant._CHUNK = saved  # noqa: SLF001
+    x = (rng.standard_normal(1 << 17) * 0.1).astype(np.float32)
+    mp, codes = quant.dynamic_map(8), np.empty(1 << 17, np.uint8)
+    exact = _median_ms(lambda: [codes.__setitem__(slice(i, i + 1024), quant._nearest(np, x[i:i + 1024], mp))  # noqa: SLF001
+                                for i in range(0, x.size, 1024)], 3)
+    table = _median_ms(lambda: quant._nearest_into(np, x, mp, codes), repeats)  # noqa: SLF001
+    print(f"codec: d8 nearest-entry search of 128K elements, exact in 1,024-element slices {exact:.1f} ms, table "
+          f"look-up {table:.2f} ms ({exact / table:.0f}x)")
 
 
 def adafactor(repeats: int = 12) -> None:

@@ -7,7 +7,8 @@ G_low = G·Pᵀ (R×r); otherwise ("left") P is R×r and G_low = Pᵀ·G (r×C).
 parameters are first stepped.  Refresh when t − last_proj_step ≥ gap (steps 1, 1 + gap, ...): current_proj_seed :=
 apollo_seed, apollo_seed := next_seed(current_proj_seed).  Moments are not reset on refresh.
 
-The projector (seeds, the default draw, the ``apollo_proj_fn`` hook) is ``flatopt._apollo_proj``.
+The projector (seeds, the default draw, the ``apollo_proj_fn`` hook) is ``flatopt._apollo_proj``; the low-rank
+moments and direction U_low are ``flatopt._apollo_lowrank``.
 """
 
 from __future__ import annotations
@@ -18,23 +19,10 @@ import math
 import numpy as np
 
 from . import _a8_state as S
-from . import _blocks, _came, _fira, _parallel, _shards, _workspace
+from . import _apollo_lowrank, _blocks, _fira, _parallel, _shards, _workspace
+from ._apollo_lowrank import row_tasks
 from ._apollo_proj import ApolloProjector
-from ._a8_common import F32, TASK, alpha_rho, clip_, grad32, m_ema, ranges, sumsq, ws
-from . import quant
-
-
-def _row_tasks(xp, rows: int, cols: int, fn, threads: bool, task: int = TASK) -> None:
-    """fn(i0, i1) over row ranges of about ``task`` elements (cut by the shape alone, so every reduction a range
-    makes is folded in the same order whatever the threads), on the threads when ``threads`` (NumPy; the caller
-    must not itself be a worker task), else inline; CuPy: one range."""
-    if xp is not np:
-        fn(0, rows)
-        return
-    step = max(1, task // max(cols, 1))
-    tasks = [((min(i + step, rows) - i) * cols, "apollo", functools.partial(fn, i, min(i + step, rows)))
-             for i in range(0, rows, step)]
-    _parallel.run_tasks(tasks, serial=not threads)
+from ._a8_common import F32, alpha_rho, grad32, sumsq, ws
 
 
 # Elements of G per projection-GEMM task.  A GEMM cut into short row ranges repacks P for every range: at
@@ -51,7 +39,7 @@ def _project(xp, gm, pt, glow, right: bool, threads: bool) -> None:
         xp.matmul(gm, pt, out=glow) if right else xp.matmul(pt, gm, out=glow)
         return
     if right:
-        _row_tasks(xp, gm.shape[0], gm.shape[1], lambda i0, i1: np.matmul(gm[i0:i1], pt, out=glow[i0:i1]), threads,
+        row_tasks(xp, gm.shape[0], gm.shape[1], lambda i0, i1: np.matmul(gm[i0:i1], pt, out=glow[i0:i1]), threads,
                    GEMM_TASK)
         return
     rows, cols = gm.shape
@@ -117,14 +105,8 @@ def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector,
     _project(xp, gm, pt, glow, right, threads and capped)
     upd_low = ws(xp, "a_upd", nl)
     tmp = ws(xp, "a_tmp", nl)
-    came = cfg.beta3 is not None and cfg.beta1 is not None
-    if xp is np and not came:
-        ranged = _factorized_direction_ranges if cfg.apollo_factorize else _plain_direction_ranges
-        norms = ranged(cfg, st, glow, upd_low, tmp, b, t, threads,
-                       row_norms=right and cfg.apollo_scale_type == "channel")
-    else:
-        norms = None
-        _low_rank_direction(xp, cfg, st, glow, upd_low.reshape(lr_, lc_), tmp, b, t)
+    norms = _apollo_lowrank.direction(xp, cfg, st, glow, upd_low, tmp, b, t, threads,
+                                      row_norms=right and cfg.apollo_scale_type == "channel")
     # scaling factor s: per channel (norm over the low-rank axis) or for the whole tensor
     u2 = upd_low.reshape(lr_, lc_)
     if norms is not None:  # ‖U_low,i‖², ‖G_low,i‖², measured by the range tasks
@@ -176,7 +158,7 @@ def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector,
             xp.multiply(pb, decay, out=pb, casting="unsafe")
         xp.add(pb, out, out=pb, casting="unsafe")
 
-    _row_tasks(xp, r_, c_, apply, threads)
+    row_tasks(xp, r_, c_, apply, threads)
 
 
 def _channel_sumsq(xp, gm, right: bool, threads: bool):
@@ -184,161 +166,15 @@ def _channel_sumsq(xp, gm, right: bool, threads: bool):
     r_, c_ = gm.shape
     if right:
         out = xp.empty(r_, np.float32)
-        _row_tasks(xp, r_, c_, lambda i0, i1: xp.einsum("ij,ij->i", gm[i0:i1], gm[i0:i1], out=out[i0:i1]), threads)
+        row_tasks(xp, r_, c_, lambda i0, i1: xp.einsum("ij,ij->i", gm[i0:i1], gm[i0:i1], out=out[i0:i1]), threads)
         return out
     parts = {}
 
     def part(i0, i1):
         parts[i0] = xp.einsum("ij,ij->j", gm[i0:i1], gm[i0:i1])
 
-    _row_tasks(xp, r_, c_, part, threads)
+    row_tasks(xp, r_, c_, part, threads)
     first, *rest = (parts[i0] for i0 in sorted(parts))
     return _blocks.fold(rest, first)
 
 
-def _low_rank_direction(xp, cfg, st, glow, out, tmp, b: float, t: int) -> None:
-    """The low-rank adaptive direction U_low (written into ``out``), updating the low-rank moments."""
-    lr_, lc_ = glow.shape
-    flat, o = glow.reshape(-1), out.reshape(-1)
-    ae = F32(cfg.apollo_eps)
-    if cfg.apollo_factorize:
-        g2 = xp.multiply(glow, glow, out=tmp.reshape(lr_, lc_))
-        rm = (g2.mean(axis=-1) + F32(quant.FLT_MIN)).astype(np.float32)
-        cm = (g2.mean(axis=-2) + F32(quant.FLT_MIN)).astype(np.float32)
-        rv, cv = _factor_emas(xp, st, rm, cm, b, t)
-        if cfg.beta1 is not None and cfg.beta3 is not None:
-            rbar = xp.maximum(rv.mean(), F32(quant.FLT_MIN))
-            u = xp.multiply(glow, (F32(1.0) / xp.sqrt(rv / rbar))[:, None], out=tmp.reshape(lr_, lc_))
-            xp.multiply(u, (F32(1.0) / xp.sqrt(cv))[None, :], out=u)
-            clip_(xp, tmp, cfg.d)
-            m = m_ema(xp, st, "m_low", tmp, cfg.beta1, o)
-            _came.factored_confidence(xp, cfg, st, tmp, m, (1, lr_, lc_), o, lo_rank=True,
-                                      mean_floor=quant.FLT_MIN)
-            return
-        vest = (rv[:, None] * cv[None, :]) / xp.maximum(rv.mean(), ae)
-        src = m_ema(xp, st, "m_low", flat, cfg.beta1, tmp) if cfg.beta1 is not None else flat
-        xp.divide(src.reshape(lr_, lc_), xp.sqrt(vest) + ae, out=out)
-        return
-    v = S.ema(xp, st, "v_low", flat, b, square=True, first=t == 1, floor=quant.al_floor(cfg.apollo_eps))
-    if cfg.beta3 is not None and cfg.beta1 is not None:
-        eps_sq = max(cfg.apollo_eps**2, quant.FLT_MIN)
-        xp.maximum(v, F32(eps_sq), out=tmp)
-        xp.sqrt(tmp, out=tmp)
-        xp.divide(F32(1.0), tmp, out=tmp)
-        xp.multiply(flat, tmp, out=tmp)
-        clip_(xp, tmp, cfg.d)
-        m = m_ema(xp, st, "m_low", tmp, cfg.beta1, o)
-        _came.elementwise_confidence(xp, cfg, st, tmp, m, o, eps_sq=eps_sq)
-        return
-    src = m_ema(xp, st, "m_low", flat, cfg.beta1, o) if cfg.beta1 is not None else flat
-    xp.sqrt(v, out=tmp)
-    xp.add(tmp, ae, out=tmp)
-    xp.divide(src, tmp, out=o)
-
-
-def _row_norms(glow, o, want: bool, step: int):
-    """(‖U_low,i‖², ‖G_low,i‖², fn(lo, hi) that measures the rows of a flat range) when ``want`` and every range
-    (starting at multiples of ``step`` elements) covers whole rows; else (None, None, a no-op)."""
-    rows, cols = glow.shape
-    if not want or step % cols:
-        return None, None, lambda lo, hi: None
-    un2, gn2 = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    um = o.reshape(rows, cols)
-
-    def measure(lo, hi):
-        i0, i1 = lo // cols, hi // cols
-        np.einsum("ij,ij->i", um[i0:i1], um[i0:i1], out=un2[i0:i1])
-        np.einsum("ij,ij->i", glow[i0:i1], glow[i0:i1], out=gn2[i0:i1])
-
-    return un2, gn2, measure
-
-
-def _plain_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, threads: bool, *, row_norms: bool = False):
-    """NumPy, the plain path (no factorization, no CAME): v ← EMA of G_low², m ← EMA of G_low, U_low = m/(√v + ε)
-    over ranges aligned to the codec blocks, on the threads when ``threads`` (elementwise, blockwise codecs: the
-    same bits as the whole-slot ``_low_rank_direction``).  With ``row_norms``, when the ranges cover whole rows,
-    each range also measures its rows of U_low and G_low: returns (‖U_low,i‖², ‖G_low,i‖²), else None."""
-    flat = glow.reshape(-1)
-    n, ae = flat.size, F32(cfg.apollo_eps)
-    cuts = ranges(np, n, S.align(st))
-    un2, gn2, measure = _row_norms(glow, o, row_norms, cuts[0][2])
-    vx = ws(np, "a_vlow", n) if st.v_low is None else None  # exact values of a quantized state
-    mx = ws(np, "a_mlow", n) if cfg.beta1 is not None and st.m_low is None else None
-    floor = quant.al_floor(cfg.apollo_eps)
-
-    def task(lo, hi):
-        v = S.ema_range(np, st, "v_low", lo, hi, flat[lo:hi], b, None if vx is None else vx[lo:hi], floor=floor,
-                        square=True, first=t == 1)
-        src = flat[lo:hi]
-        if cfg.beta1 is not None:
-            src = S.ema_range(np, st, "m_low", lo, hi, src, 1.0 - cfg.beta1, None if mx is None else mx[lo:hi],
-                              floor=0.0)
-        tb = tmp[lo:hi]
-        np.sqrt(v, out=tb)
-        np.add(tb, ae, out=tb)
-        np.divide(src, tb, out=o[lo:hi])
-        measure(lo, hi)
-
-    _parallel.run_tasks([(c, "apollo", functools.partial(task, lo, hi)) for c, lo, hi in cuts], serial=not threads)
-    return None if un2 is None else (un2, gn2)
-
-
-def _factorized_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, threads: bool, *,
-                                 row_norms: bool = False):
-    """NumPy, ``apollo_factorize`` without CAME (the whole-slot ``_low_rank_direction`` on ranges, on the threads
-    when ``threads``): the row and column means of G_low² + FLT_MIN over row ranges (row means as NumPy's ``mean``
-    of each row; column sums folded in range order), the float32 factor EMAs, then over ranges of whole rows and
-    whole codec blocks m ← EMA of G_low and U_low = m/(√V̂ + ε) with V̂ = row·col/max(mean(row), ε); with
-    ``row_norms`` each range also measures its rows (returns (‖U_low,i‖², ‖G_low,i‖²), else None)."""
-    lr_, lc_ = glow.shape
-    n, ae, tiny = glow.size, F32(cfg.apollo_eps), F32(quant.FLT_MIN)
-    g2 = tmp.reshape(lr_, lc_)
-    rm, parts = np.empty(lr_, np.float32), {}
-
-    def stats(i0, i1):
-        x = np.multiply(glow[i0:i1], glow[i0:i1], out=g2[i0:i1])
-        x.mean(axis=-1, out=rm[i0:i1])
-        parts[i0] = np.add.reduce(x, axis=0)
-
-    _row_tasks(np, lr_, lc_, stats, threads)
-    first, *rest = (parts[i0] for i0 in sorted(parts))
-    cm = _blocks.fold(rest, first) / F32(lr_)
-    np.add(rm, tiny, out=rm)
-    np.add(cm, tiny, out=cm)
-    rv, cv = _factor_emas(np, st, rm, cm, b, t)
-    den = np.maximum(rv.mean(), ae)
-    flat = glow.reshape(-1)
-    mx = ws(np, "a_mlow", n) if cfg.beta1 is not None and st.m_low is None else None
-
-    def task(i0, i1):
-        lo, hi = i0 * lc_, i1 * lc_
-        src = flat[lo:hi]
-        if cfg.beta1 is not None:
-            src = S.ema_range(np, st, "m_low", lo, hi, src, 1.0 - cfg.beta1, None if mx is None else mx[lo:hi],
-                              floor=0.0)
-        vb = g2[i0:i1]
-        np.multiply(rv[i0:i1, None], cv[None, :], out=vb)
-        np.divide(vb, den, out=vb)
-        np.sqrt(vb, out=vb)
-        np.add(vb, ae, out=vb)
-        np.divide(src.reshape(i1 - i0, lc_), vb, out=o[lo:hi].reshape(i1 - i0, lc_))
-        measure(lo, hi)
-
-    unit = math.lcm(S.align(st), lc_) // lc_  # rows that fill whole codec blocks of m_low
-    step = max(unit, TASK // lc_ // unit * unit)
-    un2, gn2, measure = _row_norms(glow, o, row_norms, step * lc_)
-    _parallel.run_tasks([((min(i + step, lr_) - i) * lc_, "apollo", functools.partial(task, i, min(i + step, lr_)))
-                         for i in range(0, lr_, step)], serial=not threads)
-    return None if un2 is None else (un2, gn2)
-
-
-def _factor_emas(xp, st, rm, cm, b: float, t: int):
-    """``apollo_factorize``'s float32 row and column EMAs (b·x at t = 1, then (1 − b)·v + b·x), updated in place."""
-    rv, cv = st.row_var_low, st.col_var_low
-    for v, x in ((rv, rm), (cv, cm)):
-        if t == 1:
-            xp.multiply(x, F32(b), out=v)
-        else:
-            xp.multiply(v, F32(1.0 - b), out=v)
-            xp.add(v, x * F32(b), out=v)
-    return rv, cv

@@ -19,7 +19,7 @@ from . import quant
 F32 = np.float32
 
 
-def _residual(xp, cfg, u, m) -> None:
+def residual(xp, cfg, u, m) -> None:
     xp.subtract(u, m, out=u)
     xp.multiply(u, u, out=u)
     xp.add(u, F32(cfg.eps_came), out=u)
@@ -28,11 +28,22 @@ def _residual(xp, cfg, u, m) -> None:
 def factored_confidence(xp, cfg, st, u, m, dims, out, *, lo_rank: bool, mean_floor: float | None = None):
     """res from (u, m) (``u`` is overwritten), EMA of the confidence factors, ``out`` ← m·rsqrt(...)."""
     bsz, r_, c_ = dims
-    eps1 = 1e-30 if cfg.eps[0] is None else float(cfg.eps[0])
-    _residual(xp, cfg, u, m)
+    residual(xp, cfg, u, m)
     res = u.reshape(bsz, r_, c_)
     res_row = res.mean(axis=-1).astype(np.float32).reshape(-1)
     res_col = res.mean(axis=-2).astype(np.float32).reshape(-1)
+    inv_row, inv_col = confidence_factors(xp, cfg, st, res_row, res_col, dims, lo_rank=lo_rank, mean_floor=mean_floor)
+    o3 = out.reshape(bsz, r_, c_)
+    xp.multiply(m.reshape(bsz, r_, c_), inv_row[:, :, None], out=o3)
+    xp.multiply(o3, inv_col[:, None, :], out=o3)
+    return out
+
+
+def confidence_factors(xp, cfg, st, res_row, res_col, dims, *, lo_rank: bool, mean_floor: float | None = None):
+    """The confidence EMAs (row and column means of res, stored per the format) and their factors
+    (rsqrt(c_row/mean(c_row)) of shape (bsz, r), rsqrt(c_col) of shape (bsz, c))."""
+    bsz, r_, c_ = dims
+    eps1 = 1e-30 if cfg.eps[0] is None else float(cfg.eps[0])
     rs, cs = ("conf_row_low", "conf_col_low") if lo_rank else ("conf_row", "conf_col")
     floor = quant.al_floor(eps1)
     c_row = S.ema(xp, st, rs, res_row, 1.0 - cfg.beta3, floor=floor)
@@ -41,16 +52,13 @@ def factored_confidence(xp, cfg, st, u, m, dims, out, *, lo_rank: bool, mean_flo
     cbar = xp.maximum(c_row.reshape(bsz, r_).mean(axis=-1), fl).astype(np.float32)
     inv_row = F32(1.0) / xp.sqrt(c_row.reshape(bsz, r_) / cbar[:, None])
     inv_col = F32(1.0) / xp.sqrt(c_col.reshape(bsz, c_))
-    o3 = out.reshape(bsz, r_, c_)
-    xp.multiply(m.reshape(bsz, r_, c_), inv_row[:, :, None], out=o3)
-    xp.multiply(o3, inv_col[:, None, :], out=o3)
-    return out
+    return inv_row, inv_col
 
 
 def elementwise_confidence(xp, cfg, st, u, m, out, *, eps_sq: float):
     """APOLLO + CAME without factorisation: res_low ← lerp(res_low, res, 1 − β3); out ← m·rsqrt(max(res_low, eps²))."""
     eps1 = 1e-30 if cfg.eps[0] is None else float(cfg.eps[0])
-    _residual(xp, cfg, u, m)
+    residual(xp, cfg, u, m)
     r = S.ema(xp, st, "res_low", u, 1.0 - cfg.beta3, floor=quant.al_floor(eps1))
     xp.maximum(r, F32(eps_sq), out=out)
     xp.sqrt(out, out=out)

@@ -39,6 +39,7 @@ CONFIGS = {  # every path of the original, quantize=False (float32 states)
     "apollo_factorize": dict(APOLLO, apollo_rank=4, apollo_factorize=True, d=1.0),
     "apollo_came": dict(APOLLO, apollo_rank=4, beta3=0.999),
     "apollo_came_factorize": dict(APOLLO, apollo_rank=4, beta3=0.999, apollo_factorize=True),
+    "apollo_came_factorize_clip": dict(APOLLO, apollo_rank=4, beta3=0.999, apollo_factorize=True, d=1.0),
 }
 
 
@@ -214,9 +215,10 @@ PATHS = {  # every blocked path, quantized (block sizes that do not divide the r
     "apollo_right_channel_r5": dict(APOLLO, apollo_rank=5),  # ranges that cut rows: norms measured after them
     "apollo_factorize_right": dict(APOLLO, apollo_rank=4, apollo_factorize=True, weight_decay=0.01),
     "apollo_factorize_left": dict(APOLLO, apollo_rank=4, apollo_factorize=True, beta1=None),
+    "apollo_factorize_came": dict(APOLLO, apollo_rank=4, apollo_factorize=True, beta3=0.999, d=1.0),
 }
 SHAPES = {"apollo_right_tensor": (941, 157), "apollo_factorize_right": (941, 157), "apollo_right_channel": (941, 157),
-          "apollo_right_channel_r5": (941, 157)}  # R ≥ C; the others (3, 301, 157) (APOLLO views it as 3 × 47 257)
+          "apollo_right_channel_r5": (941, 157), "apollo_factorize_came": (941, 157)}  # R ≥ C; the others (3, 301, 157) (APOLLO views it as 3 × 47 257)
 
 
 @pytest.mark.parametrize("quantize", [True, False])
@@ -225,7 +227,7 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
     """A parameter above ``SPLIT_MIN`` steps with its ranges/blocks on all threads; one below steps whole on one
     thread; the serial driver runs the same phases inline.  All three give the same bits (every reduction is per
     block and folded in block order), also with a block size that does not divide the rows."""
-    from flatopt import _a8_common, _apollo, _apollo_proj, _blocks, _parallel
+    from flatopt import _a8_common, _apollo, _apollo_lowrank, _apollo_proj, _blocks, _parallel
     from flatopt import adafactor8bit as a8
 
     shape = SHAPES.get(name, (3, 301, 157))  # 141 771 (147 737) elements: above SPLIT_MIN
@@ -234,7 +236,7 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
     monkeypatch.setattr(_blocks, "TASK", 1 << 15)  # with several tasks per factored pass
     monkeypatch.setattr(_apollo_proj, "PROJ_BLOCK", 100)  # APOLLO: P drawn in several blocks,
     monkeypatch.setattr(_apollo, "GEMM_TASK", 1 << 14)  # the projection GEMM in several ranges,
-    monkeypatch.setattr(_apollo, "TASK", 1 << 10)  # its low-rank (factorized) passes in several ranges,
+    monkeypatch.setattr(_apollo_lowrank, "TASK", 1 << 10)  # its row and low-rank (factorized) passes in ranges,
     monkeypatch.setattr(_a8_common, "TASK", 1 << 10)  # the plain ones too
     seen, run_jobs = [], _parallel.run_jobs
 

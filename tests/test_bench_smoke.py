@@ -65,5 +65,5 @@ def test_threads_probe_runs():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.threads_probe", "codec", "apollo"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("codec: uf8 decode+encode") == 2, proc.stdout
+    assert proc.stdout.count("codec: uf8 decode+encode") == 2 and "codec: d8 nearest-entry" in proc.stdout, proc.stdout
     assert "apollo: 256x1024 projection" in proc.stdout and "apollo: G·Pᵀ" in proc.stdout, proc.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -210,3 +211,53 @@ def test_cupy_codec_matches_numpy():
         qc, sc = quant.m_init(cp, m.size, 256, fmt)
         quant.m_encode(cp, cp.asarray(m), qc, sc, mblock=256, fmt=fmt)
         assert np.array_equal(q, cp.asnumpy(qc))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nearest_table_equals_the_exact_search(bits):
+    """``flatopt._nearest_lut`` (the NumPy d8/d4 encoder's table look-up) gives the exact search's codes on the map's
+    entries, the midpoints between them and a few ulps either side, ±0, denormals, ±1, non-finite values (flagged:
+    the exact search), random values at several scales and a sweep of bit patterns over [−1, 1]; only the
+    non-finite runs are flagged (no run of 2¹⁶ floats holds two code steps for these maps)."""
+    from flatopt import _nearest_lut
+
+    mp = quant.dynamic_map(bits)
+    _, _, flagged = _nearest_lut.table(mp.tobytes())
+    runs = np.arange(1 << 16, dtype=np.uint32)
+    assert np.array_equal(flagged, (runs & 0x7F80) == 0x7F80)
+    mids = ((mp[1:].astype(np.float64) + mp[:-1]) / 2).astype(np.float32)
+    near = [mp, mids, -mids]
+    for direction in (np.float32(np.inf), np.float32(-np.inf)):
+        x = np.concatenate([mp, mids, -mids])
+        for _ in range(3):
+            x = np.nextafter(x, direction)
+            near.append(x)
+    r = np.random.default_rng(bits)
+    sweep = np.arange(0, 0x3F800001, 9973, dtype=np.uint32).view(np.float32)
+    x = np.concatenate(near + [np.array([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-40, -1e-40, np.nan, np.inf, -np.inf],
+                                        np.float32), sweep, -sweep]
+                       + [(r.standard_normal(20000) * s).astype(np.float32) for s in (1.0, 1e-2, 1e-4, 1e-6)])
+    out = np.empty(x.size, np.uint8)
+    _nearest_lut.nearest_into(x, mp, out, lambda key, n, dtype: np.empty(n, dtype))
+    with np.errstate(invalid="ignore"):
+        exact = quant._nearest(np, x, mp)
+    assert np.array_equal(out, exact)
+
+
+@pytest.mark.skipif(not os.environ.get("FLATOPT_EXHAUSTIVE"), reason="minutes: set FLATOPT_EXHAUSTIVE=1")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_nearest_table_exhaustive(bits):
+    """Every float32 in [−1, 1] (the normalised moments the encoder sees; 2.13e9 values per map): the table
+    look-up equals the exact search.  Run once when the table or ``_nearest`` changes (d4 ~5 min, d8 ~15 min on
+    this project's machine)."""
+    from flatopt import _nearest_lut
+
+    mp = quant.dynamic_map(bits)
+    one = int(np.array([1.0], np.float32).view(np.uint32)[0])
+    step = 1 << 24
+    for sign in (0, 0x80000000):
+        for s in range(0, one + 1, step):
+            x = (np.arange(s, min(s + step, one + 1), dtype=np.uint32) | np.uint32(sign)).view(np.float32)
+            out = np.empty(x.size, np.uint8)
+            _nearest_lut.nearest_into(x, mp, out, lambda key, n, dtype: np.empty(n, dtype))
+            assert np.array_equal(out, quant._nearest(np, x, mp)), (bits, sign, s)
