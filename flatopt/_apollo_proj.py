@@ -100,6 +100,8 @@ class ApolloProjector:
                     raw = self.proj_fn(seed, shape)
                 else:
                     raw = xp.random.RandomState(seed).standard_normal(shape, dtype=np.float32)
+                if tuple(raw.shape) != shape:  # (assigning would broadcast a wrong shape silently)
+                    raise ValueError(f"apollo_proj_fn returned an array of shape {tuple(raw.shape)}, expected {shape}")
                 m = buf.reshape(shape)
                 m[...] = xp.asarray(raw, dtype=np.float32)  # a copy: never write into a caller's array
                 xp.divide(m, F32(math.sqrt(rank)), out=m)

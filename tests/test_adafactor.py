@@ -117,7 +117,7 @@ def test_matches_float64_reference(cfg, shape, dtype):
         assert err <= f32_bound(ref, dtot, STEPS), (err, f32_bound(ref, dtot, STEPS))
 
 
-@pytest.mark.parametrize("shape", [(3, 300, 200), (2, 70000), (70000, 2), (200000,), (5000, 5, 6)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 400, 300), (2, 140000), (140000, 2), (300000,), (10000, 5, 6)], ids=str)
 def test_blocked_paths_match_reference(shape):
     """Row blocks of large matrices, groups of small matrices and flat blocks of long vectors."""
     assert math.prod(shape) > _blocks.BLOCK
@@ -129,7 +129,8 @@ def test_blocked_paths_match_reference(shape):
 
 def test_single_block_layout_of_the_cupy_twin(monkeypatch):
     """The CuPy twin runs the whole tensor as one block; on NumPy the same code must give the blocked result."""
-    shape = (3, 300, 200)
+    shape = (3, 400, 300)
+    assert math.prod(shape) > _blocks.BLOCK
     theta, grads = data(shape, np.float64, steps=3)
     blocked = run_flat(flatopt.Adafactor(beta1=0.9), shape, theta, grads)
     monkeypatch.setattr(_blocks, "BLOCK", 1 << 40)

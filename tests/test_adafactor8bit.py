@@ -233,7 +233,8 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
     shape = SHAPES.get(name, (3, 301, 157))  # 141 771 (147 737) elements: above SPLIT_MIN
     assert math.prod(shape) >= a8.SPLIT_MIN
     monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)  # threads even for this size,
-    monkeypatch.setattr(_blocks, "TASK", 1 << 15)  # with several tasks per factored pass
+    monkeypatch.setattr(_blocks, "BLOCK", 1 << 14)  # several blocks
+    monkeypatch.setattr(_blocks, "TASK", 1 << 15)  # and several tasks per factored pass
     monkeypatch.setattr(_apollo_proj, "PROJ_BLOCK", 100)  # APOLLO: P drawn in several blocks,
     monkeypatch.setattr(_apollo, "GEMM_TASK", 1 << 14)  # the projection GEMM in several ranges,
     monkeypatch.setattr(_apollo_lowrank, "TASK", 1 << 10)  # its row and low-rank (factorized) passes in ranges,
@@ -510,6 +511,16 @@ def test_apollo_reads_nonfinite_gradient_entries_as_zero(scale_type):
             opt.step("w", shape, p, g * np.float32(sign))
         runs.append(p)
     assert_bits_equal(runs[0], runs[1], f"{scale_type} overflow")
+
+
+def test_apollo_proj_fn_of_the_wrong_shape_is_named():
+    """An ``apollo_proj_fn`` returning a broadcastable but wrong shape is an error naming the parameter and both
+    shapes (copying it into P would broadcast silently)."""
+    opt = flatopt.Adafactor8Bit(apollo_rank=2, apollo_proj_fn=lambda seed, shape: np.ones((1, shape[1]), np.float32))
+    p, g = rng_arrays(0, (6, 5)), rng_arrays(1, (6, 5))
+    with pytest.raises(flatopt.TaskError, match=r"'w': ValueError: apollo_proj_fn returned an array of shape "
+                                                r"\(1, 5\), expected \(2, 5\)"):
+        opt.step("w", (6, 5), p, g)
 
 
 def test_apollo_seeds_and_refresh_schedule():
