@@ -87,34 +87,23 @@ def run_tasks(tasks: Sequence[tuple[int, str, Callable[[], None]]], *, wrap: Cal
     run_jobs(groups, _get_pool(threads - 1))
 
 
-def run_beside(background: Callable[[], None], here: Callable[[], None], *, serial: bool = False) -> None:
-    """Run ``background`` on a pool worker while the calling thread runs ``here`` (both inline, in that order, with
-    one thread or ``serial``); wait for both, then re-raise the first error.  ``here`` keeps the caller's
-    per-thread scratch; ``background`` must not use any that the caller reads afterwards."""
-    threads = num_threads()
-    if serial or threads == 1:
-        first = None
-        for job in (background, here):
-            try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other job ran
-                first = first or exc
-        if first is not None:
-            raise first
-        return
-    run_jobs([here, background], _get_pool(threads - 1))
-
-
 def run_beside_tasks(here: Callable[[], None], tasks: Sequence[Callable[[], None]], *,
                      serial: bool = False) -> None:
     """The pool's workers claim ``tasks`` (independent callables) in order while the calling thread runs ``here``,
     then the caller claims what is left; wait for all, then re-raise the first error (a thread stops claiming at
     its first error; an error in ``here`` still lets the caller claim).  With one thread or ``serial``: the tasks
-    in order, then ``here``.  ``here`` keeps the caller's per-thread scratch; a task must not
-    use any that the caller reads afterwards."""
+    in order, then ``here`` (also after a failed task).  ``here`` keeps the caller's per-thread scratch; a task
+    must not use any that the caller reads afterwards."""
     threads = num_threads()
     if serial or threads == 1 or not tasks:
-        run_beside(lambda: [task() for task in tasks], here, serial=True)
+        first = None
+        for job in (lambda: [task() for task in tasks], here):
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after ``here`` ran
+                first = first or exc
+        if first is not None:
+            raise first
         return
     claim = itertools.count().__next__
 
