@@ -12,7 +12,10 @@
 4. **apollo** — the 256×1024 APOLLO projection of a 2048×1024 weight: NumPy's float32 ziggurat
    (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``_apollo_proj._draw_block``, one
    thread), and the projection GEMM G·Pᵀ on one thread cut into row ranges of 128 and 1024 rows (each range
-   repacks P; ``_apollo.GEMM_TASK``).
+   repacks P; ``_apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread);
+5. **sizes** — settled in-process A/B of the task sizes: ``_blocks.BLOCK``/``TASK`` at 128K/256K against
+   256K/512K elements (Adafactor's transformer-like set, Adafactor8Bit's factored fp32 step), and
+   ``_apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights.
 """
 
 from __future__ import annotations
@@ -165,6 +168,23 @@ def apollo(repeats: int = 15) -> None:
     def ranges(step):
         return lambda: [np.matmul(g[i:i + step], pt, out=out[i:i + step]) for i in range(0, rows, step)]
 
+    cs = rng.random(rows, dtype=np.float32)
+    th = np.zeros((rows, cols), np.float32)
+    tmp = np.empty((128, cols), np.float32)
+
+    def scale(einsum):
+        def run():
+            for i in range(0, rows, 128):
+                if einsum:
+                    np.einsum("ij,i->ij", g[i:i + 128], cs[i:i + 128], out=tmp)
+                else:
+                    np.multiply(g[i:i + 128], cs[i:i + 128, None], out=tmp)
+                np.add(th[i:i + 128], tmp, out=th[i:i + 128])
+        return run
+
+    bcast, ein = _median_ms(scale(False), repeats), _median_ms(scale(True), repeats)
+    print(f"apollo: θ += G·s per row ({rows}x{cols}, 128-row ranges, one thread): broadcast multiply {bcast:.2f} ms, "
+          f"einsum {ein:.2f} ms ({bcast / ein:.2f}x)")
     with _shards.blas_capped() as capped:
         if not capped:
             print("apollo: the GEMM probe needs threadpoolctl (pip install threadpoolctl)")
@@ -174,7 +194,66 @@ def apollo(repeats: int = 15) -> None:
           f"ranges {long_:.1f} ms ({short / long_:.2f}x)")
 
 
+def _ab(label: str, make_step, variants: dict, repeats: int) -> None:
+    """Settled, interleaved in-process A/B: ``variants`` maps a name to {(module, attribute): value}; each variant
+    steps its own optimizer and data (``make_step()`` -> step) with those constants set (restored afterwards)."""
+    steps = {name: make_step() for name in variants}
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(repeats):
+        for name in (names if r % 2 else names[::-1]):
+            saved = {(m, a): getattr(m, a) for m, a in variants[name]}
+            try:
+                for (m, a), v in variants[name].items():
+                    setattr(m, a, v)
+                t_end = time.perf_counter() + 0.25  # settle, as the harness does
+                steps[name]()
+                while time.perf_counter() < t_end:
+                    steps[name]()
+                t0 = time.perf_counter()
+                steps[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+            finally:
+                for (m, a), v in saved.items():
+                    setattr(m, a, v)
+    meds = {n: statistics.median(times[n]) for n in names}
+    print(f"sizes: {label}: " + ", ".join(f"{n} {meds[n]:.2f} ms" for n in names)
+          + f" ({meds[names[0]] / meds[names[1]]:.2f}x)")
+
+
+def sizes(repeats: int = 15) -> None:
+    import flatopt
+    from flatopt import _apollo_lowrank, _blocks
+
+    from .bench_adamw import make_data, transformer_shapes
+
+    shapes = transformer_shapes()
+    rng = np.random.default_rng(0)
+
+    def adafactor_set():
+        items = [flatopt.OptItem(f"p{i}", s, p, g) for i, (s, (p, g)) in enumerate(zip(shapes, make_data(shapes)))]
+        opt = flatopt.Adafactor()
+        return lambda: opt.step_batch(items)
+
+    def a8(**options):
+        def make():
+            p = rng.standard_normal(2048 * 1024, dtype=np.float32) * 0.05
+            g = rng.standard_normal(2048 * 1024, dtype=np.float32)
+            opt = flatopt.Adafactor8Bit(**options)
+            return lambda: opt.step("w", (2048, 1024), p, g)
+        return make
+
+    blocks = {"128K/256K": {(_blocks, "BLOCK"): 1 << 17, (_blocks, "TASK"): 1 << 18},
+              "256K/512K": {(_blocks, "BLOCK"): 1 << 18, (_blocks, "TASK"): 1 << 19}}
+    _ab("Adafactor transformer-like set, _blocks.BLOCK/TASK", adafactor_set, blocks, repeats)
+    _ab("Adafactor8Bit factored fp32, _blocks.BLOCK/TASK", a8(quantize=False), blocks, repeats)
+    _ab("Adafactor8Bit APOLLO r=256 fp32, _apollo_lowrank.TASK", a8(
+        apollo_rank=256, beta1=0.9, beta2=0.999, relative_step=False, lr=1e-3, scale_parameter=False, d=0.0,
+        quantize=False), {"128K": {(_apollo_lowrank, "TASK"): 1 << 17}, "256K": {(_apollo_lowrank, "TASK"): 1 << 18}},
+        repeats)
+
+
 if __name__ == "__main__":
-    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo"]
+    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "sizes"]
     for name in wanted:
-        {"spin": spin, "codec": codec, "adafactor": adafactor, "apollo": apollo}[name]()
+        {"spin": spin, "codec": codec, "adafactor": adafactor, "apollo": apollo, "sizes": sizes}[name]()

@@ -20,7 +20,8 @@ from ._a8_common import F32, clip_, m_ema, ranges, sumsq, ws
 # Elements per row-range task of APOLLO's full-size passes (G's statistics, θ's update) and of the factorised
 # low-rank ranges: twice the elementwise ``_a8_common.TASK`` (longer NumPy calls hand the GIL over less often).
 # Measured (settled in-process A/B, 2 threads, 2026-11-30, 2048×1024, r = 256): fp32 step 12.5 -> 11.8 and
-# 12.7 -> 11.8 ms, factorised + uf8 14.2 -> 13.9 ms against 1 << 17; 1 << 19 no faster.
+# 12.7 -> 11.8 ms, factorised + uf8 14.2 -> 13.9 ms against 1 << 17; 1 << 19 no faster.  Re-run: ``python -m
+# benchmarks.threads_probe sizes`` (1.02x in the first re-run: a small gain, within the noise of one run).
 TASK = 1 << 18
 
 
@@ -197,8 +198,7 @@ def _row_col_means(stats, rows: int, cols: int, threads: bool):
         rm[i0:i1], parts[i0] = stats(i0, i1)
 
     row_tasks(np, rows, cols, task, threads)
-    first, *rest = (parts[i0] for i0 in sorted(parts))
-    return rm, _blocks.fold(rest, first) / F32(rows)
+    return rm, _blocks.fold_keyed(parts) / F32(rows)
 
 
 def _came_ranges(cfg, st, glow, o, u, rv, cv, m_ema, over_rows, measure) -> None:
@@ -220,8 +220,7 @@ def _came_ranges(cfg, st, glow, o, u, rv, cv, m_ema, over_rows, measure) -> None
     over_rows(scaled)
     clip = None
     if cfg.d > 0:
-        first, *rest = (sums[i0] for i0 in sorted(sums))
-        rms = np.sqrt(_blocks.fold(rest, first)).astype(np.float32) / F32(math.sqrt(u.size))
+        rms = np.sqrt(_blocks.fold_keyed(sums)).astype(np.float32) / F32(math.sqrt(u.size))
         clip = np.maximum(rms / F32(cfg.d), F32(1.0))
     res_row, col_parts, ms = np.empty(lr_, np.float32), {}, {}
 
@@ -235,8 +234,7 @@ def _came_ranges(cfg, st, glow, o, u, rv, cv, m_ema, over_rows, measure) -> None
         col_parts[i0] = np.add.reduce(ub, axis=0)
 
     over_rows(residual)
-    first, *rest = (col_parts[i0] for i0 in sorted(col_parts))
-    res_col = _blocks.fold(rest, first) / F32(lr_)
+    res_col = _blocks.fold_keyed(col_parts) / F32(lr_)
     inv_row, inv_col = _came.confidence_factors(np, cfg, st, res_row, res_col, (1, lr_, lc_), lo_rank=True,
                                                 mean_floor=quant.FLT_MIN)
 

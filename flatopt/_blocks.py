@@ -24,7 +24,8 @@ from . import _parallel, _workspace
 # transformer-like set 56.7 -> 50.4 ms and 58.8 -> 53.8 ms, its 4096² matrix 39.3 -> 35.5 ms, Adafactor8Bit's
 # factored fp32 step 5.18 -> 4.67 ms and factored + uf8 momentum 14.8 -> 13.7 ms, factored AL8 and CAME unchanged
 # within noise (6.18 / 6.31, 18.5 / 18.2 ms); 512K-element blocks were slower again (53.2 ms on the set).  (Earlier,
-# before the harness settled the threads: 128 KiB blocks were 1.4x slower than 512 KiB ones.)
+# before the harness settled the threads: 128 KiB blocks were 1.4x slower than 512 KiB ones.)  Re-run:
+# ``python -m benchmarks.threads_probe sizes`` (1.10x on the set, 1.12x on factored fp32 in the first re-run).
 BLOCK = 1 << 18
 # Elements per task of a blocked pass (a run of consecutive blocks handed to one thread at a time).
 TASK = 1 << 19
@@ -155,6 +156,13 @@ def fold(parts: list, acc):
     for s in parts:
         acc = acc + s
     return acc
+
+
+def fold_keyed(parts: dict):
+    """The partials of ``parts`` (keyed by their range's start) added in key order, the first as the start: the
+    order of the serial loop over the ranges, whichever threads made them."""
+    first, *rest = (parts[k] for k in sorted(parts))
+    return fold(rest, first)
 
 
 def run_serial(phases) -> None:

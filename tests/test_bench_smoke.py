@@ -67,3 +67,13 @@ def test_threads_probe_runs():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("codec: uf8 decode+encode") == 2 and "codec: d8 nearest-entry" in proc.stdout, proc.stdout
     assert "apollo: 256x1024 projection" in proc.stdout and "apollo: G·Pᵀ" in proc.stdout, proc.stdout
+
+
+def test_threads_probe_sizes_runs(capsys):
+    """``python -m benchmarks.threads_probe sizes`` (the A/B behind ``_blocks.BLOCK`` and ``_apollo_lowrank.TASK``)
+    runs one round and prints its three lines (timings are not asserted)."""
+    from benchmarks import threads_probe
+
+    threads_probe.sizes(repeats=1)
+    out = capsys.readouterr().out
+    assert out.count("sizes: ") == 3 and "_apollo_lowrank.TASK" in out, out
