@@ -13,7 +13,10 @@
    (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``_apollo_proj._draw_block``, one
    thread), and the projection GEMM G·Pᵀ on one thread cut into row ranges of 128 and 1024 rows (each range
    repacks P; ``_apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread);
-5. **sizes** — settled in-process A/B of the task sizes: ``_blocks.BLOCK``/``TASK`` at 128K/256K against
+5. **scaling** — Adafactor's column and row scaling of U on one thread (2048×1024 in blocks of 256 rows): the column
+   factor broadcast row by row against tiled over k rows (``_factored_passes.TILE``); the apply (x·column factor,
+   ·row factor, θ −= U) with the row factor by an out-of-place einsum against an in-place broadcast multiply;
+6. **sizes** — settled in-process A/B of the task sizes: ``_blocks.BLOCK``/``TASK`` at 128K/256K against
    256K/512K elements (Adafactor's transformer-like set, Adafactor8Bit's factored fp32 step), and
    ``_apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights.
 """
@@ -194,6 +197,53 @@ def apollo(repeats: int = 15) -> None:
           f"ranges {long_:.1f} ms ({short / long_:.2f}x)")
 
 
+def scaling(repeats: int = 21) -> None:
+    from flatopt import _factored_passes
+
+    rows, cols, rb = 2048, 1024, 256
+    n, blk = rows * cols, rb * cols
+    rng = np.random.default_rng(0)
+    g, p = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    rowv, colv = rng.random(rows, dtype=np.float32), rng.random(cols, dtype=np.float32)
+    k = -(-_factored_passes.TILE // cols)
+    tile = np.tile(colv, k)
+    v, u = np.empty(blk, np.float32), np.empty(blk, np.float32)
+
+    def col(tiled):
+        def run():
+            for lo in range(0, n, blk):
+                if tiled:
+                    np.multiply(g[lo:lo + blk].reshape(-1, k * cols), tile, out=v.reshape(-1, k * cols))
+                else:
+                    np.multiply(g[lo:lo + blk].reshape(rb, cols), colv, out=v.reshape(rb, cols))
+        return run
+
+    def apply(einsum):
+        def run():
+            for lo in range(0, n, blk):
+                i0 = lo // cols
+                v2 = v.reshape(rb, cols)
+                np.multiply(g[lo:lo + blk].reshape(-1, k * cols), tile, out=v.reshape(-1, k * cols))
+                if einsum:
+                    np.einsum("ij,i->ij", v2, rowv[i0:i0 + rb], out=u.reshape(rb, cols))
+                    p[lo:lo + blk] -= u
+                else:
+                    v2 *= rowv[i0:i0 + rb, None]
+                    p[lo:lo + blk] -= v
+        return run
+
+    times = {name: [] for name in ("rows", "tiled", "einsum", "in place")}
+    fns = {"rows": col(False), "tiled": col(True), "einsum": apply(True), "in place": apply(False)}
+    for _ in range(repeats):  # interleaved
+        for name, fn in fns.items():
+            times[name].append(_median_ms(fn, 1))
+    m = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"scaling: x·column factor ({rows}x{cols}, {rb}-row blocks, one thread) row by row {m['rows']:.2f} ms, "
+          f"tiled over {k} rows {m['tiled']:.2f} ms ({m['rows'] / m['tiled']:.2f}x)")
+    print(f"scaling: U's apply, row factor by einsum {m['einsum']:.2f} ms, in place {m['in place']:.2f} ms "
+          f"({m['einsum'] / m['in place']:.2f}x)")
+
+
 def _ab(label: str, make_step, variants: dict, repeats: int) -> None:
     """Settled, interleaved in-process A/B: ``variants`` maps a name to {(module, attribute): value}; each variant
     steps its own optimizer and data (``make_step()`` -> step) with those constants set (restored afterwards)."""
@@ -254,6 +304,7 @@ def sizes(repeats: int = 15) -> None:
 
 
 if __name__ == "__main__":
-    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "sizes"]
+    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "scaling", "sizes"]
     for name in wanted:
-        {"spin": spin, "codec": codec, "adafactor": adafactor, "apollo": apollo, "sizes": sizes}[name]()
+        {"spin": spin, "codec": codec, "adafactor": adafactor, "apollo": apollo, "scaling": scaling,
+         "sizes": sizes}[name]()

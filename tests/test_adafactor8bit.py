@@ -264,6 +264,31 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
         assert_states_equal(sd, outs[0][1])
 
 
+@pytest.mark.parametrize("name", ["adafactor", "factored", "factored_m_fira_max", "came", "came_fira"])
+def test_tiled_column_scaling_gives_the_same_bits(name, monkeypatch):
+    """Row blocks of a matrix with short rows multiply by the column factor tiled k times (``_factored_passes.TILE``,
+    in U's apply, CAME's write and the ΣU² pass): the bits equal the row-by-row multiply, also where k does not
+    divide a block's rows (a remainder of rows) and for a batch of matrices."""
+    from flatopt import _blocks, _factored_passes
+
+    monkeypatch.setattr(_blocks, "BLOCK", 1 << 14)  # row blocks of 104 rows of 157: k = 53, 51 rows left over
+    shape = (3, 301, 157)
+    c = shape[-1]
+    k = -(-_factored_passes.TILE // c)
+    assert shape[1] * c > _blocks.BLOCK and 1 < k <= _blocks.BLOCK // c and (_blocks.BLOCK // c) % k
+    make = {"adafactor": lambda: flatopt.Adafactor(beta1=0.9, weight_decay=0.01),
+            "came_fira": lambda: flatopt.Adafactor8Bit(**CAME, enable_fira_for_adafactor=True)}.get(
+        name, lambda: flatopt.Adafactor8Bit(**({"came": CAME}.get(name) or PATHS[name])))
+    outs = []
+    for tile in (_factored_passes.TILE, 1):  # tiled, then row by row
+        monkeypatch.setattr(_factored_passes, "TILE", tile)
+        p, opt = rng_arrays(0, shape, scale=0.1), make()
+        for t in range(3):
+            opt.step("w", shape, p, rng_arrays(1 + t, shape))
+        outs.append(p)
+    assert_bits_equal(outs[0], outs[1], name)
+
+
 def test_options_of_the_original_that_do_not_apply_are_accepted():
     """``stochastic_round_writeback`` (BF16/FP16 parameters in the original; flatopt's are float32/float64, whose
     write-back is exact) and ``warmup_multiplier`` (a CUDA-allocator priming trick) are accepted, validated, and

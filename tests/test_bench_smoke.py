@@ -59,14 +59,15 @@ def test_a_module_whose_reference_is_missing_is_skipped_with_a_note(monkeypatch)
 
 
 def test_threads_probe_runs():
-    """``python -m benchmarks.threads_probe codec apollo`` (probes behind README's threading claims and APOLLO's
-    constants) run and print their lines (timings are not asserted)."""
+    """``python -m benchmarks.threads_probe codec apollo scaling`` (probes behind README's threading claims, APOLLO's
+    and the factored passes' constants) run and print their lines (timings are not asserted)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.threads_probe", "codec", "apollo"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.threads_probe", "codec", "apollo", "scaling"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("codec: uf8 decode+encode") == 2 and "codec: d8 nearest-entry" in proc.stdout, proc.stdout
     assert "apollo: 256x1024 projection" in proc.stdout and "apollo: G·Pᵀ" in proc.stdout, proc.stdout
+    assert proc.stdout.count("scaling: ") == 2, proc.stdout
 
 
 def test_threads_probe_sizes_runs(capsys):
