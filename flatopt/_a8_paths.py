@@ -143,11 +143,13 @@ def _ema_factors(xp, st, fp, slots, w, add):
 def _came_path(xp, cfg, st, p, g, b, sc, shape, blas=False):
     """CAME (factored, β1 and β3) through the same blocked passes: U = G·rsqrt(R/r̄)·rsqrt(C) clipped by RMS(U)/d;
     m ← lerp(m, U, 1 − β1); res = (U − m)² + eps_came; confidence factors ← lerp(·, row/column means of res, 1 − β3);
-    step m·rsqrt(c_row/c̄)·rsqrt(c_col) (no second clip; Fira optional).  Full-size scratch: U (then U − m) and,
-    for a quantized m, its exact values."""
+    step m·rsqrt(c_row/c̄)·rsqrt(c_col) (no second clip; Fira optional).  On NumPy, when the blocks start at whole
+    codec blocks of m, U, its m update, U − m and the statistics of (U − m)² are made block by block in one pass
+    (U − m never stored); otherwise U (then U − m) is written whole first.  Full-size scratch: that U and, for a
+    quantized m, its exact values."""
     n = p.size
     eps1 = eps1_of(cfg)
-    fp = FactoredPasses(xp, st, p, shape)
+    fp = FactoredPasses(xp, st, p, shape, align=cfg.m_block_size if xp is np and st.m is None else 1)
     fp.blas = blas and xp is np and p.size >= BLAS_MIN  # GEMV sums (the caller holds the BLAS at one thread)
     yield from _fused_stats(xp, cfg, st, fp, g, b)
     alpha = sc.alpha(fp.ssq_p)
@@ -156,19 +158,19 @@ def _came_path(xp, cfg, st, p, g, b, sc, shape, blas=False):
         xp.divide(fp.colv, xp.maximum(rms / F32(cfg.d), F32(1.0)), out=fp.colv)
     if cfg.maximize:
         xp.negative(fp.colv, out=fp.colv)
-    u_all = ws(xp, "a8.u", n)
-    yield fp.write(g, u_all)
     m_all = st.m if st.m is not None else ws(xp, "a8.m_exact", n)
 
-    def moment(lo, hi):
-        def run():
-            u = u_all[lo:hi]
-            m = S.ema_range(xp, st, "m", lo, hi, u, 1.0 - cfg.beta1, m_all[lo:hi], floor=0.0)
-            xp.subtract(u, m, out=u)  # U − m: its square is the instability
-        return run
+    def residual(u, lo, hi):  # m ← lerp(m, U, 1 − β1) for U[lo:hi]; U − m (its square is the instability)
+        m = S.ema_range(xp, st, "m", lo, hi, u, 1.0 - cfg.beta1, m_all[lo:hi], floor=0.0)
+        return xp.subtract(u, m, out=u)
 
-    yield [(c, moment(lo, hi)) for c, lo, hi in ranges(xp, n, S.align(st))]
-    yield from fp.stats(u_all)
+    if xp is np and fp.aligned:
+        yield from fp.stats(None, xblock=fp.u_source(g, residual))
+    else:
+        u_all = ws(xp, "a8.u", n)
+        yield fp.write(g, u_all)
+        yield [(c, lambda lo=lo, hi=hi: residual(u_all[lo:hi], lo, hi)) for c, lo, hi in ranges(xp, n, S.align(st))]
+        yield from fp.stats(u_all)
     CR, CC = _ema_factors(xp, st, fp, ("conf_row", "conf_col"), 1.0 - cfg.beta3, cfg.eps_came)
     fp.factors(CR, CC, rbar_floor=F32(eps1))
     ssq = None

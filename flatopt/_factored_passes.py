@@ -47,6 +47,7 @@ class Work:
     wpart: object = None  # like colpart: per-block Σ_i x²/R_i (fused statistics), allocated when first used
     wsum: object = None  # (B, c): W = Σ_i x²/R_i
     tile: object = None  # (B, k·c): the column factor repeated k times (NumPy, short rows; see ``TILE``)
+    colf: object = None  # (B, c): a copy of the column factor (``u_source``)
     align: int = 1  # the block alignment this scratch was laid out for
     su: list = None  # ΣU² of each block
     sp: list = None  # Σθ² of each block
@@ -150,7 +151,7 @@ class FactoredPasses:
     def _bufs(self):
         return self.shared or _blocks.buffers(np, self.big, self.p.dtype)
 
-    def stats(self, x, extra=(), *, rows=None, need_rms: bool = False, wsrc=None):
+    def stats(self, x, extra=(), *, rows=None, need_rms: bool = False, wsrc=None, xblock=None):
         """Phases: colv ← mean_i x², rowv ← mean_j x² (row sums per block; column sums per block, folded in block
         order by windows of ``PARTS`` elements); ``extra`` tasks join the first phase.
 
@@ -160,7 +161,12 @@ class FactoredPasses:
         ``fused_ssq`` gives ΣU² = Σ_b r̄_b·Σ_j c_bj²·W_bj (r_i² = r̄/R_i) without another pass over x; and, with
         ``need_rms``, Σθ² per block (into ``ssq_p``).  rowv then holds 1/R, not the means.  ``wsrc(lo, hi)``
         (fused mode, ``aligned`` blocks) returns, per block, the values U is formed from instead of x (e.g. a first
-        moment updated block by block in this same pass); W then sums their squares."""
+        moment updated block by block in this same pass); W then sums their squares.
+
+        ``xblock(buf, lo, hi, b0, b1, i0, i1)`` (NumPy, instead of x) makes each block's values in the task, into
+        the thread's first block buffer ``buf`` or elsewhere, and returns them (flat): the statistics of values that
+        are never stored whole.  It runs before the block's row sums are written into rowv, so it may read the
+        rows' previous contents (e.g. their factors); the column vector is zeroed before the phase."""
         xp, bl, kmax, window, p = self.xp, self.bl, self.kmax, self.window, self.p
         _, r, c = self.dims
         w = self.w
@@ -177,7 +183,8 @@ class FactoredPasses:
                     lo, hi, b0, b1, i0, i1 = bl[k]
                     j = (k - base) * kmax
                     s3 = sq[: hi - lo].reshape(b1 - b0, i1 - i0, c)
-                    _row_col_sumsq(xp, x[lo:hi].reshape(s3.shape), rowv[b0:b1, i0:i1], colpart[j:j + b1 - b0], s3,
+                    xb = x[lo:hi] if xblock is None else xblock(self._bufs()[0], lo, hi, b0, b1, i0, i1)
+                    _row_col_sumsq(xp, xb.reshape(s3.shape), rowv[b0:b1, i0:i1], colpart[j:j + b1 - b0], s3,
                                    self.blas)
                     if fused:
                         inv = rows(b0, b1, i0, i1, rowv[b0:b1, i0:i1])
@@ -241,17 +248,19 @@ class FactoredPasses:
                 w.tile = np.empty((bdim, k * c), self.colv.dtype)
             w.tile.reshape(bdim, k, c)[...] = self.colv[:, None, :]
 
-    def _col_scaled(self, x, out3, lo, b0, b1, i0, i1) -> None:
-        """out3 ← x[lo:lo + out3.size] (a (b1 − b0, i1 − i0, c) block) · column factor; rows of one matrix k at a
-        time against the tiled factor (``_tiles``), the rest row by row."""
+    def _col_scaled(self, x, out3, lo, b0, b1, i0, i1, colv=None) -> None:
+        """out3 ← x[lo:lo + out3.size] (a (b1 − b0, i1 − i0, c) block) · column factor (``colv``: a copy of it, by
+        default colv itself); rows of one matrix k at a time against the tiled factor (``_tiles``), the rest row by
+        row."""
         c, k = self.dims[2], self.k
+        colv = self.colv if colv is None else colv
         if k > 1 and b1 - b0 == 1 and i1 - i0 >= k:
             q = (i1 - i0) // k * k
             np.multiply(x[lo:lo + q * c].reshape(-1, k * c), self.w.tile[b0], out=out3[0, :q].reshape(-1, k * c))
             if q < i1 - i0:
-                np.multiply(x[lo + q * c:lo + out3.size].reshape(-1, c), self.colv[b0], out=out3[0, q:])
+                np.multiply(x[lo + q * c:lo + out3.size].reshape(-1, c), colv[b0], out=out3[0, q:])
             return
-        self.xp.multiply(x[lo:lo + out3.size].reshape(out3.shape), self.colv[b0:b1, None, :], out=out3)
+        self.xp.multiply(x[lo:lo + out3.size].reshape(out3.shape), colv[b0:b1, None, :], out=out3)
 
     def _u_block(self, x):
         """U of a (merged) block: x·column factor into the thread's first block buffer, then ·row factor in place
@@ -303,6 +312,25 @@ class FactoredPasses:
         yield [(cost, pass2(supers)) for cost, _, _, supers in self.runs]
         self.ssq_u = fold(su, 0.0)
         self.ssq_p = fold(sp, 0.0) if need_rms else None
+
+    def u_source(self, x, then):
+        """An ``xblock`` for ``stats`` over U = x·row factor·column factor (the factors as they are now; the column
+        factor copied, since ``stats`` zeroes colv): U of the block into the buffer, then ``then(u, lo, hi)``, which
+        returns the values to measure (NumPy)."""
+        w, c = self.w, self.dims[2]
+        if w.colf is None or w.colf.shape != self.colv.shape:
+            w.colf = np.empty_like(self.colv)
+        colf = w.colf
+        np.copyto(colf, self.colv)
+        self._tiles()
+        rowv = self.rowv
+
+        def block(buf, lo, hi, b0, b1, i0, i1):
+            u3 = buf[: hi - lo].reshape(b1 - b0, i1 - i0, c)
+            self._col_scaled(x, u3, lo, b0, b1, i0, i1, colf)
+            u3 *= rowv[b0:b1, i0:i1, None]
+            return then(u3.reshape(-1), lo, hi)
+        return block
 
     def write(self, x, out) -> list:
         """Tasks: out ← x·column factor, then ·row factor in place (elementwise, any cut gives the same bits)."""

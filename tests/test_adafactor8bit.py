@@ -289,6 +289,37 @@ def test_tiled_column_scaling_gives_the_same_bits(name, monkeypatch):
     assert_bits_equal(outs[0], outs[1], name)
 
 
+@pytest.mark.parametrize("m_quant_type", ["uf8", "uf4", "fp32"])
+def test_came_one_pass_residual_equals_the_written_u(m_quant_type, monkeypatch):
+    """CAME on NumPy makes U, its m update, U − m and the statistics of (U − m)² block by block in one pass when
+    the blocks start at whole codec blocks of m; the bits equal the path that writes U whole first (blocks that do
+    not start there), on two threads."""
+    from flatopt import _blocks, _factored_passes, _parallel
+    from flatopt import adafactor8bit as a8
+
+    monkeypatch.setattr(_blocks, "BLOCK", 1 << 14)
+    monkeypatch.setattr(_blocks, "TASK", 1 << 15)
+    monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)
+    monkeypatch.setattr(a8, "SPLIT_MIN", 1)
+    monkeypatch.setenv("FLATOPT_NUM_THREADS", "2")
+    shape = (602, 157)  # blocks of 96 rows (whole codec blocks of m: 96·157 elements)
+    cfg = dict(CAME, m_quant_type=m_quant_type, m_block_size=96, block_size=384, maximize=True)
+    outs, used = [], []
+    real = _factored_passes.FactoredPasses.u_source
+    monkeypatch.setattr(_factored_passes.FactoredPasses, "u_source", lambda *a: used.append(1) or real(*a))
+    for fused in (True, False):
+        if not fused:  # every layout reads as unaligned: U written whole, then its ranges
+            monkeypatch.setattr(_factored_passes, "aligned", lambda bl, align: False)
+        used.clear()
+        p, opt = rng_arrays(0, shape, scale=0.1), flatopt.Adafactor8Bit(**cfg)
+        for t in range(3):
+            opt.step("w", shape, p, rng_arrays(1 + t, shape))
+        outs.append((p, opt.state_dict()))
+        assert len(used) == (3 if fused else 0)
+    assert_bits_equal(outs[0][0], outs[1][0], m_quant_type)
+    assert_states_equal(outs[0][1], outs[1][1])
+
+
 def test_options_of_the_original_that_do_not_apply_are_accepted():
     """``stochastic_round_writeback`` (BF16/FP16 parameters in the original; flatopt's are float32/float64, whose
     write-back is exact) and ``warmup_multiplier`` (a CUDA-allocator priming trick) are accepted, validated, and
