@@ -61,33 +61,52 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, 
 
 def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, threads: bool,
             capped: bool) -> None:
-    """One APOLLO step of Adafactor8Bit (non-finite gradient entries are read as 0, as in the original): the passes
-    up to U_low (NumPy "right" shapes: ``_right_passes``, G measured and U_low made by the projection's row ranges;
-    otherwise ``_passes_in_turn``), the scaling factor, the Fira factor and the clip, then θ·decay + G·(coef·s)
-    over row ranges.  With ``threads`` (NumPy) every pass runs over ranges on all threads; the bits do not depend
-    on it."""
+    """One APOLLO step of Adafactor8Bit (non-finite gradient entries are read as 0, as in the original).  With
+    ``threads`` (NumPy): P's blocks are drawn on the workers while the caller makes the passes over G and θ (Σθ²;
+    G's channel norms or ‖G‖², which double as its finiteness check), then joins the draw; the projection GEMM
+    (``_project``), the low-rank moments and θ·decay + G·(coef·s) run over ranges on all threads; the bits do not
+    depend on it."""
     r_, c_, right, _ = S.apollo_shape(shape)
     b = 1.0 - cfg.beta2 if cfg.beta2 is not None else math.pow(t, cfg.beta2_decay)
     projector.refresh(st, t, cfg.apollo_update_proj_gap)
     need_norm = cfg.enable_fira_for_apollo or cfg.d > 0
     got = {}
     pt, draws = projector.prepare(xp, st, cfg.apollo_rank, r_, c_, right, cfg.apollo_cache_proj)
+
+    def g_stat(g32):  # G's squared channel norms (channel) or ‖G‖² (tensor)
+        if cfg.apollo_scale_type == "channel":
+            return _channel_sumsq(xp, g32.reshape(r_, c_), right, False)
+        return sumsq(xp, g32)
+
+    def g_passes():
+        got["ar"] = alpha_rho(xp, cfg, p, t, lr)
+        if need_norm and xp is np and g.dtype == np.float32 and not cfg.maximize:
+            # the statistic of G as given doubles as the finiteness check of grad32 (a non-finite entry, or an
+            # overflowing square, makes it non-finite: then G is sanitised and it is measured again)
+            stat = g_stat(g)
+            if np.isfinite(np.add.reduce(stat, axis=None)):
+                got["g32"], got["ng2"] = g, stat
+                return
+        got["g32"] = g32 = grad32(xp, cfg, g, nan_to_zero=True, writable=False)
+        if need_norm:
+            got["ng2"] = g_stat(g32)
+
+    if xp is np:  # P's blocks on the workers while the caller makes the passes over G and θ, then joins them
+        _parallel.run_beside_tasks(g_passes, draws, serial=not threads)
+    else:
+        for job in (*draws, g_passes):
+            job()
+    projector.keep(st, pt, cfg.apollo_cache_proj)
+    g32, (alpha, rho) = got["g32"], got["ar"]
+    gm = g32.reshape(r_, c_)
     lr_, lc_ = (r_, cfg.apollo_rank) if right else (cfg.apollo_rank, c_)
     nl = lr_ * lc_
     glow = ws(xp, "a_glow", nl).reshape(lr_, lc_)
+    _project(xp, gm, pt, glow, right, threads and capped)
     upd_low = ws(xp, "a_upd", nl)
     tmp = ws(xp, "a_tmp", nl)
-    if xp is np and right and (capped or not threads):
-        g32, ng2, norms = _right_passes(cfg, st, p, g, t, lr, (r_, c_), pt, draws, glow, upd_low, tmp, b,
-                                        threads, need_norm, got)
-        if need_norm:
-            got["ng2"] = ng2
-    else:
-        g32, norms = _passes_in_turn(xp, cfg, st, p, g, t, lr, (r_, c_, right), pt, draws, glow, upd_low, tmp, b,
-                             threads, capped, need_norm, got, right and cfg.apollo_scale_type == "channel")
-    alpha, rho = got["ar"]
-    projector.keep(st, pt, cfg.apollo_cache_proj)
-    gm = g32.reshape(r_, c_)
+    norms = _apollo_lowrank.direction(xp, cfg, st, glow, upd_low, tmp, b, t, threads,
+                                      row_norms=right and cfg.apollo_scale_type == "channel")
     # scaling factor s: per channel (norm over the low-rank axis) or for the whole tensor
     u2 = upd_low.reshape(lr_, lc_)
     if norms is not None:  # ‖U_low,i‖², ‖G_low,i‖², measured by the range tasks
@@ -140,102 +159,6 @@ def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector,
         xp.add(pb, out, out=pb, casting="unsafe")
 
     row_tasks(xp, r_, c_, apply, threads)
-
-
-def _passes_in_turn(xp, cfg, st, p, g, t, lr, dims, pt, draws, glow, upd_low, tmp, b, threads, capped, need_norm, got,
-            row_norms):
-    """The passes up to U_low, in turn (CuPy; "left" shapes; a threaded step whose BLAS could not be capped): P's
-    blocks drawn on the workers while the caller measures θ (α) and G (its channel norms or ‖G‖², which double as
-    its finiteness check: a non-finite entry or an overflowing square makes G sanitised and measured again), the
-    projection GEMM (``_project``), then U_low (``_apollo_lowrank.direction``).  Returns (G as read, the row norms
-    of U_low and G_low when the ranges measured them, else None); fills got["ar"] (α, ρ) and got["ng2"]."""
-    r_, c_, right = dims
-
-    def g_stat(g32):  # G's squared channel norms (channel) or ‖G‖² (tensor)
-        gm = g32.reshape(r_, c_)
-        if cfg.apollo_scale_type == "channel":
-            return _channel_sumsq(xp, gm, right, False)
-        return sumsq(xp, g32)
-
-    def g_passes():
-        got["ar"] = alpha_rho(xp, cfg, p, t, lr)
-        if need_norm and xp is np and g.dtype == np.float32 and not cfg.maximize:
-            stat = g_stat(g)
-            if np.isfinite(np.add.reduce(stat, axis=None)):
-                got["g32"], got["ng2"] = g, stat
-                return
-        got["g32"] = g32 = grad32(xp, cfg, g, nan_to_zero=True, writable=False)
-        if need_norm:
-            got["ng2"] = g_stat(g32)
-
-    if xp is np:  # P's blocks on the workers while the caller makes the passes over G and θ, then joins them
-        _parallel.run_beside_tasks(g_passes, draws, serial=not threads)
-    else:
-        for job in (*draws, g_passes):
-            job()
-    _project(xp, got["g32"].reshape(r_, c_), pt, glow, right, threads and capped)
-    norms = _apollo_lowrank.direction(xp, cfg, st, glow, upd_low, tmp, b, t, threads, row_norms=row_norms)
-    return got["g32"], norms
-
-
-def _right_passes(cfg, st, p, g, t, lr, dims, pt, draws, glow, upd_low, tmp, b, threads, need_norm, got):
-    """NumPy, "right" shapes (G_low = G·Pᵀ, a row of G_low from the same row of G): the passes up to U_low in two
-    phases.  (1) P's blocks on the workers while the caller measures θ (α) — and converts G when it must be copied
-    anyway (``maximize``, not float32: sanitised then).  (2) Row ranges of G (about ``GEMM_TASK`` elements, whole
-    codec blocks of G_low) on all threads, each: its rows of G_low = G·Pᵀ; their finiteness (G's row is finite
-    when its row of G_low is: a non-finite G_ij makes every G_low,ik non-finite); G's squared row norms (channel)
-    or Σ G² (tensor; folded in range order) when ``need_norm``; and for the plain low-rank path
-    (``_apollo_lowrank.plain_direction``) U_low of those rows and their norms.  A range whose G_low rows are not
-    all finite skips the rest and is redone from the sanitised G after the phase (before any state of its rows
-    was updated), so the bits are those of sanitising G up front; for the other paths U_low follows
-    (``_apollo_lowrank.direction``).  Returns (G as read, the statistic of G, the row norms of U_low and G_low
-    or None)."""
-    (r_, c_), lc_ = dims, glow.shape[1]
-    clean = g.dtype != np.float32 or cfg.maximize
-
-    def measure_theta():
-        got["ar"] = alpha_rho(np, cfg, p, t, lr)
-        if clean:
-            got["g32"] = grad32(np, cfg, g, nan_to_zero=True, writable=False)
-
-    _parallel.run_beside_tasks(measure_theta, draws, serial=not threads)
-    src = got.get("g32", g).reshape(r_, c_)
-    channel = cfg.apollo_scale_type == "channel"
-    ng2 = np.empty(r_, np.float32) if need_norm and channel else None
-    parts, bad = {}, []
-    direction = None
-    if _apollo_lowrank.ranged(cfg):
-        direction, un2, gn2 = _apollo_lowrank.plain_direction(cfg, st, glow, upd_low, tmp, b, t, row_norms=channel)
-    unit = S.align(st) // math.gcd(lc_, S.align(st))  # rows of G_low that fill whole codec blocks
-    step = max(unit, GEMM_TASK // max(c_, 1) // unit * unit)
-
-    def rows(gm, check, i0, i1):
-        np.matmul(gm[i0:i1], pt, out=glow[i0:i1])
-        if check and not np.isfinite(np.add.reduce(glow[i0:i1], axis=None)):
-            bad.append(i0)
-            return
-        if need_norm and channel:
-            np.einsum("ij,ij->i", gm[i0:i1], gm[i0:i1], out=ng2[i0:i1])
-        elif need_norm:
-            parts[i0] = sumsq(np, gm[i0:i1].reshape(-1))
-        if direction is not None:
-            direction(i0 * lc_, i1 * lc_)
-
-    def run(gm, check, starts):
-        _parallel.run_tasks([((min(i + step, r_) - i) * c_, "apollo",
-                              functools.partial(rows, gm, check, i, min(i + step, r_))) for i in starts],
-                            serial=not threads)
-
-    run(src, not clean, range(0, r_, step))
-    if bad:  # non-finite entries: sanitise G, redo those ranges (their states untouched so far)
-        src = grad32(np, cfg, g, nan_to_zero=True, writable=False).reshape(r_, c_)
-        run(src, False, sorted(bad))
-    if direction is None:
-        norms = _apollo_lowrank.direction(np, cfg, st, glow, upd_low, tmp, b, t, threads, row_norms=channel)
-    else:
-        norms = (un2, gn2) if channel else None
-    stat = ng2 if channel or not need_norm else _blocks.fold_keyed(parts)
-    return src.reshape(-1), stat, norms
 
 
 def _channel_sumsq(xp, gm, right: bool, threads: bool):

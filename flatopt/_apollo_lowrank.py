@@ -28,9 +28,10 @@ TASK = 1 << 18
 def direction(xp, cfg, st, glow, upd_low, tmp, b: float, t: int, threads: bool, *, row_norms: bool):
     """U_low into ``upd_low`` (flat), updating the low-rank moments; ``row_norms`` asks for (‖U_low,i‖²,
     ‖G_low,i‖²) of the rows of G_low, returned when the range tasks measured them (else None)."""
-    if xp is np and (cfg.apollo_factorize or ranged(cfg)):
-        paths = _factorized_direction_ranges if cfg.apollo_factorize else _plain_direction_ranges
-        return paths(cfg, st, glow, upd_low, tmp, b, t, threads, row_norms=row_norms)
+    came = cfg.beta3 is not None and cfg.beta1 is not None
+    if xp is np and (cfg.apollo_factorize or not came):
+        ranged = _factorized_direction_ranges if cfg.apollo_factorize else _plain_direction_ranges
+        return ranged(cfg, st, glow, upd_low, tmp, b, t, threads, row_norms=row_norms)
     _low_rank_direction(xp, cfg, st, glow, upd_low.reshape(glow.shape), tmp, b, t)
     return None
 
@@ -105,30 +106,15 @@ def _row_norms(glow, o, want: bool, step: int):
     return un2, gn2, measure
 
 
-def ranged(cfg) -> bool:
-    """Whether ``plain_direction`` applies (the plain path: no factorization, no CAME)."""
-    return not cfg.apollo_factorize and not (cfg.beta3 is not None and cfg.beta1 is not None)
-
-
 def _plain_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, threads: bool, *, row_norms: bool = False):
-    """NumPy, the plain path (``plain_direction``) over ranges aligned to the codec blocks, on the threads when
-    ``threads``.  With ``row_norms``, when the ranges cover whole rows, each range also measures its rows of U_low
-    and G_low: returns (‖U_low,i‖², ‖G_low,i‖²), else None."""
-    cuts = ranges(np, glow.size, S.align(st))
-    task, un2, gn2 = plain_direction(cfg, st, glow, o, tmp, b, t, row_norms=row_norms and cuts[0][2] % glow.shape[1] == 0)
-    _parallel.run_tasks([(c, "apollo", functools.partial(task, lo, hi)) for c, lo, hi in cuts], serial=not threads)
-    return None if un2 is None else (un2, gn2)
-
-
-def plain_direction(cfg, st, glow, o, tmp, b: float, t: int, *, row_norms: bool):
-    """NumPy, the plain path (no factorization, no CAME): ``(fn, un2, gn2)`` with fn(lo, hi) making, for the flat
-    range lo:hi of G_low (lo a multiple of ``_a8_state.align(st)``; any such ranges, on any threads), v ← EMA of
-    G_low², m ← EMA of G_low and U_low = m/(√v + ε) into ``o`` (elementwise, blockwise codecs: the same bits as the
-    whole-slot ``_low_rank_direction`` whatever the cut).  With ``row_norms`` (the ranges must then cover whole
-    rows) fn also measures its rows of U_low and G_low into ``un2``/``gn2`` (‖U_low,i‖², ‖G_low,i‖²; else None)."""
+    """NumPy, the plain path (no factorization, no CAME): v ← EMA of G_low², m ← EMA of G_low, U_low = m/(√v + ε)
+    over ranges aligned to the codec blocks, on the threads when ``threads`` (elementwise, blockwise codecs: the
+    same bits as the whole-slot ``_low_rank_direction``).  With ``row_norms``, when the ranges cover whole rows,
+    each range also measures its rows of U_low and G_low: returns (‖U_low,i‖², ‖G_low,i‖²), else None."""
     flat = glow.reshape(-1)
     n, ae = flat.size, F32(cfg.apollo_eps)
-    un2, gn2, measure = _row_norms(glow, o, row_norms, glow.shape[1])
+    cuts = ranges(np, n, S.align(st))
+    un2, gn2, measure = _row_norms(glow, o, row_norms, cuts[0][2])
     vx = ws(np, "a_vlow", n) if st.v_low is None else None  # exact values of a quantized state
     mx = ws(np, "a_mlow", n) if cfg.beta1 is not None and st.m_low is None else None
     floor = quant.al_floor(cfg.apollo_eps)
@@ -146,7 +132,8 @@ def plain_direction(cfg, st, glow, o, tmp, b: float, t: int, *, row_norms: bool)
         np.divide(src, tb, out=o[lo:hi])
         measure(lo, hi)
 
-    return task, un2, gn2
+    _parallel.run_tasks([(c, "apollo", functools.partial(task, lo, hi)) for c, lo, hi in cuts], serial=not threads)
+    return None if un2 is None else (un2, gn2)
 
 
 def _factorized_direction_ranges(cfg, st, glow, o, tmp, b: float, t: int, threads: bool, *,

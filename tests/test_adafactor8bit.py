@@ -574,21 +574,18 @@ def test_apollo_reads_nonfinite_gradient_entries_as_zero(scale_type):
 
 @pytest.mark.parametrize("quantize", [True, False])
 @pytest.mark.parametrize("norm", ["none", "channel", "tensor"])
-def test_apollo_poisoned_row_ranges_are_redone_from_the_sanitised_gradient(norm, quantize, monkeypatch):
-    """"Right" shapes check G's finiteness by the projection's row ranges (a non-finite G_ij makes its row of G_low
-    non-finite): a poisoned range is redone from the sanitised G before the low-rank states of its rows are touched,
-    so a threaded step with NaN/±Inf in some ranges is bit for bit the step with zeros there; a finite G is read
-    as it is (no sanitised copy)."""
-    from flatopt import _apollo, _parallel
+def test_apollo_poisoned_ranges_step_as_zeros_on_threads(norm, quantize, monkeypatch):
+    """A threaded APOLLO step (projection, low-rank and update passes over many ranges) with NaN/±Inf in a few rows
+    is bit for bit the step with zeros there, with and without G's norm statistic (Fira/clip), quantized or not."""
+    from flatopt import _a8_common, _apollo, _apollo_lowrank, _parallel
     from flatopt import adafactor8bit as a8
 
-    monkeypatch.setattr(_apollo, "GEMM_TASK", 1 << 13)  # row ranges of 48 rows (whole codec blocks of G_low)
+    monkeypatch.setattr(_apollo, "GEMM_TASK", 1 << 13)  # projection ranges of 52 rows,
+    monkeypatch.setattr(_apollo_lowrank, "TASK", 1 << 12)  # G's and θ's passes in ranges of 26 rows,
+    monkeypatch.setattr(_a8_common, "TASK", 1 << 10)  # the low-rank moments in ranges too
     monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)
     monkeypatch.setattr(a8, "SPLIT_MIN", 1)
     monkeypatch.setenv("FLATOPT_NUM_THREADS", "2")
-    copies = []
-    real = _apollo.grad32
-    monkeypatch.setattr(_apollo, "grad32", lambda *a, **k: copies.append(1) or real(*a, **k))
     shape = (941, 157)
     extra = {"none": dict(enable_fira_for_apollo=False), "channel": {}, "tensor": dict(apollo_scale_type="tensor")}
     cfg = dict(APOLLO, apollo_rank=4, quantize=quantize, block_size=384, m_block_size=96, min_8bit_size=0,
@@ -596,7 +593,6 @@ def test_apollo_poisoned_row_ranges_are_redone_from_the_sanitised_gradient(norm,
     for bad in (np.nan, np.inf, -np.inf):
         runs = []
         for poison in (True, False):
-            copies.clear()
             opt = flatopt.Adafactor8Bit(**cfg)
             p = rng_arrays(0, shape, scale=0.1)
             for t in range(3):
@@ -605,7 +601,6 @@ def test_apollo_poisoned_row_ranges_are_redone_from_the_sanitised_gradient(norm,
                 with np.errstate(all="ignore"):
                     opt.step("w", shape, p, g)
             runs.append((p, opt.state_dict()))
-            assert len(copies) == (3 if poison else 0), (norm, bad, poison, copies)
         assert_bits_equal(runs[0][0], runs[1][0], f"{norm} {bad}")
         assert_states_equal(runs[0][1], runs[1][1])
 
