@@ -12,7 +12,8 @@
 4. **apollo** — the 256×1024 APOLLO projection of a 2048×1024 weight: NumPy's float32 ziggurat
    (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``_apollo_proj._draw_block``, one
    thread), and the projection GEMM G·Pᵀ on one thread cut into row ranges of 128 and 1024 rows (each range
-   repacks P; ``_apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread);
+   repacks P; ``_apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread); with
+   torch installed, the GEMM on two threads as flatopt runs it (NumPy's BLAS, two row halves) against ``torch.mm``;
 5. **scaling** — Adafactor's column and row scaling of U on one thread (2048×1024 in blocks of 256 rows): the column
    factor broadcast row by row against tiled over k rows (``_factored_passes.TILE``); the apply (x·column factor,
    ·row factor, θ −= U) with the row factor by an out-of-place einsum against an in-place broadcast multiply;
@@ -195,6 +196,34 @@ def apollo(repeats: int = 15) -> None:
         short, long_ = _median_ms(ranges(128), repeats), _median_ms(ranges(1024), repeats)
     print(f"apollo: G·Pᵀ ({rows}x{cols}·{cols}x{rank}) on one thread in 128-row ranges {short:.1f} ms, in 1024-row "
           f"ranges {long_:.1f} ms ({short / long_:.2f}x)")
+    try:
+        import torch
+    except ImportError:
+        return
+    # the same GEMM on two threads: NumPy's BLAS in two row halves on two threads (as flatopt's APOLLO step runs
+    # it) against torch.mm (the original's; torch's CPU wheel links MKL), interleaved after settling
+    pool = ThreadPoolExecutor(1)
+
+    def halves():
+        with _shards.blas_capped():
+            f = pool.submit(np.matmul, g[rows // 2:], pt, out=out[rows // 2:])
+            np.matmul(g[:rows // 2], pt, out=out[:rows // 2])
+            f.result()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    tg, tp = torch.from_numpy(g), torch.from_numpy(np.ascontiguousarray(pt.T))
+    times = {"numpy": [], "torch": []}
+    try:
+        for _ in range(repeats):
+            for name, fn in (("numpy", halves), ("torch", lambda: torch.mm(tg, tp.T))):
+                fn()
+                times[name].append(_median_ms(fn, 1))
+    finally:
+        torch.set_num_threads(threads)
+    blas, mm = statistics.median(times["numpy"]), statistics.median(times["torch"])
+    print(f"apollo: G·Pᵀ on two threads: NumPy's BLAS in row halves {blas:.1f} ms, torch.mm {mm:.1f} ms "
+          f"({blas / mm:.2f}x)")
 
 
 def scaling(repeats: int = 21) -> None:
