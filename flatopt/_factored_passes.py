@@ -64,7 +64,7 @@ BLAS_MIN = 1 << 17
 # NumPy: a ufunc with a broadcast operand runs its inner loop one row at a time; for rows shorter than this many
 # elements the column scaling multiplies ranges of k rows by the column factor repeated k times (``Work.tile``,
 # k·c ≥ TILE) instead: bits unchanged (the same product per element).  Measured (one thread, 2048×1024 in blocks of
-# 256 rows; ``python -m benchmarks.threads_probe scaling``): 1.15-1.2x on that multiply (k = 8).
+# 256 rows; ``python -m benchmarks.threads_probe scaling``): 1.15-1.34x on that multiply (k = 8).
 TILE = 1 << 13
 
 _ONES: dict = {}
