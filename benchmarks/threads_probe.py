@@ -16,7 +16,8 @@
    torch installed, the GEMM on two threads as flatopt runs it (NumPy's BLAS, two row halves) against ``torch.mm``;
 5. **scaling** — Adafactor's column and row scaling of U on one thread (2048×1024 in blocks of 256 rows): the column
    factor broadcast row by row against tiled over k rows (``_factored_passes.TILE``); the apply (x·column factor,
-   ·row factor, θ −= U) with the row factor by an out-of-place einsum against an in-place broadcast multiply;
+   ·row factor, θ −= U) with the row factor by an out-of-place einsum against an in-place broadcast multiply; and
+   whether the row-sum GEMV releases the GIL as ``np.matmul`` and as ``np.dot``;
 6. **sizes** — settled in-process A/B of the task sizes: ``_blocks.BLOCK``/``TASK`` at 128K/256K against
    256K/512K elements (Adafactor's transformer-like set, Adafactor8Bit's factored fp32 step), and
    ``_apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights.
@@ -271,6 +272,27 @@ def scaling(repeats: int = 21) -> None:
           f"tiled over {k} rows {m['tiled']:.2f} ms ({m['rows'] / m['tiled']:.2f}x)")
     print(f"scaling: U's apply, row factor by einsum {m['einsum']:.2f} ms, in place {m['in place']:.2f} ms "
           f"({m['einsum'] / m['in place']:.2f}x)")
+    # Does the row-sum GEMV release the GIL?  A call that does waits for a spinning Python thread to hand the GIL
+    # back (up to the 5 ms switch interval); one that holds it returns at its own speed.
+    s2, ones, rows_out = v.reshape(rb, cols), np.ones(cols, np.float32), np.empty(rb, np.float32)
+    stop, spins = threading.Event(), [0]
+
+    def spin():
+        while not stop.is_set():
+            spins[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        while spins[0] < 1000:  # spinning (sleep hands it the GIL)
+            time.sleep(0.001)
+        held = {name: _median_ms(fn, 7) for name, fn in (
+            ("np.matmul", lambda: np.matmul(s2, ones, out=rows_out)), ("np.dot", lambda: np.dot(s2, ones, out=rows_out)))}
+    finally:
+        stop.set()
+        spinner.join()
+    print("scaling: matrix-vector product beside a spinning Python thread: " + ", ".join(
+        f"{name} {ms:.2f} ms ({'releases' if ms > 1.0 else 'holds'} the GIL)" for name, ms in held.items()))
 
 
 def _ab(label: str, make_step, variants: dict, repeats: int) -> None:

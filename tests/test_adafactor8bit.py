@@ -541,6 +541,18 @@ def test_default_projection_is_seeded_gaussian(shape, monkeypatch):
         assert abs(np.corrcoef(blocks[:, :half].ravel(), blocks[:, half + 1:2 * half + 1].ravel())[0, 1]) < 5 * se
 
 
+def _poisoned_run(cfg, shape, rows, poison: bool, bad: float):
+    """θ and the state after three APOLLO steps whose gradients hold ``bad`` (or 0) in the rows ``rows(t)``."""
+    opt = flatopt.Adafactor8Bit(**cfg)
+    p = rng_arrays(0, shape, scale=0.1)
+    for t in range(3):
+        g = rng_arrays(1 + t, shape)
+        g[rows(t)] = bad if poison else 0.0
+        with np.errstate(all="ignore"):
+            opt.step("w", shape, p, g)
+    return p, opt.state_dict()
+
+
 @pytest.mark.parametrize("scale_type", ["channel", "tensor"])
 def test_apollo_reads_nonfinite_gradient_entries_as_zero(scale_type):
     """APOLLO reads NaN/±Inf as 0 (as the original): the step with a poisoned entry is bit for bit the step with a
@@ -549,16 +561,7 @@ def test_apollo_reads_nonfinite_gradient_entries_as_zero(scale_type):
     shape = (96, 40)
     cfg = dict(APOLLO, apollo_rank=4, apollo_scale_type=scale_type, d=1.0)
     for bad in (np.nan, np.inf, -np.inf):
-        runs = []
-        for poison in (True, False):
-            opt = flatopt.Adafactor8Bit(**cfg)
-            p = rng_arrays(0, shape, scale=0.1)
-            for t in range(3):
-                g = rng_arrays(1 + t, shape)
-                g[5 + t] = bad if poison else 0.0
-                with np.errstate(all="ignore"):
-                    opt.step("w", shape, p, g)
-            runs.append(p)
+        runs = [_poisoned_run(cfg, shape, lambda t: 5 + t, poison, bad)[0] for poison in (True, False)]
         assert_bits_equal(runs[0], runs[1], f"{scale_type} {bad}")
     runs = []
     for sign in (1, -1):
@@ -590,17 +593,8 @@ def test_apollo_poisoned_ranges_step_as_zeros_on_threads(norm, quantize, monkeyp
     extra = {"none": dict(enable_fira_for_apollo=False), "channel": {}, "tensor": dict(apollo_scale_type="tensor")}
     cfg = dict(APOLLO, apollo_rank=4, quantize=quantize, block_size=384, m_block_size=96, min_8bit_size=0,
                **extra[norm])
-    for bad in (np.nan, np.inf, -np.inf):
-        runs = []
-        for poison in (True, False):
-            opt = flatopt.Adafactor8Bit(**cfg)
-            p = rng_arrays(0, shape, scale=0.1)
-            for t in range(3):
-                g = rng_arrays(1 + t, shape)
-                g[[7 + t, 500]] = bad if poison else 0.0  # two ranges of many
-                with np.errstate(all="ignore"):
-                    opt.step("w", shape, p, g)
-            runs.append((p, opt.state_dict()))
+    for bad in (np.nan, np.inf, -np.inf):  # two ranges of many
+        runs = [_poisoned_run(cfg, shape, lambda t: [7 + t, 500], poison, bad) for poison in (True, False)]
         assert_bits_equal(runs[0][0], runs[1][0], f"{norm} {bad}")
         assert_states_equal(runs[0][1], runs[1][1])
 

@@ -67,7 +67,7 @@ def test_threads_probe_runs():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("codec: uf8 decode+encode") == 2 and "codec: d8 nearest-entry" in proc.stdout, proc.stdout
     assert "apollo: 256x1024 projection" in proc.stdout and "apollo: G·Pᵀ" in proc.stdout, proc.stdout
-    assert proc.stdout.count("scaling: ") == 2, proc.stdout
+    assert proc.stdout.count("scaling: ") == 3, proc.stdout
     assert "apollo: G·Pᵀ on two threads" in proc.stdout, proc.stdout  # against torch.mm
 
 
