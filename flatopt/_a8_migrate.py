@@ -43,6 +43,7 @@ import numpy as np
 
 from . import _a8_state as S
 from . import _backend, quant
+from ._a8_common import eps1_of
 from ._slots import Slot, config_from_dict, is_array, persistent_fields
 from ._types import FORMAT_VERSION, OptimizerState
 from .routing import Select
@@ -137,7 +138,7 @@ def _fmt(rep) -> str:
 
 def _floor(cfg, slot) -> float:
     """The AL floor the update encodes ``slot`` with (see _a8_paths, _a8_flat, _apollo, _came)."""
-    eps = cfg.apollo_eps if slot == "v_low" else (1e-30 if cfg.eps[0] is None else float(cfg.eps[0]))
+    eps = cfg.apollo_eps if slot == "v_low" else eps1_of(cfg)
     return quant.al_floor(eps)
 
 

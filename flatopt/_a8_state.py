@@ -206,12 +206,9 @@ def ema_range(xp, st, slot, lo: int, hi: int, x, w: float, out, *, floor: float,
     xin = x
     if square or add:
         xin = _workspace.get(xp, "a8.ema_in", n, np.float32)
-        if square:
-            xp.multiply(x, x, out=xin)
-            if add:
-                xp.add(xin, np.float32(add), out=xin)
-        else:
-            xp.add(x, np.float32(add), out=xin, dtype=np.float32, casting="same_kind")
+        xp.multiply(x, x, out=xin) if square else xin.__setitem__(Ellipsis, x)
+        if add:  # (x² + 0 is x²: no pass for a zero)
+            xp.add(xin, np.float32(add), out=xin)
     if arr is not None:
         v = arr[lo:hi]
     else:

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _a8_state as S
 from . import quant
+from ._a8_common import eps1_of
 
 F32 = np.float32
 
@@ -43,7 +44,7 @@ def confidence_factors(xp, cfg, st, res_row, res_col, dims, *, lo_rank: bool, me
     """The confidence EMAs (row and column means of res, stored per the format) and their factors
     (rsqrt(c_row/mean(c_row)) of shape (bsz, r), rsqrt(c_col) of shape (bsz, c))."""
     bsz, r_, c_ = dims
-    eps1 = 1e-30 if cfg.eps[0] is None else float(cfg.eps[0])
+    eps1 = eps1_of(cfg)
     rs, cs = ("conf_row_low", "conf_col_low") if lo_rank else ("conf_row", "conf_col")
     floor = quant.al_floor(eps1)
     c_row = S.ema(xp, st, rs, res_row, 1.0 - cfg.beta3, floor=floor)
@@ -57,9 +58,8 @@ def confidence_factors(xp, cfg, st, res_row, res_col, dims, *, lo_rank: bool, me
 
 def elementwise_confidence(xp, cfg, st, u, m, out, *, eps_sq: float):
     """APOLLO + CAME without factorisation: res_low ← lerp(res_low, res, 1 − β3); out ← m·rsqrt(max(res_low, eps²))."""
-    eps1 = 1e-30 if cfg.eps[0] is None else float(cfg.eps[0])
     residual(xp, cfg, u, m)
-    r = S.ema(xp, st, "res_low", u, 1.0 - cfg.beta3, floor=quant.al_floor(eps1))
+    r = S.ema(xp, st, "res_low", u, 1.0 - cfg.beta3, floor=quant.al_floor(eps1_of(cfg)))
     xp.maximum(r, F32(eps_sq), out=out)
     xp.sqrt(out, out=out)
     xp.divide(F32(1.0), out, out=out)

@@ -146,7 +146,8 @@ class FactoredPasses:
         self.shared = None if xp is np else _blocks.buffers(xp, self.big, p.dtype)  # CuPy: one block, per step
         self.ssq_u = self.ssq_p = None
         self.blas = False
-        self.k = 1  # rows per tile of the column factor (``_tiles``)
+        # rows per tile of the column factor (``_tiles``): NumPy row blocks of one matrix (tiles of at most n/32)
+        self.k = -(-TILE // c) if xp is np and r * c > limit and 0 < c < TILE else 1
 
     def _bufs(self):
         return self.shared or _blocks.buffers(np, self.big, self.p.dtype)
@@ -239,9 +240,8 @@ class FactoredPasses:
     def _tiles(self) -> None:
         """Refresh ``Work.tile`` from the column factor (NumPy, rows shorter than ``TILE``): call once the column
         factor is final for a pass, before its tasks run."""
-        bdim, r, c = self.dims
-        rows = self.xp is np and r * c > _blocks.BLOCK  # blocks of rows of one matrix (tiles of at most n/32)
-        self.k = k = -(-TILE // c) if rows and 0 < c < TILE else 1
+        bdim, _, c = self.dims
+        k = self.k
         if k > 1:
             w = self.w
             if w.tile is None or w.tile.shape != (bdim, k * c):

@@ -36,7 +36,7 @@ Deviations from the original (all deliberate, see the reference §1.4–§1.6, �
 * non-finite gradients: read as 0 on the APOLLO path (as the original on every device), not sanitised elsewhere
   (as its CPU path); the Fira limiter zeroes an update whose norm is non-finite; same policy on NumPy and CuPy;
 * APOLLO projections come from NumPy/CuPy generators unless injected (``apollo_proj_fn``, ``apollo_next_seed``);
-  on NumPy a blocked Box–Muller draw (``flatopt._apollo``), drawn on all threads;
+  on NumPy a blocked Box–Muller draw (``flatopt._apollo_proj``), drawn on all threads;
 * ``lag_norm`` (the original: CUDA kernels only, ignored on its CPU path) is honoured on every backend for the
   non-APOLLO paths: the clip and Fira factor of step t use step t − 1's update norm (no clip at t = 1);
 * ``stochastic_round_writeback`` (BF16/FP16 parameters in the original) and ``warmup_multiplier`` (a CUDA
