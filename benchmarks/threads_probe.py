@@ -8,19 +8,19 @@
    chunks (short NumPy calls hand the GIL over at every call and do not run in parallel); the d8 encoder's
    nearest-entry search, exact against the table look-up of ``flatopt.adafactor8bit.nearest_lut``;
 3. **adafactor** — ``Adafactor.step_batch`` on the transformer-like set with the BLAS held at one thread (GEMV
-   statistics sums, ``_factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl);
+   statistics sums, ``adafactor.factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl);
 4. **apollo** — the 256×1024 APOLLO projection of a 2048×1024 weight: NumPy's float32 ziggurat
-   (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``_apollo_proj._draw_block``, one
+   (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``adafactor8bit.apollo_proj._draw_block``, one
    thread), and the projection GEMM G·Pᵀ on one thread cut into row ranges of 128 and 1024 rows (each range
-   repacks P; ``_apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread); with
+   repacks P; ``adafactor8bit.apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread); with
    torch installed, the GEMM on two threads as flatopt runs it (NumPy's BLAS, two row halves) against ``torch.mm``;
 5. **scaling** — Adafactor's column and row scaling of U on one thread (2048×1024 in blocks of 256 rows): the column
-   factor broadcast row by row against tiled over k rows (``_factored_passes.TILE``); the apply (x·column factor,
+   factor broadcast row by row against tiled over k rows (``adafactor.factored_passes.TILE``); the apply (x·column factor,
    ·row factor, θ −= U) with the row factor by an out-of-place einsum against an in-place broadcast multiply; and
    whether the row-sum GEMV releases the GIL as ``np.matmul`` and as ``np.dot``;
-6. **sizes** — settled in-process A/B of the task sizes: ``_blocks.BLOCK``/``TASK`` at 128K/256K against
+6. **sizes** — settled in-process A/B of the task sizes: ``core.blocks.BLOCK``/``TASK`` at 128K/256K against
    256K/512K elements (Adafactor's transformer-like set, Adafactor8Bit's factored fp32 step), and
-   ``_apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights.
+   ``adafactor8bit.apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights.
 """
 
 from __future__ import annotations
@@ -349,9 +349,9 @@ def sizes(repeats: int = 15) -> None:
 
     blocks = {"128K/256K": {(_blocks, "BLOCK"): 1 << 17, (_blocks, "TASK"): 1 << 18},
               "256K/512K": {(_blocks, "BLOCK"): 1 << 18, (_blocks, "TASK"): 1 << 19}}
-    _ab("Adafactor transformer-like set, _blocks.BLOCK/TASK", adafactor_set, blocks, repeats)
-    _ab("Adafactor8Bit factored fp32, _blocks.BLOCK/TASK", a8(quantize=False), blocks, repeats)
-    _ab("Adafactor8Bit APOLLO r=256 fp32, _apollo_lowrank.TASK", a8(
+    _ab("Adafactor transformer-like set, core.blocks.BLOCK/TASK", adafactor_set, blocks, repeats)
+    _ab("Adafactor8Bit factored fp32, core.blocks.BLOCK/TASK", a8(quantize=False), blocks, repeats)
+    _ab("Adafactor8Bit APOLLO r=256 fp32, adafactor8bit.apollo_lowrank.TASK", a8(
         apollo_rank=256, beta1=0.9, beta2=0.999, relative_step=False, lr=1e-3, scale_parameter=False, d=0.0,
         quantize=False), {"128K": {(apollo_lowrank, "TASK"): 1 << 17}, "256K": {(apollo_lowrank, "TASK"): 1 << 18}},
         repeats)

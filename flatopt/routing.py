@@ -229,7 +229,7 @@ class Router:
             for j in jobs:
                 j()
             return
-        # a pool of its own: the groups' optimizers use _parallel's pool inside (sharing it could deadlock)
+        # a pool of its own: the groups' optimizers use core.parallel's pool inside (sharing it could deadlock)
         parallel.run_jobs(jobs, _group_pool())
 
     def end_iteration(self) -> None:

@@ -268,7 +268,7 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
 
 @pytest.mark.parametrize("name", ["adafactor", "factored", "factored_m_fira_max", "came", "came_fira"])
 def test_tiled_column_scaling_gives_the_same_bits(name, monkeypatch):
-    """Row blocks of a matrix with short rows multiply by the column factor tiled k times (``_factored_passes.TILE``,
+    """Row blocks of a matrix with short rows multiply by the column factor tiled k times (``adafactor.factored_passes.TILE``,
     in U's apply, CAME's write and the ΣU² pass): the bits equal the row-by-row multiply, also where k does not
     divide a block's rows (a remainder of rows) and for a batch of matrices."""
     from flatopt.core import blocks as _blocks

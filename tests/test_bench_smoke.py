@@ -72,10 +72,10 @@ def test_threads_probe_runs():
 
 
 def test_threads_probe_sizes_runs(capsys):
-    """``python -m benchmarks.threads_probe sizes`` (the A/B behind ``_blocks.BLOCK`` and ``_apollo_lowrank.TASK``)
+    """``python -m benchmarks.threads_probe sizes`` (the A/B behind ``core.blocks.BLOCK`` and ``adafactor8bit.apollo_lowrank.TASK``)
     runs one round and prints its three lines (timings are not asserted)."""
     from benchmarks import threads_probe
 
     threads_probe.sizes(repeats=1)
     out = capsys.readouterr().out
-    assert out.count("sizes: ") == 3 and "_apollo_lowrank.TASK" in out, out
+    assert out.count("sizes: ") == 3 and "adafactor8bit.apollo_lowrank.TASK" in out, out

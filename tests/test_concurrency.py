@@ -99,7 +99,7 @@ def test_one_optimizer_shared_by_two_threads_is_serialised():
 
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_run_beside_tasks_runs_every_task_once_and_reraises(threads, monkeypatch):
-    """``_parallel.run_beside_tasks``: ``here`` on the caller, every task exactly once (workers start on them at
+    """``core.parallel.run_beside_tasks``: ``here`` on the caller, every task exactly once (workers start on them at
     once and the caller joins after ``here``; with one thread: the tasks in order, then ``here``); an error is
     re-raised once every thread stopped — an error in ``here`` after all the tasks ran."""
     from flatopt.core import parallel

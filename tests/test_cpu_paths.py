@@ -1,4 +1,4 @@
-"""The NumPy execution paths of the driver (flatopt/_cpu.py): chunked large items and bucketed small items give the
+"""The NumPy execution paths of the driver (flatopt/core/cpu_plan.py): chunked large items and bucketed small items give the
 bits of the plain serial loop, survive resets, checkpoints and changing batch compositions, and allocate nothing
 per step once a batch composition has been seen."""
 

@@ -105,7 +105,7 @@ def test_the_stand_in_catches_a_host_read():
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_driver_hands_device_items_to_the_gpu_runner(name, monkeypatch):
     """Each ``_run`` (the driver's and the overrides: Adafactor, Adafactor8Bit, Muon) sends the items whose state
-    lives on a device to ``_gpu_run.run_gpu`` with their advanced step count, and steps none of them itself."""
+    lives on a device to ``core.gpu_run.run_gpu`` with their advanced step count, and steps none of them itself."""
     from flatopt import OptItem
     from flatopt.core import gpu_run, slots
 

@@ -23,7 +23,7 @@ def _nvrtc_available() -> bool:
 
 def test_every_cu_file_is_registered():
     on_disk = sorted(p.name for p in kernels.KERNEL_DIR.glob("*.cu"))
-    assert on_disk == sorted(kernels.KERNELS), "register every .cu file (and only those) in _kernels.KERNELS"
+    assert on_disk == sorted(kernels.KERNELS), "register every .cu file (and only those) in core.kernels.KERNELS"
 
 
 @pytest.mark.parametrize("filename", sorted(kernels.KERNELS))

@@ -139,7 +139,7 @@ REF_CASES = [
     ((2, 3, 4), {"merge_dims": False}),  # the general k-mode path
     ((5, 1), {}),
     ((12, 3), {"max_size_triangular": 8}),  # a diagonal factor above the size limit
-    ((300, 270), {}),  # factors above _kron_blocked.LEAF: the blocked triangular/symmetric products
+    ((300, 270), {}),  # factors above kron.blocked.LEAF: the blocked triangular/symmetric products
 ]
 
 
@@ -457,7 +457,7 @@ def test_non_finite_gradient_keeps_q():
 
 @pytest.mark.parametrize("n,m", [(257, 40), (700, 300), (300, 700), (1030, 65)])
 def test_blocked_products_equal_the_full_ones(n, m):
-    """``_kron_blocked``: D·Q, T·X, X·T (upper and lower T) and the Gram matrices agree with the plain products to
+    """``kron.blocked``: D·Q, T·X, X·T (upper and lower T) and the Gram matrices agree with the plain products to
     float64 rounding; the zero block of D·Q is exactly zero and the Gram matrices are exactly symmetric."""
     from flatopt.kron import blocked as B
 

@@ -92,7 +92,7 @@ class AdafactorState:
     exp_avg_sq_col: object = None
     exp_avg_sq: object = None
     exp_avg: object = None
-    work: object = dataclasses.field(default=None, metadata={"persist": False})  # _factored_passes.Work scratch vectors
+    work: object = dataclasses.field(default=None, metadata={"persist": False})  # adafactor.factored_passes.Work scratch vectors
 
 
 def is_factored(cfg: AdafactorConfig, shape) -> bool:
@@ -116,7 +116,7 @@ def update(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: fl
 
 
 def phases(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float, blas: bool = False):
-    """``update`` as a generator of phases of independent block tasks (``_blocks``): ``update`` runs them
+    """``update`` as a generator of phases of independent block tasks (``core.blocks``): ``update`` runs them
     inline, ``Adafactor.step_batch`` on NumPy runs the phases of all its items on the threads."""
     n = p.size
     if n == 0:

@@ -18,7 +18,7 @@ single-threaded BLAS GEMVs when the caller holds the BLAS at one thread; determi
 count; block partials are added in block order.  The block layout, the tasks and the phase runner are
 ``flatopt.core.blocks`` (every per-block reduction has its own slot, folded in block order).  Column partials of the
 statistics pass are kept for a window of at most ``PARTS`` elements at a time (folded after each window), so the
-extra scratch stays bounded.  On NumPy the block buffers are per-thread scratch (``_workspace``) and the row/column
+extra scratch stays bounded.  On NumPy the block buffers are per-thread scratch (``core.workspace``) and the row/column
 vectors are kept in the state (``Work``, never saved): after the first step of a name nothing is allocated.  On CuPy
 the whole tensor is one block and every data-dependent scalar stays a 0-d device array: no host synchronisation.
 """

@@ -1,4 +1,4 @@
-"""Adafactor's fused CUDA path (``kernels/adafactor.cu``); the array-agnostic twin is ``_adafactor_math``.
+"""Adafactor's fused CUDA path (``kernels/adafactor.cu``); the array-agnostic twin is ``adafactor.numerics``.
 
 Seven small launches per step on the current stream, no host synchronisation: every data-dependent scalar
 (Σθ², α, ΣU², the clip factor) is computed by ``af_scalars`` into a 2-element device array read by ``af_apply``.

@@ -66,14 +66,14 @@ from . import paths, apollo
 from ..core import blocks, gpu_run, parallel, shards
 from ..adafactor import factored_passes
 from . import state as S
-from . import migrate as _a8_migrate
+from . import migrate as migration
 from ..core.driver import PerParamOptimizer
 from ..core.validate import check_range
 from .quant import M_FORMATS, V_FORMATS
 from ..routing import Select
 
 Adafactor8BitState = S.Adafactor8BitState
-StateMigrationWarning = _a8_migrate.StateMigrationWarning
+StateMigrationWarning = migration.StateMigrationWarning
 MATTERS = ("quantize", "block_size", "m_block_size", "m_quant_type", "v_quant_type", "c_quant_type",
            "min_8bit_size", "factored", "apollo_rank", "apollo_factorize", "lag_norm")
 # NumPy: parameters of at least this many elements step one at a time, their passes split over the threads; smaller
@@ -299,7 +299,7 @@ class Adafactor8Bit(PerParamOptimizer):
         ``last_load_notes``).  ``migrate=False`` or ``restore_hparams=True``: such a snapshot is refused."""
         with self._lock:
             counter = self._apollo_seed_counter
-            # None: no migration; False: allowed (_build_from_state puts its _a8_migrate.Report here if used)
+            # None: no migration; False: allowed (_build_from_state puts its migration.Report here if used)
             self._migration = None if restore_hparams or not migrate else False
             try:
                 ok = super().load_state_dict(state, restore_hparams=restore_hparams)
@@ -314,7 +314,7 @@ class Adafactor8Bit(PerParamOptimizer):
                 self._apollo_seed_counter = report.seed_counter
                 message = report.warning()
                 if message:
-                    warnings.warn(message, _a8_migrate.StateMigrationWarning, stacklevel=2)
+                    warnings.warn(message, migration.StateMigrationWarning, stacklevel=2)
             return ok
 
     def _restore_groups(self, saved: list) -> None:
@@ -333,7 +333,7 @@ class Adafactor8Bit(PerParamOptimizer):
     def _build_from_state(self, state):
         built = super()._build_from_state(state)
         if built is None and getattr(self, "_migration", None) is False:
-            built = _a8_migrate.build(self, state)
+            built = migration.build(self, state)
             if built is not None:
                 slots, notes, self._migration = built
                 built = slots, notes

@@ -19,7 +19,7 @@ from . import came as _came, quant
 from .common import F32, clip_, m_ema, ranges, sumsq, ws
 
 # Elements per row-range task of APOLLO's full-size passes (G's statistics, θ's update) and of the factorised
-# low-rank ranges: twice the elementwise ``_a8_common.TASK`` (longer NumPy calls hand the GIL over less often).
+# low-rank ranges: twice the elementwise ``adafactor8bit.common.TASK`` (longer NumPy calls hand the GIL over less often).
 # Measured (settled in-process A/B, 2 threads, 2026-11-30, 2048×1024, r = 256): fp32 step 12.5 -> 11.8 and
 # 12.7 -> 11.8 ms, factorised + uf8 14.2 -> 13.9 ms against 1 << 17; 1 << 19 no faster.  Re-run: ``python -m
 # benchmarks.threads_probe sizes`` (1.02x in the first re-run: a small gain, within the noise of one run).
@@ -206,7 +206,7 @@ def _came_ranges(cfg, st, glow, o, u, rv, cv, m_ema, over_rows, measure) -> None
     """APOLLO + CAME with ``apollo_factorize`` over row ranges (``_factorized_direction_ranges``): U = G_low·rsqrt(
     row/r̄)·rsqrt(col) into ``u``, its RMS clip by d (a whole-tensor Σu², from per-range sums folded in order),
     m ← EMA of U, res = (U − m)² + eps_came with its row and column means, the confidence EMAs and factors
-    (``_came.confidence_factors``), U_low = m·rsqrt(c_row/c̄)·rsqrt(c_col)."""
+    (``adafactor8bit.came.confidence_factors``), U_low = m·rsqrt(c_row/c̄)·rsqrt(c_col)."""
     lr_, lc_ = glow.shape
     rbar = np.maximum(rv.mean(), F32(quant.FLT_MIN))
     inv_r, inv_c = F32(1.0) / np.sqrt(rv / rbar), F32(1.0) / np.sqrt(cv)

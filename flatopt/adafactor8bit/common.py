@@ -44,7 +44,7 @@ def grad32(xp, cfg, g, *, nan_to_zero=False, writable=True):
 
 
 def sumsq(xp, x):
-    """Σx² of a flat array: ``_blocks.sumsq`` (einsum) on NumPy — no BLAS call: a threaded BLAS's idle workers spin
+    """Σx² of a flat array: ``core.blocks.sumsq`` (einsum) on NumPy — no BLAS call: a threaded BLAS's idle workers spin
     for a while after each call and slow the elementwise passes that follow on the other threads, and the bits do
     not depend on the BLAS thread count — and ``dot`` on CuPy."""
     return blocks.sumsq(np, x, None) if xp is np else xp.dot(x, x)

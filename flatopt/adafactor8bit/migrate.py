@@ -138,7 +138,7 @@ def _fmt(rep) -> str:
 
 
 def _floor(cfg, slot) -> float:
-    """The AL floor the update encodes ``slot`` with (see _a8_paths, _a8_flat, _apollo, _came)."""
+    """The AL floor the update encodes ``slot`` with (see adafactor8bit.paths, adafactor8bit.flat, adafactor8bit.apollo, adafactor8bit.came)."""
     eps = cfg.apollo_eps if slot == "v_low" else eps1_of(cfg)
     return quant.al_floor(eps)
 

@@ -1,17 +1,17 @@
 """The non-APOLLO update paths of ``Adafactor8Bit`` (private): the dispatch, factored and CAME here; unfactored
-(Adafactor- and Adam-style) and SGD in ``_a8_flat``; the step's scalars and the helpers the APOLLO path shares in
-``_a8_common``.
+(Adafactor- and Adam-style) and SGD in ``adafactor8bit.flat``; the step's scalars and the helpers the APOLLO path shares in
+``adafactor8bit.common``.
 
 Formulas: ``reference/adafactor8bit.md`` §4–§5 (the original's pure-PyTorch path, float32).  Each path is a
 generator of *phases* (``flatopt.core.blocks``): the factored paths (Adafactor and CAME) are
 composed from Adafactor's own blocked passes (``FactoredPasses``: row/column statistics, factors, ΣU², apply) with
 the 8-bit factor EMA (lerp, requantized) plugged in; the elementwise states (V, m) are updated over ranges aligned
-to the codec blocks (``_a8_state.ema_range``), so ranges run on any thread and every reduction is folded in range
+to the codec blocks (``adafactor8bit.state.ema_range``), so ranges run on any thread and every reduction is folded in range
 order: the bits do not depend on the threads.  The exact float32 EMA drives the step; only the stored copy is
 requantized.
 
 Differences in float32 rounding from the original (all within its float32 noise; codes still equal): the row and
-column sums are per block (einsum, or single-threaded BLAS GEMVs for tensors of ``_factored_passes.BLAS_MIN``
+column sums are per block (einsum, or single-threaded BLAS GEMVs for tensors of ``adafactor.factored_passes.BLAS_MIN``
 elements or more while the BLAS is held at one thread) rather than torch's reductions, and the clip and step scale are folded into one
 multiplier (θ ← θ·decay − s·U rather than θ·decay + (−α/clip)·U).  ``lag_norm`` (the original: CUDA only) is
 honoured on every backend for the non-APOLLO paths: the clip and the Fira factor of step t use step t − 1's norm
@@ -77,7 +77,7 @@ def _m_tasks(xp, cfg, st, g):
 
 
 def _factored(xp, cfg, st, p, g, b, sc, shape, blas=False):
-    """Factored second moment through Adafactor's blocked passes (``_factored_passes.FactoredPasses``) with the
+    """Factored second moment through Adafactor's blocked passes (``adafactor.factored_passes.FactoredPasses``) with the
     original's factor EMA (lerp; requantized) and r̄ floor; Adam-style momentum (EMA of G, then normalised)."""
     momentum = cfg.beta1 is not None
     # a quantized m is updated block by block inside the statistics pass when the blocks meet its codec blocks

@@ -174,7 +174,7 @@ def run_serial(phases) -> None:
 
 def run_phased(steps: list, *, serial: bool = False) -> None:
     """Run the phases of many independent steps (``(name, phase generator)``) together: phase k of every step is
-    one ``_parallel.run_tasks`` call (a barrier), the serial work between phases runs on the caller."""
+    one ``core.parallel.run_tasks`` call (a barrier), the serial work between phases runs on the caller."""
     active = steps
     while active:
         tasks, nxt = [], []

@@ -1,8 +1,8 @@
-"""The NumPy execution plan of ``step_batch`` for the per-parameter driver (``_driver.PerParamOptimizer._run``).
+"""The NumPy execution plan of ``step_batch`` for the per-parameter driver (``core.driver.PerParamOptimizer._run``).
 
-* **Large items** of an elementwise algorithm run in cache-sized chunks (``_driver.CHUNK`` elements): every ufunc
+* **Large items** of an elementwise algorithm run in cache-sized chunks (``core.driver.CHUNK`` elements): every ufunc
   pass of ``update`` then finds its operands in the L2 cache.  Consecutive chunks are grouped into tasks of about
-  ``TASK`` elements, which ``_parallel.run_tasks`` spreads over the threads; one task costs one Python call and
+  ``TASK`` elements, which ``core.parallel.run_tasks`` spreads over the threads; one task costs one Python call and
   one scratch look-up, not one per chunk.
 * **Small items** (at most ``SMALL`` elements) of an elementwise algorithm are *bucketed*: the items of one batch
   that share a dtype, a step count ``t``, a learning rate and their scalar state fields are packed and updated

@@ -30,7 +30,7 @@ from .validate import check_batch_aliasing, check_item, check_lr
 # one chunk stay in the L2 cache (and the chunks can be spread over threads).  Measured on a 2-core Xeon (2 MB L2
 # per core), AdamW on 16M float32, median ms/step, one thread: 16K 85, 32K 79, 64K 80, 128K 91; two threads:
 # 16K 117, 32K 64, 64K 47, 128K 46, 256K 51, 512K 59 (shorter ufunc calls make the two threads hand the GIL to each
-# other too often).  _cpu.py turns a batch into tasks (chunked large items, bucketed small ones).
+# other too often).  core/cpu_plan.py turns a batch into tasks (chunked large items, bucketed small ones).
 CHUNK = 1 << 16
 
 
@@ -220,7 +220,7 @@ class PerParamOptimizer:
             else:
                 cpu.append((it, slot, lr))
         if cpu:
-            # chunked large items, bucketed small ones: see _cpu.py
+            # chunked large items, bucketed small ones: see core/cpu_plan.py
             parallel.run_tasks(cpu_plan.tasks(self, cpu, CHUNK), serial=not self.threaded)
         if gpu:
             gpu_run.run_gpu(self, gpu)

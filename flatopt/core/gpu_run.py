@@ -1,6 +1,6 @@
 """The CuPy execution of a step: fused kernel or twin per item, worker streams joined by events.
 
-One item runs on the caller's current stream.  Several items run on ``_parallel``'s workers, each on its own
+One item runs on the caller's current stream.  Several items run on ``core.parallel``'s workers, each on its own
 non-blocking stream that first waits for an event recorded on the caller's stream (which produced the
 gradients); the caller's stream then waits for every worker's final event.  Nothing synchronises with the host.
 """

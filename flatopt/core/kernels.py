@@ -1,7 +1,7 @@
 """The one cached loader of the package's CUDA sources (``flatopt/kernels/*.cu``).
 
 Each ``.cu`` file holds ``template <typename T>`` kernels; the loader compiles a file once per device (thread-safe,
-through ``_backend.raw_module``), instantiated for ``float`` and ``double``, with a ``#line`` directive so that
+through ``core.backend.raw_module``), instantiated for ``float`` and ``double``, with a ``#line`` directive so that
 compiler errors point into the ``.cu`` file.  ``KERNELS`` names the template kernels of every file: the CI test
 that compiles every source without a GPU uses the same list, so what is tested is what runs.
 """

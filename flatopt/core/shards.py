@@ -91,7 +91,7 @@ def blas_capped(wanted: bool = True):
 
 
 def default_workers() -> int:
-    """Workers for matmul-heavy sharding: ``min(_parallel.num_threads(), 8)`` when the BLAS can be capped at one
+    """Workers for matmul-heavy sharding: ``min(core.parallel.num_threads(), 8)`` when the BLAS can be capped at one
     thread meanwhile (``threadpoolctl`` installed and a BLAS found), else 1 (leave the cores to the BLAS)."""
     from . import parallel  # noqa: PLC0415
 

@@ -27,8 +27,8 @@ class Slot:
     state: Any  # the algorithm's state dataclass
     pinned: bool = True  # False right after load_state_dict: arrays may still move to the param's backend
     chunk_views: list | None = None  # cached per-chunk views of the state (elementwise algorithms)
-    home: Any = None  # the bucket plan (_cpu.BucketPlan) whose arenas hold this state, if any
-    bucket_key: Any = None  # cached _cpu.bucket_key (False: cannot be bucketed)
+    home: Any = None  # the bucket plan (core.cpu_plan.BucketPlan) whose arenas hold this state, if any
+    bucket_key: Any = None  # cached core.cpu_plan.bucket_key (False: cannot be bucketed)
 
 
 def snapshot(slots: dict[str, Slot]) -> tuple[dict, dict]:

@@ -2,7 +2,7 @@
 per rank, ``shard-<rank>-of-<world>.npz`` (that rank's pieces, as its optimizer holds them), and
 ``manifest.json`` (format, world size, algorithm, shard files and the ownership plan), written last by rank 0
 once every shard is on disk, each file atomically.  Re-sharding merges the shards under the saved plan
-(``_dist_plan.merge``) and carves the result under the new one; this reads every shard (a shared filesystem is
+(``distributed.plan.merge``) and carves the result under the new one; this reads every shard (a shared filesystem is
 assumed)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ The step of kron_torch 0.3.3 (``reference/kron.md`` §4), per parameter, with t 
     u  = h ×_1 Q_1ᵀQ_1 … ×_k Q_kᵀQ_k;   u ← u·min(1, clip/(RMS(u) + 1e−12))
     θ  ← θ − η·(u + weight_decay·θ)                           (decay only for parameters with ndim >= 2)
 
-lb(S) is kron_torch's cheap lower bound of the spectral norm (``_kron_math.spectral_lower_bound``).  Matrices are
+lb(S) is kron_torch's cheap lower bound of the spectral norm (``kron.numerics.spectral_lower_bound``).  Matrices are
 preconditioned as Q_LᵀQ_L·h·Q_RᵀQ_R; a > 2-D tensor is first viewed as its most square 2-D split; a dim larger than
 ``max_size_triangular``, a dim of 1, every dim of a tensor with fewer than ``min_ndim_triangular`` dims (biases,
 gains) and the dims ``memory_save_mode`` picks get diagonal factors.  Q starts at ``precond_init_scale``·I.
@@ -28,7 +28,7 @@ gets a gradient every iteration; a parameter that skips iterations keeps its own
 only counts iterations (``state_dict().step``); it advances nothing in the algorithm.
 
 **Probes** come from a counter-based generator per name: update number j of parameter ``name`` uses
-V = gaussian_probe(blake2b(seed, name), j) (splitmix64 + Box–Muller, ``_kron_layout``), computed on the
+V = gaussian_probe(blake2b(seed, name), j) (splitmix64 + Box–Muller, ``kron.layout``), computed on the
 parameter's device.  The only state is the per-name update count, saved with the schedule counter, so
 save/load/continue and ``step_batch`` (threads) are bit-identical to the serial loop, and NumPy and CuPy draw the
 same V (to the rounding of log/cos).  ``probe=fn`` (or ``set_probe``) injects V instead: ``fn(name, shape, j)``
@@ -49,7 +49,7 @@ The seed crate's KronPsgd (probe V = g, so Q never moves; heavy ball after the p
 When to use: matrices of moderate size where curvature is strongly anisotropic; start with an lr ~3× smaller than
 AdamW's and a 3–10× larger weight decay.  Memory: the momentum plus Σ d_i² floats (dense) / d_i (diagonal) per
 parameter; on NumPy the temporaries of a step (about 13× the largest parameter's bytes, plus its factors' size)
-are per-thread scratch (``_kron_math.scratch`` over ``flatopt.core.workspace``) kept between steps, so a 1-D/2-D
+are per-thread scratch (``kron.numerics.scratch`` over ``flatopt.core.workspace``) kept between steps, so a 1-D/2-D
 step allocates nothing of the parameter's size after the first (> 2-D shapes with ``merge_dims=False`` use fresh
 temporaries).  Matmul-bound: ``step_batch`` runs items serially (``threaded = False``), leaving the cores to the
 threaded BLAS (a thread pool on top oversubscribes them; on 2 cores it measured no better).  Triangular solves:

@@ -165,7 +165,7 @@ def gaussian_probe(xp, key: bytes, index: int, shape: tuple[int, ...], dtype, *,
     its top 24 bits give u1 in (0, 1], bits 8..31 give u2 in [0, 1); Box–Muller gives r·cos(2πu2) (first half of
     the samples) and r·sin(2πu2) (second half).  Identical integer work on NumPy and CuPy, no state but ``index``,
     no host synchronisation.  ``scratch=True``: every array, the result included, is per-thread scratch
-    (``_kron_math.scratch``, valid until the next probe on this thread) instead of a fresh allocation."""
+    (``kron.numerics.scratch``, valid until the next probe on this thread) instead of a fresh allocation."""
     n = math.prod(shape)
     m = (n + 1) // 2
     dt = np.dtype(dtype).type

@@ -46,7 +46,7 @@ _LEAF = 32
 
 
 def scratch(xp, key: str, shape, dtype, order: str = "C"):
-    """A scratch array of ``shape`` in C (or F) order: a per-thread ``_workspace`` buffer on NumPy (overwritten by
+    """A scratch array of ``shape`` in C (or F) order: a per-thread ``core.workspace`` buffer on NumPy (overwritten by
     the next user of ``key`` on this thread), a fresh pool allocation on CuPy."""
     shape = tuple(shape)
     if xp is not np:

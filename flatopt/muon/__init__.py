@@ -39,7 +39,7 @@ that K threads do not each start a multi-threaded GEMM).  OpenBLAS splits a GEMM
 are the same as the serial loop either way (tested).  Measured on 2 busy cores (``benchmarks/bench_muon.py``):
 K = 2 with the cap beats K = 1 by 2.8x (many mid-size matrices); without the cap it is slower.  So the default
 ``workers=None`` means ``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can cap the BLAS, else 1.
-A batch below ``_parallel.PARALLEL_MIN_COST`` (elements × min dimension) or of one matrix runs serially.
+A batch below ``core.parallel.PARALLEL_MIN_COST`` (elements × min dimension) or of one matrix runs serially.
 """
 
 from __future__ import annotations
