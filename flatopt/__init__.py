@@ -7,7 +7,7 @@
 See README.md and DESIGN.md for the contract every optimizer keeps.
 """
 
-from . import gradients
+from . import gradients, schedules
 from ._driver import PerParamOptimizer
 from ._parallel import TaskError
 from ._types import Optimizer, OptimizerState, OptItem
@@ -39,4 +39,5 @@ __all__ = [
     "gradients",
     "load",
     "save",
+    "schedules",
 ]
