@@ -20,9 +20,10 @@ optax's ``join_schedules`` and torch's ``SequentialLR``), and ``c * schedule`` s
 ``Schedule(fn)`` wraps a function of your own so that it composes too.
 
 Warm-ups here make the first update move: ``linear_warmup(peak, W)`` gives ``peak·(s+1)/W`` at step s, so peak is
-reached at step W−1. optax's warm-ups start from ``init_value`` (0 by default) and reach peak at step W: with
-``init_value=0`` their value at step s+1 is ours at step s, and their first update has lr 0. The torch equivalent is
-exact: ``LinearLR(start_factor=1/W, end_factor=1, total_iters=W-1)``.
+reached at step W−1. optax's warm-ups start from ``init_value`` (commonly 0) and reach peak at step W: with
+``init_value=0`` their value at step s+1 is ours at step s, and their first update has lr 0. torch's
+``LinearLR(start_factor=1/W, end_factor=1, total_iters=W-1)`` gives the same values (to rounding: torch multiplies
+the last lr step by step).
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def _polynomial(owner: str, start: float, end: float, steps: int, power: float) 
     desc = f"{owner}({a!r}, {b!r}, {t})" if owner == "linear" else f"{owner}({a!r}, {b!r}, {t}, power={k!r})"
 
     def fn(s: int) -> float:
-        u = (1.0 - min(s, t) / t) ** k  # 1 -> 0: start and end exactly at steps 0 and T
+        u: float = (1.0 - min(s, t) / t) ** k  # 1 -> 0: start and end exactly at steps 0 and T
         return a * u + b * (1.0 - u)
 
     return Schedule(fn, desc)
