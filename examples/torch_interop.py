@@ -33,9 +33,9 @@ def views(tensor):
     if not t.is_contiguous():
         raise ValueError("flatopt needs contiguous parameters (call .contiguous() once when building the model)")
     if t.is_cuda:
-        from flatopt import _backend
+        from flatopt.core import backend
 
-        return _backend.cupy().from_dlpack(t).reshape(-1)
+        return backend.cupy().from_dlpack(t).reshape(-1)
     return t.numpy().reshape(-1)
 
 

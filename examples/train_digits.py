@@ -220,11 +220,11 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
 
     if args.device == "cupy":
-        from flatopt import _backend
+        from flatopt.core import backend
 
-        if not _backend.gpu_available():
+        if not backend.gpu_available():
             ap.error("--device cupy: no CUDA device answers")
-        xp = _backend.cupy()
+        xp = backend.cupy()
     else:
         xp = np
     shapes = param_shapes(args.hidden, args.depth)

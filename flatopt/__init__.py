@@ -8,15 +8,15 @@ See README.md and DESIGN.md for the contract every optimizer keeps.
 """
 
 from . import gradients, schedules
-from ._driver import PerParamOptimizer
-from ._parallel import TaskError
-from ._types import Optimizer, OptimizerState, OptItem
+from .core.driver import PerParamOptimizer
+from .core.parallel import TaskError
+from .core.types import Optimizer, OptimizerState, OptItem
 from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
 from .adamw import AdamW
 from .checkpoint import CheckpointError, load, save
 from .muon import Muon
-from .muon_adamw import MuonAdamW
+from .muon.muon_adamw import MuonAdamW
 from .kron import KronPsgd
 from .sgd import SGD
 

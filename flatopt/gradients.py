@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import _backend
+from .core import backend
 
 __all__ = ["global_norm", "all_finite", "clip_by_global_norm"]
 
@@ -30,7 +30,7 @@ __all__ = ["global_norm", "all_finite", "clip_by_global_norm"]
 def _xp(buffers: Sequence):
     if not buffers:
         raise ValueError("expected at least one buffer")
-    return _backend.array_module(*buffers)
+    return backend.array_module(*buffers)
 
 
 def global_norm(buffers: Sequence):

@@ -45,9 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _backend, _parallel
-from ._types import FORMAT_VERSION, OptimizerState, OptItem
-from ._validate import check_batch_aliasing, check_lr, check_shape
+from .core import backend, parallel
+from .core.types import FORMAT_VERSION, OptimizerState, OptItem
+from .core.validate import check_batch_aliasing, check_lr, check_shape
 
 __all__ = ["Group", "IncompatibleState", "Router", "RoutingError", "Select"]
 
@@ -127,7 +127,7 @@ class Router:
     """Routes parameters to groups of optimizers; see the module doc."""
 
     def __init__(self, groups: Sequence[Group], *, algorithm: str = "routed", concurrent: bool = True,
-                 min_concurrent_cost: int = _parallel.PARALLEL_MIN_COST):
+                 min_concurrent_cost: int = parallel.PARALLEL_MIN_COST):
         if not groups:
             raise RoutingError("Router: at least one group is needed")
         seen = set()
@@ -224,13 +224,13 @@ class Router:
 
         jobs = [job(g, its) for g, its in work]
         costs = sorted((sum((g.cost or math.prod)(tuple(it.shape)) for it in its) for g, its in work), reverse=True)
-        gpu = any(_backend.is_cupy_array(it.param) for _, its in work for it in its)
+        gpu = any(backend.is_cupy_array(it.param) for _, its in work for it in its)
         if not self.concurrent or gpu or len(jobs) < 2 or costs[1] < self.min_concurrent_cost:
             for j in jobs:
                 j()
             return
         # a pool of its own: the groups' optimizers use _parallel's pool inside (sharing it could deadlock)
-        _parallel.run_jobs(jobs, _group_pool())
+        parallel.run_jobs(jobs, _group_pool())
 
     def end_iteration(self) -> None:
         with self._lock:

@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _backend
+from flatopt.core import backend
 
 from .helpers import assert_bits_equal, make_for, make_params, run_steps
 from .registry import REGISTRY
 
-pytestmark = pytest.mark.skipif(not _backend.gpu_available(), reason="no CUDA device answers")
+pytestmark = pytest.mark.skipif(not backend.gpu_available(), reason="no CUDA device answers")
 
 NAMES = sorted(REGISTRY)
 STEPS = 4
 
 
 def _to_gpu(params):
-    cp = _backend.cupy()
+    cp = backend.cupy()
     return {n: (s, cp.asarray(p)) for n, (s, p) in params.items()}
 
 
@@ -52,7 +52,7 @@ def test_cupy_matches_numpy(name, dtype):
     run_steps(make_for(spec, host), host, STEPS)
     run_steps(make_for(spec, dev), dev, STEPS)
     for n, (_, p) in host.items():
-        got = _backend.to_numpy(dev[n][1])
+        got = backend.to_numpy(dev[n][1])
         tol = 4 * STEPS * np.finfo(dtype).eps * max(1.0, float(np.abs(p).max()))
         np.testing.assert_allclose(got, p, rtol=0, atol=tol, err_msg=n)
 
@@ -79,7 +79,7 @@ def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
     opt = make_for(spec, dev)
     run_steps(opt, dev, 2)
     flatopt.save(tmp_path / "a.npz", opt)
-    host = {n: (s, _backend.to_numpy(p).copy()) for n, (s, p) in dev.items()}
+    host = {n: (s, backend.to_numpy(p).copy()) for n, (s, p) in dev.items()}
     opt_h = make_for(spec, host)
     assert opt_h.load_state_dict(flatopt.load(tmp_path / "a.npz"))
     run_steps(opt_h, host, 2, start=2)  # continues on NumPy
@@ -89,6 +89,6 @@ def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
     assert opt_d.load_state_dict(flatopt.load(tmp_path / "b.npz"))
     run_steps(opt_d, back, 2, start=4)  # and back on CuPy
     for n, (_, p) in ref.items():
-        got, want = _backend.to_numpy(back[n][1]), _backend.to_numpy(p)
+        got, want = backend.to_numpy(back[n][1]), backend.to_numpy(p)
         tol = 4 * 6 * np.finfo(np.float32).eps * max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=n)
