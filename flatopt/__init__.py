@@ -7,7 +7,7 @@
 See README.md and DESIGN.md for the contract every optimizer keeps.
 """
 
-from . import gradients
+from . import gradients, schedules
 from .core.driver import PerParamOptimizer
 from .core.parallel import TaskError
 from .core.types import Optimizer, OptimizerState, OptItem
@@ -39,4 +39,5 @@ __all__ = [
     "gradients",
     "load",
     "save",
+    "schedules",
 ]
