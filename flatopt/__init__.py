@@ -19,6 +19,8 @@ from .muon import Muon
 from .muon.muon_adamw import MuonAdamW
 from .kron import KronPsgd
 from .sgd import SGD
+from .soap import Soap
+from .stiefel import Stiefel
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,8 @@ __all__ = [
     "OptItem",
     "PerParamOptimizer",
     "SGD",
+    "Soap",
+    "Stiefel",
     "TaskError",
     "gradients",
     "load",

@@ -242,6 +242,8 @@ def _rosenbrock(x):
 
 @pytest.mark.parametrize("problem", ["quadratic", "rosenbrock"])
 def test_converges(spec, problem):
+    if problem not in spec.converges_on:  # Stiefel: the quadratic's minimum on St(8, 6) is 13.05 > 0.1 f0 (test_stiefel)
+        pytest.skip(f"{problem}: minimum outside the feasible set")
     shape = (8, 6)
     n = math.prod(shape)
     if problem == "quadratic":
