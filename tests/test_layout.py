@@ -154,7 +154,10 @@ def test_checkpoint_written_before_the_move_loads(name):
     ``run_steps`` over the registry shapes (float32).  It loads into a fresh optimizer, its state comes back bit for
     bit, and the optimizer continues from it."""
     spec = REGISTRY[name]
-    state = flatopt.load(pathlib.Path(__file__).parent / "data" / "pre_layout" / f"{name}.npz")
+    path = pathlib.Path(__file__).parent / "data" / "pre_layout" / f"{name}.npz"
+    if not path.exists():
+        pytest.skip(f"{name} is newer than the layout move: no checkpoint of the flat layout")
+    state = flatopt.load(path)
     params = make_params(spec.shapes, np.float32)
     opt = make_for(spec, params)
     assert opt.load_state_dict(state), opt.last_load_notes if hasattr(opt, "last_load_notes") else name
