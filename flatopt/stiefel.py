@@ -12,8 +12,11 @@ D = G; with η = lr · lr_scale(name), μ = momentum and sym(A) = (A + Aᵀ)/2::
     X ← qf(X − η·d)                                      (QR retraction)
     μ > 0:  b ← b − X·sym(Xᵀb)                           (transport: b projected on the new tangent space)
 
-qf(Y) = Q·diag(sⱼ) of the reduced Householder QR Y = QR (``xp.linalg.qr``, batched), sⱼ = sign(Rⱼⱼ) with
-sign(0) = +1, so that qf(X) = X for X on the manifold (up to rounding).
+qf(Y) = Q·diag(sⱼ) of the reduced Householder QR Y = QR, sⱼ = sign(Rⱼⱼ) with sign(0) = +1, so that qf(X) = X
+for X on the manifold (up to rounding).  The QR is cuSOLVER's (``cupy.linalg.qr``, batched) on CuPy and
+``core.linalg.householder_q`` on NumPy (LAPACK's algorithm in the parameter's dtype: ``numpy.linalg.qr`` runs
+float32 in float64 and allocates); the temporaries are per-thread ``core.workspace`` buffers on NumPy, so a step
+allocates nothing of the parameter's size after the first.
 
 **Off-manifold starts are projected, not refused**: the first step of a name first replaces X by qf(X), the
 nearest-by-QR point of the manifold, then takes the step from there (a check would cost a host synchronisation
@@ -47,6 +50,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
+from .core import linalg
 from .core.driver import PerParamOptimizer
 from .core.validate import check_range
 
@@ -83,39 +89,52 @@ def _tall(a, shape):
     return x.transpose(0, 2, 1) if r <= c else x
 
 
-def _sym_proj(xp, x, u):
-    """u − X·sym(Xᵀu): u projected on the tangent space at X (batched)."""
-    a = xp.matmul(x.transpose(0, 2, 1), u)
-    a = (a.transpose(0, 2, 1) + a) * 0.5
-    return u - xp.matmul(x, a)
+def _scratch(xp, key, shape, dtype):
+    return linalg.scratch(xp, "stiefel_" + key, shape, dtype)
 
 
-def _qf(xp, y):
-    """Q·diag(sign(diag R)) of the reduced QR of every matrix of ``y`` (sign(0) = +1)."""
-    q, r = xp.linalg.qr(y)
-    d = xp.diagonal(r, axis1=-2, axis2=-1)
-    q *= xp.where(d < 0, -1.0, 1.0).astype(q.dtype)[:, None, :]
-    return q
+def _project(xp, x, u, out):
+    """out = u − X·sym(XᵀU): u projected on the tangent space at X (batched; ``out`` may be ``u``)."""
+    b, n, p = x.shape
+    a = xp.matmul(x.transpose(0, 2, 1), u, out=_scratch(xp, "a", (b, p, p), x.dtype))
+    s = xp.add(a.transpose(0, 2, 1), a, out=_scratch(xp, "s", (b, p, p), x.dtype))  # geoopt: 0.5·(Aᵀ + A)
+    s *= 0.5
+    xs = xp.matmul(x, s, out=_scratch(xp, "xs", (b, n, p), x.dtype))
+    return xp.subtract(u, xs, out=out)
+
+
+def _retract(xp, y, x) -> None:
+    """x[...] = qf(y) = Q·diag(sign(diag R)) of the reduced QR of every matrix of ``y`` (sign(0) = +1)."""
+    if xp is np:  # LAPACK's Householder QR in the parameter's dtype, allocation-free (core.linalg)
+        q = _scratch(xp, "q", y.shape, y.dtype)
+        d = np.empty(y.shape[::2], y.dtype)
+        for i in range(y.shape[0]):
+            d[i] = linalg.householder_q(y[i], out=q[i])[1]
+    else:
+        q, r = xp.linalg.qr(y)
+        d = xp.diagonal(r, axis1=-2, axis2=-1)
+    sign = xp.where(d < 0, -1.0, 1.0).astype(y.dtype)
+    xp.multiply(q, sign[:, None, :], out=x)
 
 
 def update(xp, cfg: StiefelConfig, st: StiefelState, p, g, *, t: int, lr: float, scratch: list) -> None:
     """One step of one parameter (whole flat buffers; ``scratch`` is unused)."""
     if p.size == 0 or lr == 0:
         return
-    shape = st.shape
-    x = _tall(p, shape)
+    x = _tall(p, st.shape)
     if not st.started:
-        x[...] = _qf(xp, x)
+        _retract(xp, x, x)
         st.started = True
-    xi = _sym_proj(xp, x, _tall(g, shape))
+    xi = _project(xp, x, _tall(g, st.shape), _scratch(xp, "xi", x.shape, x.dtype))
     if cfg.has_momentum:
-        b = _tall(st.buf, shape)
+        b = _tall(st.buf, st.shape)
         b *= cfg.momentum
         b += xi
         xi = b
-    x[...] = _qf(xp, x - lr * xi)
+    y = xp.multiply(xi, lr, out=_scratch(xp, "y", x.shape, x.dtype))
+    _retract(xp, xp.subtract(x, y, out=y), x)  # qf(X − η·d)
     if cfg.has_momentum:
-        b[...] = _sym_proj(xp, x, b)
+        _project(xp, x, b, b)
 
 
 class Stiefel(PerParamOptimizer):

@@ -274,18 +274,24 @@ def test_defaults_are_the_official_ones():
 @pytest.mark.parametrize("shape", [(1, 1), (5, 5), (49, 49), (130, 97), (97, 20)], ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_householder_q_is_lapacks_q(shape, dtype):
-    """The refresh's QR on NumPy (``soap.numerics.householder_q``, blocked over panels of ``QR_BLOCK`` columns, so
-    (130, 97) and (49, 49) cross panel boundaries) gives LAPACK's Q: the same reflectors, so the same column
-    signs; orthonormal to a few ε; a zero column (rank deficiency) is handled as LAPACK does (τ = 0)."""
-    from flatopt.soap import numerics
+    """The refresh's QR on NumPy (``core.linalg.householder_q``, blocked over panels of ``QR_BLOCK`` columns, so
+    (130, 97) and (49, 49) cross panel boundaries) gives LAPACK's Q and diag(R): the same reflectors, so the same
+    column signs; orthonormal to a few ε; a zero column (rank deficiency) is handled as LAPACK does (τ = 0); the
+    input is not modified and ``out`` receives Q."""
+    from flatopt.core import linalg
 
     a = np.random.default_rng(0).standard_normal(shape).astype(dtype)
     if shape[1] > 3:
         a[:, 2] = 0.0
-    q = numerics.householder_q(a)
-    ref = np.linalg.qr(a.astype(np.float64))[0]
+    before = a.copy()
+    out = np.full(shape, np.nan, dtype)
+    q, rdiag = linalg.householder_q(a, out=out)
+    assert q is out
+    assert_bits_equal(a, before, "input untouched")
+    ref, r = np.linalg.qr(a.astype(np.float64))
     eps = np.finfo(dtype).eps
     assert q.dtype == dtype and q.shape == ref.shape
     assert np.abs(q.T.astype(np.float64) @ q - np.eye(shape[1])).max() <= 50 * eps
     keep = [j for j in range(shape[1]) if j != 2 or shape[1] <= 3]  # a zero column's direction is arbitrary
     assert np.abs(q[:, keep] - ref[:, keep]).max() <= 1e3 * eps
+    assert np.abs(rdiag[keep] - np.diag(r)[keep]).max() <= 1e3 * eps * np.abs(r).max()

@@ -137,25 +137,27 @@ def update(xp, cfg: SoapConfig, st: SoapState, p, g, *, t: int, lr: float, scrat
     ws = 1.0 - cfg.beta_s
     if t == 1:  # initialise the preconditioner; no step, no decay
         for axis, _, _ in lay.axes:
-            xp.multiply(N.gram(xp, G, axis), ws, out=stats[axis])
+            xp.multiply(N.gram(xp, G, axis), ws, out=stats[axis])  # = L + (O - L)(1 - beta_s) from L = 0
             bases[axis][...] = N.eigenbasis(xp, stats[axis])
         return
     k = t - 1
     b1, b2 = cfg.betas
     m, v = st.exp_avg, st.exp_avg_sq
-    gp = N.project(xp, G, bases)
-    tmp = xp.subtract(g, m)  # m = m + (g - m)(1 - b1)
+    n, dt = p.size, p.dtype
+    tmp = N.buf(xp, "t", (n,), dt)
+    xp.subtract(g, m, out=tmp)  # m = m + (g - m)(1 - b1)
     tmp *= 1.0 - b1
     m += tmp
-    sq = xp.multiply(gp, gp).reshape(-1)  # v = v + (G'^2 - v)(1 - b2)
-    sq -= v
-    sq *= 1.0 - b2
-    v += sq
-    den = xp.sqrt(v)
+    gp = N.project(xp, G, bases)  # G' = P(G)
+    xp.multiply(gp, gp, out=tmp.reshape(shape))  # v = v + (G'^2 - v)(1 - b2)
+    tmp -= v
+    tmp *= 1.0 - b2
+    v += tmp
+    den = xp.sqrt(v, out=N.buf(xp, "den", (n,), dt))
     den += cfg.eps
     mp = N.project(xp, m.reshape(shape), bases)
     xp.divide(mp.reshape(-1), den, out=den)  # P(m) / (sqrt(v) + eps)
-    direction = N.project_back(xp, den.reshape(shape), bases)
+    direction = N.project(xp, den.reshape(shape), bases, back=True)
     direction *= -(lr * math.sqrt(1.0 - b2**k) / (1.0 - b1**k))
     p += direction.reshape(-1)
     if cfg.weight_decay != 0:
@@ -166,7 +168,7 @@ def update(xp, cfg: SoapConfig, st: SoapState, p, g, *, t: int, lr: float, scrat
         o *= ws
         stats[axis] += o
     if lay.axes and k % cfg.precondition_frequency == 0:
-        v[...] = N.refresh(xp, stats, bases, v.reshape(shape)).reshape(-1)
+        N.refresh(xp, stats, bases, v.reshape(shape))
 
 
 class Soap(PerParamOptimizer):
