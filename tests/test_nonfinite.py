@@ -7,9 +7,13 @@ nothing at all.
 
 * ``element``: elementwise algorithms (SGD, AdamW, MuonAdamW's AdamW group): only the poisoned elements (and
   their moments) become non-finite;
-* ``tensor``: algorithms with per-tensor statistics (Adafactor's factors and RMS, Muon's norm, KronPsgd's RMS clip):
+* ``tensor``: algorithms with per-tensor statistics (Adafactor's factors and RMS, Muon's norm, KronPsgd's RMS clip,
+  Soap's eigenbasis projections):
   a NaN makes the whole parameter non-finite, an infinity at least its own element (KronPsgd keeps its
   preconditioner Q finite);
+* ``matrix``: Stiefel (tangent projection and QR per matrix): as ``tensor`` for each matrix of a batch — a NaN makes
+  its own matrix non-finite, the other matrices of the batch are independent and stay finite; a 1×1 matrix
+  stays finite (St(1, 1) = {±1}: the QR of a 1×1 is ±1 whatever it is given, as LAPACK's);
 * ``finite``: Adafactor8Bit reads non-finite entries as 0 on the APOLLO path, and its Fira limiter zeroes an
   update whose norm is non-finite (both as the original package): the parameter stays finite.
 """
@@ -32,6 +36,10 @@ POLICY = {
     "kron_psgd": "tensor", "kron_psgd_knobs": "tensor",
     "muon": "tensor",
     "muon_adamw": lambda shape: "tensor" if len(shape) == 2 else "element",
+    "soap": lambda shape: "tensor" if len(shape) > 1 else "element",  # vectors: Adam
+    "soap_1d_capped": lambda shape: "tensor" if max(shape) <= 8 else "element",
+    "stiefel": lambda shape: "finite" if shape[-2:] == (1, 1) else "matrix",
+    "stiefel_momentum": lambda shape: "finite" if shape[-2:] == (1, 1) else "matrix",
 }
 
 
@@ -55,8 +63,8 @@ def test_nonfinite_gradient_policy(name, bad):
             opt.step(n, s, p, g)
         policy = POLICY[name](s) if callable(POLICY[name]) else POLICY[name]
         nonfinite = int(np.sum(~np.isfinite(p)))
-        if policy == "tensor" and not np.isnan(bad):  # an infinity may leave 0·inf = NaN in one place only
+        if policy in ("tensor", "matrix") and not np.isnan(bad):  # an infinity may leave 0·inf = NaN in one place
             assert nonfinite >= 1, (n, s, policy, nonfinite)
         else:
-            expected = {"element": 1, "tensor": p.size, "finite": 0}[policy]
+            expected = {"element": 1, "tensor": p.size, "finite": 0, "matrix": int(np.prod(s[-2:]))}[policy]
             assert nonfinite == expected, (n, s, policy, nonfinite)

@@ -112,9 +112,17 @@ def refresh(xp, stats: list, bases: list, v) -> None:
         m = xp.matmul(stat, q, out=buf(xp, "rm", (d, d), q.dtype))
         est = xp.sum(xp.multiply(q, m, out=buf(xp, "rqm", (d, d), q.dtype)), axis=0)
         perm = xp.argsort(-est)
-        v[...] = xp.take(v, perm, axis=axis, out=buf(xp, "rv", v.shape, v.dtype))
-        m = xp.take(m, perm, axis=1, out=buf(xp, "rmp", (d, d), q.dtype))
+        v[...] = _take(xp, v, perm, axis, buf(xp, "rv", v.shape, v.dtype))
+        m = _take(xp, m, perm, 1, buf(xp, "rmp", (d, d), q.dtype))
         if xp is np:
             linalg.householder_q(m, out=q)
         else:
             q[...] = xp.linalg.qr(m)[0]
+
+
+def _take(xp, a, idx, axis: int, out):
+    """``take`` into ``out``; on NumPy with ``mode="clip"`` (the indices are a permutation), because NumPy buffers
+    ``out`` in a fresh copy under the default ``mode="raise"``."""
+    if xp is np:
+        return np.take(a, idx, axis=axis, out=out, mode="clip")
+    return xp.take(a, idx, axis=axis, out=out)
