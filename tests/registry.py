@@ -79,7 +79,7 @@ REGISTRY: dict[str, Spec] = {
     "kron_psgd": Spec(make=lambda lr=0.03, **kw: flatopt.KronPsgd(lr=lr, **kw), quadratic_lr=0.03, rosenbrock_lr=0.03),
     "kron_psgd_knobs": Spec(make=lambda lr=0.03, **kw: flatopt.KronPsgd(lr=lr, weight_decay=1e-3, memory_save_mode="one_diag", momentum_into_precond_update=False, update_probability=0.5, precond_dtype="param", **kw), quadratic_lr=0.03, rosenbrock_lr=0.03),
     "soap": Spec(make=lambda lr=0.01, **kw: flatopt.Soap(lr=lr, betas=(0.9, 0.99), weight_decay=1e-3, precondition_frequency=2, max_precond_dim=512, **kw), shapes=((7,), (4, 3), (2, 3, 4), (1,), (5, 1), (3, 3)), quadratic_lr=0.05, rosenbrock_lr=0.01),
-    "soap_1d_capped": Spec(make=lambda lr=0.01, **kw: flatopt.Soap(lr=lr, shampoo_beta=0.9, precondition_1d=True, max_precond_dim=8, precondition_frequency=1, **kw), shapes=((5,), (4, 3), (2, 7, 4), (9,), (8, 6)), quadratic_lr=0.05, rosenbrock_lr=0.01),
+    "soap_1d_capped": Spec(make=lambda lr=0.01, **kw: flatopt.Soap(lr=lr, shampoo_beta=0.9, precondition_1d=True, max_precond_dim=8, precondition_frequency=1, **kw), shapes=((1,), (4, 3), (2, 7, 4), (9,), (8, 6)), quadratic_lr=0.05, rosenbrock_lr=0.01),
     "stiefel": Spec(make=lambda lr=0.05, **kw: flatopt.Stiefel(lr=lr, **kw), shapes=((3, 5), (4, 3), (2, 3, 4), (5, 1), (1, 1)), rosenbrock_lr=1e-3, converges_on=("rosenbrock",)),
     "stiefel_momentum": Spec(make=lambda lr=0.05, **kw: flatopt.Stiefel(lr=lr, momentum=0.9, **kw), shapes=((3, 5), (4, 3), (2, 4, 2), (1, 6)), rosenbrock_lr=1e-3, converges_on=("rosenbrock",)),
 }
