@@ -8,6 +8,7 @@ See README.md and DESIGN.md for the contract every optimizer keeps.
 """
 
 from . import gradients, schedules
+from .buffers import flat_view, pack, pack_like
 from .core.driver import PerParamOptimizer
 from .core.parallel import TaskError
 from .core.types import Optimizer, OptimizerState, OptItem
@@ -15,6 +16,7 @@ from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
 from .adamw import AdamW
 from .checkpoint import CheckpointError, load, save
+from .errors import IncompatibleStateError
 from .muon import Muon
 from .muon.muon_adamw import MuonAdamW
 from .kron import KronPsgd
@@ -27,6 +29,7 @@ __all__ = [
     "Adafactor8Bit",
     "AdamW",
     "CheckpointError",
+    "IncompatibleStateError",
     "Muon",
     "MuonAdamW",
     "KronPsgd",
@@ -36,8 +39,11 @@ __all__ = [
     "PerParamOptimizer",
     "SGD",
     "TaskError",
+    "flat_view",
     "gradients",
     "load",
+    "pack",
+    "pack_like",
     "save",
     "schedules",
 ]
