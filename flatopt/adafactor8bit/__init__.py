@@ -308,6 +308,9 @@ class Adafactor8Bit(PerParamOptimizer):
             try:
                 ok = super().load_state_dict(state, restore_hparams=restore_hparams, strict=strict)
                 report = self._migration
+            except IncompatibleStateError:
+                self._apollo_seed_counter = counter  # (building the refused state may have drawn seeds)
+                raise
             finally:
                 self._migration = None
             if not ok:

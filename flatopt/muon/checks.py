@@ -123,7 +123,8 @@ def check_record(self, state: OptimizerState) -> None:
     if state.algorithm != self.algorithm or state.format_version != FORMAT_VERSION or key.get(
             "version") != RECORD_VERSION:
         raise E.RecordVersionMismatch(f"record of {state.algorithm!r} version {key.get('version')!r} (format "
-                                      f"{state.format_version}); this is {self.algorithm!r} v{RECORD_VERSION}")
+                                      f"version {state.format_version}); this is {self.algorithm!r} "
+                                      f"v{RECORD_VERSION} (format version {FORMAT_VERSION})")
     mine = self._muon.config.momentum_convention
     if key.get("momentum_convention") != mine:
         raise E.ConventionMismatch(f"record uses momentum convention {key.get('momentum_convention')!r}, this "
