@@ -56,7 +56,7 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, 
     when installed, as for Muon): the projection GEMM is cut into row ranges on our threads instead, and no idle
     BLAS worker spins against the elementwise passes (measured: they ran no faster on two threads than on one
     after a threaded GEMM; with the cap the low-rank passes went 13.0 -> 7.6 ms)."""
-    with shards.blas_capped(threads and xp is np) as capped:
+    with shards.blas_capped(xp is np) as capped:
         _update(xp, cfg, st, p, g, t=t, lr=lr, shape=shape, projector=projector, threads=threads, capped=capped)
 
 

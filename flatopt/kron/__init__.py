@@ -52,7 +52,11 @@ parameter; on NumPy the temporaries of a step (about 13× the largest parameter'
 are per-thread scratch (``kron.numerics.scratch`` over ``flatopt.core.workspace``) kept between steps, so a 1-D/2-D
 step allocates nothing of the parameter's size after the first (> 2-D shapes with ``merge_dims=False`` use fresh
 temporaries).  Matmul-bound: ``step_batch`` runs items serially (``threaded = False``), leaving the cores to the
-threaded BLAS (a thread pool on top oversubscribes them; on 2 cores it measured no better).  Triangular solves:
+threaded BLAS (a thread pool on top oversubscribes them; on 2 cores it measured no better).  So ``step``,
+``step_batch`` and a ``flatopt.distributed`` rank make the same BLAS calls under the process's BLAS thread count, and
+agree bit for bit; the results themselves may change with ``OPENBLAS_NUM_THREADS`` or another CPU's BLAS kernels
+(last-bit differences of the GEMMs, amplified by the preconditioner's feedback): compare runs across machines with a
+tolerance, not bits.  Triangular solves:
 cuBLAS trsm on CuPy; on NumPy a blocked substitution on NumPy's BLAS, 32-row leaves by their triangular inverse
 (SciPy's trsm is not used: its second OpenBLAS's idle threads spun against NumPy's, 12-22 % slower steps).
 """
