@@ -48,8 +48,8 @@ weights match flatopt's to 1e-7 for 50 steps (then a uf8 rounding tie flips a co
 uf8 and AL8 layouts) its losses are 1.5 % (train) / 3.4 % (held-out) from flatopt's at most, and at its default
 block size it quantizes these factors too (flatopt keeps them float32 where a block would be larger).
 
-The last table runs the AdamW-style 8-bit preset and the seed README's hybrid routing (APOLLO on matrices,
-float32 for biases and gains, Fira) on one seed.
+The last table runs the AdamW-style 8-bit preset and the hybrid routing adafactor8bit's README recommends (APOLLO
+on matrices, float32 for biases and gains, Fira) on one seed.
 
     python examples/adafactor8bit_digits.py              # 6 seeds: 27 s on a 2-vCPU AMD EPYC (2026-12-01, load 3)
     python examples/adafactor8bit_digits.py --seeds 12 --epochs 40
