@@ -341,9 +341,9 @@ class Adafactor8Bit(PerParamOptimizer):
 
 
 def hybrid_groups(apollo_rank: int = 256, weight_decay: float = 1e-2) -> list:
-    """The seed README's hybrid routing: 1-D / bias / norm in float32 without decay on Adafactor; embeddings in
-    float32 without decay on APOLLO; other 2-D weights 8-bit with decay on APOLLO; > 2-D weights 8-bit with decay
-    on Adafactor.  Pass as ``groups=`` (with ``weight_decay`` also given to the constructor for the rest)."""
+    """The hybrid routing adafactor8bit's README recommends: 1-D / bias / norm in float32 without decay on
+    Adafactor; embeddings in float32 without decay on APOLLO; other 2-D weights 8-bit with decay on APOLLO; > 2-D
+    weights 8-bit with decay on Adafactor.  Pass as ``groups=`` (with ``weight_decay`` also given to the constructor for the rest)."""
     sensitive = Select(predicate=lambda n, s: len(s) <= 1 or "bias" in n or "norm" in n, description="1-D/bias/norm")
     embed = Select(predicate=lambda n, s: "embed" in n.lower(), description="embed")
     mat = Select(predicate=lambda n, s: len(s) == 2, description="2-D")
