@@ -88,3 +88,40 @@ def test_ci_installs_exactly_as_the_readme_says():
     assert "python -m pytest -q" in ci and "python -m pytest -q" in readme
     # and no GPU extra in the two lines: CuPy for a CUDA version is a separate choice
     assert not any("cuda12" in ln or "cuda13" in ln for ln in lines), lines
+
+
+# ------------------------------------------------------------------- docstrings that stand on their own
+PROTOCOL = ("step", "step_batch", "end_iteration", "set_lr", "lr_scale", "state_dict", "load_state_dict")
+
+
+def _public_classes():
+    import flatopt  # noqa: PLC0415
+    from flatopt.distributed import Sharded  # noqa: PLC0415 - imports no MPI by itself
+    from flatopt.routing import Router, Select  # noqa: PLC0415
+
+    names = [n for n in flatopt.__all__ if isinstance(getattr(flatopt, n), type)]
+    return [getattr(flatopt, n) for n in names] + [Router, Select, Sharded]
+
+
+def test_every_public_class_and_protocol_method_has_a_docstring():
+    missing = []
+    for cls in _public_classes():
+        if not (cls.__doc__ or "").strip():
+            missing.append(cls.__name__)
+        for attr in PROTOCOL:
+            fn = getattr(cls, attr, None)
+            if fn is not None and not (getattr(fn, "__doc__", None) or "").strip():
+                missing.append(f"{cls.__name__}.{attr}")
+    assert not missing, missing
+
+
+def test_docstrings_cite_nothing_a_user_does_not_have():
+    """No module of the package points at the project's private design notes (DESIGN.md, reference/*.md, their
+    section numbers, or the seeds they came from)."""
+    bad = re.compile(r"DESIGN(\.md| §)|reference/[\w-]+\.md|\bRUDA\b|seed crate|[Tt]he seed's (?!stream)|seed README")
+    hits = []
+    for path in sorted((ROOT / "flatopt").rglob("*.py")):
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if bad.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not hits, "\n".join(hits)
