@@ -70,7 +70,8 @@ def blas_single_thread():
 
     The examples' models are small hand-written NumPy MLPs: their matrix products (64 × 128) are far too small for
     OpenBLAS's threads, which then spin against flatopt's own worker threads on the same cores.  On a 2-vCPU AMD
-    EPYC the main job took 40-46 s with the BLAS on two threads and about 14 s on one.  Holding one thread also
+    EPYC the main job took 47.9 s with the BLAS on two threads and 7.1 s on one (2026-12-01,
+    benchmarks/README.md).  Holding one thread also
     makes the results independent of the BLAS thread count (a threaded GEMM may sum in another order).
     ``OPENBLAS_NUM_THREADS=1`` in the environment has the same effect without threadpoolctl."""
     try:
