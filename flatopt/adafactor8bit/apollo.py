@@ -1,5 +1,5 @@
-"""APOLLO (Zhu et al., "APOLLO: SGD-like Memory, AdamW-level Performance") as in adafactor8bit 0.4.6 (§6 of
-``reference/adafactor8bit.md``): a random projector and the low-rank update of ``Adafactor8Bit``.
+"""APOLLO (Zhu et al., "APOLLO: SGD-like Memory, AdamW-level Performance") as in adafactor8bit 0.4.6:
+a random projector and the low-rank update of ``Adafactor8Bit``.
 
 **Projector.**  For the 2-D view G (R×C; > 2-D reshaped to (shape[0], −1)): R ≥ C ("right"): P is r×C and
 G_low = G·Pᵀ (R×r); otherwise ("left") P is R×r and G_low = Pᵀ·G (r×C).  P = N(0, 1)/√r drawn from the parameter's

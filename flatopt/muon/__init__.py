@@ -1,10 +1,11 @@
-"""Muon: momentum, then a Newton–Schulz orthogonalised update, for 2-D matrices (``reference/muon.md``).
+"""Muon: momentum, then a Newton–Schulz orthogonalised update, for 2-D matrices (Keller Jordan's Muon, as in
+torch.optim.Muon).
 
 Update rule for a matrix parameter W (r×c, row-major flat buffer) with gradient G, buffer B (zeros at creation),
 μ = momentum, η = lr · lr_scale(name)::
 
     "ema" convention (default; torch.optim.Muon, Keller Jordan):  B ← μ·B + (1 − μ)·G;  D = (1 − μ)·G + μ·B  (Nesterov)
-    "sgd" convention (Burn, RUDA's default, rlx-optim):           B ← μ·B + G;          D = G + μ·B          (Nesterov)
+    "sgd" convention (Burn, ruda-optim's default, rlx-optim):     B ← μ·B + G;          D = G + μ·B          (Nesterov)
     (without Nesterov D = B)
     X = D / N,  N = max(‖D‖_F, ε) ("clamp", torch/Burn)  or  ‖D‖_F + ε ("additive", Keller)
     ns_steps times, with (a, b, c) = ns_coefficients:  A = X·Xᵀ;  X ← a·X + (b·A + c·A·A)·X
