@@ -5,7 +5,8 @@ into (another algorithm, a configuration field that matters, a parameter shape, 
 ``load_state_dict(state, strict=True)`` of every optimizer, whose message (also in ``last_load_notes`` after a
 non-strict ``False``) names the parameter or field.
 
-The exception family of :class:`flatopt.MuonAdamW`:
+The exception family of :class:`flatopt.MuonAdamW` (after ``MuonError`` of the Rust crate ruda-optim 0.21.13, a
+fork of Burn's optimizers):
 
 Every error derives from :class:`MuonError`, itself a ``ValueError`` (the dtype and backend errors are also
 ``TypeError`` s), so code written against the generic Optimizer contract (``ValueError``/``TypeError``) keeps
