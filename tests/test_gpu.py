@@ -1,4 +1,6 @@
-"""GPU parity (run wherever a CUDA device answers; skipped otherwise).
+"""GPU parity: on a real CUDA device when one answers, else on the emulated device (``tests/cuda_emu``: a CuPy
+stand-in as strict as CuPy 14 whose fused kernels run on the CPU CUDA emulator; skipped only where the emulator
+cannot run, i.e. not Linux x86-64 with g++).
 
 * fused kernel vs its array-agnostic twin (FLATOPT_FORCE_TWIN=1) on CuPy: bit-identical;
 * CuPy vs NumPy: within one ulp per step of the largest parameter (both round each operation to the dtype);
@@ -14,10 +16,23 @@ import pytest
 import flatopt
 from flatopt import _backend
 
+from .cuda_emu import emu, fakecupy
 from .helpers import assert_bits_equal, make_for, make_params, run_steps
 from .registry import REGISTRY
 
-pytestmark = pytest.mark.skipif(not _backend.gpu_available(), reason="no CUDA device answers")
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_device():
+    """The real GPU when one answers; otherwise CuPy is the stand-in and the kernels run on the emulator."""
+    if _backend.gpu_available():
+        yield "gpu"
+        return
+    why = emu.available()
+    if why:
+        pytest.skip(f"no CUDA device answers and {why}")
+    with fakecupy.installed():
+        yield "emulated"
+
 
 NAMES = sorted(REGISTRY)
 STEPS = 4
