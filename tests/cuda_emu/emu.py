@@ -9,8 +9,9 @@ A launch (:class:`Kernel`, called like ``cupy.RawKernel``) packs its arguments a
 (``cupy/cuda/function.pyx: _pointer``: a device array is its data pointer, a NumPy scalar keeps its dtype, a Python
 ``int`` becomes int64, a ``float`` float64, ``None`` a null pointer) and fails on any mismatch with the kernel's
 parameter types (kind, width, pointee dtype, a host array, a non-contiguous array).  Every array argument is
-copied into a fenced region (a ``PROT_NONE`` page right after its end, or right before its start, alternating
-per launch), so an out-of-bounds access ends the launch with an error naming the argument; arguments that overlap
+copied into a fenced region (a ``PROT_NONE`` page right after its end, or right before its start: :data:`FENCE`;
+the bytes between the data and the far guard page are a canary checked after the launch), so an out-of-bounds
+access ends the launch with an error naming the argument; arguments that overlap
 in memory share one fenced copy (aliasing preserved).  Blocks and threads run forward, reverse or in a seeded
 random order, chosen per launch from a counter (see :data:`SCHEDULES`).
 """
@@ -36,6 +37,10 @@ HEADER = HERE / "cuda_emu.h"
 FLAGS = ("-std=c++20", "-ffp-contract=off", "-O1", "-fPIC", "-shared", "-fno-gnu-unique", "-fvisibility=hidden",
          "-fno-strict-aliasing", "-w")
 CTYPE_NAMES = {"float": np.dtype(np.float32), "double": np.dtype(np.float64)}
+# Which side of every array argument touches its guard page: "end" (reads and writes past the end fault; writes
+# before the start hit a checked canary), "start" (the reverse), or "alternate": the end on three launches of four,
+# the start on every fourth (overruns, the common bug, are caught at once; underruns within a few launches).
+FENCE = "alternate"
 # (block order, thread order): 0 forward, 1 reverse, 2 seeded random; launch k uses SCHEDULES[k % len]
 SCHEDULES = ((0, 0), (1, 1), (2, 2), (2, 1), (1, 2))
 
@@ -77,7 +82,7 @@ def _cache_key() -> str:
     return h.hexdigest()[:20]
 
 
-def _wrapper_source(filename: str, kernels: tuple[str, ...], cu_path: Path) -> str:
+def _wrapper_source(kernels: tuple[str, ...], cu_path: Path) -> str:
     lines = [f'#include "{cu_path}"', ""]
     for kern in kernels:
         for ctype in CTYPE_NAMES:
@@ -85,40 +90,65 @@ def _wrapper_source(filename: str, kernels: tuple[str, ...], cu_path: Path) -> s
     return "\n".join(lines) + "\n"
 
 
-def _compile(filename: str, out_dir: Path) -> Path:
-    k = _kernels_module()
-    lib = out_dir / (filename.replace(".", "_") + ".so")
+def _compile(cu_path: Path, kernels: tuple[str, ...], out_dir: Path) -> Path:
+    stem = cu_path.name.replace(".", "_")
+    lib = out_dir / (stem + ".so")
     if lib.exists():
         return lib
-    src = out_dir / (filename.replace(".", "_") + "_emu.cpp")
-    src.write_text(_wrapper_source(filename, k.KERNELS[filename], (k.KERNEL_DIR / filename).resolve()))
-    tmp = lib.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    tag = f"{os.getpid()}_{threading.get_ident()}"
+    src = out_dir / f"{stem}_emu_{tag}.cpp"
+    src.write_text(_wrapper_source(kernels, cu_path.resolve()))
+    tmp = out_dir / f"{stem}_{tag}.so.tmp"
     cmd = [os.environ.get("CXX", "g++"), *FLAGS, "-include", str(HEADER), "-o", str(tmp), str(src)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
-        raise EmulatorError(f"g++ failed on {filename}:\n{' '.join(cmd)}\n{res.stderr[-6000:]}")
+        raise EmulatorError(f"g++ failed on {cu_path.name}:\n{' '.join(cmd)}\n{res.stderr[-6000:]}")
     os.replace(tmp, lib)  # atomic: concurrent sessions share the cache
     return lib
 
 
-_libs: dict[str, ctypes.CDLL] = {}
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
+    _register_shared(lib, path)
+    return lib
+
+
+_libs: dict = {}
 _build_lock = threading.Lock()
 
 
-def build() -> dict[str, ctypes.CDLL]:
-    """The emulated libraries, one per .cu file (compiled once per content hash, loaded once per process)."""
+def _out_dir(key: str) -> Path:
+    out = Path(tempfile.gettempdir()) / f"flatopt-cuda-emu-{key}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def build() -> dict:
+    """The emulated libraries, one per flatopt .cu file (compiled once per content hash, in parallel; loaded once
+    per process)."""
     with _build_lock:
-        if _libs:
-            return _libs
         k = _kernels_module()
-        out = Path(tempfile.gettempdir()) / f"flatopt-cuda-emu-{_cache_key()}"
-        out.mkdir(parents=True, exist_ok=True)
+        files = sorted(k.KERNELS)
+        if all(f in _libs for f in files):
+            return _libs
+        out = _out_dir(_cache_key())
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
-            paths = dict(zip(sorted(k.KERNELS), ex.map(lambda f: _compile(f, out), sorted(k.KERNELS))))
-        for f, p in paths.items():
-            lib = _libs[f] = ctypes.CDLL(str(p), mode=os.RTLD_LOCAL)
-            _register_shared(lib, p)
+            paths = list(ex.map(lambda f: _compile(k.KERNEL_DIR / f, k.KERNELS[f], out), files))
+        for f, p in zip(files, paths):
+            _libs[f] = _load(p)
         return _libs
+
+
+def build_file(cu_path, kernels: tuple[str, ...]) -> ctypes.CDLL:
+    """An emulated library for any .cu file of ``template <typename T>`` kernels (the emulator's self-test)."""
+    cu_path = Path(cu_path)
+    h = hashlib.sha256(HEADER.read_bytes() + Path(__file__).read_bytes() + cu_path.read_bytes()
+                       + repr((tuple(kernels), FLAGS)).encode()).hexdigest()[:20]
+    with _build_lock:
+        key = ("file", str(cu_path), h)
+        if key not in _libs:
+            _libs[key] = _load(_compile(cu_path, tuple(kernels), _out_dir(h)))
+        return _libs[key]
 
 
 def _register_shared(lib, path: Path) -> None:
@@ -170,6 +200,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 PAGE = os.sysconf("SC_PAGE_SIZE")
+CANARY = 0xA5
 _PROT_NONE, _PROT_RW, _MAP = 0, 3, 0x02 | 0x20  # MAP_PRIVATE | MAP_ANONYMOUS
 
 
@@ -187,6 +218,17 @@ class _Fence:
         first = self.base + PAGE
         self.ptr = first + data_pages * PAGE - nbytes if at_end else first
         self.nbytes = nbytes
+        # the mapped bytes between the data and the far guard page: a canary, checked after the launch
+        self.slack = (first, self.ptr - first) if at_end else (first + nbytes, data_pages * PAGE - nbytes)
+        if self.slack[1]:
+            ctypes.memset(self.slack[0], CANARY, self.slack[1])
+
+    def slack_written(self) -> int:
+        """Bytes of the canary a kernel overwrote (an out-of-bounds write the guard page did not catch)."""
+        if not self.slack[1]:
+            return 0
+        raw = np.frombuffer(ctypes.string_at(*self.slack), np.uint8)
+        return int(np.count_nonzero(raw != CANARY))
 
     def free(self):
         _libc.munmap(self.base, self.size)
@@ -199,10 +241,10 @@ def _is_device_array(a) -> bool:
 class Kernel:
     """One instantiation ``kernel<T>`` of a .cu file, callable like ``cupy.RawKernel``."""
 
-    def __init__(self, filename: str, expr: str):
+    def __init__(self, filename: str, expr: str, lib=None):
         name, _, ctype = expr.partition("<")
         ctype = ctype.rstrip(">").strip()
-        lib = build()[filename]
+        lib = build()[filename] if lib is None else lib
         self.name, self.expr, self.filename = name, expr, filename
         self._fn = getattr(lib, f"emu_{name}__{ctype}")
         self._fn.restype = ctypes.c_int
@@ -272,7 +314,7 @@ class Kernel:
                                     f"{val.dtype.itemsize} bytes)")
             packed.append(ctypes.create_string_buffer(val.tobytes(), 16))
         # fenced copies, one per group of overlapping arrays
-        at_end = k % 2 == 0
+        at_end = FENCE == "end" or (FENCE == "alternate" and k % 4 != 3)
         spans = sorted(((arr.__array_interface__["data"][0], arr.nbytes, i) for i, arr in arrays))
         groups = []  # [start, end, [indices]]
         for start, nb, i in spans:
@@ -313,6 +355,12 @@ class Kernel:
                 if launch.fault_addr:
                     msg += self._which(launch.fault_addr, fences, args)
                 raise EmulatorError(f"{self.expr} (grid {tuple(dims[0])}, block {tuple(dims[1])}): {msg}")
+            for f, start, members in fences:
+                bad = f.slack_written()
+                if bad:
+                    side = "before the start of" if at_end else "past the end of"
+                    raise EmulatorError(f"{self.expr} (grid {tuple(dims[0])}, block {tuple(dims[1])}): out-of-bounds "
+                                        f"write of {bad} bytes {side} argument {', '.join(str(i) for i, _ in members)}")
             for f, start, _ in fences:
                 if f.nbytes:
                     ctypes.memmove(start, f.ptr, f.nbytes)
@@ -340,3 +388,22 @@ def get(filename: str, expr: str) -> Kernel:
     if kern is None:
         kern = _kernel_cache[key] = Kernel(filename, expr)
     return kern
+
+
+_DEVMATH = {("exp2", "float32"): 0, ("exp2", "float64"): 1, ("log2", "float32"): 2, ("log2", "float64"): 3}
+
+
+def devmath(name: str, x: np.ndarray, out: np.ndarray) -> bool:
+    """``out[...] = name(x)`` with the emulated device's math library (the kernels' exp2f / log2); False when the
+    function or dtype is not one of the device functions emulated here."""
+    fn = _DEVMATH.get((name, out.dtype.name))
+    if fn is None:
+        return False
+    lib = next(iter(build().values()))
+    src = np.ascontiguousarray(np.broadcast_to(x, out.shape), dtype=out.dtype)
+    dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+    lib.emu_devmath.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
+    lib.emu_devmath(fn, src.ctypes.data, dst.ctypes.data, src.size)
+    if dst is not out:
+        out[...] = dst
+    return True
