@@ -37,14 +37,53 @@ def gpu_device():
 NAMES = sorted(REGISTRY)
 STEPS = 4
 
+# Known defects (../shared/reference/gpu-audit.md §1.4, §3), each a strict xfail: the fix flips it to a failure
+# (XPASS), which is the signal to delete the entry.
+D1 = ("D1: the Adafactor kernel is not its twin's operation order (flatopt/kernels/adafactor.cu:117,186 "
+      "U=((G*r)*c)*s vs the twin's (G*(c*s))*r, _factored_passes.py:274-275,352; sum of U^2 direct vs "
+      "rbar*sum(c^2 W), _factored_passes.py:219; another reduction order)")
+D2 = ("D2: the Adafactor8Bit kernels round a float64 x to float32 before squaring/lerping "
+      "(flatopt/kernels/adafactor8bit.cu:60,146 '(float)x[idx]'); the twin rounds after (_a8_state.py)")
+D3 = ("D3: cupy.einsum has no out= (TypeError on real CuPy): flatopt/_apollo.py:169 "
+      "xp.einsum('ij,ij->i', ..., out=out[i0:i1]) crashes APOLLO at step 1")
+D5 = ("D5: test_cupy_matches_numpy's float64 tolerance (16 eps(float64) max|p|) for an optimizer whose state is "
+      "float32 (Adafactor8Bit's quantized state, KronPsgd's precond_dtype='float32')")
+KNOWN: dict[tuple, str] = {}
+for _n in ("adafactor", "adafactor_manual_beta1_wd", "adafactor_beta2_unfactored_scaled"):
+    for _d in ("float32", "float64"):
+        KNOWN["twin", _n, _d] = D1
+for _n in ("adafactor8bit", "adafactor8bit_adam_d8_fira"):
+    KNOWN["twin", _n, "float64"] = D2
+KNOWN["numpy", "adafactor8bit", "float64"] = D2 + "; " + D5
+KNOWN["numpy", "adafactor8bit_adam_d8_fira", "float64"] = D5
+KNOWN["numpy", "kron_psgd", "float64"] = D5
+for _t in ("twin", "numpy"):
+    for _d in ("float32", "float64"):
+        KNOWN[_t, "adafactor8bit_apollo_came", _d] = D3
+KNOWN["batch", "adafactor8bit_apollo_came", None] = D3
+KNOWN["checkpoint", "adafactor8bit_apollo_came", None] = D3
+
+
+def _cases(test, dtypes=(None,)):
+    """(name[, dtype]) parameters of ``test``, the known defects as strict xfails."""
+    out = []
+    for dt in dtypes:
+        for n in NAMES:
+            why = KNOWN.get((test, n, None if dt is None else np.dtype(dt).name))
+            marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+            vals = (n,) if dt is None else (n, dt)
+            ident = n if dt is None else f"{np.dtype(dt).name}-{n}"
+            out.append(pytest.param(*vals, marks=marks, id=ident))
+    return out
+
+
 
 def _to_gpu(params):
     cp = _backend.cupy()
     return {n: (s, cp.asarray(p)) for n, (s, p) in params.items()}
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name, dtype", _cases("twin", (np.float32, np.float64)))
 def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
     spec = REGISTRY[name]
     base = make_params(spec.shapes + ((300, 1000),), dtype)
@@ -58,8 +97,7 @@ def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
         assert_bits_equal(outs[0][n][1], outs[1][n][1], n)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name, dtype", _cases("numpy", (np.float32, np.float64)))
 def test_cupy_matches_numpy(name, dtype):
     spec = REGISTRY[name]
     host = make_params(spec.shapes, dtype)
@@ -72,7 +110,7 @@ def test_cupy_matches_numpy(name, dtype):
         np.testing.assert_allclose(got, p, rtol=0, atol=tol, err_msg=n)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", _cases("batch"))
 def test_step_batch_on_streams_equals_serial(name):
     spec = REGISTRY[name]
     base = make_params(spec.shapes * 3 + ((600, 700), (700, 600)))
@@ -83,7 +121,7 @@ def test_step_batch_on_streams_equals_serial(name):
         assert_bits_equal(a[n][1], b[n][1], n)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", _cases("checkpoint"))
 def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
     spec = REGISTRY[name]
     base = make_params(spec.shapes)

@@ -226,39 +226,43 @@ inline bool resolve_warp(int nthreads, int w) {
   for (int t = lo; t < hi; ++t)
     if (fib[t].state == AT_SHFL) { first = t; break; }
   if (first < 0) return false;
-  // Every waiting lane's mask must be satisfied: each named lane exists, is alive and waits at the same shuffle.
+  // Every waiting lane must be in its own mask and wait at the same shuffle with the same mask (flatopt's kernels
+  // shuffle whole warps; sub-warp partitions with different masks are reported as divergence), and every lane the
+  // mask names must exist, be alive and wait there too.
+  const Fibre& f0 = fib[first];
+  const unsigned int mask = f0.shfl_mask;
+  const int w2 = f0.shfl_width;
+  if (w2 < 1 || w2 > 32 || (w2 & (w2 - 1))) {
+    fail("__shfl_*_sync at line %d: width %d is not a power of two <= 32", f0.line, w2);
+    return false;
+  }
   for (int t = lo; t < hi; ++t) {
-    Fibre& f = fib[t];
+    const Fibre& f = fib[t];
     if (f.state != AT_SHFL) continue;
     const int lane = t - lo;
     if (!(f.shfl_mask >> lane & 1u)) {
       fail("__shfl_*_sync at line %d: lane %d is not in its own mask 0x%08x", f.line, lane, f.shfl_mask);
       return false;
     }
-    const int w2 = f.shfl_width;
-    if (w2 < 1 || w2 > 32 || (w2 & (w2 - 1))) {
-      fail("__shfl_*_sync at line %d: width %d is not a power of two <= 32", f.line, w2);
+    if (f.line != f0.line || f.shfl_mask != mask || f.shfl_width != w2) {
+      fail("__shfl_*_sync divergence in warp %d: lane %d at line %d (mask 0x%08x), lane %d at line %d "
+           "(mask 0x%08x)", w, first - lo, f0.line, mask, lane, f.line, f.shfl_mask);
       return false;
     }
-    for (int l = 0; l < 32; ++l) {
-      if (!(f.shfl_mask >> l & 1u)) continue;
-      if (lo + l >= hi) {
-        fail("__shfl_*_sync at line %d (block %u, lane %d): mask 0x%08x names lane %d, which does not exist "
-             "(blockDim.x = %u)", f.line, blockIdx_.x, lane, f.shfl_mask, l, blockDim_.x);
-        return false;
-      }
-      const Fibre& o = fib[lo + l];
-      if (o.state == EXITED) {
-        fail("__shfl_*_sync at line %d: mask 0x%08x names lane %d, which has exited", f.line, f.shfl_mask, l);
-        return false;
-      }
-      if (o.state != AT_SHFL) return false;  // not there yet
-      if (o.line != f.line || o.shfl_mask != f.shfl_mask) {
-        fail("__shfl_*_sync divergence in warp %d: lane %d at line %d (mask 0x%08x), lane %d at line %d "
-             "(mask 0x%08x)", w, lane, f.line, f.shfl_mask, l, o.line, o.shfl_mask);
-        return false;
-      }
+  }
+  for (int l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    if (lo + l >= hi) {
+      fail("__shfl_*_sync at line %d (block %u): mask 0x%08x names lane %d, which does not exist "
+           "(blockDim.x = %u)", f0.line, blockIdx_.x, mask, l, blockDim_.x);
+      return false;
     }
+    const Fibre& o = fib[lo + l];
+    if (o.state == EXITED) {
+      fail("__shfl_*_sync at line %d: mask 0x%08x names lane %d, which has exited", f0.line, mask, l);
+      return false;
+    }
+    if (o.state != AT_SHFL) return false;  // not there yet (a deadlock if it never comes)
   }
   // All present: compute every waiting lane's result from the values at the time of the shuffle.
   for (int t = lo; t < hi; ++t) {
