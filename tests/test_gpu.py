@@ -57,11 +57,13 @@ for _n in ("adafactor8bit", "adafactor8bit_adam_d8_fira"):
 KNOWN["numpy", "adafactor8bit", "float64"] = D2 + "; " + D5
 KNOWN["numpy", "adafactor8bit_adam_d8_fira", "float64"] = D5
 KNOWN["numpy", "kron_psgd", "float64"] = D5
-for _t in ("twin", "numpy"):
-    for _d in ("float32", "float64"):
-        KNOWN[_t, "adafactor8bit_apollo_came", _d] = D3
+D6 = ("D6: CuPy and NumPy draw different APOLLO projections from one seed (flatopt/_apollo_proj.py:102 "
+      "cupy.random.RandomState vs NumPy's blocked Box-Muller draw), and the test injects no apollo_proj_fn")
+for _d in ("float32", "float64"):
+    KNOWN["twin", "adafactor8bit_apollo_came", _d] = D3
+    KNOWN["numpy", "adafactor8bit_apollo_came", _d] = D3 + "; then " + D6
 KNOWN["batch", "adafactor8bit_apollo_came", None] = D3
-KNOWN["checkpoint", "adafactor8bit_apollo_came", None] = D3
+KNOWN["checkpoint", "adafactor8bit_apollo_came", None] = D3 + "; then " + D6
 
 
 def _cases(test, dtypes=(None,)):
@@ -70,7 +72,11 @@ def _cases(test, dtypes=(None,)):
     for dt in dtypes:
         for n in NAMES:
             why = KNOWN.get((test, n, None if dt is None else np.dtype(dt).name))
-            marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+            # the defect's own exception only: an emulator error or another exception still fails the test
+            raises = AssertionError
+            if why is not None and why.startswith("D3"):
+                raises = (TypeError, AssertionError) if "D6" in why else TypeError
+            marks = [pytest.mark.xfail(strict=True, raises=raises, reason=why)] if why else []
             vals = (n,) if dt is None else (n, dt)
             ident = n if dt is None else f"{np.dtype(dt).name}-{n}"
             out.append(pytest.param(*vals, marks=marks, id=ident))

@@ -38,7 +38,7 @@ import numpy as np
 from . import cupy_api, emu
 
 
-class HostSync(AssertionError):
+class HostSync(RuntimeError):
     """A device value was read on the host while :func:`forbid_sync` was active."""
 
 
@@ -606,16 +606,24 @@ _MODULES = {"cupy": module, "cupy.cuda": cuda, "cupy.random": random, "cupyx": c
 @contextlib.contextmanager
 def installed():
     """``cupy`` is the stand-in inside the block (sys.modules and ``flatopt._backend``); restored afterwards."""
-    from flatopt import _backend  # noqa: PLC0415
+    from flatopt import _backend, _workspace, quant  # noqa: PLC0415
 
+    # flatopt caches device buffers by device id (0 here, as for tests/fake_device.FakeDevice): the per-thread
+    # workspace of this thread and the uploaded quantization maps must not leak between the two stand-ins
     saved = {k: sys.modules.get(k) for k in _MODULES}
     saved_cupy, saved_modules = _backend._cupy, dict(_backend._modules)  # noqa: SLF001
+    saved_maps = dict(quant._DEVICE_MAPS)  # noqa: SLF001
     sys.modules.update(_MODULES)
     _backend._cupy = module  # noqa: SLF001
     _backend._modules.clear()  # noqa: SLF001
+    quant._DEVICE_MAPS.clear()  # noqa: SLF001
+    _workspace.clear()
     try:
         yield module
     finally:
+        _workspace.clear()
+        quant._DEVICE_MAPS.clear()  # noqa: SLF001
+        quant._DEVICE_MAPS.update(saved_maps)  # noqa: SLF001
         for k, v in saved.items():
             if v is None:
                 sys.modules.pop(k, None)
