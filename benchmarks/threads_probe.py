@@ -1,4 +1,4 @@
-"""Probes behind the threading claims in README "Performance" (not a benchmark suite; prints medians).
+"""Probes behind the threading claims in benchmarks/README.md (not a benchmark suite; prints medians).
 
 ``python -m benchmarks.threads_probe`` measures, on this machine:
 
@@ -6,21 +6,21 @@
    idle workers spin for a while after a call and take a core from the threads that run next);
 2. **codec** — uf8 decode + encode of 1M elements per thread, serially and on two threads, with 32K and 128K codec
    chunks (short NumPy calls hand the GIL over at every call and do not run in parallel); the d8 encoder's
-   nearest-entry search, exact against the table look-up of ``flatopt._nearest_lut``;
+   nearest-entry search, exact against the table look-up of ``flatopt.adafactor8bit.nearest_lut``;
 3. **adafactor** — ``Adafactor.step_batch`` on the transformer-like set with the BLAS held at one thread (GEMV
-   statistics sums, ``_factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl);
+   statistics sums, ``adafactor.factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl);
 4. **apollo** — the 256×1024 APOLLO projection of a 2048×1024 weight: NumPy's float32 ziggurat
-   (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``_apollo_proj._draw_block``, one
+   (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``adafactor8bit.apollo_proj._draw_block``, one
    thread), and the projection GEMM G·Pᵀ on one thread cut into row ranges of 128 and 1024 rows (each range
-   repacks P; ``_apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread); with
+   repacks P; ``adafactor8bit.apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread); with
    torch installed, the GEMM on two threads as flatopt runs it (NumPy's BLAS, two row halves) against ``torch.mm``;
 5. **scaling** — Adafactor's column and row scaling of U on one thread (2048×1024 in blocks of 256 rows): the column
-   factor broadcast row by row against tiled over k rows (``_factored_passes.TILE``); the apply (x·column factor,
+   factor broadcast row by row against tiled over k rows (``adafactor.factored_passes.TILE``); the apply (x·column factor,
    ·row factor, θ −= U) with the row factor by an out-of-place einsum against an in-place broadcast multiply; and
    whether the row-sum GEMV releases the GIL as ``np.matmul`` and as ``np.dot``;
-6. **sizes** — settled in-process A/B of the task sizes: ``_blocks.BLOCK``/``TASK`` at 128K/256K against
+6. **sizes** — settled in-process A/B of the task sizes: ``core.blocks.BLOCK``/``TASK`` at 128K/256K against
    256K/512K elements (Adafactor's transformer-like set, Adafactor8Bit's factored fp32 step), and
-   ``_apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights.
+   ``adafactor8bit.apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def spin(repeats: int = 7) -> None:
 
 
 def codec(repeats: int = 7) -> None:
-    from flatopt import quant
+    from flatopt.adafactor8bit import quant
 
     n = 1 << 20
     rng = np.random.default_rng(0)
@@ -118,7 +118,8 @@ def adafactor(repeats: int = 12) -> None:
         print("adafactor: needs threadpoolctl (pip install threadpoolctl)")
         return
     import flatopt
-    from flatopt import _shards, adafactor as af_mod
+    from flatopt.core import shards
+    from flatopt import adafactor as af_mod
 
     from .bench_adamw import make_data, transformer_shapes
 
@@ -126,7 +127,7 @@ def adafactor(repeats: int = 12) -> None:
     sets = [[flatopt.OptItem(f"p{i}", s, p, g) for i, (s, (p, g)) in enumerate(zip(shapes, make_data(shapes)))]
             for _ in range(2)]
     opts = [flatopt.Adafactor(), flatopt.Adafactor()]
-    real = _shards.cap_enter
+    real = shards.cap_enter
 
     def run(k):
         af_mod._shards.cap_enter = real if k == 0 else (lambda: False)  # noqa: SLF001
@@ -151,15 +152,16 @@ def adafactor(repeats: int = 12) -> None:
 
 
 def apollo(repeats: int = 15) -> None:
-    from flatopt import _apollo_proj, _shards
+    from flatopt.adafactor8bit import apollo_proj
+    from flatopt.core import shards
 
     rank, cols, rows = 256, 1024, 2048
     n = rank * cols
     buf = np.empty(n, np.float32)
 
     def blocked():
-        for b, lo in enumerate(range(0, n, _apollo_proj.PROJ_BLOCK)):
-            _apollo_proj._draw_block(7, b, buf[lo:lo + _apollo_proj.PROJ_BLOCK], 1.0)  # noqa: SLF001
+        for b, lo in enumerate(range(0, n, apollo_proj.PROJ_BLOCK)):
+            apollo_proj._draw_block(7, b, buf[lo:lo + apollo_proj.PROJ_BLOCK], 1.0)  # noqa: SLF001
 
     zig = _median_ms(lambda: np.random.default_rng(7).standard_normal((rank, cols), dtype=np.float32), repeats)
     bm = _median_ms(blocked, repeats)
@@ -190,7 +192,7 @@ def apollo(repeats: int = 15) -> None:
     bcast, ein = _median_ms(scale(False), repeats), _median_ms(scale(True), repeats)
     print(f"apollo: θ += G·s per row ({rows}x{cols}, 128-row ranges, one thread): broadcast multiply {bcast:.2f} ms, "
           f"einsum {ein:.2f} ms ({bcast / ein:.2f}x)")
-    with _shards.blas_capped() as capped:
+    with shards.blas_capped() as capped:
         if not capped:
             print("apollo: the GEMM probe needs threadpoolctl (pip install threadpoolctl)")
             return
@@ -206,7 +208,7 @@ def apollo(repeats: int = 15) -> None:
     pool = ThreadPoolExecutor(1)
 
     def halves():
-        with _shards.blas_capped():
+        with shards.blas_capped():
             f = pool.submit(np.matmul, g[rows // 2:], pt, out=out[rows // 2:])
             np.matmul(g[:rows // 2], pt, out=out[:rows // 2])
             f.result()
@@ -228,14 +230,14 @@ def apollo(repeats: int = 15) -> None:
 
 
 def scaling(repeats: int = 21) -> None:
-    from flatopt import _factored_passes
+    from flatopt.adafactor import factored_passes
 
     rows, cols, rb = 2048, 1024, 256
     n, blk = rows * cols, rb * cols
     rng = np.random.default_rng(0)
     g, p = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
     rowv, colv = rng.random(rows, dtype=np.float32), rng.random(cols, dtype=np.float32)
-    k = -(-_factored_passes.TILE // cols)
+    k = -(-factored_passes.TILE // cols)
     tile = np.tile(colv, k)
     v, u = np.empty(blk, np.float32), np.empty(blk, np.float32)
 
@@ -324,7 +326,8 @@ def _ab(label: str, make_step, variants: dict, repeats: int) -> None:
 
 def sizes(repeats: int = 15) -> None:
     import flatopt
-    from flatopt import _apollo_lowrank, _blocks
+    from flatopt.adafactor8bit import apollo_lowrank
+    from flatopt.core import blocks as _blocks
 
     from .bench_adamw import make_data, transformer_shapes
 
@@ -346,11 +349,11 @@ def sizes(repeats: int = 15) -> None:
 
     blocks = {"128K/256K": {(_blocks, "BLOCK"): 1 << 17, (_blocks, "TASK"): 1 << 18},
               "256K/512K": {(_blocks, "BLOCK"): 1 << 18, (_blocks, "TASK"): 1 << 19}}
-    _ab("Adafactor transformer-like set, _blocks.BLOCK/TASK", adafactor_set, blocks, repeats)
-    _ab("Adafactor8Bit factored fp32, _blocks.BLOCK/TASK", a8(quantize=False), blocks, repeats)
-    _ab("Adafactor8Bit APOLLO r=256 fp32, _apollo_lowrank.TASK", a8(
+    _ab("Adafactor transformer-like set, core.blocks.BLOCK/TASK", adafactor_set, blocks, repeats)
+    _ab("Adafactor8Bit factored fp32, core.blocks.BLOCK/TASK", a8(quantize=False), blocks, repeats)
+    _ab("Adafactor8Bit APOLLO r=256 fp32, adafactor8bit.apollo_lowrank.TASK", a8(
         apollo_rank=256, beta1=0.9, beta2=0.999, relative_step=False, lr=1e-3, scale_parameter=False, d=0.0,
-        quantize=False), {"128K": {(_apollo_lowrank, "TASK"): 1 << 17}, "256K": {(_apollo_lowrank, "TASK"): 1 << 18}},
+        quantize=False), {"128K": {(apollo_lowrank, "TASK"): 1 << 17}, "256K": {(apollo_lowrank, "TASK"): 1 << 18}},
         repeats)
 
 

@@ -1,5 +1,5 @@
-"""A learning-rate schedule with warm-up through ``set_lr``, global gradient-norm clipping, and skipping
-non-finite steps consistently — the loop most training code needs, in a few lines.
+"""A learning-rate schedule with warm-up through ``set_lr`` (``flatopt.schedules``), global gradient-norm clipping,
+and skipping non-finite steps consistently — the loop most training code needs, in a few lines.
 
 Every 25th step the gradients are poisoned with a NaN (as a loss spike or an fp16 overflow would); the loop
 detects it with ``flatopt.gradients.all_finite`` and skips the whole step: no parameter, moment or step count
@@ -11,7 +11,6 @@ changes.  Otherwise the gradients are clipped to a global norm of 1 and the opti
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -22,15 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flatopt  # noqa: E402
 import train_digits as td  # noqa: E402
-from flatopt import gradients  # noqa: E402
-
-
-def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
-    """Linear warm-up to ``peak``, then cosine decay to 10% of it."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+from _cli import Formatter, blas_single_thread, positive_int  # noqa: E402
+from flatopt import gradients, schedules  # noqa: E402
 
 
 def run(steps=300, peak_lr=3e-3, warmup=30, max_norm=1.0, poison_every=25, hidden=64, verbose=True):
@@ -38,6 +30,10 @@ def run(steps=300, peak_lr=3e-3, warmup=30, max_norm=1.0, poison_every=25, hidde
     (x, y), (xt, yt) = td.load_data()
     params = td.init_params(shapes)
     opt = flatopt.AdamW(lr=peak_lr, weight_decay=1e-4)
+    # linear warm-up to peak_lr (peak_lr·(step+1)/warmup), then cosine decay to 10% of it at the last step
+    # (a run no longer than the warm-up only warms up)
+    lr_at = (schedules.cosine(peak_lr, total_steps=steps, warmup_steps=warmup, floor=0.1 * peak_lr) if steps > warmup
+             else schedules.linear_warmup(peak_lr, max(warmup, 1)))
     rng = np.random.default_rng(0)
     skipped, losses = 0, []
     for step in range(steps):
@@ -50,7 +46,7 @@ def run(steps=300, peak_lr=3e-3, warmup=30, max_norm=1.0, poison_every=25, hidde
             skipped += 1
             continue
         norm = gradients.clip_by_global_norm(bufs, max_norm)
-        opt.set_lr(lr_at(step, peak_lr, warmup, steps))
+        opt.set_lr(lr_at(step))  # the schedule is counted in loop steps, skipped ones too
         opt.step_batch([flatopt.OptItem(k, shapes[k], params[k], grads[k]) for k in shapes])
         opt.end_iteration()
         losses.append(float(loss))
@@ -62,7 +58,13 @@ def run(steps=300, peak_lr=3e-3, warmup=30, max_norm=1.0, poison_every=25, hidde
     return {"skipped": skipped, "losses": losses, "acc": acc, "params": params, "opt": opt}
 
 
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--steps", type=positive_int, default=300, help="training steps")
+    args = ap.parse_args(argv)
+    with blas_single_thread():
+        return run(args.steps)
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    run(ap.parse_args().steps)
+    main()

@@ -23,9 +23,9 @@ import math
 
 import numpy as np
 
-from . import _backend, _kernels
-from ._driver import PerParamOptimizer
-from ._validate import check_range
+from .core import backend, kernels
+from .core.driver import PerParamOptimizer
+from .core.validate import check_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +103,10 @@ def update(xp, cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float, scr
 
 def kernel_update(cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
-    k = _kernels.get("adamw.cu", "adamw_step", p.dtype)
+    k = kernels.get("adamw.cu", "adamw_step", p.dtype)
     vmax = st.vmax if st.vmax is not None else st.v
     scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
-    _backend.launch(k, p.size, (p, g, st.m, st.v, vmax, np.int64(p.size), *scal, np.int32(cfg.amsgrad)))
+    backend.launch(k, p.size, (p, g, st.m, st.v, vmax, np.int64(p.size), *scal, np.int32(cfg.amsgrad)))
     return True
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _backend
-from ._types import FORMAT_VERSION, OptimizerState
+from .core import backend
+from .core.types import FORMAT_VERSION, OptimizerState
 
 MAGIC = "flatopt-checkpoint"
 
@@ -40,7 +40,7 @@ def save(path: str | os.PathLike, optimizer_or_state: Any) -> None:
             raise ValueError(f"{type(optimizer_or_state).__name__} cannot be checkpointed")
     arrays, entries = {}, []
     for i, key in enumerate(sorted(state.buffers)):
-        a = np.ascontiguousarray(_backend.to_numpy(state.buffers[key]))
+        a = np.ascontiguousarray(backend.to_numpy(state.buffers[key]))
         arrays[f"a{i}"] = a
         entries.append({"key": key, "member": f"a{i}", "dtype": a.dtype.str, "shape": list(a.shape)})
     header = {

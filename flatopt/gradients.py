@@ -4,7 +4,7 @@ They work on NumPy and CuPy alike and never synchronise with the host on CuPy: r
 that you may pass on (``clip_by_global_norm`` scales on the device).  Reading one on the host (``float(norm)``,
 ``bool(ok)``) is the caller's one deliberate synchronisation per iteration, outside any optimizer step.
 
-The seed's "check finite gradients, then skip consistently" workflow::
+The "check finite gradients, then skip consistently" workflow::
 
     ok = flatopt.gradients.all_finite(grads)           # one reduction over every buffer
     if bool(ok):                                       # host decision, once per iteration
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import _backend
+from .core import backend
 
 __all__ = ["global_norm", "all_finite", "clip_by_global_norm"]
 
@@ -30,7 +30,7 @@ __all__ = ["global_norm", "all_finite", "clip_by_global_norm"]
 def _xp(buffers: Sequence):
     if not buffers:
         raise ValueError("expected at least one buffer")
-    return _backend.array_module(*buffers)
+    return backend.array_module(*buffers)
 
 
 def global_norm(buffers: Sequence):

@@ -45,9 +45,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _backend, _parallel
-from ._types import FORMAT_VERSION, OptimizerState, OptItem
-from ._validate import check_batch_aliasing, check_lr, check_shape
+from .core import backend, parallel
+from .core.types import FORMAT_VERSION, OptimizerState, OptItem
+from .core.validate import check_batch_aliasing, check_lr, check_shape
 
 __all__ = ["Group", "IncompatibleState", "Router", "RoutingError", "Select"]
 
@@ -87,6 +87,8 @@ class Select:
         return cls(everything=True)
 
     def matches(self, name: str, shape: tuple) -> bool:
+        """Whether this selector takes parameter ``name`` of ``shape``: ``all()``, a listed name, a glob pattern
+        (``fnmatch``, case-sensitive), or the predicate ``predicate(name, shape)``."""
         if self.everything or name in self.names:
             return True
         if any(fnmatch.fnmatchcase(name, p) for p in self.patterns):
@@ -94,6 +96,8 @@ class Select:
         return bool(self.predicate(name, shape)) if self.predicate is not None else False
 
     def describe(self) -> dict:
+        """A JSON-able description (names, patterns, the predicate's ``description``), stored in checkpoints so
+        that a snapshot only loads into the same grouping."""
         return {"all": self.everything, "names": sorted(self.names), "patterns": list(self.patterns),
                 "predicate": self.description}
 
@@ -127,7 +131,7 @@ class Router:
     """Routes parameters to groups of optimizers; see the module doc."""
 
     def __init__(self, groups: Sequence[Group], *, algorithm: str = "routed", concurrent: bool = True,
-                 min_concurrent_cost: int = _parallel.PARALLEL_MIN_COST):
+                 min_concurrent_cost: int = parallel.PARALLEL_MIN_COST):
         if not groups:
             raise RoutingError("Router: at least one group is needed")
         seen = set()
@@ -188,9 +192,15 @@ class Router:
 
     # ----------------------------------------------------------------------------------------- protocol
     def step(self, name: str, shape: tuple, param, grad) -> None:
+        """One parameter, routed to the first group whose selector takes it: ``step_batch([OptItem(...)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
     def step_batch(self, items: Sequence[OptItem], *, lrs: Mapping[str, float] | None = None) -> None:
+        """Route every item to the first group whose selector takes it and step each group's items with that
+        group's optimizer: bit for bit what stepping each item in order gives.  Every item is validated (in its
+        group's optimizer too) before anything changes; a name no group takes is a ``RoutingError``.  Groups run
+        concurrently on NumPy when both hold enough work.  ``lrs={group: lr}`` overrides a group's learning rate
+        for this call only."""
         with self._lock:
             by_group = self.split(items)
             overrides = {}
@@ -224,15 +234,16 @@ class Router:
 
         jobs = [job(g, its) for g, its in work]
         costs = sorted((sum((g.cost or math.prod)(tuple(it.shape)) for it in its) for g, its in work), reverse=True)
-        gpu = any(_backend.is_cupy_array(it.param) for _, its in work for it in its)
+        gpu = any(backend.is_cupy_array(it.param) for _, its in work for it in its)
         if not self.concurrent or gpu or len(jobs) < 2 or costs[1] < self.min_concurrent_cost:
             for j in jobs:
                 j()
             return
-        # a pool of its own: the groups' optimizers use _parallel's pool inside (sharing it could deadlock)
-        _parallel.run_jobs(jobs, _group_pool())
+        # a pool of its own: the groups' optimizers use core.parallel's pool inside (sharing it could deadlock)
+        parallel.run_jobs(jobs, _group_pool())
 
     def end_iteration(self) -> None:
+        """Count one iteration here and in every group's optimizer."""
         with self._lock:
             self.iteration += 1
             for g in self.groups:
@@ -240,9 +251,12 @@ class Router:
 
     @property
     def lr(self) -> float | None:
+        """The base learning rate last given to ``set_lr`` (or at construction)."""
         return self._lr
 
     def set_lr(self, lr: float) -> None:
+        """Give every group with an ``lr_ratio`` the learning rate ``lr * lr_ratio``; groups without one keep
+        their own."""
         lr = check_lr(lr)
         with self._lock:
             for g in self.groups:
@@ -267,10 +281,12 @@ class Router:
 
     # -------------------------------------------------------------------------------------- checkpoints
     def config_key(self) -> dict:
+        """The grouping a snapshot must match to load: each group's name, algorithm and selector."""
         return {"groups": [{"name": g.name, "algorithm": getattr(g.optimizer, "algorithm", type(g.optimizer).__name__),
                             "select": g.select.describe()} for g in self.groups]}
 
     def state_dict(self) -> OptimizerState:
+        """One snapshot of every group's optimizer (each parameter tagged with its group) and the grouping."""
         with self._lock:
             params, buffers, groups, configs, keys = {}, {}, {}, {}, {}
             for g in self.groups:
@@ -340,6 +356,7 @@ class Router:
             self.iteration = int(state.step)
 
     def load_state_dict(self, state: OptimizerState) -> bool:
+        """``try_load_state_dict`` answering ``False`` (nothing changed) instead of raising ``IncompatibleState``."""
         try:
             self.try_load_state_dict(state)
         except IncompatibleState:

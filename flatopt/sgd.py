@@ -20,9 +20,9 @@ import dataclasses
 
 import numpy as np
 
-from . import _backend, _kernels
-from ._driver import PerParamOptimizer
-from ._validate import check_range
+from .core import backend, kernels
+from .core.driver import PerParamOptimizer
+from .core.validate import check_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +87,10 @@ def update(xp, cfg: SGDConfig, st: SGDState, p, g, *, t: int, lr: float, scratch
 
 def kernel_update(cfg: SGDConfig, st: SGDState, p, g, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
-    k = _kernels.get("sgd.cu", "sgd_step", p.dtype)
+    k = kernels.get("sgd.cu", "sgd_step", p.dtype)
     buf = st.buf if st.buf is not None else p  # unused when momentum == 0
     flags = (cfg.weight_decay != 0, cfg.momentum != 0, t == 1, cfg.nesterov, cfg.dampening != 0)
-    _backend.launch(k, p.size, (p, g, buf, np.int64(p.size), dt(-lr), dt(cfg.weight_decay), dt(cfg.momentum),
+    backend.launch(k, p.size, (p, g, buf, np.int64(p.size), dt(-lr), dt(cfg.weight_decay), dt(cfg.momentum),
                                 dt(1.0 - cfg.dampening), *(np.int32(f) for f in flags)))
     return True
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 import flatopt
-from flatopt import _backend
+from flatopt.core import backend
 
 
 def rng_arrays(seed: int, shape, dtype=np.float32, scale: float = 1.0):
@@ -17,7 +17,7 @@ def rng_arrays(seed: int, shape, dtype=np.float32, scale: float = 1.0):
 
 
 def assert_bits_equal(a, b, what=""):
-    a, b = _backend.to_numpy(a), _backend.to_numpy(b)
+    a, b = backend.to_numpy(a), backend.to_numpy(b)
     assert a.dtype == b.dtype and a.shape == b.shape, what
     assert a.tobytes() == b.tobytes(), f"{what}: not bit-identical (max |diff| {np.max(np.abs(a - b))})"
 
@@ -48,11 +48,11 @@ def run_steps(opt, params, steps, start=0, batch=False):
     every item stepped by ``step`` in name order, or all at once by ``step_batch``; then ``end_iteration``."""
     from flatopt import OptItem
 
-    on_gpu = _backend.backend_name(next(iter(params.values()))[1]) == "cupy"
+    on_gpu = backend.backend_name(next(iter(params.values()))[1]) == "cupy"
     for it in range(start, start + steps):
-        grads = grads_for({n: (s, _backend.to_numpy(p)) for n, (s, p) in params.items()}, it)
+        grads = grads_for({n: (s, backend.to_numpy(p)) for n, (s, p) in params.items()}, it)
         if on_gpu:
-            grads = {n: _backend.cupy().asarray(g) for n, g in grads.items()}
+            grads = {n: backend.cupy().asarray(g) for n, g in grads.items()}
         items = [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())]
         if batch:
             opt.step_batch(items)

@@ -1,4 +1,4 @@
-"""Adafactor8Bit state migration on load (flatopt._a8_migrate): a snapshot saved with another state layout is
+"""Adafactor8Bit state migration on load (flatopt.adafactor8bit.migrate): a snapshot saved with another state layout is
 requantized or reset per parameter, with one StateMigrationWarning; a snapshot that does not belong is still
 refused and changes nothing."""
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _a8_state, _backend, quant
+from flatopt.adafactor8bit import state, quant
+from flatopt.core import backend
 from flatopt.adafactor8bit import StateMigrationWarning
 from flatopt.routing import Select
 
@@ -197,12 +198,12 @@ def test_group_override_change(selector, through_file, tmp_path):
 
 # ------------------------------------------------------------------------------------------------- resets
 def _fresh_like(opt, name, shape):
-    return _a8_state.init(np, opt.config_for(name, shape), shape, np.float32)
+    return state.init(np, opt.config_for(name, shape), shape, np.float32)
 
 
 def _assert_fresh(opt, sd, name, shape, skip=()):
     tmpl = _fresh_like(opt, name, shape)
-    for f in _a8_state.Adafactor8BitState.__dataclass_fields__:
+    for f in state.Adafactor8BitState.__dataclass_fields__:
         v = getattr(tmpl, f)
         if isinstance(v, np.ndarray) and f not in skip:
             assert_bits_equal(sd.buffers[f"{f}/{name}"], v, f"{f}/{name}")
@@ -383,9 +384,9 @@ def test_training_continues_after_migration(target):
     assert new.state_dict().params["w"]["t"] == 80
 
 
-@pytest.mark.skipif(not _backend.gpu_available(), reason="needs a GPU")
+@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
 def test_cupy_snapshot_migrates_on_the_device():
-    cp = _backend.cupy()
+    cp = backend.cupy()
     a = flatopt.Adafactor8Bit(**BASE, factored=False)
     params = {n: cp.asarray(p) for n, p in _params().items()}
     for k in range(3):
@@ -393,9 +394,9 @@ def test_cupy_snapshot_migrates_on_the_device():
             a.step(n, SHAPES[n], params[n], cp.asarray(rng_arrays(1000 + 10 * k + i, SHAPES[n])))
     sd_gpu = a.state_dict()
     opt, new, msgs = _migrated(sd_gpu, factored=False, block_size=256, m_quant_type="uf4")
-    assert _backend.backend_name(new.buffers["variance_q/v"]) == "cupy" and len(msgs) == 1
+    assert backend.backend_name(new.buffers["variance_q/v"]) == "cupy" and len(msgs) == 1
     host = copy.copy(sd_gpu)
-    host.buffers = {k: _backend.to_numpy(v) for k, v in sd_gpu.buffers.items()}
+    host.buffers = {k: backend.to_numpy(v) for k, v in sd_gpu.buffers.items()}
     _, new_host, _ = _migrated(host, factored=False, block_size=256, m_quant_type="uf4")
     for k in new_host.buffers:
         assert_bits_equal(new.buffers[k], new_host.buffers[k], k)

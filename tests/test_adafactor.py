@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _backend, _blocks
+from flatopt.core import backend, blocks
 
 from .helpers import assert_bits_equal, rng_arrays
 
@@ -120,7 +120,7 @@ def test_matches_float64_reference(cfg, shape, dtype):
 @pytest.mark.parametrize("shape", [(3, 400, 300), (2, 140000), (140000, 2), (300000,), (10000, 5, 6)], ids=str)
 def test_blocked_paths_match_reference(shape):
     """Row blocks of large matrices, groups of small matrices and flat blocks of long vectors."""
-    assert math.prod(shape) > _blocks.BLOCK
+    assert math.prod(shape) > blocks.BLOCK
     theta, grads = data(shape, np.float64, steps=3)
     got = run_flat(flatopt.Adafactor(beta1=0.9, weight_decay=0.01), shape, theta, grads)
     ref, dtot = reference(shape, theta, grads, beta1=0.9, weight_decay=0.01)
@@ -130,10 +130,10 @@ def test_blocked_paths_match_reference(shape):
 def test_single_block_layout_of_the_cupy_twin(monkeypatch):
     """The CuPy twin runs the whole tensor as one block; on NumPy the same code must give the blocked result."""
     shape = (3, 400, 300)
-    assert math.prod(shape) > _blocks.BLOCK
+    assert math.prod(shape) > blocks.BLOCK
     theta, grads = data(shape, np.float64, steps=3)
     blocked = run_flat(flatopt.Adafactor(beta1=0.9), shape, theta, grads)
-    monkeypatch.setattr(_blocks, "BLOCK", 1 << 40)
+    monkeypatch.setattr(blocks, "BLOCK", 1 << 40)
     whole = run_flat(flatopt.Adafactor(beta1=0.9), shape, theta, grads)
     ref, dtot = reference(shape, theta, grads, beta1=0.9)
     assert np.max(np.abs(whole - ref)) <= 1e-12 * dtot and np.max(np.abs(whole - blocked)) <= 1e-12 * dtot
@@ -434,11 +434,11 @@ def test_conforms_to_adafactor8bit_pytorch_path(case, shape, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not _backend.gpu_available(), reason="no GPU answers here")
+gpu = pytest.mark.skipif(not backend.gpu_available(), reason="no GPU answers here")
 
 
 def _gpu_run(shape, kw, theta, grads, twin, monkeypatch):
-    cp = _backend.cupy()
+    cp = backend.cupy()
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1" if twin else "0")
     opt = flatopt.Adafactor(**kw)
     p = cp.asarray(theta)
@@ -477,7 +477,7 @@ def test_gpu_kernel_matches_twin_and_numpy(cfg, shape, dtype, monkeypatch):
 
 @gpu
 def test_gpu_step_does_not_synchronise(monkeypatch):
-    cp = _backend.cupy()
+    cp = backend.cupy()
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "0")
     opt = flatopt.Adafactor(beta1=0.9, weight_decay=0.1)
     shape = (256, 384)
@@ -499,7 +499,7 @@ def test_bits_independent_of_thread_count(cfg, monkeypatch):
     block order, so FLATOPT_NUM_THREADS=1 and =2 give the same bits, for ``step`` and ``step_batch`` alike."""
     # (1024, 1024): one matrix cut into many tasks per pass; (64, 40000): rows wider than a block, several
     # pass-1 windows (PARTS made small); a 3-D tensor of small matrices; vectors.
-    monkeypatch.setattr(_blocks, "PARTS", 1 << 18)
+    monkeypatch.setattr(blocks, "PARTS", 1 << 18)
     shapes = [(1024, 1024), (64, 40000), (40, 24, 96), (300_000,), (96,)]
     items = [(f"w{i}", s, *data(s, np.float32, seed=10 * i, steps=3)) for i, s in enumerate(shapes)]
     results = {}
@@ -529,8 +529,8 @@ def test_blas_sums_of_large_tensors_match_the_einsum_sums(monkeypatch):
     """With the BLAS held at one thread (threadpoolctl), a tensor of >= BLAS_MIN elements sums its statistics by
     GEMV/dot; the same steps with the cap unavailable use einsum; both agree with the float64 reference."""
     pytest.importorskip("threadpoolctl")
-    from flatopt import _factored_passes as fm
-    from flatopt import _shards
+    from flatopt.adafactor import factored_passes as fm
+    from flatopt.core import shards
 
     shape = (512, 512)
     assert math.prod(shape) >= fm.BLAS_MIN
@@ -545,7 +545,7 @@ def test_blas_sums_of_large_tensors_match_the_einsum_sums(monkeypatch):
     monkeypatch.setattr(fm.FactoredPasses, "stats", spy)
     got_blas = run_flat(flatopt.Adafactor(), shape, theta, grads)
     assert calls and all(calls), "the GEMV sums were not used"
-    monkeypatch.setattr(_shards, "cap_enter", lambda: False)
+    monkeypatch.setattr(shards, "cap_enter", lambda: False)
     calls.clear()
     got_einsum = run_flat(flatopt.Adafactor(), shape, theta, grads)
     assert calls and not any(calls)

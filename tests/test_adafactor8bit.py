@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _a8_state, _backend
+from flatopt.adafactor8bit import state as _a8_state
+from flatopt.core import backend
 from flatopt.adafactor8bit import Adafactor8BitConfig, hybrid_groups
 from flatopt.routing import Select
 
@@ -227,25 +228,26 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
     """A parameter above ``SPLIT_MIN`` steps with its ranges/blocks on all threads; one below steps whole on one
     thread; the serial driver runs the same phases inline.  All three give the same bits (every reduction is per
     block and folded in block order), also with a block size that does not divide the rows."""
-    from flatopt import _a8_common, _apollo, _apollo_lowrank, _apollo_proj, _blocks, _parallel
+    from flatopt.adafactor8bit import common, apollo, apollo_lowrank, apollo_proj
+    from flatopt.core import blocks as _blocks, parallel
     from flatopt import adafactor8bit as a8
 
     shape = SHAPES.get(name, (3, 301, 157))  # 141 771 (147 737) elements: above SPLIT_MIN
     assert math.prod(shape) >= a8.SPLIT_MIN
-    monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)  # threads even for this size,
+    monkeypatch.setattr(parallel, "PARALLEL_MIN_COST", 0)  # threads even for this size,
     monkeypatch.setattr(_blocks, "BLOCK", 1 << 14)  # several blocks
     monkeypatch.setattr(_blocks, "TASK", 1 << 15)  # and several tasks per factored pass
-    monkeypatch.setattr(_apollo_proj, "PROJ_BLOCK", 100)  # APOLLO: P drawn in several blocks,
-    monkeypatch.setattr(_apollo, "GEMM_TASK", 1 << 14)  # the projection GEMM in several ranges,
-    monkeypatch.setattr(_apollo_lowrank, "TASK", 1 << 10)  # its row and low-rank (factorized) passes in ranges,
-    monkeypatch.setattr(_a8_common, "TASK", 1 << 10)  # the plain ones too
-    seen, run_jobs = [], _parallel.run_jobs
+    monkeypatch.setattr(apollo_proj, "PROJ_BLOCK", 100)  # APOLLO: P drawn in several blocks,
+    monkeypatch.setattr(apollo, "GEMM_TASK", 1 << 14)  # the projection GEMM in several ranges,
+    monkeypatch.setattr(apollo_lowrank, "TASK", 1 << 10)  # its row and low-rank (factorized) passes in ranges,
+    monkeypatch.setattr(common, "TASK", 1 << 10)  # the plain ones too
+    seen, run_jobs = [], parallel.run_jobs
 
     def spy(jobs, pool):  # the phases were handed to more than one thread (which thread claims what may vary)
         seen.append(len(jobs))
         return run_jobs(jobs, pool)
 
-    monkeypatch.setattr(_parallel, "run_jobs", spy)
+    monkeypatch.setattr(parallel, "run_jobs", spy)
     cfg = dict(PATHS[name], quantize=quantize, block_size=384, m_block_size=96)
     outs = []
     for i, (threads, split_min) in enumerate((("2", a8.SPLIT_MIN), ("1", a8.SPLIT_MIN), ("2", 1 << 30))):
@@ -266,22 +268,23 @@ def test_blocked_paths_bits_do_not_depend_on_threads(name, quantize, monkeypatch
 
 @pytest.mark.parametrize("name", ["adafactor", "factored", "factored_m_fira_max", "came", "came_fira"])
 def test_tiled_column_scaling_gives_the_same_bits(name, monkeypatch):
-    """Row blocks of a matrix with short rows multiply by the column factor tiled k times (``_factored_passes.TILE``,
+    """Row blocks of a matrix with short rows multiply by the column factor tiled k times (``adafactor.factored_passes.TILE``,
     in U's apply, CAME's write and the ΣU² pass): the bits equal the row-by-row multiply, also where k does not
     divide a block's rows (a remainder of rows) and for a batch of matrices."""
-    from flatopt import _blocks, _factored_passes
+    from flatopt.core import blocks as _blocks
+    from flatopt.adafactor import factored_passes
 
     monkeypatch.setattr(_blocks, "BLOCK", 1 << 14)  # row blocks of 104 rows of 157: k = 53, 51 rows left over
     shape = (3, 301, 157)
     c = shape[-1]
-    k = -(-_factored_passes.TILE // c)
+    k = -(-factored_passes.TILE // c)
     assert shape[1] * c > _blocks.BLOCK and 1 < k <= _blocks.BLOCK // c and (_blocks.BLOCK // c) % k
     make = {"adafactor": lambda: flatopt.Adafactor(beta1=0.9, weight_decay=0.01),
             "came_fira": lambda: flatopt.Adafactor8Bit(**CAME, enable_fira_for_adafactor=True)}.get(
         name, lambda: flatopt.Adafactor8Bit(**({"came": CAME}.get(name) or PATHS[name])))
     outs = []
-    for tile in (_factored_passes.TILE, 1):  # tiled, then row by row
-        monkeypatch.setattr(_factored_passes, "TILE", tile)
+    for tile in (factored_passes.TILE, 1):  # tiled, then row by row
+        monkeypatch.setattr(factored_passes, "TILE", tile)
         p, opt = rng_arrays(0, shape, scale=0.1), make()
         for t in range(3):
             opt.step("w", shape, p, rng_arrays(1 + t, shape))
@@ -294,22 +297,23 @@ def test_came_one_pass_residual_equals_the_written_u(m_quant_type, monkeypatch):
     """CAME on NumPy makes U, its m update, U − m and the statistics of (U − m)² block by block in one pass when
     the blocks start at whole codec blocks of m; the bits equal the path that writes U whole first (blocks that do
     not start there), on two threads."""
-    from flatopt import _blocks, _factored_passes, _parallel
+    from flatopt.core import blocks as _blocks, parallel
+    from flatopt.adafactor import factored_passes
     from flatopt import adafactor8bit as a8
 
     monkeypatch.setattr(_blocks, "BLOCK", 1 << 14)
     monkeypatch.setattr(_blocks, "TASK", 1 << 15)
-    monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)
+    monkeypatch.setattr(parallel, "PARALLEL_MIN_COST", 0)
     monkeypatch.setattr(a8, "SPLIT_MIN", 1)
     monkeypatch.setenv("FLATOPT_NUM_THREADS", "2")
     shape = (602, 157)  # blocks of 96 rows (whole codec blocks of m: 96·157 elements)
     cfg = dict(CAME, m_quant_type=m_quant_type, m_block_size=96, block_size=384, maximize=True)
     outs, used = [], []
-    real = _factored_passes.FactoredPasses.u_source
-    monkeypatch.setattr(_factored_passes.FactoredPasses, "u_source", lambda *a: used.append(1) or real(*a))
+    real = factored_passes.FactoredPasses.u_source
+    monkeypatch.setattr(factored_passes.FactoredPasses, "u_source", lambda *a: used.append(1) or real(*a))
     for fused in (True, False):
         if not fused:  # every layout reads as unaligned: U written whole, then its ranges
-            monkeypatch.setattr(_factored_passes, "aligned", lambda bl, align: False)
+            monkeypatch.setattr(factored_passes, "aligned", lambda bl, align: False)
         used.clear()
         p, opt = rng_arrays(0, shape, scale=0.1), flatopt.Adafactor8Bit(**cfg)
         for t in range(3):
@@ -442,10 +446,10 @@ def test_state_bytes_never_exceed_the_original(name):
 
 
 # --------------------------------------------------------------------------------------------- GPU
-@pytest.mark.skipif(not _backend.gpu_available(), reason="needs a GPU")
+@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
 @pytest.mark.parametrize("name", ["factored_beta1_wd_fira", "adam_style", "came", "apollo_preset_gap3"])
 def test_cupy_twin_matches_numpy(name):
-    cp = _backend.cupy()
+    cp = backend.cupy()
     cfg = dict(CONFIGS[name], quantize=True, **SMALL)
     shape = (R, C)
     outs = []
@@ -454,7 +458,7 @@ def test_cupy_twin_matches_numpy(name):
         p = xp.asarray(rng_arrays(0, shape, scale=0.05))
         for k in range(5):
             opt.step("w", shape, p, xp.asarray(rng_arrays(10 + k, shape)))
-        outs.append(_backend.to_numpy(p))
+        outs.append(backend.to_numpy(p))
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-6)
 
 
@@ -462,12 +466,12 @@ def _torch_free_proj(seed, shape):
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
-@pytest.mark.skipif(not _backend.gpu_available(), reason="needs a GPU")
+@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
 @pytest.mark.parametrize("name", sorted(QUANTIZED))
 def test_fused_kernels_match_the_twin(name, monkeypatch):
     """kernels/adafactor8bit.cu against the array-agnostic twin on CuPy: the same float32 operations in the same
     order (--fmad=false; log2 in double, exp2f on both), so codes agree to at most one step and weights closely."""
-    cp = _backend.cupy()
+    cp = backend.cupy()
     cfg = dict(QUANTIZED[name], quantize=True, **SMALL)
     runs = []
     for twin in ("1", "0"):
@@ -476,19 +480,19 @@ def test_fused_kernels_match_the_twin(name, monkeypatch):
         p = cp.asarray(rng_arrays(0, (R, C), scale=0.05))
         for k in range(5):
             opt.step("w", (R, C), p, cp.asarray(rng_arrays(10 + k, (R, C))))
-        runs.append((_backend.to_numpy(p), opt.state_dict()))
+        runs.append((backend.to_numpy(p), opt.state_dict()))
     (p0, s0), (p1, s1) = runs
     np.testing.assert_allclose(p1, p0, rtol=1e-5, atol=1e-7)
     for key, v in s0.buffers.items():
-        a, b = _backend.to_numpy(v), _backend.to_numpy(s1.buffers[key])
+        a, b = backend.to_numpy(v), backend.to_numpy(s1.buffers[key])
         if a.dtype.kind == "u":
             assert np.max(np.abs(a.astype(np.int64) - b.astype(np.int64))) <= 1, key
 
 
-@pytest.mark.skipif(not _backend.gpu_available(), reason="needs a GPU")
+@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
 @pytest.mark.parametrize("name", ["factored_beta1_wd_fira", "adam_style", "came", "apollo_preset_gap3"])
 def test_no_host_synchronisation_inside_a_step(name):
-    cp = _backend.cupy()
+    cp = backend.cupy()
     import cupyx
 
     opt = flatopt.Adafactor8Bit(**dict(CONFIGS[name], quantize=True, **SMALL))
@@ -506,7 +510,8 @@ def test_default_projection_is_seeded_gaussian(shape, monkeypatch):
     fractions within 1σ and 2σ, the Box–Muller bound √(2·ln 2²⁴) — a function of the seed alone (the same from
     any thread count and in any order of its blocks, another for another seed), and its blocks are not
     correlated with each other.  Odd block lengths (a last, partial pair) included."""
-    from flatopt import _apollo_proj, _parallel
+    from flatopt.adafactor8bit import apollo_proj
+    from flatopt.core import parallel
 
     class St:
         proj = None
@@ -517,11 +522,11 @@ def test_default_projection_is_seeded_gaussian(shape, monkeypatch):
         st = St()
         st.current_proj_seed = seed
         rank = shape[0]
-        pt, jobs = _apollo_proj.ApolloProjector().prepare(np, st, rank, 10_000, shape[1], True, cache=True)
-        _parallel.run_beside_tasks(lambda: None, jobs)
+        pt, jobs = apollo_proj.ApolloProjector().prepare(np, st, rank, 10_000, shape[1], True, cache=True)
+        parallel.run_beside_tasks(lambda: None, jobs)
         return np.array(pt.T) * np.float32(math.sqrt(rank))
 
-    monkeypatch.setattr(_apollo_proj, "PROJ_BLOCK", 4097)  # odd: several blocks with a half pair at the end
+    monkeypatch.setattr(apollo_proj, "PROJ_BLOCK", 4097)  # odd: several blocks with a half pair at the end
     a = draw(7, "2")
     assert a.shape == shape and a.dtype == np.float32
     assert_bits_equal(a, draw(7, "1"), "thread count")
@@ -580,13 +585,14 @@ def test_apollo_reads_nonfinite_gradient_entries_as_zero(scale_type):
 def test_apollo_poisoned_ranges_step_as_zeros_on_threads(norm, quantize, monkeypatch):
     """A threaded APOLLO step (projection, low-rank and update passes over many ranges) with NaN/±Inf in a few rows
     is bit for bit the step with zeros there, with and without G's norm statistic (Fira/clip), quantized or not."""
-    from flatopt import _a8_common, _apollo, _apollo_lowrank, _parallel
+    from flatopt.adafactor8bit import common, apollo, apollo_lowrank
+    from flatopt.core import parallel
     from flatopt import adafactor8bit as a8
 
-    monkeypatch.setattr(_apollo, "GEMM_TASK", 1 << 13)  # projection ranges of 52 rows,
-    monkeypatch.setattr(_apollo_lowrank, "TASK", 1 << 12)  # G's and θ's passes in ranges of 26 rows,
-    monkeypatch.setattr(_a8_common, "TASK", 1 << 10)  # the low-rank moments in ranges too
-    monkeypatch.setattr(_parallel, "PARALLEL_MIN_COST", 0)
+    monkeypatch.setattr(apollo, "GEMM_TASK", 1 << 13)  # projection ranges of 52 rows,
+    monkeypatch.setattr(apollo_lowrank, "TASK", 1 << 12)  # G's and θ's passes in ranges of 26 rows,
+    monkeypatch.setattr(common, "TASK", 1 << 10)  # the low-rank moments in ranges too
+    monkeypatch.setattr(parallel, "PARALLEL_MIN_COST", 0)
     monkeypatch.setattr(a8, "SPLIT_MIN", 1)
     monkeypatch.setenv("FLATOPT_NUM_THREADS", "2")
     shape = (941, 157)

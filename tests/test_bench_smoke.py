@@ -59,8 +59,9 @@ def test_a_module_whose_reference_is_missing_is_skipped_with_a_note(monkeypatch)
 
 
 def test_threads_probe_runs():
-    """``python -m benchmarks.threads_probe codec apollo scaling`` (probes behind README's threading claims, APOLLO's
-    and the factored passes' constants) run and print their lines (timings are not asserted)."""
+    """``python -m benchmarks.threads_probe codec apollo scaling`` (probes behind the threading claims of
+    benchmarks/README.md, APOLLO's and the factored passes' constants) run and print their lines (timings are not
+    asserted)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.threads_probe", "codec", "apollo", "scaling"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
@@ -72,10 +73,10 @@ def test_threads_probe_runs():
 
 
 def test_threads_probe_sizes_runs(capsys):
-    """``python -m benchmarks.threads_probe sizes`` (the A/B behind ``_blocks.BLOCK`` and ``_apollo_lowrank.TASK``)
+    """``python -m benchmarks.threads_probe sizes`` (the A/B behind ``core.blocks.BLOCK`` and ``adafactor8bit.apollo_lowrank.TASK``)
     runs one round and prints its three lines (timings are not asserted)."""
     from benchmarks import threads_probe
 
     threads_probe.sizes(repeats=1)
     out = capsys.readouterr().out
-    assert out.count("sizes: ") == 3 and "_apollo_lowrank.TASK" in out, out
+    assert out.count("sizes: ") == 3 and "adafactor8bit.apollo_lowrank.TASK" in out, out

@@ -1,4 +1,4 @@
-"""The block codecs of Adafactor8Bit (flatopt.quant): properties, and bit-exact codes against adafactor8bit 0.4.6."""
+"""The block codecs of Adafactor8Bit (flatopt.adafactor8bit.quant): properties, and bit-exact codes against adafactor8bit 0.4.6."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatopt import _backend, quant
+from flatopt.core import backend
+from flatopt.adafactor8bit import quant
 
 B = 128  # a small AL block keeps the examples fast; the block size is a parameter of the codec, not of its math
 
@@ -192,9 +193,9 @@ def test_dynamic_maps_equal_the_original(oracle):
     assert np.array_equal(quant.dynamic_map(4), oracle._create_dynamic_map(True, 3, 4).numpy())
 
 
-@pytest.mark.skipif(not _backend.gpu_available(), reason="needs a GPU")
+@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
 def test_cupy_codec_matches_numpy():
-    cp = _backend.cupy()
+    cp = backend.cupy()
     r = np.random.default_rng(0)
     v = np.exp2(r.standard_normal(10000) * 8 - 10).astype(np.float32)
     v[::7] = 0
@@ -215,14 +216,14 @@ def test_cupy_codec_matches_numpy():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_nearest_table_equals_the_exact_search(bits):
-    """``flatopt._nearest_lut`` (the NumPy d8/d4 encoder's table look-up) gives the exact search's codes on the map's
+    """``flatopt.adafactor8bit.nearest_lut`` (the NumPy d8/d4 encoder's table look-up) gives the exact search's codes on the map's
     entries, the midpoints between them and a few ulps either side, ±0, denormals, ±1, non-finite values (flagged:
     the exact search), random values at several scales and a sweep of bit patterns over [−1, 1]; only the
     non-finite runs are flagged (no run of 2¹⁶ floats holds two code steps for these maps)."""
-    from flatopt import _nearest_lut
+    from flatopt.adafactor8bit import nearest_lut
 
     mp = quant.dynamic_map(bits)
-    _, _, flagged = _nearest_lut.table(mp.tobytes())
+    _, _, flagged = nearest_lut.table(mp.tobytes())
     runs = np.arange(1 << 16, dtype=np.uint32)
     assert np.array_equal(flagged, (runs & 0x7F80) == 0x7F80)
     mids = ((mp[1:].astype(np.float64) + mp[:-1]) / 2).astype(np.float32)
@@ -238,7 +239,7 @@ def test_nearest_table_equals_the_exact_search(bits):
                                         np.float32), sweep, -sweep]
                        + [(r.standard_normal(20000) * s).astype(np.float32) for s in (1.0, 1e-2, 1e-4, 1e-6)])
     out = np.empty(x.size, np.uint8)
-    _nearest_lut.nearest_into(x, mp, out, lambda key, n, dtype: np.empty(n, dtype))
+    nearest_lut.nearest_into(x, mp, out, lambda key, n, dtype: np.empty(n, dtype))
     with np.errstate(invalid="ignore"):
         exact = quant._nearest(np, x, mp)
     assert np.array_equal(out, exact)
@@ -250,7 +251,7 @@ def test_nearest_table_exhaustive(bits):
     """Every float32 in [−1, 1] (the normalised moments the encoder sees; 2.13e9 values per map): the table
     look-up equals the exact search.  Run once when the table or ``_nearest`` changes (d4 ~5 min, d8 ~15 min on
     this project's machine)."""
-    from flatopt import _nearest_lut
+    from flatopt.adafactor8bit import nearest_lut
 
     mp = quant.dynamic_map(bits)
     one = int(np.array([1.0], np.float32).view(np.uint32)[0])
@@ -259,5 +260,5 @@ def test_nearest_table_exhaustive(bits):
         for s in range(0, one + 1, step):
             x = (np.arange(s, min(s + step, one + 1), dtype=np.uint32) | np.uint32(sign)).view(np.float32)
             out = np.empty(x.size, np.uint8)
-            _nearest_lut.nearest_into(x, mp, out, lambda key, n, dtype: np.empty(n, dtype))
+            nearest_lut.nearest_into(x, mp, out, lambda key, n, dtype: np.empty(n, dtype))
             assert np.array_equal(out, quant._nearest(np, x, mp)), (bits, sign, s)

@@ -99,10 +99,10 @@ def test_one_optimizer_shared_by_two_threads_is_serialised():
 
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_run_beside_tasks_runs_every_task_once_and_reraises(threads, monkeypatch):
-    """``_parallel.run_beside_tasks``: ``here`` on the caller, every task exactly once (workers start on them at
+    """``core.parallel.run_beside_tasks``: ``here`` on the caller, every task exactly once (workers start on them at
     once and the caller joins after ``here``; with one thread: the tasks in order, then ``here``); an error is
     re-raised once every thread stopped — an error in ``here`` after all the tasks ran."""
-    from flatopt import _parallel
+    from flatopt.core import parallel
 
     monkeypatch.setenv("FLATOPT_NUM_THREADS", threads)
     lock, seen = threading.Lock(), []
@@ -113,7 +113,7 @@ def test_run_beside_tasks_runs_every_task_once_and_reraises(threads, monkeypatch
 
     here_on_main = []
     tasks = [lambda i=i: task(i) for i in range(50)]
-    _parallel.run_beside_tasks(lambda: here_on_main.append(threading.current_thread() is threading.main_thread()),
+    parallel.run_beside_tasks(lambda: here_on_main.append(threading.current_thread() is threading.main_thread()),
                                tasks)
     assert here_on_main == [True] and sorted(seen) == list(range(50))
     if threads == "1":
@@ -125,10 +125,10 @@ def test_run_beside_tasks_runs_every_task_once_and_reraises(threads, monkeypatch
     seen.clear()
     here_ran = []
     with pytest.raises(ValueError, match="boom"):
-        _parallel.run_beside_tasks(lambda: here_ran.append(1), tasks[:10] + [bad] + tasks[10:])
+        parallel.run_beside_tasks(lambda: here_ran.append(1), tasks[:10] + [bad] + tasks[10:])
     assert set(range(10)) <= set(seen)  # (tasks after a failed one may not run: the step fails anyway)
     assert here_ran == [1], "``here`` runs although a task failed"
     seen.clear()
     with pytest.raises(ValueError, match="boom"):
-        _parallel.run_beside_tasks(bad, tasks)
+        parallel.run_beside_tasks(bad, tasks)
     assert sorted(seen) == list(range(50))

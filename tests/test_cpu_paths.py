@@ -1,4 +1,4 @@
-"""The NumPy execution paths of the driver (flatopt/_cpu.py): chunked large items and bucketed small items give the
+"""The NumPy execution paths of the driver (flatopt/core/cpu_plan.py): chunked large items and bucketed small items give the
 bits of the plain serial loop, survive resets, checkpoints and changing batch compositions, and allocate nothing
 per step once a batch composition has been seen."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import OptItem, _cpu, _driver
+from flatopt import OptItem
+from flatopt.core import cpu_plan, driver
 
 from .helpers import assert_bits_equal, assert_states_equal, rng_arrays
 
@@ -71,9 +72,9 @@ def test_chunked_equals_unchunked(algo, monkeypatch):
     opt_a, opt_b = MAKERS[algo](), MAKERS[algo]()
     for it in range(3):
         grads = _grads(a, it)
-        monkeypatch.setattr(_driver, "CHUNK", 1 << 30)  # one chunk per item
+        monkeypatch.setattr(driver, "CHUNK", 1 << 30)  # one chunk per item
         _batch(opt_a, a, grads, sorted(a))
-        monkeypatch.setattr(_driver, "CHUNK", 1000)  # many chunks, a short last one
+        monkeypatch.setattr(driver, "CHUNK", 1000)  # many chunks, a short last one
         _batch(opt_b, b, grads, sorted(b))
     for k in a:
         assert_bits_equal(a[k], b[k], k)
@@ -151,4 +152,4 @@ def test_small_items_share_one_bucket_and_plans_are_reused():
     assert all(opt._slots[k].state.m.base is arena for k in params)  # noqa: SLF001
     opt.step_batch(items)
     assert next(iter(opt._bucket_plans.values())) is plan  # noqa: SLF001
-    assert _cpu.SMALL >= 64
+    assert cpu_plan.SMALL >= 64

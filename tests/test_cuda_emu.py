@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _backend, _kernels
+from flatopt.core import backend as _backend
+from flatopt.core import kernels as _kernels
 
 from .cuda_emu import cupy_api, emu, fakecupy
 

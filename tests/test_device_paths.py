@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _backend, _kron_layout
+from flatopt.core import backend as _backend
+from flatopt.kron import layout
 
 from . import fake_device
 from .helpers import grads_for, make_params, rng_arrays
@@ -22,7 +23,7 @@ from .test_adafactor8bit import PATHS as A8_PATHS
 XP = fake_device.FakeDevice()
 SKIP = {"muon_adamw": "a composite of Muon and AdamW, whose twins are covered by their own entries"}
 # gpu-audit D3 (strict xfails: the fix flips them): the stand-in rejects einsum(out=) as CuPy 14 does
-D3 = ("D3: cupy.einsum has no out= (TypeError on real CuPy): flatopt/_apollo.py:169 "
+D3 = ("D3: cupy.einsum has no out= (TypeError on real CuPy): flatopt/adafactor8bit/apollo.py:170 "
       "xp.einsum('ij,ij->i', ..., out=out[i0:i1]) in _channel_sumsq")
 D3_NAMES = {"adafactor8bit_apollo_came", "apollo_came", "apollo_came_factorize", "apollo_came_factorize_clip",
             "apollo_channel_defaults", "apollo_factorize", "apollo_factorize_came", "apollo_factorize_left",
@@ -55,7 +56,7 @@ def _device_steps(opt, params, steps, dtype):
             if n not in states:
                 states[n] = opt._init_named(n, XP, s, np.dtype(dtype))
                 if hasattr(states[n], "ctx"):  # KronPsgd: its probe stream, as its driver sets it
-                    states[n].ctx = (n, _kron_layout.stream_key(opt.config.seed, n), opt._hook)
+                    states[n].ctx = (n, layout.stream_key(opt.config.seed, n), opt._hook)
             opt._update(XP, states[n], p, XP.asarray(grads[n]), t=it + 1, lr=opt._effective_lr(opt.lr_scale(n)),
                         scratch=[XP.empty_like(p) for _ in range(opt.scratch_buffers)])
     return {n: XP.asnumpy(p) for n, (_, p) in dev.items()}
@@ -116,8 +117,9 @@ def test_the_stand_in_catches_a_host_read():
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_driver_hands_device_items_to_the_gpu_runner(name, monkeypatch):
     """Each ``_run`` (the driver's and the overrides: Adafactor, Adafactor8Bit, Muon) sends the items whose state
-    lives on a device to ``_gpu_run.run_gpu`` with their advanced step count, and steps none of them itself."""
-    from flatopt import OptItem, _gpu_run, _slots
+    lives on a device to ``core.gpu_run.run_gpu`` with their advanced step count, and steps none of them itself."""
+    from flatopt import OptItem
+    from flatopt.core import gpu_run, slots
 
     if name in SKIP:
         pytest.skip(SKIP[name])
@@ -127,9 +129,9 @@ def test_every_driver_hands_device_items_to_the_gpu_runner(name, monkeypatch):
     p, g = rng_arrays(0, shape), rng_arrays(1, shape)
     before = p.copy()
     state = opt._init_named("w", np, shape, np.dtype(np.float32))
-    slot = _slots.Slot(shape=shape, dtype=np.dtype(np.float32), backend="cupy", t=0, state=state)
+    slot = slots.Slot(shape=shape, dtype=np.dtype(np.float32), backend="cupy", t=0, state=state)
     seen = []
-    monkeypatch.setattr(_gpu_run, "run_gpu", lambda o, items: seen.extend((o, it.name, s.t) for it, s, _ in items))
+    monkeypatch.setattr(gpu_run, "run_gpu", lambda o, items: seen.extend((o, it.name, s.t) for it, s, _ in items))
     opt._run([(OptItem("w", shape, p, g), slot, 1.0)])
     assert seen == [(opt, "w", 1)]
     np.testing.assert_array_equal(p, before)

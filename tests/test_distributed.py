@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt._dist_plan import Plan, carve, merge
+from flatopt.distributed.plan import Plan, carve, merge
 from tests.helpers import assert_states_equal, grads_for, make_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,22 +162,22 @@ def test_distributed_digits_example_runs_on_two_ranks():
 
 # ---------------------------------------------------------------------------------------------- NCCL (GPU)
 def _nccl():
-    from flatopt import _backend  # noqa: PLC0415
+    from flatopt.core import backend  # noqa: PLC0415
 
-    if not _backend.gpu_available():
+    if not backend.gpu_available():
         return None
-    nccl = _backend.nccl()
+    nccl = backend.nccl()
     return nccl if getattr(nccl, "available", False) else None
 
 
 @pytest.mark.skipif(_nccl() is None, reason="needs a GPU and CuPy built with NCCL")
 @pytest.mark.parametrize("key", ["adamw", "muon", "adafactor"])
 def test_nccl_single_rank_sharded_matches_plain_on_cupy(key):
-    from flatopt import _backend  # noqa: PLC0415
+    from flatopt.core import backend  # noqa: PLC0415
     from flatopt.distributed import Sharded, allreduce_mean, global_norm  # noqa: PLC0415
     from tests.registry import REGISTRY  # noqa: PLC0415
 
-    cp, nccl = _backend.cupy(), _nccl()
+    cp, nccl = backend.cupy(), _nccl()
     comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
     spec = REGISTRY[key]
     host = make_params(spec.shapes)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _backend
+from flatopt.core import backend
 
 from .cuda_emu import emu, fakecupy
 from .helpers import assert_bits_equal, make_for, make_params, run_steps
@@ -24,7 +24,7 @@ from .registry import REGISTRY
 @pytest.fixture(scope="module", autouse=True)
 def gpu_device():
     """The real GPU when one answers; otherwise CuPy is the stand-in and the kernels run on the emulator."""
-    if _backend.gpu_available():
+    if backend.gpu_available():
         yield "gpu"
         return
     why = emu.available()
@@ -40,11 +40,12 @@ STEPS = 4
 # Known defects (../shared/reference/gpu-audit.md §1.4, §3), each a strict xfail: the fix flips it to a failure
 # (XPASS), which is the signal to delete the entry.
 D1 = ("D1: the Adafactor kernel is not its twin's operation order (flatopt/kernels/adafactor.cu:117,186 "
-      "U=((G*r)*c)*s vs the twin's (G*(c*s))*r, _factored_passes.py:274-275,352; sum of U^2 direct vs "
-      "rbar*sum(c^2 W), _factored_passes.py:219; another reduction order)")
+      "U=((G*r)*c)*s vs the twin's (G*(c*s))*r, flatopt/adafactor/factored_passes.py:274-275,352; sum of U^2 "
+      "direct vs rbar*sum(c^2 W), factored_passes.py:219-225; another reduction order)")
 D2 = ("D2: the Adafactor8Bit kernels round a float64 x to float32 before squaring/lerping "
-      "(flatopt/kernels/adafactor8bit.cu:60,146 '(float)x[idx]'); the twin rounds after (_a8_state.py)")
-D3 = ("D3: cupy.einsum has no out= (TypeError on real CuPy): flatopt/_apollo.py:169 "
+      "(flatopt/kernels/adafactor8bit.cu:60,146 '(float)x[idx]'); the twin rounds after "
+      "(flatopt/adafactor8bit/state.py:210,219,254)")
+D3 = ("D3: cupy.einsum has no out= (TypeError on real CuPy): flatopt/adafactor8bit/apollo.py:170 "
       "xp.einsum('ij,ij->i', ..., out=out[i0:i1]) crashes APOLLO at step 1")
 D5 = ("D5: test_cupy_matches_numpy's float64 tolerance (16 eps(float64) max|p|) for an optimizer whose state is "
       "float32 (Adafactor8Bit's quantized state, KronPsgd's precond_dtype='float32')")
@@ -57,7 +58,7 @@ for _n in ("adafactor8bit", "adafactor8bit_adam_d8_fira"):
 KNOWN["numpy", "adafactor8bit", "float64"] = D2 + "; " + D5
 KNOWN["numpy", "adafactor8bit_adam_d8_fira", "float64"] = D5
 KNOWN["numpy", "kron_psgd", "float64"] = D5
-D6 = ("D6: CuPy and NumPy draw different APOLLO projections from one seed (flatopt/_apollo_proj.py:102 "
+D6 = ("D6: CuPy and NumPy draw different APOLLO projections from one seed (flatopt/adafactor8bit/apollo_proj.py:102 "
       "cupy.random.RandomState vs NumPy's blocked Box-Muller draw), and the test injects no apollo_proj_fn")
 for _d in ("float32", "float64"):
     KNOWN["twin", "adafactor8bit_apollo_came", _d] = D3
@@ -85,7 +86,7 @@ def _cases(test, dtypes=(None,)):
 
 
 def _to_gpu(params):
-    cp = _backend.cupy()
+    cp = backend.cupy()
     return {n: (s, cp.asarray(p)) for n, (s, p) in params.items()}
 
 
@@ -111,7 +112,7 @@ def test_cupy_matches_numpy(name, dtype):
     run_steps(make_for(spec, host), host, STEPS)
     run_steps(make_for(spec, dev), dev, STEPS)
     for n, (_, p) in host.items():
-        got = _backend.to_numpy(dev[n][1])
+        got = backend.to_numpy(dev[n][1])
         tol = 4 * STEPS * np.finfo(dtype).eps * max(1.0, float(np.abs(p).max()))
         np.testing.assert_allclose(got, p, rtol=0, atol=tol, err_msg=n)
 
@@ -138,7 +139,7 @@ def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
     opt = make_for(spec, dev)
     run_steps(opt, dev, 2)
     flatopt.save(tmp_path / "a.npz", opt)
-    host = {n: (s, _backend.to_numpy(p).copy()) for n, (s, p) in dev.items()}
+    host = {n: (s, backend.to_numpy(p).copy()) for n, (s, p) in dev.items()}
     opt_h = make_for(spec, host)
     assert opt_h.load_state_dict(flatopt.load(tmp_path / "a.npz"))
     run_steps(opt_h, host, 2, start=2)  # continues on NumPy
@@ -148,6 +149,6 @@ def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
     assert opt_d.load_state_dict(flatopt.load(tmp_path / "b.npz"))
     run_steps(opt_d, back, 2, start=4)  # and back on CuPy
     for n, (_, p) in ref.items():
-        got, want = _backend.to_numpy(back[n][1]), _backend.to_numpy(p)
+        got, want = backend.to_numpy(back[n][1]), backend.to_numpy(p)
         tol = 4 * 6 * np.finfo(np.float32).eps * max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=n)

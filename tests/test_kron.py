@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import _backend, _kron_layout
+from flatopt.core import backend
+from flatopt.kron import layout
 
 from .helpers import assert_bits_equal, assert_states_equal, rng_arrays
 
@@ -102,7 +103,7 @@ def ref_step(st, theta, g, v, *, t, lr, b1, wd, eta, floor, clip, do_update, bal
 def _ref_run(shape, steps, *, probe, lr=0.05, b1=0.9, wd=0.01, eta=0.1, clip=1.0, balance_seed=42, upd=1.0,
              **layout_kw):
     cfg = flatopt.kron.KronPsgdConfig(lr=lr, **layout_kw)
-    lay = _kron_layout.make_layout(cfg, shape)
+    lay = layout.make_layout(cfg, shape)
     st = {"m": np.zeros(lay.merged), "Q": [np.ones(d) if dg else np.eye(d) for d, dg in zip(lay.merged, lay.diag)]}
     theta = rng_arrays(0, shape, np.float64)
     counter, updates, draws = 0, 0, random.Random(balance_seed)
@@ -138,7 +139,7 @@ REF_CASES = [
     ((2, 3, 4), {"merge_dims": False}),  # the general k-mode path
     ((5, 1), {}),
     ((12, 3), {"max_size_triangular": 8}),  # a diagonal factor above the size limit
-    ((300, 270), {}),  # factors above _kron_blocked.LEAF: the blocked triangular/symmetric products
+    ((300, 270), {}),  # factors above kron.blocked.LEAF: the blocked triangular/symmetric products
 ]
 
 
@@ -279,7 +280,7 @@ def test_schedule_matches_kron_torch():
     cfg = flatopt.kron.KronPsgdConfig(lr=0.1)
     counter, updates = 0, []
     for t in range(1, 6001):
-        do, counter = _kron_layout.decide_update(cfg, counter, t)
+        do, counter = layout.decide_update(cfg, counter, t)
         if do:
             updates.append(t)
     assert updates[:501] == list(range(1, 502)) and updates[501:503] == [503, 505]
@@ -299,7 +300,7 @@ def test_schedule_matches_kron_torch():
 
 def test_balance_stream():
     """kron.md §3: with seed 42 the draws below 0.01 fall on steps 20, 125, 270, ..."""
-    hits = [t for t in range(1, 1100) if _kron_layout.balance_hit(42, t)]
+    hits = [t for t in range(1, 1100) if layout.balance_hit(42, t)]
     assert hits == [20, 125, 270, 291, 298, 369, 395, 428, 482, 685, 883, 1027]
 
 
@@ -359,15 +360,15 @@ def _other_seed(opt):
 
 
 def test_probe_stream_properties():
-    key = _kron_layout.stream_key(0, "w")
-    v = _kron_layout.gaussian_probe(np, key, 0, (300, 301), np.float64)
+    key = layout.stream_key(0, "w")
+    v = layout.gaussian_probe(np, key, 0, (300, 301), np.float64)
     assert v.shape == (300, 301) and abs(v.mean()) < 0.01 and abs(v.std() - 1) < 0.01
     assert abs(np.mean(v**4) - 3) < 0.05  # Gaussian kurtosis
-    v32 = _kron_layout.gaussian_probe(np, key, 0, (300, 301), np.float32)
+    v32 = layout.gaussian_probe(np, key, 0, (300, 301), np.float32)
     np.testing.assert_allclose(v32, v, rtol=0, atol=2e-5)  # same stream in float32
-    assert_bits_equal(v, _kron_layout.gaussian_probe(np, key, 0, (300, 301), np.float64))
-    assert not np.allclose(v, _kron_layout.gaussian_probe(np, key, 1, (300, 301), np.float64))
-    other = _kron_layout.gaussian_probe(np, _kron_layout.stream_key(0, "w2"), 0, (300, 301), np.float64)
+    assert_bits_equal(v, layout.gaussian_probe(np, key, 0, (300, 301), np.float64))
+    assert not np.allclose(v, layout.gaussian_probe(np, key, 1, (300, 301), np.float64))
+    other = layout.gaussian_probe(np, layout.stream_key(0, "w2"), 0, (300, 301), np.float64)
     assert abs(np.corrcoef(v.ravel(), other.ravel())[0, 1]) < 0.01
 
 
@@ -397,7 +398,7 @@ def test_layouts_and_merge_rules():
     assert opt.preconditioner_shape(()) == (1,)
     assert opt.preconditioner_shape((8, 16, 4)) == (8, 64)
     cfg = flatopt.kron.KronPsgdConfig
-    lay = _kron_layout.make_layout
+    lay = layout.make_layout
     assert lay(cfg(lr=1), (50, 7)).diag == (False, False)
     assert lay(cfg(lr=1, max_size_triangular=10), (50, 7)).diag == (True, False)
     assert lay(cfg(lr=1, memory_save_mode="one_diag"), (6, 6)).diag == (False, True)  # ties: the later dim
@@ -456,9 +457,9 @@ def test_non_finite_gradient_keeps_q():
 
 @pytest.mark.parametrize("n,m", [(257, 40), (700, 300), (300, 700), (1030, 65)])
 def test_blocked_products_equal_the_full_ones(n, m):
-    """``_kron_blocked``: D·Q, T·X, X·T (upper and lower T) and the Gram matrices agree with the plain products to
+    """``kron.blocked``: D·Q, T·X, X·T (upper and lower T) and the Gram matrices agree with the plain products to
     float64 rounding; the zero block of D·Q is exactly zero and the Gram matrices are exactly symmetric."""
-    from flatopt import _kron_blocked as B
+    from flatopt.kron import blocked as B
 
     rng = np.random.default_rng(n)
     q, d = np.triu(rng.standard_normal((n, n))), np.triu(rng.standard_normal((n, n)))
@@ -482,7 +483,7 @@ def test_blocked_products_equal_the_full_ones(n, m):
 @pytest.mark.parametrize("d,n", [(1, 4), (7, 3), (33, 5), (100, 41), (130, 300)])
 def test_triangular_solves(d, n):
     """B̄'s solves: the NumPy blocked substitution (and SciPy's trsm where it is used) against a float64 inverse."""
-    from flatopt import _kron_math as K  # noqa: PLC0415
+    from flatopt.kron import numerics as K  # noqa: PLC0415
 
     rng = np.random.default_rng(d)
     q = (np.triu(rng.standard_normal((d, d))) * 0.1 + np.eye(d)).astype(np.float32)
@@ -547,7 +548,7 @@ def test_step_batch_with_hook_equals_serial():
 
 
 # ----------------------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not _backend.gpu_available(), reason="no GPU answers")
+gpu = pytest.mark.skipif(not backend.gpu_available(), reason="no GPU answers")
 
 
 @gpu
@@ -555,7 +556,7 @@ gpu = pytest.mark.skipif(not _backend.gpu_available(), reason="no GPU answers")
 def test_gpu_matches_numpy(shape):
     """Same injected probes: CuPy (cuBLAS matmuls, trsm) agrees with NumPy within float32 round-off; the default
     probe stream is the same on both (to the rounding of log/cos), so the default runs agree closely too."""
-    cp = _backend.cupy()
+    cp = backend.cupy()
     for probe in (table_probe(5), None):
         runs = []
         for xp in (np, cp):
@@ -563,7 +564,7 @@ def test_gpu_matches_numpy(shape):
             p = xp.asarray(rng_arrays(0, shape))
             for t in range(8):
                 opt.step("w", shape, p, xp.asarray(rng_arrays(t + 1, shape)))
-            runs.append((_backend.to_numpy(p), [_backend.to_numpy(q) for q in opt.factors("w")]))
+            runs.append((backend.to_numpy(p), [backend.to_numpy(q) for q in opt.factors("w")]))
         (p_np, q_np), (p_cp, q_cp) = runs
         p0 = rng_arrays(0, shape)
         tol = 1e-5 if probe is not None else 1e-4
@@ -578,7 +579,7 @@ def test_gpu_matches_numpy(shape):
 def test_gpu_step_never_synchronises():
     import cupyx  # noqa: PLC0415 - GPU-only test
 
-    cp = _backend.cupy()
+    cp = backend.cupy()
     opt = flatopt.KronPsgd(lr=0.03, weight_decay=0.01, balance_seed=BALANCE_AT_5)
     shapes = [(16,), (24, 24), (4, 5, 6)]
     params = [cp.asarray(rng_arrays(i, s)) for i, s in enumerate(shapes)]
@@ -594,7 +595,7 @@ def test_gpu_step_never_synchronises():
 
 @gpu
 def test_gpu_checkpoint_moves_between_backends(tmp_path):
-    cp = _backend.cupy()
+    cp = backend.cupy()
     shape = (12, 10)
     a = flatopt.KronPsgd(lr=0.03)
     p = rng_arrays(0, shape)
@@ -606,4 +607,4 @@ def test_gpu_checkpoint_moves_between_backends(tmp_path):
     pg = cp.asarray(p)
     a.step("w", shape, p, rng_arrays(9, shape))
     b.step("w", shape, pg, cp.asarray(rng_arrays(9, shape)))
-    np.testing.assert_allclose(_backend.to_numpy(pg), p, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(backend.to_numpy(pg), p, rtol=0, atol=1e-5)

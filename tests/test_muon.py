@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import OptItem, _backend
+from flatopt import OptItem
+from flatopt.core import backend
 from flatopt.muon import MuonConfig, shape_scale
 
 from .helpers import assert_bits_equal, assert_states_equal, rng_arrays
@@ -334,9 +335,9 @@ def test_keller_muon_conformance_bf16(shape):
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
-@pytest.mark.skipif(not _backend.gpu_available(), reason="no GPU")
+@pytest.mark.skipif(not backend.gpu_available(), reason="no GPU")
 def test_gpu_matches_numpy_without_host_sync():
-    cp = _backend.cupy()
+    cp = backend.cupy()
     import cupyx
 
     shapes = [(64, 32), (32, 64), (48, 48)]

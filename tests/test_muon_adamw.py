@@ -12,7 +12,7 @@ import pytest
 import flatopt
 from flatopt import OptItem
 from flatopt import errors as E
-from flatopt.muon_adamw import propose_muon_names
+from flatopt.muon.muon_adamw import propose_muon_names
 
 from .helpers import assert_bits_equal, assert_states_equal, rng_arrays
 
@@ -407,9 +407,9 @@ def test_adamw_half_matches_torch_adamw():
 
 
 # ------------------------------------------------------------------------------------------------- GPU
-@pytest.mark.skipif(not flatopt._backend.gpu_available(), reason="no GPU")  # noqa: SLF001
+@pytest.mark.skipif(not flatopt.core.backend.gpu_available(), reason="no GPU")  # noqa: SLF001
 def test_gpu_matches_numpy_without_host_sync():
-    cp = flatopt._backend.cupy()  # noqa: SLF001
+    cp = flatopt.core.backend.cupy()  # noqa: SLF001
     import cupyx
 
     cpu, gpu = make(muon={"weight_decay": 0.1}), make(muon={"weight_decay": 0.1})

@@ -1,4 +1,4 @@
-// Fused Adafactor step.  Twin: flatopt/_adafactor_math.py (the same elementwise operations in the same order,
+// Fused Adafactor step.  Twin: flatopt/adafactor/numerics.py (the same elementwise operations in the same order,
 // each rounded to T; compiled with --fmad=false).  Launch order, all on the current stream, no host sync:
 //   factored   : af_row_sumsq, af_col_sumsq -> af_ema (rows), af_ema (cols) -> af_factors
 //   unfactored : af_v_update

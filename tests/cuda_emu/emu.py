@@ -2,7 +2,7 @@
 
 Every ``flatopt/kernels/*.cu`` compiles UNCHANGED with g++ (``-std=c++20 -ffp-contract=off -O1 -include
 cuda_emu.h``) into one shared library per file, with an ``extern "C"`` wrapper per template instantiation generated
-from the loader's kernel list (``flatopt._kernels.KERNELS`` x float, double).  The libraries are built once into a
+from the loader's kernel list (``flatopt.core.kernels.KERNELS`` x float, double).  The libraries are built once into a
 temporary folder keyed by a hash of the sources, the header and this file, the files compiled in parallel.
 
 A launch (:class:`Kernel`, called like ``cupy.RawKernel``) packs its arguments as CuPy does
@@ -66,9 +66,9 @@ def available() -> str | None:
 
 
 def _kernels_module():
-    from flatopt import _kernels  # noqa: PLC0415
+    from flatopt.core import kernels  # noqa: PLC0415
 
-    return _kernels
+    return kernels
 
 
 def _cache_key() -> str:

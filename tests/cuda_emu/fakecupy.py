@@ -1,9 +1,9 @@
 """A CuPy stand-in as strict as CuPy 14, backed by NumPy, whose fused kernels run on the CUDA emulator.
 
-:func:`install` puts it in ``sys.modules`` as ``cupy`` (and ``cupyx.scipy.linalg``) and into ``flatopt._backend``,
+:func:`install` puts it in ``sys.modules`` as ``cupy`` (and ``cupyx.scipy.linalg``) and into ``flatopt.core.backend``,
 so flatopt takes its CuPy path unchanged: its arrays are :class:`ndarray` (not NumPy arrays), ``RawModule`` /
 ``get_function`` compile nothing but hand out the emulator's kernels (``emu.py``), and flatopt's own launch code
-(``_kernels.get``, ``_backend.launch``, the direct ``kernel(grid, block, args)`` calls) runs.
+(``core.kernels.get``, ``core.backend.launch``, the direct ``kernel(grid, block, args)`` calls) runs.
 
 Strictness (what real CuPy rejects, this rejects):
 
@@ -605,8 +605,10 @@ _MODULES = {"cupy": module, "cupy.cuda": cuda, "cupy.random": random, "cupyx": c
 
 @contextlib.contextmanager
 def installed():
-    """``cupy`` is the stand-in inside the block (sys.modules and ``flatopt._backend``); restored afterwards."""
-    from flatopt import _backend, _workspace, quant  # noqa: PLC0415
+    """``cupy`` is the stand-in inside the block (sys.modules and ``flatopt.core.backend``); restored afterwards."""
+    from flatopt.adafactor8bit import quant  # noqa: PLC0415
+    from flatopt.core import backend as _backend  # noqa: PLC0415
+    from flatopt.core import workspace as _workspace  # noqa: PLC0415
 
     # flatopt caches device buffers by device id (0 here, as for tests/fake_device.FakeDevice): the per-thread
     # workspace of this thread and the uploaded quantization maps must not leak between the two stand-ins

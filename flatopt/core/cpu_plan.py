@@ -1,0 +1,277 @@
+"""The NumPy execution plan of ``step_batch`` for the per-parameter driver (``core.driver.PerParamOptimizer._run``).
+
+* **Large items** of an elementwise algorithm run in cache-sized chunks (``core.driver.CHUNK`` elements): every ufunc
+  pass of ``update`` then finds its operands in the L2 cache.  Consecutive chunks are grouped into tasks of about
+  ``TASK`` elements, which ``core.parallel.run_tasks`` spreads over the threads; one task costs one Python call and
+  one scratch look-up, not one per chunk.
+* **Small items** (at most ``SMALL`` elements) of an elementwise algorithm are *bucketed*: the items of one batch
+  that share a dtype, a step count ``t``, a learning rate and their scalar state fields are packed and updated
+  with one call of ``update`` per chunk instead of ~14 ufunc calls each.  Their state lives packed in a bucket
+  arena (each name's state arrays are views into it), so only the params and grads move: the grads and params are
+  gathered with one ``numpy.concatenate(..., out=)`` each and the params scattered back with one copy each.  A
+  bucket's plan (arena views, packed buffers) is built once for a given list of names and re-used while the batch
+  keeps that composition; nothing is allocated per step after that.
+* **Other items** (non-elementwise algorithms) are one task each, the whole buffer.
+
+Every path performs, per element, exactly the operations of ``update`` on that element with that item's
+scalars, so the bits equal the serial ``step`` loop and unchunked execution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+# Items of at most this many elements are bucketed (per-call overhead dominates below it).
+SMALL = 1 << 13
+# Elements per bucket at most (each bucket is one task, so large groups of small items still use the threads).
+BUCKET = 1 << 18
+# Elements per task of a large item (about one thread's share of work worth a hand-off; a multiple of CHUNK).
+TASK = 1 << 18
+# Bucket plans kept per optimizer (one per distinct composition of small items in recent batches).
+MAX_PLANS = 32
+
+
+def _is_np(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def chunk_views(state, n: int, chunk: int) -> list:
+    """``[(lo, hi, state_view)]`` over ``range(n)`` in pieces of ``chunk``: the 1-D state arrays of size ``n``
+    sliced, everything else passed as is."""
+    names = [f.name for f in dataclasses.fields(state)
+             if _is_np(getattr(state, f.name)) and getattr(state, f.name).ndim == 1
+             and getattr(state, f.name).size == n]
+    views = []
+    for lo in range(0, max(n, 1), chunk):
+        hi = min(lo + chunk, n)
+        views.append((lo, hi, dataclasses.replace(state, **{k: getattr(state, k)[lo:hi] for k in names})))
+    return views
+
+
+# ----------------------------------------------------------------------------------------------- scratch
+_tls = threading.local()
+
+
+def scratch(dtype: np.dtype, k: int, chunk: int) -> list:
+    """``k`` chunk-sized scratch buffers of ``dtype``, allocated once per thread (and chunk size)."""
+    cache = getattr(_tls, "scratch", None)
+    if cache is None:
+        cache = _tls.scratch = {}
+    key = (dtype, chunk)
+    bufs = cache.get(key)
+    if bufs is None or len(bufs) < k:
+        bufs = cache[key] = [np.empty(chunk, dtype) for _ in range(max(k, 1))]
+    return bufs[:k]
+
+
+def _run_views(opt, views, p, g, t, lr, chunk) -> None:
+    """``update`` on ``views`` (chunks of state) with the matching slices of ``p`` and ``g``."""
+    upd = opt._update  # noqa: SLF001
+    full = scratch(p.dtype, opt.scratch_buffers, chunk)
+    for lo, hi, st in views:
+        n = hi - lo
+        upd(np, st, p[lo:hi], g[lo:hi], t=t, lr=lr, scratch=full if n == chunk else [b[:n] for b in full])
+
+
+class RangeTask:
+    """Consecutive chunks of one large item."""
+
+    __slots__ = ("opt", "views", "p", "g", "t", "lr", "chunk")
+
+    def __init__(self, opt, views, p, g, t, lr, chunk):
+        self.opt, self.views, self.p, self.g, self.t, self.lr, self.chunk = opt, views, p, g, t, lr, chunk
+
+    def __call__(self) -> None:
+        _run_views(self.opt, self.views, self.p, self.g, self.t, self.lr, self.chunk)
+
+
+# ------------------------------------------------------------------------------------------------ buckets
+def bucket_key(slot):
+    """What must agree for two small items to share a bucket (besides ``t`` and ``lr``), or ``None`` when the
+    state cannot be packed (an array that is not a 1-D NumPy array of the parameter's size, an unhashable
+    scalar)."""
+    key = slot.bucket_key
+    if key is None:
+        n = 1
+        for d in slot.shape:
+            n *= d
+        parts = [slot.dtype.str]
+        for f in dataclasses.fields(slot.state):
+            v = getattr(slot.state, f.name)
+            if _is_np(v):
+                if v.ndim != 1 or v.size != n or v.dtype != slot.dtype:
+                    key = False
+                    break
+                parts.append(f.name)
+            elif v is not None:
+                try:
+                    hash(v)
+                except TypeError:
+                    key = False
+                    break
+                parts.append((f.name, v))
+            else:
+                parts.append((f.name, None))
+        else:
+            key = tuple(parts)
+        slot.bucket_key = key
+    return key or None
+
+
+class BucketPlan:
+    """Packed storage for one list of small items: state arenas (the slots' state arrays become views into
+    them), packed param/grad buffers, and chunk views of the packed state."""
+
+    def __init__(self, slots: list, sizes: list, chunk: int):
+        self.slots = slots
+        n = sum(sizes)
+        dtype = slots[0].dtype
+        st0 = slots[0].state
+        fields = [f.name for f in dataclasses.fields(st0) if _is_np(getattr(st0, f.name))]
+        arenas = {}
+        for name in fields:
+            arena = np.empty(n, dtype)
+            views = []
+            lo = 0
+            for s, k in zip(slots, sizes):
+                view = arena[lo:lo + k]
+                view[...] = getattr(s.state, name)
+                views.append(view)
+                lo += k
+            for s, view in zip(slots, views):
+                setattr(s.state, name, view)
+            arenas[name] = arena
+        for s in slots:
+            s.home = self
+            s.chunk_views = None
+        self.p = np.empty(n, dtype)
+        self.g = np.empty(n, dtype)
+        self.p_views = []
+        lo = 0
+        for k in sizes:
+            self.p_views.append(self.p[lo:lo + k])
+            lo += k
+        self.size = n
+        self.views = chunk_views(dataclasses.replace(st0, **arenas), n, chunk)
+        self.chunk = chunk
+
+    def valid(self) -> bool:
+        for s in self.slots:
+            if s.home is not self:
+                return False
+        return True
+
+
+class BucketTask:
+    """Gather the params and grads of a bucket, update the packed buffers, scatter the params back."""
+
+    __slots__ = ("opt", "plan", "params", "grads", "t", "lr")
+
+    def __init__(self, opt, plan, params, grads, t, lr):
+        self.opt, self.plan, self.params, self.grads, self.t, self.lr = opt, plan, params, grads, t, lr
+
+    def __call__(self) -> None:
+        plan = self.plan
+        np.concatenate(self.params, out=plan.p)
+        np.concatenate(self.grads, out=plan.g)
+        _run_views(self.opt, plan.views, plan.p, plan.g, self.t, self.lr, plan.chunk)
+        copyto = np.copyto
+        for dst, src in zip(self.params, plan.p_views):
+            copyto(dst, src)
+
+
+def _plan_for(opt, slots: list, sizes: list, chunk: int) -> BucketPlan:
+    plans = opt.__dict__.get("_bucket_plans")
+    if plans is None:
+        plans = opt.__dict__["_bucket_plans"] = {}
+    key = (chunk, *map(id, slots))  # the plan holds its slots, so these ids stay theirs
+    plan = plans.get(key)
+    if plan is None or not plan.valid():
+        plans.pop(key, None)
+        while len(plans) >= MAX_PLANS:
+            plans.pop(next(iter(plans)))
+        plan = plans[key] = BucketPlan(slots, sizes, chunk)
+    return plan
+
+
+def forget_plans(opt) -> None:
+    """Drop the cached bucket plans (after ``reset``/``load_state_dict``: their slots are gone)."""
+    opt.__dict__.pop("_bucket_plans", None)
+
+
+# --------------------------------------------------------------------------------------------- the tasks
+def tasks(opt, items: list, chunk: int) -> list:
+    """``(cost, name, fn)`` tasks for the NumPy ``(item, slot, lr)`` triples of one batch (state already created,
+    ``t`` already advanced)."""
+    out = []
+    if not opt.elementwise:
+        for it, slot, lr in items:
+            out.append((it.param.size, it.name, _WholeTask(opt, slot.state, it.param, it.grad, slot.t, lr)))
+        return out
+    groups: dict = {}
+    for entry in items:
+        it, slot, lr = entry
+        n = it.param.size
+        if n <= SMALL and len(items) > 1 and bucket_key(slot) is not None:
+            groups.setdefault((slot.bucket_key, slot.t, lr), []).append(entry)
+            continue
+        out.extend(_large_tasks(opt, it, slot, lr, chunk))
+    for (_, t, lr), members in groups.items():
+        if len(members) == 1:
+            it, slot, lr = members[0]
+            out.extend(_large_tasks(opt, it, slot, lr, chunk))
+            continue
+        start, acc = 0, 0
+        for i, (it, _, _) in enumerate(members):
+            acc += it.param.size
+            if acc >= BUCKET or i == len(members) - 1:
+                part = members[start:i + 1]
+                out.append(_bucket_task(opt, part, t, lr, chunk))
+                start, acc = i + 1, 0
+    return out
+
+
+def _bucket_task(opt, part: list, t: int, lr: float, chunk: int):
+    if len(part) == 1:
+        it, slot, _ = part[0]
+        return (it.param.size, it.name, RangeTask(opt, _slot_views(slot, it.param.size, chunk), it.param, it.grad,
+                                                  t, lr, chunk))
+    params = [it.param for it, _, _ in part]
+    plan = _plan_for(opt, [slot for _, slot, _ in part], [p.size for p in params], chunk)
+    grads = [it.grad for it, _, _ in part]
+    name = f"{part[0][0].name} .. {part[-1][0].name} (a bucket of {len(part)} small parameters)"
+    return (plan.size, name, BucketTask(opt, plan, params, grads, t, lr))
+
+
+def _slot_views(slot, n: int, chunk: int) -> list:
+    views = slot.chunk_views
+    if views is None or views[-1][1] != n or views[0][1] != min(chunk, n):  # (a changed CHUNK re-cuts them)
+        views = slot.chunk_views = chunk_views(slot.state, n, chunk)
+    return views
+
+
+def _large_tasks(opt, it, slot, lr, chunk: int) -> list:
+    n = it.param.size
+    views = _slot_views(slot, n, chunk)
+    per = max(1, TASK // chunk)
+    p, g, t = it.param, it.grad, slot.t
+    if len(views) <= per:
+        return [(n, it.name, RangeTask(opt, views, p, g, t, lr, chunk))]
+    out = []
+    for k in range(0, len(views), per):
+        part = views[k:k + per]
+        out.append((part[-1][1] - part[0][0], it.name, RangeTask(opt, part, p, g, t, lr, chunk)))
+    return out
+
+
+class _WholeTask:
+    __slots__ = ("opt", "st", "p", "g", "t", "lr")
+
+    def __init__(self, opt, st, p, g, t, lr):
+        self.opt, self.st, self.p, self.g, self.t, self.lr = opt, st, p, g, t, lr
+
+    def __call__(self) -> None:
+        self.opt._update(np, self.st, self.p, self.g, t=self.t, lr=self.lr, scratch=[])  # noqa: SLF001

@@ -1,0 +1,44 @@
+"""The one cached loader of the package's CUDA sources (``flatopt/kernels/*.cu``).
+
+Each ``.cu`` file holds ``template <typename T>`` kernels; the loader compiles a file once per device (thread-safe,
+through ``core.backend.raw_module``), instantiated for ``float`` and ``double``, with a ``#line`` directive so that
+compiler errors point into the ``.cu`` file.  ``KERNELS`` names the template kernels of every file: the CI test
+that compiles every source without a GPU uses the same list, so what is tested is what runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from . import backend
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+
+# file -> template kernels it defines
+KERNELS: dict[str, tuple[str, ...]] = {
+    "adafactor.cu": ("af_row_sumsq", "af_col_sumsq", "af_ema", "af_factors", "af_v_update", "af_sumsq_partials", "af_u_partials", "af_scalars", "af_apply"),
+    "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
+    "adamw.cu": ("adamw_step",),
+    "sgd.cu": ("sgd_step",),
+}
+
+CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+
+
+@functools.lru_cache(maxsize=None)
+def source(filename: str) -> str:
+    path = KERNEL_DIR / filename
+    return f'#line 1 "{path}"\n' + path.read_text()
+
+
+def name_expressions(filename: str) -> list[str]:
+    return [f"{k}<{c}>" for k in KERNELS[filename] for c in CTYPES.values()]
+
+
+def get(filename: str, kernel: str, dtype) -> object:
+    """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device."""
+    mod = backend.raw_module(("flatopt", filename), source(filename), name_expressions(filename))
+    return mod.get_function(f"{kernel}<{CTYPES[np.dtype(dtype)]}>")

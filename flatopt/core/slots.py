@@ -1,0 +1,107 @@
+"""What the driver keeps per parameter name, and how it becomes a snapshot and back.
+
+``Slot`` holds a name's shape, dtype, backend, step count and the algorithm's state dataclass.  ``snapshot``
+turns the slots into the ``params``/``buffers`` of an ``OptimizerState`` (arrays copied, names sorted);
+``restore`` checks a snapshot against fresh templates of the algorithm's state and builds new slots, or returns
+``None`` when anything does not fit (so a failed load changes nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from . import backend as _backend
+
+
+@dataclasses.dataclass
+class Slot:
+    """What the driver keeps per parameter name."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    backend: str  # "numpy" or "cupy"
+    t: int
+    state: Any  # the algorithm's state dataclass
+    pinned: bool = True  # False right after load_state_dict: arrays may still move to the param's backend
+    chunk_views: list | None = None  # cached per-chunk views of the state (elementwise algorithms)
+    home: Any = None  # the bucket plan (core.cpu_plan.BucketPlan) whose arenas hold this state, if any
+    bucket_key: Any = None  # cached core.cpu_plan.bucket_key (False: cannot be bucketed)
+
+
+def snapshot(slots: dict[str, Slot]) -> tuple[dict, dict]:
+    """``(params, buffers)`` of every slot: metadata and JSON scalars per name, arrays keyed "<field>/<name>"."""
+    params, buffers = {}, {}
+    for name in sorted(slots):
+        slot = slots[name]
+        meta = {"shape": list(slot.shape), "dtype": slot.dtype.name, "t": slot.t}
+        for f in persistent_fields(slot.state):
+            v = getattr(slot.state, f.name)
+            if is_array(v):
+                buffers[f"{f.name}/{name}"] = v.copy()
+            elif v is not None:
+                meta[f.name] = v
+        params[name] = meta
+    return params, buffers
+
+
+def restore(params: Mapping, buffers: Mapping, template: Callable[[str, tuple, np.dtype], Any],
+            check_shape: Callable[[str, tuple], None]) -> dict[str, Slot] | None:
+    """New slots from a snapshot's ``params``/``buffers``; ``None`` when an entry is malformed, a shape is refused,
+    an array is missing or does not match the fresh ``template(name, shape, dtype)``, or a buffer is left over."""
+    slots: dict[str, Slot] = {}
+    used = set()
+    for name, meta in params.items():
+        try:
+            shape = tuple(int(d) for d in meta["shape"])
+            dtype = np.dtype(meta["dtype"])
+            t = int(meta["t"])
+            check_shape(name, shape)
+        except Exception:  # noqa: BLE001 - any malformed entry means "does not fit"
+            return None
+        tmpl = template(name, shape, dtype)
+        kw = {}
+        backend = None
+        for f in persistent_fields(tmpl):
+            tv = getattr(tmpl, f.name)
+            key = f"{f.name}/{name}"
+            if is_array(tv):
+                v = buffers.get(key)
+                if not is_array(v) or v.shape != tv.shape or v.dtype != tv.dtype:
+                    return None
+                backend = _backend.backend_name(v)
+                kw[f.name] = v.copy()
+                used.add(key)
+            elif tv is None and buffers.get(key) is not None:
+                return None
+            else:
+                kw[f.name] = meta.get(f.name, tv)
+        slots[name] = Slot(shape, dtype, backend or "numpy", t, dataclasses.replace(tmpl, **kw), pinned=False)
+    if set(buffers) - used:
+        return None
+    return slots
+
+
+def persistent_fields(state: Any) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(state) if f.metadata.get("persist", True)]
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or _backend.is_cupy_array(x)
+
+
+def config_to_dict(config: Any) -> dict:
+    def conv(v):
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+
+    return {f.name: conv(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def config_from_dict(cls: type, d: Mapping) -> Any:
+    current = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in current}
+    return cls(**kwargs)

@@ -1,0 +1,265 @@
+"""Muon: momentum, then a Newton–Schulz orthogonalised update, for 2-D matrices (Keller Jordan's Muon, as in
+torch.optim.Muon).
+
+Update rule for a matrix parameter W (r×c, row-major flat buffer) with gradient G, buffer B (zeros at creation),
+μ = momentum, η = lr · lr_scale(name)::
+
+    "ema" convention (default; torch.optim.Muon, Keller Jordan):  B ← μ·B + (1 − μ)·G;  D = (1 − μ)·G + μ·B  (Nesterov)
+    "sgd" convention (Burn, ruda-optim's default, rlx-optim):     B ← μ·B + G;          D = G + μ·B          (Nesterov)
+    (without Nesterov D = B)
+    X = D / N,  N = max(‖D‖_F, ε) ("clamp", torch/Burn)  or  ‖D‖_F + ε ("additive", Keller)
+    ns_steps times, with (a, b, c) = ns_coefficients:  A = X·Xᵀ;  X ← a·X + (b·A + c·A·A)·X
+    W ← W·(1 − η·λ)                       decoupled decay with the *unadjusted* η
+    W ← W − η·s·X                         s: the lr-adjust rule
+
+The Gram matrix is always the smaller min(r, c)²: for a tall matrix (r > c) flatopt computes A = XᵀX and
+X ← a·X + X·(b·A + c·A·A), which is torch's transpose-then-iterate in exact arithmetic (A and B are symmetric) but
+needs no transposed copy.  lr-adjust rules: ``"original"`` s = √max(1, fan_out/fan_in) (torch/Keller); with
+``layout="out_in"`` (default, torch's [out, in] storage) fan_out/fan_in = r/c, with ``"in_out"`` (Burn's Linear) it
+is c/r.  ``"match_rms_adamw"`` s = 0.2·√max(r, c) (Moonshot).  ``None`` s = 1 (note: torch's ``adjust_lr_fn=None``
+means "original"; flatopt's ``None`` means *no* adjustment).
+
+Both momentum conventions give the same orthogonalised update (the EMA buffer is (1 − μ) times the SGD buffer and
+NS divides by the norm first), but the stored buffers differ by that factor: the convention is part of the state
+key and a snapshot of the other convention is refused.
+
+Deviations from the references: Newton–Schulz runs in the **parameter dtype** (float32 or float64), not bfloat16
+(torch, Keller): flatopt agrees with them to the bf16 rounding (~1e-2 relative on the update) and exactly with a
+float64 reference in float64.  No silent cast, no master copy.  The Frobenius norm is a deterministic pairwise sum
+(never a multi-threaded BLAS dot), so results do not depend on threads.  The gradient is never written (Keller's
+``muon_update`` overwrites ``p.grad`` with the Nesterov direction).  Only 2-D, non-empty parameters are accepted:
+route biases, norm gains, embeddings and output heads to AdamW with :class:`flatopt.MuonAdamW` or a
+:class:`flatopt.routing.Router`.
+
+On CuPy the same code runs with cuBLAS matmuls; the norm, its clamp and the division stay on the device (no host
+synchronisation).  ``end_iteration`` only counts iterations (Muon has no schedule).  State per name:
+``momentum_buffer`` (parameter dtype).  Work buffers (2·r·c + 2·min(r, c)² elements) are allocated at the first step
+of a name and never saved.  **BLAS threads.** On NumPy every Newton–Schulz GEMM runs with the BLAS held at **one thread** (through
+``threadpoolctl``, the ``fast`` extra), in every mode: ``step``, a serial ``step_batch`` and the workers.  A GEMM's
+bits depend on the BLAS thread count on some CPUs (OpenBLAS's Haswell kernels on an AMD EPYC: a 2-thread sgemm
+differs in the last bits from a 1-thread one), so this is what makes ``step_batch`` ≡ the ``step`` loop ≡ any
+``workers`` hold on every CPU and under any ``OPENBLAS_NUM_THREADS`` (tested; the suite also runs under one BLAS
+thread).  Without ``threadpoolctl`` nothing can hold the BLAS: every mode then runs the items serially on the BLAS's
+own threads (the same calls), and the results may change with ``OPENBLAS_NUM_THREADS``.  The cost: one matrix
+stepped alone gets one core (the workers spread many matrices over the cores).  ``step_batch`` with
+``workers=K`` runs the matrices on K persistent threads with a fixed, cost-balanced matrix → thread assignment.
+Measured on 2 busy cores (``benchmarks/bench_muon.py``): K = 2 beats K = 1 by 2.8x (many mid-size matrices).  So
+the default ``workers=None`` means ``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can hold the
+BLAS, else 1.
+A batch below ``core.parallel.PARALLEL_MIN_COST`` (elements × min dimension) or of one matrix runs serially.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..core import backend as _backend, parallel, shards
+from ..core.driver import PerParamOptimizer
+from ..core.validate import check_range
+
+CONVENTIONS = ("ema", "sgd")
+ADJUST_RULES = ("original", "match_rms_adamw", None)
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    lr: float = 0.02
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.0
+    ns_steps: int = 5
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    eps: float = 1e-7
+    adjust_lr: str | None = "original"
+    momentum_convention: str = "ema"
+    eps_mode: str = "clamp"
+    layout: str = "out_in"
+
+    def __post_init__(self):
+        check_range("Muon", "lr", self.lr, 0.0, math.inf, hi_open=True)
+        check_range("Muon", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"Muon: nesterov must be a bool, got {self.nesterov!r}")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("Muon: nesterov needs momentum > 0")
+        check_range("Muon", "weight_decay", self.weight_decay, 0.0, math.inf, hi_open=True)
+        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, (int, np.integer)) or not (
+            1 <= self.ns_steps <= 99
+        ):
+            raise ValueError(f"Muon: ns_steps must be an int in [1, 99], got {self.ns_steps!r}")
+        object.__setattr__(self, "ns_steps", int(self.ns_steps))
+        if not isinstance(self.ns_coefficients, (tuple, list)) or len(self.ns_coefficients) != 3:
+            raise TypeError(f"Muon: ns_coefficients must be three floats (a, b, c), got {self.ns_coefficients!r}")
+        for i, v in enumerate(self.ns_coefficients):
+            check_range("Muon", f"ns_coefficients[{i}]", v, -math.inf, math.inf, lo_open=True, hi_open=True)
+        object.__setattr__(self, "ns_coefficients", tuple(float(v) for v in self.ns_coefficients))
+        check_range("Muon", "eps", self.eps, 0.0, math.inf, lo_open=True, hi_open=True)
+        if self.adjust_lr not in ADJUST_RULES:
+            raise ValueError(f"Muon: adjust_lr must be one of {ADJUST_RULES}, got {self.adjust_lr!r}")
+        if self.momentum_convention not in CONVENTIONS:
+            raise ValueError(f"Muon: momentum_convention must be 'ema' or 'sgd', got {self.momentum_convention!r}")
+        if self.eps_mode not in ("clamp", "additive"):
+            raise ValueError(f"Muon: eps_mode must be 'clamp' or 'additive', got {self.eps_mode!r}")
+        if self.layout not in ("out_in", "in_out"):
+            raise ValueError(f"Muon: layout must be 'out_in' or 'in_out', got {self.layout!r}")
+
+
+def shape_scale(cfg: MuonConfig, shape: tuple[int, int]) -> float:
+    """The lr-adjust factor s of ``cfg.adjust_lr`` for a stored (rows, cols) shape."""
+    r, c = shape
+    if cfg.adjust_lr == "original":
+        fan_out, fan_in = (r, c) if cfg.layout == "out_in" else (c, r)
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if cfg.adjust_lr == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(r, c))
+    return 1.0
+
+
+@dataclasses.dataclass
+class MuonState:
+    momentum_buffer: object
+    shape: tuple = dataclasses.field(default=(), metadata={"persist": False})
+    work: tuple | None = dataclasses.field(default=None, metadata={"persist": False})  # X, Y, A, B
+
+
+def init(xp, cfg: MuonConfig, shape, dtype) -> MuonState:
+    return MuonState(xp.zeros(math.prod(shape), dtype), tuple(shape))
+
+
+def newton_schulz(xp, cfg: MuonConfig, x, y, a_buf, b_buf, shape):
+    """Orthogonalise the (r, c) matrix held flat in ``x`` (overwritten); return the flat buffer holding the result
+    (``x`` or ``y``).  ``a_buf``/``b_buf`` are min(r, c)² work matrices."""
+    r, c = shape
+    dt = x.dtype.type
+    xp.multiply(x, x, out=y)
+    norm = xp.sqrt(y.sum())  # pairwise sum: deterministic, and a device scalar on CuPy (no host sync)
+    denom = xp.maximum(norm, dt(cfg.eps)) if cfg.eps_mode == "clamp" else norm + dt(cfg.eps)
+    x /= denom
+    a, b, cc = cfg.ns_coefficients
+    wide = r <= c
+    for _ in range(cfg.ns_steps):
+        xm, ym = x.reshape(r, c), y.reshape(r, c)
+        if wide:
+            xp.matmul(xm, xm.T, out=a_buf)
+        else:
+            xp.matmul(xm.T, xm, out=a_buf)
+        xp.matmul(a_buf, a_buf, out=b_buf)
+        b_buf *= dt(cc)
+        a_buf *= dt(b)
+        b_buf += a_buf  # B = b·A + c·A·A
+        if wide:
+            xp.matmul(b_buf, xm, out=ym)
+        else:
+            xp.matmul(xm, b_buf, out=ym)
+        x *= dt(a)
+        y += x  # a·X + B·X
+        x, y = y, x
+    return x
+
+
+def update(xp, cfg: MuonConfig, st: MuonState, p, g, *, t: int, lr: float, scratch: list) -> None:
+    """One Muon step on a whole flat matrix buffer (``scratch`` is unused: work buffers live in the state)."""
+    shape = st.shape
+    k = min(shape)
+    if st.work is None or _backend.backend_name(st.work[0]) != _backend.backend_name(p):
+        st.work = (xp.empty_like(p), xp.empty_like(p), xp.empty((k, k), p.dtype), xp.empty((k, k), p.dtype))
+    x, y, a_buf, b_buf = st.work
+    dt = p.dtype.type
+    buf, mu = st.momentum_buffer, dt(cfg.momentum)
+    if cfg.momentum_convention == "ema":
+        xp.multiply(g, dt(1.0 - cfg.momentum), out=x)  # (1 − μ)·G
+        buf *= mu
+        buf += x
+        if cfg.nesterov:
+            xp.multiply(buf, mu, out=y)
+            x += y  # (1 − μ)·G + μ·B
+        else:
+            xp.copyto(x, buf)
+    else:
+        buf *= mu
+        buf += g
+        if cfg.nesterov:
+            xp.multiply(buf, mu, out=x)
+            x += g  # G + μ·B
+        else:
+            xp.copyto(x, buf)
+    out = newton_schulz(xp, cfg, x, y, a_buf, b_buf, shape)
+    if cfg.weight_decay != 0:
+        p *= dt(1.0 - lr * cfg.weight_decay)
+    out *= dt(-lr * shape_scale(cfg, shape))
+    p += out
+
+
+class Muon(PerParamOptimizer):
+    """``Muon(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5, ns_coefficients=(3.4445,
+    -4.7750, 2.0315), eps=1e-7, adjust_lr="original", momentum_convention="ema", eps_mode="clamp",
+    layout="out_in", *, lr_scale=None, workers=None)``: see the module doc.  2-D parameters only."""
+
+    algorithm = "muon"
+    config_cls = MuonConfig
+    state_cls = MuonState
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(update)
+    elementwise = False
+    matters = ("momentum_convention",)
+    threaded = False  # the driver's pool over multi-threaded BLAS oversubscribes; ``workers`` shards instead
+
+    def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
+                 ns_steps: int = 5, ns_coefficients=(3.4445, -4.7750, 2.0315), eps: float = 1e-7,
+                 adjust_lr: str | None = "original", momentum_convention: str = "ema", eps_mode: str = "clamp",
+                 layout: str = "out_in", *, lr_scale=None, workers: int | None = None):
+        cfg = MuonConfig(lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr,
+                         momentum_convention, eps_mode, layout)
+        super().__init__(cfg, lr_scale=lr_scale)
+        if workers is None:
+            workers = shards.default_workers()
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"Muon: workers must be an int >= 1 (or None: automatic), got {workers!r}")
+        self.workers = workers
+        self._shard: dict[str, int] = {}
+
+    def assign_shards(self, order) -> None:
+        """Fix the matrix → worker assignment from a stable list of ``(name, shape)`` (balanced by cost, each
+        matrix on one worker for the whole run).  Names not listed get a worker at their first step."""
+        self._shard.update(shards.assign([(n, _cost(s)) for n, s in order], self.workers))
+
+    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        if len(shape) != 2 or min(shape) == 0:
+            raise ValueError(
+                f"parameter {name!r}: Muon updates non-empty 2-D matrices only, got shape {shape}; route biases, "
+                f"norm gains, embeddings and output heads to AdamW (flatopt.MuonAdamW(params=..., muon_names=[...]) "
+                f"or flatopt.routing.Router)"
+            )
+        scale = self._lr_scale(name)
+        if isinstance(scale, (int, float)) and math.isfinite(scale):
+            lr = (self._lr or 0.0) * scale
+            if not (lr * shape_scale(self.config, shape) <= _F32_MAX and lr * self.config.weight_decay <= _F32_MAX):
+                raise ValueError(f"parameter {name!r}: lr·s or lr·weight_decay overflows float32 (lr {lr!r})")
+
+    def _run(self, prepared: list) -> None:
+        # NumPy: every Newton–Schulz GEMM runs with the BLAS held at one thread, in every mode (the serial loop, one
+        # item, the workers), because a GEMM's bits depend on the BLAS thread count on some CPUs; without
+        # threadpoolctl nothing can hold it, so the items run serially on the BLAS's own threads (same calls either way)
+        on_cpu = any(slot.backend == "numpy" for _, slot, _ in prepared)
+        if (self.workers <= 1 or len(prepared) < 2 or not on_cpu or not shards.can_cap()
+                or any(slot.backend == "cupy" for _, slot, _ in prepared)
+                or sum(_cost(slot.shape) for _, slot, _ in prepared) < parallel.PARALLEL_MIN_COST):
+            with shards.blas_capped(on_cpu):
+                super()._run(prepared)
+            return
+        for it, _, _ in prepared:
+            if it.name not in self._shard:
+                self._shard[it.name] = len(self._shard) % self.workers
+        buckets: list[list] = [[] for _ in range(self.workers)]
+        for entry in prepared:
+            buckets[self._shard[entry[0].name]].append(entry)
+        shards.run([(lambda b=b: PerParamOptimizer._run(self, b)) if b else None for b in buckets],
+                    single_threaded_blas=True)
+
+
+def _cost(shape) -> int:
+    return math.prod(shape) * min(shape) if len(shape) == 2 else math.prod(shape)
