@@ -22,6 +22,18 @@ from .test_adafactor8bit import PATHS as A8_PATHS
 
 XP = fake_device.FakeDevice()
 SKIP = {"muon_adamw": "a composite of Muon and AdamW, whose twins are covered by their own entries"}
+# gpu-audit D3 (strict xfails: the fix flips them): the stand-in rejects einsum(out=) as CuPy 14 does
+D3 = ("D3: cupy.einsum has no out= (TypeError on real CuPy): flatopt/adafactor8bit/apollo.py:170 "
+      "xp.einsum('ij,ij->i', ..., out=out[i0:i1]) in _channel_sumsq")
+D3_NAMES = {"adafactor8bit_apollo_came", "apollo_came", "apollo_came_factorize", "apollo_came_factorize_clip",
+            "apollo_channel_defaults", "apollo_factorize", "apollo_factorize_came", "apollo_factorize_left",
+            "apollo_factorize_right", "apollo_left", "apollo_preset_gap3", "apollo_right_channel",
+            "apollo_right_channel_r5"}
+
+
+def _d3(names):
+    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=D3)) if n in D3_NAMES
+            else n for n in names]
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +83,7 @@ def _compare(a, b, what):
         assert float(np.max(np.abs(a[n] - b[n]))) <= tol * scale, (what, n)
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", _d3(sorted(REGISTRY)))
 def test_registry_twins_run_on_the_device_branch(name):
     if name in SKIP:
         pytest.skip(SKIP[name])
@@ -81,7 +93,7 @@ def test_registry_twins_run_on_the_device_branch(name):
     _compare(_device_steps(spec.make(**kw), params, 3, np.float32), _numpy_steps(spec.make(**kw), params, 3), name)
 
 
-@pytest.mark.parametrize("name", sorted(set(A8_CONFIGS) | set(A8_PATHS)))
+@pytest.mark.parametrize("name", _d3(sorted(set(A8_CONFIGS) | set(A8_PATHS))))
 def test_adafactor8bit_paths_on_the_device_branch(name):
     """Every Adafactor8Bit path (quantized with small blocks, which do not divide the rows) on a tensor that NumPy
     cuts into several ranges and blocks; the stand-in runs it as one."""
