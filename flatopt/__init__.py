@@ -13,11 +13,16 @@ from .core.parallel import TaskError
 from .core.types import Optimizer, OptimizerState, OptItem
 from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
+from .adam import Adam
 from .adamw import AdamW
 from .checkpoint import CheckpointError, load, save
 from .muon import Muon
 from .muon.muon_adamw import MuonAdamW
 from .kron import KronPsgd
+from .lion import Lion
+from .nadamw import NAdamW
+from .qhadamw import QHAdamW
+from .radam import RAdam
 from .sgd import SGD
 
 __version__ = "0.1.0"
@@ -25,11 +30,16 @@ __version__ = "0.1.0"
 __all__ = [
     "Adafactor",
     "Adafactor8Bit",
+    "Adam",
     "AdamW",
     "CheckpointError",
     "Muon",
     "MuonAdamW",
     "KronPsgd",
+    "Lion",
+    "NAdamW",
+    "QHAdamW",
+    "RAdam",
     "Optimizer",
     "OptimizerState",
     "OptItem",
