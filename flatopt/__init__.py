@@ -19,11 +19,14 @@ from .checkpoint import CheckpointError, load, save
 from .muon import Muon
 from .muon.muon_adamw import MuonAdamW
 from .kron import KronPsgd
+from .lamb import Lamb
 from .lion import Lion
+from .mars import Mars
 from .nadamw import NAdamW
 from .qhadamw import QHAdamW
 from .radam import RAdam
 from .sgd import SGD
+from .sophia import Sophia
 
 __version__ = "0.1.0"
 
@@ -36,7 +39,9 @@ __all__ = [
     "Muon",
     "MuonAdamW",
     "KronPsgd",
+    "Lamb",
     "Lion",
+    "Mars",
     "NAdamW",
     "QHAdamW",
     "RAdam",
@@ -45,6 +50,7 @@ __all__ = [
     "OptItem",
     "PerParamOptimizer",
     "SGD",
+    "Sophia",
     "TaskError",
     "gradients",
     "load",

@@ -28,6 +28,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "qhadamw.cu": ("qhadamw_step",),
     "radam.cu": ("radam_step",),
     "sgd.cu": ("sgd_step",),
+    "sophia.cu": ("sophia_step",),
 }
 
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
