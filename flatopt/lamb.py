@@ -13,7 +13,8 @@ synchronises with the host.  Defaults lr 1e-3 and weight_decay 1e-2 (flatopt Ada
 eps 1e-6 (rlx-optim's).
 
 Deviations: none from the paper's Algorithm 2 with bias correction (optax, TF-addons, NVIDIA, rlx-optim);
-rlx-optim's ``bias_correction`` switch is not exposed (always on).  optax raises β to the power t in float32
+rlx-optim's ``bias_correction`` switch is not exposed (always on).  A non-finite norm gives r = 1 (optax's ratio
+would be NaN and poison the whole tensor; here only the non-finite elements are).  optax raises β to the power t in float32
 (~7e-6 away at β2 = 0.999); flatopt uses float64.  Not pytorch-optimizer's ``Lamb``, another algorithm (no bias
 correction, decay outside the ratio, ‖θ‖ clamped at 10, ε on ψ).  The conformance tests compare with a float64
 transcription of optax's chain (optax/jax are not installed in CI).  GPU: no fused kernel; the twin runs on CuPy
