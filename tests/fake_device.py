@@ -4,12 +4,18 @@
 scalars kept as 0-d arrays); every array it returns is a :class:`DeviceArray`, which refuses the conversions that
 would synchronise a real device with the host (``bool``, ``float``, ``int``, ``item``, ``tolist``): a step that
 runs here without :class:`HostSync` keeps its scalars on the device.  What it cannot check: CUDA kernels (run the
-twins: ``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), streams, and CuPy's own API differences.
+twins: ``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), streams, and CuPy's own API differences (except
+``einsum``, which rejects the keywords CuPy rejects).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+# The keywords ``cupy.einsum`` accepts (CuPy 14 ``cupy/linalg/_einsum.py``; tests/test_gpu_defects.py checks this
+# against the installed CuPy's source): anything else, ``out=`` included, raises ``TypeError`` there.
+EINSUM_KWARGS = ("dtype", "optimize")
 
 
 class HostSync(AssertionError):
@@ -79,6 +85,12 @@ class FakeDevice:
             call.__name__ = name
             return call
         return obj
+
+    def einsum(self, *operands, **kwargs):  # CuPy's einsum takes only these keywords (no out=, order=, casting=)
+        bad = sorted(set(kwargs) - set(EINSUM_KWARGS))
+        if bad:
+            raise TypeError(f"Did not understand the following kwargs: {bad}")
+        return _wrap(np.einsum(*operands, **kwargs))
 
     def asnumpy(self, a):
         return np.asarray(a).view(np.ndarray).copy()
