@@ -52,3 +52,87 @@ def test_apollo_steps_on_the_device_branch_for_every_orientation(shape):
     host = _numpy_steps(flatopt.Adafactor8Bit(**cfg), params, 2)
     assert np.all(np.isfinite(dev["w"]))
     assert dev["w"].shape == host["w"].shape
+
+
+# ------------------------------------------------------------------ D2, D4: the 8-bit state kernels' twin
+def _a8_state(xp, fmt="uf8", n=300):
+    opt = flatopt.Adafactor8Bit(lr=1e-3, relative_step=False, beta1=0.9, min_8bit_size=0, block_size=128,
+                                m_block_size=32, m_quant_type=fmt)
+    return opt._init_named("w", xp, (n,), np.dtype(np.float32))
+
+
+def _stored(st):
+    return {k: np.asarray(v).copy() for k, v in vars(st).items()
+            if k.endswith(("_q", "_scale", "_min_log")) and v is not None}
+
+
+def _ema(xp, st, slot, x, step):
+    from flatopt.adafactor8bit import state as S
+
+    if slot == "variance":  # the second moment: x², as the elementwise path feeds it (first step: x²·w)
+        return S.ema(xp, st, slot, x, 0.001, floor=-126.0, square=True, first=step == 0)
+    return S.ema(xp, st, slot, x, 0.1, floor=0.0)
+
+
+@pytest.mark.parametrize("xp", [np, XP], ids=["numpy", "device"])
+@pytest.mark.parametrize("slot", ["variance", "m"])
+def test_a8_state_rounds_a_float64_sample_to_float32_first(xp, slot):
+    """The fused kernels load x as ``(float)x[idx]`` and then square / interpolate in float32: the twin must round
+    at the same point (it rounded after the float64 square or difference: other codes for float64 parameters)."""
+    a, b = _a8_state(xp), _a8_state(xp)
+    rng = np.random.default_rng(3)
+    for step in range(3):
+        x64 = rng.standard_normal(300) * np.exp(rng.uniform(-6, 6, 300))
+        va = _ema(xp, a, slot, xp.asarray(x64), step)
+        vb = _ema(xp, b, slot, xp.asarray(x64.astype(np.float32)), step)
+        np.testing.assert_array_equal(np.asarray(va).view(np.uint32), np.asarray(vb).view(np.uint32))
+    sa, sb = _stored(a), _stored(b)
+    for k in sa:
+        np.testing.assert_array_equal(sa[k].view(np.uint8), sb[k].view(np.uint8), err_msg=k)
+
+
+@pytest.mark.parametrize("xp", [np, XP], ids=["numpy", "device"])
+def test_a8_al_state_of_a_block_with_a_nan(xp):
+    """One documented behaviour (kernels/adafactor8bit.cu, quant.py): NaN propagates to its block's statistics,
+    exact zeros keep code 0, every other value of the block gets code 1; the other blocks are untouched."""
+    import warnings
+
+    st = _a8_state(xp)
+    x = np.random.default_rng(0).uniform(0.5, 2.0, 300).astype(np.float32)
+    x[5], x[7] = np.nan, 0.0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "invalid value encountered in cast")  # no NaN cast into a code
+        _ema(xp, st, "variance", xp.asarray(x), 0)
+    s = _stored(st)
+    assert np.isnan(s["variance_scale"][0]) and np.isnan(s["variance_min_log"][0])
+    want = np.ones(128, np.uint8)
+    want[7] = 0
+    np.testing.assert_array_equal(s["variance_q"][:128], want)
+    assert np.all(np.isfinite(s["variance_scale"][1:])) and np.all(s["variance_q"][128:300] > 0)
+
+
+@pytest.mark.parametrize("xp", [np, XP], ids=["numpy", "device"])
+@pytest.mark.parametrize("fmt", ["uf8", "uf4", "d8", "d4"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a8_signed_state_of_a_block_with_a_nonfinite_value(xp, fmt, bad):
+    """A block whose absmax is not finite keeps it and is encoded as zeros (the fresh state's codes), so the whole
+    block decodes as NaN; the kernel stored a NaN as code 0 = −absmax, NumPy cast NaN into a code."""
+    import warnings
+
+    from flatopt.adafactor8bit import quant
+
+    st = _a8_state(xp, fmt)
+    fresh = _stored(_a8_state(np, fmt))["m_q"]
+    x = np.random.default_rng(1).standard_normal(300).astype(np.float32)
+    x[40] = bad  # block 1 of 32
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "invalid value encountered in cast")
+        _ema(xp, st, "m", xp.asarray(x), 0)
+    s = _stored(st)
+    am = s["m_scale"]
+    assert not np.isfinite(am[1]) and (np.isnan(am[1]) == np.isnan(bad)) and np.all(np.isfinite(np.delete(am, 1)))
+    per = 2 if fmt in ("uf4", "d4") else 1
+    np.testing.assert_array_equal(s["m_q"][32 // per:64 // per], fresh[32 // per:64 // per])
+    out = np.empty(300, np.float32)
+    quant.m_decode(np, s["m_q"], am, out, mblock=32, fmt=fmt)
+    assert np.all(np.isnan(out[32:64])) and np.all(np.isfinite(np.delete(out, np.s_[32:64])))
