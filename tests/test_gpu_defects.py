@@ -136,3 +136,21 @@ def test_a8_signed_state_of_a_block_with_a_nonfinite_value(xp, fmt, bad):
     out = np.empty(300, np.float32)
     quant.m_decode(np, s["m_q"], am, out, mblock=32, fmt=fmt)
     assert np.all(np.isnan(out[32:64])) and np.all(np.isfinite(np.delete(out, np.s_[32:64])))
+
+
+# ------------------------------------------------------------- D5: test_cupy_matches_numpy's tolerance
+@pytest.mark.parametrize("name, eps", [("adafactor8bit", np.float32), ("adafactor8bit_adam_d8_fira", np.float32),
+                                       ("kron_psgd", np.float32), ("adamw", np.float64), ("adafactor", np.float64)])
+def test_the_cupy_vs_numpy_tolerance_follows_the_state_dtype(name, eps):
+    """test_gpu's CuPy-vs-NumPy bound is 4 ulps per step in the coarser of the parameter's and the state's float
+    dtypes (it was the parameter's: a float64 bound for optimizers that keep float32 state)."""
+    from .helpers import make_for, make_params, run_steps
+    from .registry import REGISTRY
+    from .test_gpu import STEPS, _tol
+
+    spec = REGISTRY[name]
+    host = make_params(spec.shapes, np.float64)
+    opt = make_for(spec, host)
+    run_steps(opt, host, 1)
+    p = np.ones(3)
+    assert _tol(np.float64, p, opt.state_dict()) == 4 * STEPS * float(np.finfo(eps).eps)
