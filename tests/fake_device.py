@@ -4,11 +4,14 @@
 scalars kept as 0-d arrays); every array it returns is a :class:`DeviceArray`, which refuses the conversions that
 would synchronise a real device with the host (``bool``, ``float``, ``int``, ``item``, ``tolist``): a step that
 runs here without :class:`HostSync` keeps its scalars on the device.  What it cannot check: CUDA kernels (run the
-twins: ``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), streams, and CuPy's own API differences (except
-``einsum``, which rejects the keywords CuPy rejects).
+twins: ``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), the execution on streams (its streams only record
+``record``/``wait_event`` calls and which one is current), and CuPy's own API differences (except ``einsum``, which
+rejects the keywords CuPy rejects).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -52,10 +55,56 @@ class _Device:
         return False
 
 
+class _Event:
+    """A recorded event: its work is complete from the second ``done`` query on (the first finds a copy in flight)."""
+
+    def __init__(self, stream):
+        self.stream, self.queries = stream, 0
+
+    @property
+    def done(self):
+        self.queries += 1
+        return self.queries > 1
+
+
+class _Stream:
+    """A stream that records what is asked of it (``record``, ``wait_event``) and is current inside ``with``."""
+
+    def __init__(self, null=False, non_blocking=False):
+        self.null, self.non_blocking, self.calls = null, non_blocking, []
+
+    def __enter__(self):
+        _current.stack = getattr(_current, "stack", []) + [self]
+        return self
+
+    def __exit__(self, *exc):
+        _current.stack = _current.stack[:-1]
+        return False
+
+    def record(self, event=None):
+        ev = _Event(self)
+        self.calls.append(("record", ev))
+        return ev
+
+    def wait_event(self, event):
+        self.calls.append(("wait", event))
+
+
+_current = threading.local()
+NULL_STREAM = _Stream(null=True)
+
+
 class _Cuda:
+    Stream = _Stream
+
     @staticmethod
     def Device(_i=None):  # noqa: N802 - CuPy's name
         return _Device()
+
+    @staticmethod
+    def get_current_stream(_device_id=-1):
+        stack = getattr(_current, "stack", [])
+        return stack[-1] if stack else NULL_STREAM
 
 
 class _RandomState:  # CuPy's RandomState takes a dtype and 64-bit seeds (here folded to NumPy's 32 bits)

@@ -138,6 +138,52 @@ def test_a8_signed_state_of_a_block_with_a_nonfinite_value(xp, fmt, bad):
     assert np.all(np.isnan(out[32:64])) and np.all(np.isfinite(np.delete(out, np.s_[32:64])))
 
 
+# ------------------------------------------------------- the quantization map's upload, ordered on every stream
+def test_a_device_constant_is_ordered_before_its_reads_on_every_stream(monkeypatch):
+    """quant._qmap uploaded the map on whatever stream was current (a worker's non-blocking stream) with no event
+    for the other workers' kernels, into an unlocked dict.  Now: one upload (under a lock) on its own stream, an
+    event recorded after it, and each reading stream waits for that event until it is seen complete."""
+    import threading
+
+    from flatopt.adafactor8bit import quant
+
+    monkeypatch.setattr(_backend, "_constants", {})
+    xp = fake_device.FakeDevice()
+    calls = []
+    real_asarray = np.asarray
+
+    def asarray(a, *args, **kw):  # the stand-in's upload, counted
+        calls.append(fake_device._Cuda.get_current_stream())
+        return fake_device._wrap(real_asarray(a, *args, **kw))
+
+    xp.asarray = asarray
+    a, b = xp.cuda.Stream(non_blocking=True), xp.cuda.Stream(non_blocking=True)
+    barrier, got = threading.Barrier(4), []
+
+    def worker(stream):
+        barrier.wait()
+        with stream:
+            got.append(quant._qmap(xp, 8))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (a, b, a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and calls[0] not in (a, b)  # one upload, on a stream of its own
+    (upload,) = [c for c in calls[0].calls if c[0] == "record"]
+    ev = upload[1]
+    assert all(g is got[0] for g in got)
+    np.testing.assert_array_equal(np.asarray(got[0]), quant.dynamic_map(8))
+    # the first reader waits for the upload's event; the first query that finds it complete ends the waits
+    waits = [c for s in (a, b) for c in s.calls if c[0] == "wait"]
+    assert waits and all(w[1] is ev for w in waits)
+    n = len(waits)
+    with a:
+        quant._qmap(xp, 8)
+    assert len([c for s in (a, b) for c in s.calls if c[0] == "wait"]) == n
+
+
 # ------------------------------------------------------------- D5: test_cupy_matches_numpy's tolerance
 @pytest.mark.parametrize("name, eps", [("adafactor8bit", np.float32), ("adafactor8bit_adam_d8_fira", np.float32),
                                        ("kron_psgd", np.float32), ("adamw", np.float64), ("adafactor", np.float64)])

@@ -41,7 +41,7 @@ import numpy as np
 
 from . import nearest_lut
 from .nearest_lut import nearest as _nearest
-from ..core import workspace
+from ..core import backend, workspace
 from .qmaps import construct_dynamic_map, dynamic_map  # noqa: F401 - re-exported
 
 AL_FORMATS = ("al8", "al16")
@@ -167,17 +167,12 @@ def m_init(xp, n: int, mblock: int, fmt: str):
     return xp.full(size, fill, np.uint8), xp.ones(nb, np.float32)
 
 
-_DEVICE_MAPS: dict = {}
-
-
 def _qmap(xp, bits: int):
-    """The map on the array module's device (uploaded once per device, not per step)."""
+    """The map on the array module's device: uploaded once per device, ordered before its reads on every stream
+    (``core.backend.device_constant``: the workers' non-blocking streams wait for the upload's event)."""
     if xp is np:
         return dynamic_map(bits)
-    key = (bits, xp.cuda.Device().id)
-    if key not in _DEVICE_MAPS:
-        _DEVICE_MAPS[key] = xp.asarray(dynamic_map(bits))
-    return _DEVICE_MAPS[key]
+    return backend.device_constant(xp, ("flatopt.dynamic_map", bits), lambda: dynamic_map(bits))
 
 
 def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "gpu_available",
     "force_twin",
     "nvrtc_compile",
+    "device_constant",
     "solve_triangular",
     "nccl",
 ]
@@ -191,3 +192,48 @@ def launch(kernel, n: int, args: tuple, block: int = 256) -> None:
         return
     grid = min((n + block - 1) // block, 65535 * 8)
     kernel((grid,), (block,), args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Read-only device constants (tables uploaded once per device and read by kernels on any stream)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Constant:
+    __slots__ = ("array", "event", "host", "ready")
+
+    def __init__(self, array, event, host):
+        self.array, self.event, self.host, self.ready = array, event, host, False
+
+
+_constants: dict[tuple, _Constant] = {}
+_constants_lock = threading.Lock()
+
+
+def device_constant(xp, key, make):
+    """The device copy of the host array ``make()`` on ``xp``'s current device, uploaded once per (key, device) and
+    ordered before every read of it, on any stream.
+
+    The first caller (under a lock: one upload however many threads ask) uploads on a stream of its own and records
+    an event after the copy.  Every caller's current stream waits for that event (a device-side wait, no host
+    synchronisation) until a caller sees it complete (``Event.done``, a query that does not block); from then on
+    the array is returned as it is.  So a kernel on a worker's non-blocking stream never reads a half-copied table.
+    """
+    full = (key, id(xp), xp.cuda.Device().id)  # (id: the tests' CuPy stand-ins are array modules too)
+    c = _constants.get(full)
+    if c is None:
+        with _constants_lock:
+            c = _constants.get(full)
+            if c is None:
+                host = np.ascontiguousarray(make())
+                stream = xp.cuda.Stream(non_blocking=True)
+                with stream:
+                    arr = xp.asarray(host)
+                    event = stream.record()
+                c = _constants[full] = _Constant(arr, event, host)
+    if not c.ready:
+        if c.event.done:
+            c.ready = True
+        else:
+            xp.cuda.get_current_stream().wait_event(c.event)
+    return c.array
