@@ -56,15 +56,8 @@ class _Device:
 
 
 class _Event:
-    """A recorded event: its work is complete from the second ``done`` query on (the first finds a copy in flight)."""
-
     def __init__(self, stream):
-        self.stream, self.queries = stream, 0
-
-    @property
-    def done(self):
-        self.queries += 1
-        return self.queries > 1
+        self.stream = stream
 
 
 class _Stream:
