@@ -194,3 +194,76 @@ def test_the_cupy_vs_numpy_tolerance_follows_the_state_dtype(name, eps):
     run_steps(opt, host, 1)
     p = np.ones(3)
     assert _tol(np.float64, p, opt.state_dict()) == 4 * STEPS * float(np.finfo(eps).eps)
+
+
+# ------------------------------------------------- D6: one APOLLO projection for NumPy and the device
+@pytest.mark.parametrize("block", [1 << 16, 4097, 100])
+def test_apollo_projection_is_the_same_on_numpy_and_the_device(block, monkeypatch):
+    """The default P is a function of (seed, shape): the device draw (one piece) and NumPy's (blocks on threads,
+    any cut) give the same bits; it was CuPy's RandomState on the device and Box–Muller on NumPy."""
+    import math
+
+    from flatopt.adafactor8bit import apollo_proj
+    from flatopt.core import parallel
+
+    monkeypatch.setattr(apollo_proj, "PROJ_BLOCK", block)
+
+    class St:
+        proj = None
+        current_proj_seed = 2**63 + 12345  # any integer (a 64-bit one too)
+
+    def prepare(xp, shape, right):
+        rank = shape[0] if right else shape[1]
+        pt, jobs = apollo_proj.ApolloProjector().prepare(xp, St(), rank, *((10**6, shape[1]) if right else
+                                                                           (shape[0], 10**6)), right, True)
+        parallel.run_beside_tasks(lambda: None, jobs) if xp is np else [j() for j in jobs]
+        return np.array(np.asarray(pt).T) * np.float32(math.sqrt(rank))
+
+    for shape, right in (((64, 4099), True), ((3001, 7), False)):
+        a, b = prepare(np, shape, right), prepare(XP, shape, right)
+        assert a.shape == shape and a.dtype == np.float32
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+        z = a.ravel().astype(np.float64)
+        se = 1 / math.sqrt(z.size)
+        assert abs(z.mean()) < 5 * se and abs(z.var() - 1) < 5 * math.sqrt(2) * se and np.abs(z).max() < 4.33
+
+
+def test_apollo_checkpoint_moves_from_the_device_to_numpy(tmp_path):
+    """Two steps of the device twin (the stand-in), the snapshot saved and loaded on NumPy, two more steps there:
+    within the device-path tolerance of four NumPy steps, with the default projection (no injected P; with another
+    P on the device the continuation was off by the whole update)."""
+    from flatopt.core import slots as slotlib
+
+    from .helpers import grads_for, make_params, run_steps
+    from .registry import REGISTRY
+    from .test_device_paths import _compare
+
+    spec = REGISTRY["adafactor8bit_apollo_came"]
+    params = make_params(spec.shapes)
+    ref = {n: (s, p.copy()) for n, (s, p) in params.items()}
+    run_steps(spec.make(), ref, 4)
+
+    opt = spec.make()  # the device steps by hand, as test_device_paths (the driver's state and count kept here)
+    dev = {n: (s, XP.asarray(p.copy())) for n, (s, p) in params.items()}
+    states = {}
+    for it in range(2):
+        grads = grads_for(params, it)
+        for n, (s, p) in sorted(dev.items()):
+            if n not in states:
+                states[n] = opt._init_named(n, XP, s, np.dtype(np.float32))
+            opt._update(XP, states[n], p, XP.asarray(grads[n]), t=it + 1, lr=opt._effective_lr(opt.lr_scale(n)),
+                        scratch=[XP.empty_like(p) for _ in range(opt.scratch_buffers)])
+        opt.end_iteration()
+    for n, st in states.items():  # the device state as the driver would snapshot it
+        for f, v in vars(st).items():
+            if isinstance(v, np.ndarray):
+                setattr(st, f, np.array(v))
+        st.proj = st.work = None
+        opt._slots[n] = slotlib.Slot(shape=dev[n][0], dtype=np.dtype(np.float32), backend="numpy", t=2, state=st)
+    flatopt.save(tmp_path / "dev.npz", opt)
+
+    host = {n: (s, XP.asnumpy(p)) for n, (s, p) in dev.items()}
+    opt_h = spec.make()
+    assert opt_h.load_state_dict(flatopt.load(tmp_path / "dev.npz"))
+    run_steps(opt_h, host, 2, start=2)
+    _compare({n: p for n, (_, p) in host.items()}, {n: p for n, (_, p) in ref.items()}, "came")
