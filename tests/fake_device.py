@@ -100,23 +100,10 @@ class _Cuda:
         return stack[-1] if stack else NULL_STREAM
 
 
-class _RandomState:  # CuPy's RandomState takes a dtype and 64-bit seeds (here folded to NumPy's 32 bits)
-    def __init__(self, seed=None):
-        self._rs = np.random.RandomState(None if seed is None else int(seed) % (1 << 32))
-
-    def standard_normal(self, size=None, dtype=float):
-        return _wrap(self._rs.standard_normal(size).astype(dtype))
-
-
-class _Random:
-    RandomState = _RandomState
-
-
 class FakeDevice:
     """The array module (see the module documentation)."""
 
     cuda = _Cuda()
-    random = _Random()
     ndarray = DeviceArray
 
     def __getattr__(self, name):
