@@ -6,6 +6,7 @@ themselves are compared with their twins by ``tests/test_gpu.py`` (on a GPU, or 
 from __future__ import annotations
 
 import inspect
+import threading
 import re
 
 import numpy as np
@@ -267,3 +268,126 @@ def test_apollo_checkpoint_moves_from_the_device_to_numpy(tmp_path):
     assert opt_h.load_state_dict(flatopt.load(tmp_path / "dev.npz"))
     run_steps(opt_h, host, 2, start=2)
     _compare({n: p for n, (_, p) in host.items()}, {n: p for n, (_, p) in ref.items()}, "came")
+
+
+# ------------------------------------------------------------ a step_batch over several GPUs: joined per device
+class _MultiGpu:
+    """CuPy's device and stream model, recorded: the current device is per thread, the current stream per thread
+    and per device (a device's default stream unless a stream of that device was entered)."""
+
+    def __init__(self):
+        self.tls = threading.local()
+        self.log = []
+        self.lock = threading.Lock()
+        gpu = self
+
+        class Event:
+            def __init__(self, stream):
+                self.stream = stream
+
+        class Stream:
+            def __init__(self, non_blocking=False, null=False, device=None):
+                self.device = gpu.current_device() if device is None else device
+                self.null, self.non_blocking = null, non_blocking
+
+            def __enter__(self):
+                assert gpu.current_device() == self.device, "a stream entered on another device"
+                gpu.stack(self.device).append(self)
+                return self
+
+            def __exit__(self, *exc):
+                gpu.stack(self.device).pop()
+
+            def record(self):
+                ev = Event(self)
+                gpu.note("record", self, ev)
+                return ev
+
+            def wait_event(self, ev):
+                gpu.note("wait", self, ev)
+
+        class Device:
+            def __init__(self, i):
+                self.id = i
+
+            def __enter__(self):
+                gpu.devices().append(self.id)
+                return self
+
+            def __exit__(self, *exc):
+                gpu.devices().pop()
+
+        self.Device, self.Stream = Device, Stream
+        self.null = {i: Stream(null=True, device=i) for i in range(2)}
+        self.cuda = self
+
+    def note(self, *what):
+        with self.lock:
+            self.log.append(what)
+
+    def devices(self):
+        if not hasattr(self.tls, "dev"):
+            self.tls.dev = [0]
+        return self.tls.dev
+
+    def current_device(self):
+        return self.devices()[-1]
+
+    def stack(self, dev):
+        if not hasattr(self.tls, "streams"):
+            self.tls.streams = {0: [], 1: []}
+        return self.tls.streams[dev]
+
+    def get_current_stream(self):
+        s = self.stack(self.current_device())
+        return s[-1] if s else self.null[self.current_device()]
+
+
+def test_a_batch_on_two_gpus_is_ordered_on_each(monkeypatch):
+    """Every item of a multi-item batch runs on a worker stream of its own device that waited for the caller's
+    event on that device, and the caller's stream of each device waits for those workers' final events (items on
+    the second GPU ran on its default stream, outside the events)."""
+    from flatopt import OptItem
+    from flatopt.core import gpu_run, parallel
+
+    gpu = _MultiGpu()
+    monkeypatch.setattr(_backend, "_cupy", gpu)
+    monkeypatch.setattr(gpu_run, "_tls", threading.local())
+    monkeypatch.setattr(parallel, "PARALLEL_MIN_COST", 0)
+    monkeypatch.setenv("FLATOPT_FORCE_TWIN", "0")
+    monkeypatch.setenv("FLATOPT_NUM_THREADS", "2")
+    ran = {}
+
+    class Param:
+        size = 10
+
+        def __init__(self, dev):
+            self.device = gpu.Device(dev)
+
+    class Opt:
+        scratch_buffers = 0
+
+        def _kernel_update(self, state, param, grad, *, t, lr):
+            ran[state] = (gpu.current_device(), gpu.get_current_stream())
+            return True
+
+    class Slot:
+        def __init__(self, name):
+            self.state, self.t = name, 1
+
+    items = [(OptItem(f"w{i}", (10,), Param(i % 2), None), Slot(f"w{i}"), 1.0) for i in range(6)]
+    gpu_run.run_gpu(Opt(), items)
+    assert sorted(ran) == [f"w{i}" for i in range(6)]
+    starts = {s.device: ev for op, s, ev in gpu.log if op == "record" and s.null}
+    assert sorted(starts) == [0, 1]  # one start event per device, on its caller stream
+    finals = {}
+    for op, s, ev in gpu.log:
+        if op == "record" and not s.null:
+            finals.setdefault(s.device, []).append(ev)
+    for name, (dev, stream) in ran.items():
+        assert dev == int(name[1:]) % 2 and stream.device == dev and not stream.null, name
+        assert ("wait", stream, starts[dev]) in gpu.log, name  # after the gradients, on its device
+        assert any(ev.stream is stream for ev in finals[dev]), name  # its work joins back ...
+    for dev, evs in finals.items():
+        for ev in evs:  # ... into the caller's stream of that device
+            assert ("wait", gpu.null[dev], ev) in gpu.log
