@@ -391,3 +391,51 @@ def test_a_batch_on_two_gpus_is_ordered_on_each(monkeypatch):
     for dev, evs in finals.items():
         for ev in evs:  # ... into the caller's stream of that device
             assert ("wait", gpu.null[dev], ev) in gpu.log
+
+
+# ------------------------------------------------------------------------------- cached kernel objects
+def test_a_kernel_object_is_built_once_per_kernel_dtype_and_device(monkeypatch):
+    """core.kernels.get called RawModule.get_function (a new RawKernel, the function resolved again) on every
+    launch.  Now once per (file, kernel, dtype, device), also when threads ask at once."""
+    from flatopt.core import kernels
+
+    built = []
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            self.names = list(name_expressions)
+
+        def get_function(self, name):
+            assert name in self.names
+            built.append((name, dev.id))
+            return object()
+
+    class Device:
+        id = 0
+
+        def __init__(self, *_):
+            pass
+
+    dev = Device
+    fake = type("cp", (), {"RawModule": RawModule, "cuda": type("cuda", (), {"Device": Device})})
+    monkeypatch.setattr(_backend, "_cupy", fake)
+    monkeypatch.setattr(_backend, "_modules", {})
+    warm = len(kernels.name_expressions("adamw.cu"))  # the module compiles every name once at creation
+    barrier, got = threading.Barrier(4), []
+
+    def worker():
+        barrier.wait()
+        for _ in range(50):
+            got.append(kernels.get("adamw.cu", "adamw_step", np.float32))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(k) for k in got}) == 1
+    assert len(built) == warm + 1
+    assert kernels.get("adamw.cu", "adamw_step", np.float64) is not got[0] and len(built) == warm + 2
+    Device.id = 1  # another device: its own module and kernel
+    k1 = kernels.get("adamw.cu", "adamw_step", np.float32)
+    assert k1 is not got[0] and built[-1] == ("adamw_step<float>", 1)

@@ -30,6 +30,9 @@ __all__ = [
     "gpu_available",
     "force_twin",
     "nvrtc_compile",
+    "raw_module",
+    "raw_function",
+    "launch",
     "device_constant",
     "solve_triangular",
     "nccl",
@@ -184,6 +187,22 @@ def raw_module(key: tuple, source: str, name_expressions: list[str]):
                     mod.get_function(expr)
                 _modules[full_key] = mod
     return mod
+
+
+def raw_function(key: tuple, source: str, name_expressions, name: str):
+    """The kernel ``name`` of ``raw_module(key, ...)`` on the current device, looked up once and cached (thread-safe):
+    CuPy's ``RawModule.get_function`` builds a new ``RawKernel`` and resolves the function on every call.  Kept in the
+    modules' cache, so whatever resets that cache resets these too."""
+    cp = cupy()
+    full = ("function", key, name, cp.cuda.Device().id)
+    fn = _modules.get(full)
+    if fn is None:
+        mod = raw_module(key, source, list(name_expressions))
+        with _modules_lock:
+            fn = _modules.get(full)
+            if fn is None:
+                fn = _modules[full] = mod.get_function(name)
+    return fn
 
 
 def launch(kernel, n: int, args: tuple, block: int = 256) -> None:
