@@ -1,4 +1,4 @@
-"""Probes behind the threading claims in README "Performance" (not a benchmark suite; prints medians).
+"""Probes behind the threading claims in benchmarks/README.md (not a benchmark suite; prints medians).
 
 ``python -m benchmarks.threads_probe`` measures, on this machine:
 

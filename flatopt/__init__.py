@@ -4,7 +4,11 @@
     opt = flatopt.AdamW(lr=1e-3)
     opt.step("w", (4, 3), w_flat, g_flat)      # w_flat updated in place; g_flat never written
 
-See README.md and DESIGN.md for the contract every optimizer keeps.
+Every optimizer keeps one contract (``flatopt.Optimizer``): parameters are flat, contiguous float32/float64
+buffers addressed by name and updated in place; gradients are never written; bad input raises a
+``ValueError``/``TypeError`` naming the parameter before anything changes; ``step_batch(items)`` equals ``step`` on
+each item in order, bit for bit; ``state_dict``/``load_state_dict`` (and ``flatopt.save``/``flatopt.load``) resume
+bit for bit.  ``help(flatopt.Optimizer)`` and each class's docstring say the rest.
 """
 
 from . import gradients, schedules

@@ -1,4 +1,5 @@
-"""The exception family of :class:`flatopt.MuonAdamW` (after RUDA's ``MuonError``).
+"""The exception family of :class:`flatopt.MuonAdamW` (after ``MuonError`` of the Rust crate
+ruda-optim 0.21.13, a fork of Burn's optimizers).
 
 Every error derives from :class:`MuonError`, itself a ``ValueError`` (the dtype and backend errors are also
 ``TypeError`` s), so code written against the generic Optimizer contract (``ValueError``/``TypeError``) keeps

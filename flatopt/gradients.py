@@ -4,7 +4,7 @@ They work on NumPy and CuPy alike and never synchronise with the host on CuPy: r
 that you may pass on (``clip_by_global_norm`` scales on the device).  Reading one on the host (``float(norm)``,
 ``bool(ok)``) is the caller's one deliberate synchronisation per iteration, outside any optimizer step.
 
-The seed's "check finite gradients, then skip consistently" workflow::
+The "check finite gradients, then skip consistently" workflow::
 
     ok = flatopt.gradients.all_finite(grads)           # one reduction over every buffer
     if bool(ok):                                       # host decision, once per iteration

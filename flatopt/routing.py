@@ -87,6 +87,8 @@ class Select:
         return cls(everything=True)
 
     def matches(self, name: str, shape: tuple) -> bool:
+        """Whether this selector takes parameter ``name`` of ``shape``: ``all()``, a listed name, a glob pattern
+        (``fnmatch``, case-sensitive), or the predicate ``predicate(name, shape)``."""
         if self.everything or name in self.names:
             return True
         if any(fnmatch.fnmatchcase(name, p) for p in self.patterns):
@@ -94,6 +96,8 @@ class Select:
         return bool(self.predicate(name, shape)) if self.predicate is not None else False
 
     def describe(self) -> dict:
+        """A JSON-able description (names, patterns, the predicate's ``description``), stored in checkpoints so
+        that a snapshot only loads into the same grouping."""
         return {"all": self.everything, "names": sorted(self.names), "patterns": list(self.patterns),
                 "predicate": self.description}
 
@@ -188,9 +192,15 @@ class Router:
 
     # ----------------------------------------------------------------------------------------- protocol
     def step(self, name: str, shape: tuple, param, grad) -> None:
+        """One parameter, routed to the first group whose selector takes it: ``step_batch([OptItem(...)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
     def step_batch(self, items: Sequence[OptItem], *, lrs: Mapping[str, float] | None = None) -> None:
+        """Route every item to the first group whose selector takes it and step each group's items with that
+        group's optimizer: bit for bit what stepping each item in order gives.  Every item is validated (in its
+        group's optimizer too) before anything changes; a name no group takes is a ``RoutingError``.  Groups run
+        concurrently on NumPy when both hold enough work.  ``lrs={group: lr}`` overrides a group's learning rate
+        for this call only."""
         with self._lock:
             by_group = self.split(items)
             overrides = {}
@@ -233,6 +243,7 @@ class Router:
         parallel.run_jobs(jobs, _group_pool())
 
     def end_iteration(self) -> None:
+        """Count one iteration here and in every group's optimizer."""
         with self._lock:
             self.iteration += 1
             for g in self.groups:
@@ -240,9 +251,12 @@ class Router:
 
     @property
     def lr(self) -> float | None:
+        """The base learning rate last given to ``set_lr`` (or at construction)."""
         return self._lr
 
     def set_lr(self, lr: float) -> None:
+        """Give every group with an ``lr_ratio`` the learning rate ``lr * lr_ratio``; groups without one keep
+        their own."""
         lr = check_lr(lr)
         with self._lock:
             for g in self.groups:
@@ -267,10 +281,12 @@ class Router:
 
     # -------------------------------------------------------------------------------------- checkpoints
     def config_key(self) -> dict:
+        """The grouping a snapshot must match to load: each group's name, algorithm and selector."""
         return {"groups": [{"name": g.name, "algorithm": getattr(g.optimizer, "algorithm", type(g.optimizer).__name__),
                             "select": g.select.describe()} for g in self.groups]}
 
     def state_dict(self) -> OptimizerState:
+        """One snapshot of every group's optimizer (each parameter tagged with its group) and the grouping."""
         with self._lock:
             params, buffers, groups, configs, keys = {}, {}, {}, {}, {}
             for g in self.groups:
@@ -340,6 +356,7 @@ class Router:
             self.iteration = int(state.step)
 
     def load_state_dict(self, state: OptimizerState) -> bool:
+        """``try_load_state_dict`` answering ``False`` (nothing changed) instead of raising ``IncompatibleState``."""
         try:
             self.try_load_state_dict(state)
         except IncompatibleState:

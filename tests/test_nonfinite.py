@@ -1,4 +1,5 @@
-"""The non-finite gradient policy of every optimizer, as documented in the README, checked.
+"""The non-finite gradient policy of every optimizer, as documented in docs/contract.md ("Non-finite gradients"),
+checked.
 
 flatopt never repairs gradients silently on its own (the reference implementations don't either, except where
 noted): a NaN or Inf in ``grad`` reaches the parameter as each algorithm's arithmetic carries it.  The supported

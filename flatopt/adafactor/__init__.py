@@ -15,8 +15,9 @@ Update rule for ``step(name, shape, θ, G)``, t the step count of this name (adv
     θ ← θ·(1 − α·weight_decay) − Δ                       (decoupled decay with the step size α, as HF)
 
 Defaults (the paper's): lr None (relative step), beta2_decay −0.8, eps1 1e-30, eps2 1e-3, clip_threshold 1, no first
-moment, no weight decay.  ``scale_parameter=None`` means *on for the relative step, off for a manual lr* (the seed's
-rule), resolved once at construction (and again by ``with_lr``); True/False force it.
+moment, no weight decay.  ``scale_parameter=None`` means *on for the relative step, off for a manual lr* (the
+relative step is ρ·max(eps2, RMS(θ)) as in the paper; a manual lr acts like AdamW's), resolved once at
+construction (and again by ``with_lr``); True/False force it.
 
 ``set_lr(x)``: stores x as the manual lr, so ρ = x·lr_scale(name) from the next step on in every mode (the relative
 step is replaced; parameter scaling keeps the setting resolved at construction, so ``Adafactor().set_lr(x)`` gives

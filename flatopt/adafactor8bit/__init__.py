@@ -1,6 +1,6 @@
 """Adafactor8Bit: Adafactor with log-space 8-bit block-quantized states, APOLLO, Fira and CAME.
 
-Follows the Python package adafactor8bit 0.4.6 (``reference/adafactor8bit.md``): the same options under the same
+Follows the Python package adafactor8bit 0.4.6 (on PyPI): the same options under the same
 names and defaults, and its pure-PyTorch (CPU) numbers.  Paths, chosen per parameter from its (group) config:
 
 * **factored Adafactor** (≥ 2-D, ``factored=True``, default): R, C ← lerp(·, row/col means of g² + eps1, b),
@@ -27,7 +27,7 @@ ranges aligned to the codec blocks.  On NumPy a parameter of ≥ ``SPLIT_MIN`` e
 full-size elementwise passes) over the threads (bits independent of the thread count); smaller ones step whole,
 several at once.
 
-Deviations from the original (all deliberate, see the reference §1.4–§1.6, §6, §11):
+Deviations from the original (all deliberate):
 * codec floor F = log2(max(eps², FLT_MIN)) and the 126 cap on every state and backend (the original's CPU encoder
   uses −126; equal for eps1 = 1e-30, so codes then match bit for bit);
 * a state slot is kept in float32 when its quantized layout would be larger (short factor vectors: the original
@@ -342,9 +342,9 @@ class Adafactor8Bit(PerParamOptimizer):
 
 
 def hybrid_groups(apollo_rank: int = 256, weight_decay: float = 1e-2) -> list:
-    """The seed README's hybrid routing: 1-D / bias / norm in float32 without decay on Adafactor; embeddings in
-    float32 without decay on APOLLO; other 2-D weights 8-bit with decay on APOLLO; > 2-D weights 8-bit with decay
-    on Adafactor.  Pass as ``groups=`` (with ``weight_decay`` also given to the constructor for the rest)."""
+    """The hybrid routing adafactor8bit's README recommends: 1-D / bias / norm in float32 without decay on
+    Adafactor; embeddings in float32 without decay on APOLLO; other 2-D weights 8-bit with decay on APOLLO; > 2-D
+    weights 8-bit with decay on Adafactor.  Pass as ``groups=`` (with ``weight_decay`` also given to the constructor for the rest)."""
     sensitive = Select(predicate=lambda n, s: len(s) <= 1 or "bias" in n or "norm" in n, description="1-D/bias/norm")
     embed = Select(predicate=lambda n, s: "embed" in n.lower(), description="embed")
     mat = Select(predicate=lambda n, s: len(s) == 2, description="2-D")

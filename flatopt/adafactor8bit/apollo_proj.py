@@ -1,4 +1,4 @@
-"""APOLLO's projector (§6.1–6.2 of ``reference/adafactor8bit.md``), used by ``flatopt.adafactor8bit.apollo``: the seeds, their
+"""APOLLO's projector (as in adafactor8bit 0.4.6), used by ``flatopt.adafactor8bit.apollo``: the seeds, their
 refresh, and the matrix P drawn from a seed.
 
 ``ApolloProjector(proj_fn, next_seed)`` is the documented hook for exact comparisons (a testing aid):

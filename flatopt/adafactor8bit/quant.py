@@ -1,4 +1,4 @@
-"""Block quantization codecs of ``Adafactor8Bit`` (reference: adafactor8bit 0.4.6; ``reference/adafactor8bit.md``).
+"""Block quantization codecs of ``Adafactor8Bit`` (as in the Python package adafactor8bit 0.4.6).
 
 **AL8 / AL16** (non-negative states: second moments, CAME confidences, APOLLO's low-rank variance).  A flat state of
 ``n`` values is cut into blocks of ``block_size`` (zero-padded); each block stores one float32 ``scale`` (its log2

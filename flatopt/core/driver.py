@@ -35,7 +35,10 @@ CHUNK = 1 << 16
 
 
 class PerParamOptimizer:
-    """Base class: the contract of DESIGN §1 for algorithms whose parameters are independent.
+    """Base class of the optimizers whose parameters are updated independently (SGD, AdamW, Adafactor,
+    Adafactor8Bit, KronPsgd, Muon): it implements the ``flatopt.Optimizer`` protocol once — validation before
+    mutation, lazy name-keyed state with a step count per name, ``set_lr``/``lr_scale``, ``state_dict`` /
+    ``load_state_dict``, threads on NumPy and the fused-kernel dispatch on CuPy — around an algorithm's update.
 
     Subclasses set ``algorithm`` (a stable id), ``config_cls`` and ``state_cls``, and implement ``_init`` and
     ``_update``; elementwise algorithms set ``elementwise = True`` and then receive contiguous chunks of the
@@ -95,6 +98,7 @@ class PerParamOptimizer:
     # ------------------------------------------------------------------------------------------ public API
     @property
     def lr(self) -> float | None:
+        """The base learning rate (``None`` where the algorithm derives its own, e.g. Adafactor's relative step)."""
         return self._lr
 
     def set_lr(self, lr: float) -> None:
@@ -102,6 +106,8 @@ class PerParamOptimizer:
         self._lr = check_lr(lr)
 
     def lr_scale(self, name: str) -> float:
+        """The learning-rate multiplier of ``name``: from the ``lr_scale=`` mapping (missing names: 1.0) or
+        callable given at construction; 1.0 without one."""
         return self._lr_scale(name)
 
     def end_iteration(self) -> None:
@@ -109,9 +115,17 @@ class PerParamOptimizer:
         self.iteration += 1
 
     def step(self, name: str, shape: tuple[int, ...], param, grad) -> None:
+        """Update ``param`` (flat, contiguous, ``prod(shape)`` elements, float32/float64) in place from ``grad``
+        (same size, dtype and backend; never written).  Bad input raises ``ValueError``/``TypeError`` naming the
+        parameter, with nothing changed.  The same as ``step_batch([OptItem(name, shape, param, grad)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
     def step_batch(self, items: Sequence[OptItem]) -> None:
+        """Update every item's parameter in place: bit for bit what ``step`` on each item in order gives.
+
+        Every item is validated before any buffer or state changes; the same name twice is an error.  On NumPy
+        large items are split in cache-sized chunks and spread over threads and small ones are bucketed; on CuPy
+        the fused kernels run without host synchronisation.  Thread-safe: one optimizer's calls are serialised."""
         with self._lock:
             prepared = self._prepare(items)
             if not prepared:
@@ -125,6 +139,7 @@ class PerParamOptimizer:
             cpu_plan.forget_plans(self)
 
     def state_names(self) -> list[str]:
+        """The names that have state (stepped at least once), sorted."""
         return sorted(self._slots)
 
     def state_nbytes(self) -> int:

@@ -110,22 +110,31 @@ class Sharded(ShardedCheckpoints):
     # ------------------------------------------------------------------------------------------ protocol
     @property
     def lr(self):
+        """The wrapped optimizer's base learning rate."""
         return self.inner.lr
 
     def set_lr(self, lr: float) -> None:
+        """Set the wrapped optimizer's base learning rate (call it on every rank with the same value)."""
         self.inner.set_lr(lr)
 
     def lr_scale(self, name: str) -> float:
+        """The wrapped optimizer's learning-rate multiplier of ``name``."""
         return self.inner.lr_scale(name)
 
     def end_iteration(self) -> None:
+        """Count one iteration in the wrapped optimizer (call it on every rank)."""
         self.inner.end_iteration()
 
     def step(self, name: str, shape: tuple, param, grad) -> None:
+        """Collective, one parameter: ``step_batch([OptItem(name, shape, param, grad)])`` on every rank."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
     def step_batch(self, items: Sequence[OptItem]) -> None:
-        """Collective: every rank calls it with the same batch (module doc)."""
+        """Collective: every rank calls it with the same items (names, shapes, dtypes, order) and the same,
+        already averaged gradients.  Each rank steps the parameters (or, for SGD/AdamW, the ranges of large
+        buffers) the plan gives it, then the owners broadcast the new values, so every rank ends with the same
+        parameters, bit-identical to one process stepping them all.  Bad input on any rank raises on every rank
+        (the others get ``RemoteStepError``) before anything changes."""
         with self._lock:
             err, work = None, None
             try:
@@ -219,9 +228,11 @@ class Sharded(ShardedCheckpoints):
 
     # ---------------------------------------------------------------------------------------- helpers
     def allreduce_mean(self, buffers: Sequence) -> None:
+        """Average each buffer in place over the ranks of this optimizer's communicator (collective)."""
         allreduce_mean(buffers, self.backend)
 
     def global_norm(self, buffers: Sequence):
+        """‖buffers‖₂ over all ranks' buffers together (collective; see ``flatopt.distributed.global_norm``)."""
         return global_norm(buffers, self.backend)
 
     def grad_norm(self, items: Sequence[OptItem]):

@@ -1,6 +1,6 @@
 """KronPsgd: PSGD with a Kronecker-factored preconditioner fitted on the Lie group of triangular matrices.
 
-The step of kron_torch 0.3.3 (``reference/kron.md`` §4), per parameter, with t its step count and
+The step of kron_torch 0.3.3 (``kron_torch.Kron``, after Xi-Lin Li's PSGD), per parameter, with t its step count and
 η = lr · lr_scale(name)::
 
     m  = β·m + (1 − β)·g;   h = m / (1 − β^t)                (debiased momentum, then in the precond dtype)
@@ -44,7 +44,8 @@ its schedule and balance stream on load and draws V from the global torch RNG); 
 finite is discarded (kron_torch lets a NaN poison Q forever); ``momentum_into_precond_update=False`` fits a copy
 of the gradient (kron_torch perturbs ``p.grad`` in place); the decay is added in the parameter's dtype; nothing
 is printed; lr is required (kron_torch: 3e−4).  Not offered: ``mu_dtype`` (momentum has the param dtype).
-The seed crate's KronPsgd (probe V = g, so Q never moves; heavy ball after the preconditioner) is not followed.
+The ``KronPsgd`` of the Rust crate rlx-optim (probe V = g, so Q never moves; heavy ball after the preconditioner)
+is not followed.
 
 When to use: matrices of moderate size where curvature is strongly anisotropic; start with an lr ~3× smaller than
 AdamW's and a 3–10× larger weight decay.  Memory: the momentum plus Σ d_i² floats (dense) / d_i (diagonal) per
@@ -52,7 +53,11 @@ parameter; on NumPy the temporaries of a step (about 13× the largest parameter'
 are per-thread scratch (``kron.numerics.scratch`` over ``flatopt.core.workspace``) kept between steps, so a 1-D/2-D
 step allocates nothing of the parameter's size after the first (> 2-D shapes with ``merge_dims=False`` use fresh
 temporaries).  Matmul-bound: ``step_batch`` runs items serially (``threaded = False``), leaving the cores to the
-threaded BLAS (a thread pool on top oversubscribes them; on 2 cores it measured no better).  Triangular solves:
+threaded BLAS (a thread pool on top oversubscribes them; on 2 cores it measured no better).  So ``step``,
+``step_batch`` and a ``flatopt.distributed`` rank make the same BLAS calls under the process's BLAS thread count, and
+agree bit for bit; the results themselves may change with ``OPENBLAS_NUM_THREADS`` or another CPU's BLAS kernels
+(last-bit differences of the GEMMs, amplified by the preconditioner's feedback): compare runs across machines with a
+tolerance, not bits.  Triangular solves:
 cuBLAS trsm on CuPy; on NumPy a blocked substitution on NumPy's BLAS, 32-row leaves by their triangular inverse
 (SciPy's trsm is not used: its second OpenBLAS's idle threads spun against NumPy's, 12-22 % slower steps).
 """

@@ -1,10 +1,11 @@
-"""Muon: momentum, then a Newton–Schulz orthogonalised update, for 2-D matrices (``reference/muon.md``).
+"""Muon: momentum, then a Newton–Schulz orthogonalised update, for 2-D matrices (Keller Jordan's Muon, as in
+torch.optim.Muon).
 
 Update rule for a matrix parameter W (r×c, row-major flat buffer) with gradient G, buffer B (zeros at creation),
 μ = momentum, η = lr · lr_scale(name)::
 
     "ema" convention (default; torch.optim.Muon, Keller Jordan):  B ← μ·B + (1 − μ)·G;  D = (1 − μ)·G + μ·B  (Nesterov)
-    "sgd" convention (Burn, RUDA's default, rlx-optim):           B ← μ·B + G;          D = G + μ·B          (Nesterov)
+    "sgd" convention (Burn, ruda-optim's default, rlx-optim):     B ← μ·B + G;          D = G + μ·B          (Nesterov)
     (without Nesterov D = B)
     X = D / N,  N = max(‖D‖_F, ε) ("clamp", torch/Burn)  or  ‖D‖_F + ε ("additive", Keller)
     ns_steps times, with (a, b, c) = ns_coefficients:  A = X·Xᵀ;  X ← a·X + (b·A + c·A·A)·X
@@ -33,12 +34,18 @@ route biases, norm gains, embeddings and output heads to AdamW with :class:`flat
 On CuPy the same code runs with cuBLAS matmuls; the norm, its clamp and the division stay on the device (no host
 synchronisation).  ``end_iteration`` only counts iterations (Muon has no schedule).  State per name:
 ``momentum_buffer`` (parameter dtype).  Work buffers (2·r·c + 2·min(r, c)² elements) are allocated at the first step
-of a name and never saved.  ``step_batch``: with ``workers=1`` the items run serially and the BLAS uses the cores; ``workers=K`` runs the matrices on K persistent threads with a fixed, cost-balanced matrix → thread
-assignment and, while they run, caps the BLAS at one thread (through ``threadpoolctl`` when it is installed, so
-that K threads do not each start a multi-threaded GEMM).  OpenBLAS splits a GEMM over rows/columns only, so the bits
-are the same as the serial loop either way (tested).  Measured on 2 busy cores (``benchmarks/bench_muon.py``):
-K = 2 with the cap beats K = 1 by 2.8x (many mid-size matrices); without the cap it is slower.  So the default
-``workers=None`` means ``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can cap the BLAS, else 1.
+of a name and never saved.  **BLAS threads.** On NumPy every Newton–Schulz GEMM runs with the BLAS held at **one thread** (through
+``threadpoolctl``, the ``fast`` extra), in every mode: ``step``, a serial ``step_batch`` and the workers.  A GEMM's
+bits depend on the BLAS thread count on some CPUs (OpenBLAS's Haswell kernels on an AMD EPYC: a 2-thread sgemm
+differs in the last bits from a 1-thread one), so this is what makes ``step_batch`` ≡ the ``step`` loop ≡ any
+``workers`` hold on every CPU and under any ``OPENBLAS_NUM_THREADS`` (tested; the suite also runs under one BLAS
+thread).  Without ``threadpoolctl`` nothing can hold the BLAS: every mode then runs the items serially on the BLAS's
+own threads (the same calls), and the results may change with ``OPENBLAS_NUM_THREADS``.  The cost: one matrix
+stepped alone gets one core (the workers spread many matrices over the cores).  ``step_batch`` with
+``workers=K`` runs the matrices on K persistent threads with a fixed, cost-balanced matrix → thread assignment.
+Measured on 2 busy cores (``benchmarks/bench_muon.py``): K = 2 beats K = 1 by 2.8x (many mid-size matrices).  So
+the default ``workers=None`` means ``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can hold the
+BLAS, else 1.
 A batch below ``core.parallel.PARALLEL_MIN_COST`` (elements × min dimension) or of one matrix runs serially.
 """
 
@@ -234,9 +241,15 @@ class Muon(PerParamOptimizer):
                 raise ValueError(f"parameter {name!r}: lr·s or lr·weight_decay overflows float32 (lr {lr!r})")
 
     def _run(self, prepared: list) -> None:
-        if (self.workers <= 1 or len(prepared) < 2 or any(slot.backend == "cupy" for _, slot, _ in prepared)
+        # NumPy: every Newton–Schulz GEMM runs with the BLAS held at one thread, in every mode (the serial loop, one
+        # item, the workers), because a GEMM's bits depend on the BLAS thread count on some CPUs; without
+        # threadpoolctl nothing can hold it, so the items run serially on the BLAS's own threads (same calls either way)
+        on_cpu = any(slot.backend == "numpy" for _, slot, _ in prepared)
+        if (self.workers <= 1 or len(prepared) < 2 or not on_cpu or not shards.can_cap()
+                or any(slot.backend == "cupy" for _, slot, _ in prepared)
                 or sum(_cost(slot.shape) for _, slot, _ in prepared) < parallel.PARALLEL_MIN_COST):
-            super()._run(prepared)
+            with shards.blas_capped(on_cpu):
+                super()._run(prepared)
             return
         for it, _, _ in prepared:
             if it.name not in self._shard:

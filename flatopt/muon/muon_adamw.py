@@ -1,6 +1,7 @@
 """MuonAdamW: Muon on an explicit list of matrices, AdamW on every other parameter, with strict safety semantics.
 
-The seed's (RUDA's) ``MuonAdamW`` translated to names and flat buffers (``reference/muon.md`` §4):
+The ``MuonAdamW`` of the Rust crate ruda-optim 0.21.13 (a fork of Burn's optimizers; its ``try_step_with_lrs``,
+``try_step_or_skip``, ``try_load_record`` and error names) translated to names and flat buffers:
 
 * **Explicit manifest.**  ``MuonAdamW(params={name: shape or (shape, dtype)}, muon_names=[...])`` fixes every
   parameter's shape, dtype (``None``: float32 or float64, fixed by its first step), and role once.  Roles are never
@@ -15,7 +16,7 @@ The seed's (RUDA's) ``MuonAdamW`` translated to names and flat buffers (``refere
   momentum or moment update, no weight decay and no state.
 * **Tied parameters** (``aliases={alias: name}``): one update and one state per name; the alias and the name
   must be given the same param and grad memory (else :class:`~flatopt.errors.TiedParameterMismatch`).
-  The same name twice in one batch is an error (DESIGN §1).
+  The same name twice in one batch is an error (as for every flatopt optimizer).
 * ``try_step_or_skip(..., skip_update=True)`` returns at once: no validation, no change.  The caller decides the
   skip consistently on every replica and unscales/finite-checks gradients before a non-skipped step (no step
   scans values).
@@ -149,18 +150,22 @@ class MuonAdamW:
     # --------------------------------------------------------------------------------------- inspection
     @property
     def lr(self) -> float:
+        """The Muon learning rate; AdamW's is ``lr * adamw_lr_ratio``."""
         return self._lr
 
     @property
     def adamw_lr_ratio(self) -> float:
+        """AdamW's learning rate as a fraction of Muon's (fixed at construction)."""
         return self._ratio
 
     @property
     def muon(self) -> Muon:
+        """The inner ``Muon`` optimizer of the Muon group (for inspection; step through this object)."""
         return self._muon
 
     @property
     def adamw(self) -> AdamW:
+        """The inner ``AdamW`` optimizer of the AdamW group (for inspection; step through this object)."""
         return self._adamw
 
     def manifest(self) -> list:
@@ -174,12 +179,15 @@ class MuonAdamW:
         return len(self._muon_set)
 
     def muon_state_count(self) -> int:
+        """Number of Muon-group parameters that have state (stepped at least once)."""
         return len(self._muon.state_names())
 
     def adamw_state_count(self) -> int:
+        """Number of AdamW-group parameters that have state (stepped at least once)."""
         return len(self._adamw.state_names())
 
     def lr_scale(self, name: str) -> float:
+        """The learning-rate multiplier of ``name`` (an alias answers for its target), honoured by both groups."""
         return self._lr_scale(self._aliases.get(name, name))
 
     # ------------------------------------------------------------------------------------------- stepping
@@ -192,12 +200,17 @@ class MuonAdamW:
         self._lr = lr
 
     def end_iteration(self) -> None:
+        """Count one iteration (saved in ``state_dict``); neither group has an optimizer-wide schedule."""
         self._router.end_iteration()
 
     def step(self, name: str, shape: tuple, param, grad) -> None:
+        """One parameter: ``step_batch([OptItem(name, shape, param, grad)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
     def step_batch(self, items: Sequence[OptItem]) -> None:
+        """The Optimizer protocol's step: ``try_step_with_lrs(lr, lr * adamw_lr_ratio, items)``.  Items with
+        ``grad=None`` are not stepped; an alias must come with its target's buffers; everything is validated
+        before either group changes anything, and the two groups then run concurrently."""
         self.try_step_with_lrs(self._lr, self._lr * self._ratio, items)
 
     def try_step_or_skip(self, muon_lr: float, adamw_lr: float, params, grads=None, *, skip_update: bool) -> None:
@@ -265,6 +278,8 @@ class MuonAdamW:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> OptimizerState:
+        """A versioned record of both groups (Muon momentum buffers, AdamW moments, step counts), the manifest and
+        the configuration key that ``try_load_record`` checks."""
         with self._router._lock:  # noqa: SLF001
             st = self._router.state_dict()
             st.config = {**st.config, **self._config, "lr": self._lr}
