@@ -60,9 +60,9 @@ def init(shapes, seed=0, dtype=np.float32) -> dict[str, np.ndarray]:
     p = {}
     for n, s in shapes.items():
         if n.endswith("gain"):
-            p[n] = np.ones(s, dtype).ravel()
+            p[n] = flatopt.flat_view(np.ones(s, dtype))
         else:
-            p[n] = (rng.standard_normal(s) * (0.5 / np.sqrt(s[0]))).astype(dtype).ravel()
+            p[n] = flatopt.flat_view((rng.standard_normal(s) * (0.5 / np.sqrt(s[0]))).astype(dtype))
     return p
 
 

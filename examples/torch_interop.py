@@ -1,7 +1,7 @@
 """PyTorch computes the gradients, flatopt updates the parameters in place through zero-copy views.
 
-On the CPU, ``tensor.detach().numpy().reshape(-1)`` is a NumPy view of the tensor's memory (for a contiguous
-tensor), so flatopt writes straight into the model's parameters and reads ``.grad`` without a copy.  On a GPU,
+On the CPU, ``flatopt.flat_view(tensor.detach().numpy())`` is a 1-D NumPy view of the tensor's memory (it raises
+for a non-contiguous tensor, where ``reshape(-1)`` would silently copy), so flatopt writes straight into the model's parameters and reads ``.grad`` without a copy.  On a GPU,
 ``cupy.from_dlpack(tensor.detach())`` gives the same zero-copy view of a CUDA tensor (see ``views`` below).
 
 The script trains a small torch model twice from the same initialisation, once with ``torch.optim.AdamW`` and
@@ -47,8 +47,8 @@ def views(tensor):
     if t.is_cuda:
         from flatopt.core import backend
 
-        return backend.cupy().from_dlpack(t).reshape(-1)
-    return t.numpy().reshape(-1)
+        return flatopt.flat_view(backend.cupy().from_dlpack(t))
+    return flatopt.flat_view(t.numpy())
 
 
 def make_model(torch, seed: int):

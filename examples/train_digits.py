@@ -65,7 +65,7 @@ def init_params(shapes, seed: int = 0) -> dict[str, np.ndarray]:
     params = {}
     for name, shape in shapes.items():
         if name.endswith("weight"):
-            params[name] = (rng.standard_normal(shape) * math.sqrt(2.0 / shape[0])).astype(np.float32).ravel()
+            params[name] = flatopt.flat_view((rng.standard_normal(shape) * math.sqrt(2.0 / shape[0])).astype(np.float32))
         elif name.endswith("gain"):
             params[name] = np.ones(math.prod(shape), np.float32)
         else:

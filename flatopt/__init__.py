@@ -12,6 +12,7 @@ bit for bit.  ``help(flatopt.Optimizer)`` and each class's docstring say the res
 """
 
 from . import gradients, schedules
+from .buffers import flat_view, pack, pack_like
 from .core.driver import PerParamOptimizer
 from .core.parallel import TaskError
 from .core.types import Optimizer, OptimizerState, OptItem
@@ -19,6 +20,7 @@ from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
 from .adamw import AdamW
 from .checkpoint import CheckpointError, load, save
+from .errors import IncompatibleStateError
 from .muon import Muon
 from .muon.muon_adamw import MuonAdamW
 from .kron import KronPsgd
@@ -31,6 +33,7 @@ __all__ = [
     "Adafactor8Bit",
     "AdamW",
     "CheckpointError",
+    "IncompatibleStateError",
     "Muon",
     "MuonAdamW",
     "KronPsgd",
@@ -40,8 +43,11 @@ __all__ = [
     "PerParamOptimizer",
     "SGD",
     "TaskError",
+    "flat_view",
     "gradients",
     "load",
+    "pack",
+    "pack_like",
     "save",
     "schedules",
 ]

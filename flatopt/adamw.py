@@ -25,7 +25,7 @@ import numpy as np
 
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
-from .core.validate import check_range
+from .core.validate import check_lr, check_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class AdamWConfig:
     amsgrad: bool = False
 
     def __post_init__(self):
-        check_range("AdamW", "lr", self.lr, 0.0, math.inf)
+        check_lr(self.lr, "lr", "AdamW")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise TypeError(f"AdamW: betas must be a pair of floats, got {self.betas!r}")
         check_range("AdamW", "betas[0]", self.betas[0], 0.0, 1.0, hi_open=True)

@@ -47,7 +47,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .core import backend, parallel
 from .core.types import FORMAT_VERSION, OptimizerState, OptItem
-from .core.validate import check_batch_aliasing, check_lr, check_shape
+from .core.validate import check_batch_aliasing, check_lr, check_shape, check_snapshot
+from .errors import IncompatibleStateError
 
 __all__ = ["Group", "IncompatibleState", "Router", "RoutingError", "Select"]
 
@@ -56,8 +57,9 @@ class RoutingError(ValueError):
     """A parameter no group selects, a duplicate name, or an invalid router definition."""
 
 
-class IncompatibleState(ValueError):
-    """A snapshot that does not belong to this router (another grouping, group algorithm or configuration)."""
+class IncompatibleState(IncompatibleStateError):
+    """A snapshot that does not belong to this router (another grouping, group algorithm or configuration); an
+    :class:`flatopt.errors.IncompatibleStateError` (hence a ``ValueError``)."""
 
 
 class Select:
@@ -155,6 +157,7 @@ class Router:
         self.min_concurrent_cost = min_concurrent_cost
         self.iteration = 0
         self._lr: float | None = None
+        self.last_load_notes: list[str] = []
         self._lock = threading.RLock()
 
     # -------------------------------------------------------------------------------------------- routing
@@ -348,17 +351,25 @@ class Router:
             for g in self.groups:
                 before = g.optimizer.state_dict()
                 if g.optimizer.load_state_dict(parts[g.name]) is not True:
+                    why = "; ".join(getattr(g.optimizer, "last_load_notes", None) or ["configuration or shapes differ"])
                     for og, ob in reversed(backups):
                         og.optimizer.load_state_dict(ob)
                     raise IncompatibleState(f"group {g.name!r} ({parts[g.name].algorithm}) refused its part of the "
-                                            f"snapshot (configuration or shapes differ)")
+                                            f"snapshot: {why}")
                 backups.append((g, before))
             self.iteration = int(state.step)
 
-    def load_state_dict(self, state: OptimizerState) -> bool:
-        """``try_load_state_dict`` answering ``False`` (nothing changed) instead of raising ``IncompatibleState``."""
+    def load_state_dict(self, state: OptimizerState, *, strict: bool = False) -> bool:
+        """``try_load_state_dict`` that answers ``False`` (nothing changed) with the reason in
+        ``last_load_notes`` instead of raising; ``strict=True`` raises :class:`IncompatibleState`.  A path or a
+        dict is a ``TypeError`` (read files with ``flatopt.load``)."""
+        check_snapshot(state, type(self).__name__)
         try:
             self.try_load_state_dict(state)
-        except IncompatibleState:
+        except IncompatibleState as exc:
+            self.last_load_notes = [str(exc)]
+            if strict:
+                raise
             return False
+        self.last_load_notes = []
         return True

@@ -22,7 +22,7 @@ import numpy as np
 
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
-from .core.validate import check_range
+from .core.validate import check_lr, check_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class SGDConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        check_range("SGD", "lr", self.lr, 0.0, float("inf"))
+        check_lr(self.lr, "lr", "SGD")
         check_range("SGD", "momentum", self.momentum, 0.0, 1.0)
         check_range("SGD", "dampening", self.dampening, 0.0, 1.0)
         check_range("SGD", "weight_decay", self.weight_decay, 0.0, float("inf"))

@@ -3,10 +3,12 @@
 ``xp = FakeDevice()`` is not ``numpy``, so flatopt takes its CuPy branches (one block per pass, data-dependent
 scalars kept as 0-d arrays); every array it returns is a :class:`DeviceArray`, which refuses the conversions that
 would synchronise a real device with the host (``bool``, ``float``, ``int``, ``item``, ``tolist``): a step that
-runs here without :class:`HostSync` keeps its scalars on the device.  What it cannot check: CUDA kernels (run the
-twins: ``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), the execution on streams (its streams only record
-``record``/``wait_event`` calls and which one is current), and CuPy's own API differences (except ``einsum``, which
-rejects the keywords CuPy rejects).
+runs here without :class:`HostSync` keeps its scalars on the device.  Every module function and ufunc call is
+checked against CuPy 14's real signature (``tests/cuda_emu/cupy_api.py``: ``einsum(out=)`` is a ``TypeError`` as on
+CuPy, a name CuPy lacks an ``AttributeError``).  What it cannot check: CUDA kernels (run the twins:
+``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), the execution on streams (its streams only record
+``record``/``wait_event`` calls and which one is current), and CuPy's array methods; for those, and for a
+stand-in whose arrays are not NumPy arrays, see ``tests/cuda_emu/fakecupy.py`` (the emulated GPU of test_gpu.py).
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ import threading
 
 import numpy as np
 
-
-# The keywords ``cupy.einsum`` accepts (CuPy 14 ``cupy/linalg/_einsum.py``; tests/test_gpu_defects.py checks this
-# against the installed CuPy's source): anything else, ``out=`` included, raises ``TypeError`` there.
-EINSUM_KWARGS = ("dtype", "optimize")
+from .cuda_emu import cupy_api
 
 
 class HostSync(AssertionError):
@@ -107,19 +106,16 @@ class FakeDevice:
     ndarray = DeviceArray
 
     def __getattr__(self, name):
+        if not name.startswith("__") and not cupy_api.has(name):
+            raise AttributeError(f"module 'cupy' has no attribute {name!r} (real CuPy 14 lacks it)")
         obj = getattr(np, name)
         if callable(obj) and not isinstance(obj, type):
             def call(*a, **k):
+                cupy_api.check(name, a, k)
                 return _wrap(obj(*a, **k))
             call.__name__ = name
             return call
         return obj
-
-    def einsum(self, *operands, **kwargs):  # CuPy's einsum takes only these keywords (no out=, order=, casting=)
-        bad = sorted(set(kwargs) - set(EINSUM_KWARGS))
-        if bad:
-            raise TypeError(f"Did not understand the following kwargs: {bad}")
-        return _wrap(np.einsum(*operands, **kwargs))
 
     def asnumpy(self, a):
         return np.asarray(a).view(np.ndarray).copy()

@@ -22,8 +22,6 @@ from .test_adafactor8bit import PATHS as A8_PATHS
 
 XP = fake_device.FakeDevice()
 SKIP = {"muon_adamw": "a composite of Muon and AdamW, whose twins are covered by their own entries"}
-
-
 @pytest.fixture(autouse=True)
 def _twins(monkeypatch):
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1")  # no CUDA kernels on the stand-in

@@ -1,4 +1,6 @@
-"""GPU parity (run wherever a CUDA device answers; skipped otherwise).
+"""GPU parity: on a real CUDA device when one answers, else on the emulated device (``tests/cuda_emu``: a CuPy
+stand-in as strict as CuPy 14 whose fused kernels run on the CPU CUDA emulator; skipped only where the emulator
+cannot run, i.e. not Linux x86-64 with g++).
 
 * fused kernel vs its array-agnostic twin (FLATOPT_FORCE_TWIN=1) on CuPy: bit-identical, except Adafactor's, whose
   sums add in another order than the twin's (its elementwise operations are the twin's: kernels/adafactor.cu), held
@@ -17,15 +19,52 @@ import pytest
 import flatopt
 from flatopt.core import backend
 
+from .cuda_emu import emu, fakecupy
 from .helpers import assert_bits_equal, make_for, make_params, run_steps
 from .registry import REGISTRY
 
-pytestmark = pytest.mark.skipif(not backend.gpu_available(), reason="no CUDA device answers")
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_device():
+    """The real GPU when one answers; otherwise CuPy is the stand-in and the kernels run on the emulator."""
+    if backend.gpu_available():
+        yield "gpu"
+        return
+    why = emu.available()
+    if why:
+        pytest.skip(f"no CUDA device answers and {why}")
+    with fakecupy.installed():
+        yield "emulated"
+
 
 NAMES = sorted(REGISTRY)
 STEPS = 4
 # Algorithms whose kernel sums in another order than its twin (see the module documentation).
 SUMS_DIFFER = ("adafactor",)
+
+# Known defects (../shared/reference/gpu-audit.md §1.4, §3), each a strict xfail: the fix flips it to a failure
+# (XPASS), which is the signal to delete the entry.  The audit's D1-D6 are fixed (the Adafactor kernel in its twin's
+# operation order, one rounding point and one non-finite policy for the 8-bit state, APOLLO without einsum(out=) and
+# with one projection on both backends, the tolerance from the state's dtype): none is left.
+KNOWN: dict[tuple, str] = {}
+
+
+def _cases(test, dtypes=(None,)):
+    """(name[, dtype]) parameters of ``test``, the known defects as strict xfails."""
+    out = []
+    for dt in dtypes:
+        for n in NAMES:
+            why = KNOWN.get((test, n, None if dt is None else np.dtype(dt).name))
+            # the defect's own exception only: an emulator error or another exception still fails the test
+            raises = AssertionError
+            if why is not None and why.startswith("D3"):
+                raises = (TypeError, AssertionError) if "D6" in why else TypeError
+            marks = [pytest.mark.xfail(strict=True, raises=raises, reason=why)] if why else []
+            vals = (n,) if dt is None else (n, dt)
+            ident = n if dt is None else f"{np.dtype(dt).name}-{n}"
+            out.append(pytest.param(*vals, marks=marks, id=ident))
+    return out
+
 
 
 def _to_gpu(params):
@@ -33,8 +72,7 @@ def _to_gpu(params):
     return {n: (s, cp.asarray(p)) for n, (s, p) in params.items()}
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name, dtype", _cases("twin", (np.float32, np.float64)))
 def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
     spec = REGISTRY[name]
     base = make_params(spec.shapes + ((300, 1000),), dtype)
@@ -63,8 +101,7 @@ def _tol(dtype, p, state=None, steps=STEPS):
     return 4 * steps * eps * max(1.0, float(np.abs(p).max()))
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name, dtype", _cases("numpy", (np.float32, np.float64)))
 def test_cupy_matches_numpy(name, dtype):
     spec = REGISTRY[name]
     host = make_params(spec.shapes, dtype)
@@ -78,7 +115,7 @@ def test_cupy_matches_numpy(name, dtype):
         np.testing.assert_allclose(got, p, rtol=0, atol=_tol(dtype, p, state), err_msg=n)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", _cases("batch"))
 def test_step_batch_on_streams_equals_serial(name):
     spec = REGISTRY[name]
     base = make_params(spec.shapes * 3 + ((600, 700), (700, 600)))
@@ -89,7 +126,7 @@ def test_step_batch_on_streams_equals_serial(name):
         assert_bits_equal(a[n][1], b[n][1], n)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", _cases("checkpoint"))
 def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
     spec = REGISTRY[name]
     base = make_params(spec.shapes)

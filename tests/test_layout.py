@@ -28,7 +28,7 @@ from .helpers import assert_bits_equal, assert_states_equal, make_for, make_para
 from .registry import REGISTRY
 
 ROOT = pathlib.Path(flatopt.__file__).parent
-UTILITIES = {"checkpoint", "gradients", "routing", "schedules"}
+UTILITIES = {"buffers", "checkpoint", "gradients", "routing", "schedules"}
 ALGORITHM_USES = {"adafactor8bit": {"adafactor"}, "muon": {"adamw"}}
 
 

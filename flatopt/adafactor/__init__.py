@@ -67,7 +67,7 @@ class AdafactorConfig:
 
     def __post_init__(self):
         if self.lr is not None:
-            check_range("Adafactor", "lr", self.lr, 0.0, math.inf)
+            check_lr(self.lr, "lr", "Adafactor")
         check_range("Adafactor", "beta2_decay", self.beta2_decay, -math.inf, 0.0)
         check_range("Adafactor", "eps1", self.eps1, 0.0, math.inf)
         check_range("Adafactor", "eps2", self.eps2, 0.0, math.inf)

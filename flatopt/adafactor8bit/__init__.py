@@ -69,7 +69,9 @@ from ..adafactor import factored_passes
 from . import state as S
 from . import migrate as migration
 from ..core.driver import PerParamOptimizer
-from ..core.validate import check_range
+from ..core.types import FORMAT_VERSION
+from ..errors import IncompatibleStateError
+from ..core.validate import check_lr, check_range
 from .quant import M_FORMATS, V_FORMATS
 from ..routing import Select
 
@@ -125,7 +127,7 @@ class Adafactor8BitConfig:
 
     def __post_init__(self):
         o = "Adafactor8Bit"
-        check_range(o, "lr", self.lr, 0.0, math.inf)
+        check_lr(self.lr, "lr", o)
         for f in ("beta1", "beta2", "beta3"):
             if getattr(self, f) is not None:
                 check_range(o, f, getattr(self, f), 0.0, 1.0, hi_open=True)
@@ -293,18 +295,23 @@ class Adafactor8Bit(PerParamOptimizer):
     def _load_extra(self, extra: dict) -> None:
         self._apollo_seed_counter = int(extra.get("apollo_seed_counter", 1))
 
-    def load_state_dict(self, state, *, restore_hparams: bool = False, migrate: bool = True) -> bool:
+    def load_state_dict(self, state, *, restore_hparams: bool = False, migrate: bool = True,
+                        strict: bool = False) -> bool:
         """The driver's load; a snapshot of this algorithm saved with another state layout (formats, block sizes,
         ``quantize``, ``min_8bit_size``, path, group overrides) is converted to this optimizer's layout or reset per
         parameter (``flatopt.adafactor8bit.migrate``), with one ``StateMigrationWarning`` naming the parameters (also in
-        ``last_load_notes``).  ``migrate=False`` or ``restore_hparams=True``: such a snapshot is refused."""
+        ``last_load_notes``).  ``migrate=False`` or ``restore_hparams=True``: such a snapshot is refused.  A refusal
+        returns ``False`` with the reason in ``last_load_notes`` (``strict=True``: raises it)."""
         with self._lock:
             counter = self._apollo_seed_counter
             # None: no migration; False: allowed (_build_from_state puts its migration.Report here if used)
             self._migration = None if restore_hparams or not migrate else False
             try:
-                ok = super().load_state_dict(state, restore_hparams=restore_hparams)
+                ok = super().load_state_dict(state, restore_hparams=restore_hparams, strict=strict)
                 report = self._migration
+            except IncompatibleStateError:
+                self._apollo_seed_counter = counter  # (building the refused state may have drawn seeds)
+                raise
             finally:
                 self._migration = None
             if not ok:
@@ -332,13 +339,19 @@ class Adafactor8Bit(PerParamOptimizer):
             slot.state.cfg = self.config_for(name, slot.shape)
 
     def _build_from_state(self, state):
-        built = super()._build_from_state(state)
-        if built is None and getattr(self, "_migration", None) is False:
+        try:
+            return super()._build_from_state(state)
+        except IncompatibleStateError as exc:
+            if state.algorithm != self.algorithm or state.format_version != FORMAT_VERSION:
+                raise
+            if getattr(self, "_migration", None) is not False:
+                raise IncompatibleStateError(f"{exc} (migration to this layout was not allowed: migrate=False or "
+                                             f"restore_hparams=True)") from None
             built = migration.build(self, state)
-            if built is not None:
-                slots, notes, self._migration = built
-                built = slots, notes
-        return built
+            if built is None:
+                raise IncompatibleStateError(f"{exc}; nor can it be migrated to this optimizer's layout") from None
+            slots, notes, self._migration = built
+            return slots, notes
 
 
 def hybrid_groups(apollo_rank: int = 256, weight_decay: float = 1e-2) -> list:

@@ -26,6 +26,7 @@ __all__ = [
     "backend_name",
     "to_numpy",
     "to_backend",
+    "flat_view",
     "cupy",
     "gpu_available",
     "force_twin",
@@ -112,6 +113,28 @@ def to_numpy(a: Any) -> np.ndarray:
     if is_cupy_array(a):
         return a.get()
     return np.asarray(a)
+
+
+def flat_view(a: Any):
+    """A 1-D C-contiguous view of the NumPy or CuPy array ``a`` that shares its memory, or ``ValueError`` when
+    none exists (a transposed, Fortran-ordered or sliced array: ``reshape(-1)`` would silently copy it).
+    ``TypeError`` for anything that is not a NumPy or CuPy array."""
+    name = backend_name(a)
+    if not a.flags.c_contiguous:
+        order = "Fortran-ordered (or transposed)" if a.flags.f_contiguous else "strided (sliced or transposed)"
+        raise ValueError(f"array of shape {tuple(a.shape)} is {order}: it has no 1-D view, and reshape(-1) would "
+                         f"copy it (an optimizer would then update the copy); make the parameter C-contiguous "
+                         f"(e.g. allocate it with flatopt.pack) and keep that array")
+    if name == "numpy" and _NUMPY_RESHAPE_COPY:
+        return a.reshape(-1, copy=False)  # raises rather than copy (NumPy >= 2.1)
+    view = a.reshape(-1)
+    start = view.__array_interface__["data"][0] if name == "numpy" else view.data.ptr
+    if view.size and start != (a.__array_interface__["data"][0] if name == "numpy" else a.data.ptr):
+        raise ValueError(f"array of shape {tuple(a.shape)}: reshape(-1) made a copy")  # (never for C order)
+    return view
+
+
+_NUMPY_RESHAPE_COPY = tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 1)
 
 
 def to_backend(a: Any, like: Any):

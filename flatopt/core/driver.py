@@ -19,12 +19,13 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import IncompatibleStateError
 from . import backend as _backend, cpu_plan, gpu_run, parallel
 from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict, config_to_dict, persistent_fields  # noqa: F401 - re-exported
 from .slots import is_array as _is_array
 from .types import FORMAT_VERSION, OptimizerState, OptItem
-from .validate import check_batch_aliasing, check_item, check_lr
+from .validate import check_batch_aliasing, check_item, check_lr, check_snapshot
 
 # Elementwise algorithms process NumPy buffers in chunks of this many elements, so that all the temporaries of
 # one chunk stay in the L2 cache (and the chunks can be spread over threads).  Measured on a 2-core Xeon (2 MB L2
@@ -32,6 +33,9 @@ from .validate import check_batch_aliasing, check_item, check_lr
 # 16K 117, 32K 64, 64K 47, 128K 46, 256K 51, 512K 59 (shorter ufunc calls make the two threads hand the GIL to each
 # other too often).  core/cpu_plan.py turns a batch into tasks (chunked large items, bucketed small ones).
 CHUNK = 1 << 16
+
+# The largest finite value of each parameter dtype: the effective learning rate must be finite in it.
+_DTYPE_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float32, np.float64)}
 
 
 class PerParamOptimizer:
@@ -183,6 +187,9 @@ class PerParamOptimizer:
                 math.isfinite(scale) and scale >= 0
             ):
                 raise ValueError(f"parameter {it.name!r}: lr_scale must be finite and >= 0, got {scale!r}")
+            if not (self._lr or 0.0) * scale <= _DTYPE_MAX[it.param.dtype]:
+                raise ValueError(f"parameter {it.name!r}: lr · lr_scale = {self._lr!r} · {scale!r} is not finite "
+                                 f"in {it.param.dtype}")
             checked.append((it, shape, backend, float(scale)))
         if len(checked) > 1:
             cache = self.__dict__.setdefault("_alias_cache", [])  # the last batch that passed (weak references)
@@ -265,16 +272,22 @@ class PerParamOptimizer:
                 extra=self._extra_state(),
             )
 
-    def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False) -> bool:
-        """Restore a snapshot exactly; ``False`` (and nothing changed) when it belongs to another algorithm, format
-        version, a configuration that matters, or holds a state that does not fit.  Hyper-parameters that do not
-        matter (lr, betas, ...) stay those of this object unless ``restore_hparams``; ``last_load_notes`` says
-        what differed and what was kept."""
+    def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False, strict: bool = False) -> bool:
+        """Restore a snapshot exactly, or return ``False`` with nothing changed when it belongs to another
+        algorithm, format version, a configuration that matters, or holds a state that does not fit; the reason
+        (naming the parameter or field) is then ``last_load_notes[0]``, and ``strict=True`` raises it as
+        :class:`~flatopt.errors.IncompatibleStateError` instead.  A path or a dict is a ``TypeError`` (read files
+        with ``flatopt.load``).  Hyper-parameters that do not matter (lr, betas, ...) stay those of this object
+        unless ``restore_hparams``; after a load ``last_load_notes`` says what differed and what was kept."""
+        check_snapshot(state, type(self).__name__)
         with self._lock:
-            built = self._build_from_state(state)
-            if built is None:
+            try:
+                slots, notes = self._build_from_state(state)
+            except IncompatibleStateError as exc:
+                self.last_load_notes = [str(exc)]
+                if strict:
+                    raise
                 return False
-            slots, notes = built
             if restore_hparams:
                 self.config = config_from_dict(self.config_cls, state.config)
                 self._lr = state.config.get("lr", self._lr)
@@ -287,22 +300,36 @@ class PerParamOptimizer:
             self.last_load_notes = notes
             return True
 
-    def _build_from_state(self, state: Any):
-        if not isinstance(state, OptimizerState):
-            return None
-        if state.algorithm != self.algorithm or state.format_version != FORMAT_VERSION:
-            return None
-        if state.config_key != self._config_key():
-            return None
+    def _build_from_state(self, state: OptimizerState) -> tuple[dict, list[str]]:
+        """``(slots, notes)`` for ``state``, changing nothing; :class:`IncompatibleStateError` when it does not fit."""
+        check_compatible(state, self.algorithm, self._config_key())
         slots = slotlib.restore(state.params, state.buffers,
                                lambda name, shape, dtype: self._init_named(name, np, shape, dtype), self._check_shape)
-        if slots is None:
-            return None
         cur = self._config_dict()
         notes = [
             f"{k}: kept {cur[k]!r} (snapshot had {v!r})" for k, v in state.config.items() if k in cur and cur[k] != v
         ]
         return slots, notes
+
+
+def check_compatible(state: OptimizerState, algorithm: str, config_key: Any) -> None:
+    """:class:`IncompatibleStateError` when ``state`` is of another algorithm or format version, or its config key
+    (the configuration fields that matter) differs from ``config_key`` (the message names each field)."""
+    if state.algorithm != algorithm:
+        raise IncompatibleStateError(f"the snapshot is of algorithm {state.algorithm!r}, this optimizer is "
+                                     f"{algorithm!r}")
+    if state.format_version != FORMAT_VERSION:
+        raise IncompatibleStateError(f"the snapshot has format version {state.format_version!r}, this flatopt "
+                                     f"reads {FORMAT_VERSION}")
+    theirs = state.config_key
+    if theirs != config_key:
+        if isinstance(theirs, Mapping) and isinstance(config_key, Mapping):
+            diff = [f"{k!r} (snapshot {theirs.get(k, '<absent>')!r}, here {config_key.get(k, '<absent>')!r})"
+                    for k in sorted(set(theirs) | set(config_key), key=str) if theirs.get(k) != config_key.get(k)]
+        else:
+            diff = [f"(snapshot {theirs!r}, here {config_key!r})"]
+        raise IncompatibleStateError("the configuration that decides the state's layout differs: config field "
+                                     + "; ".join(diff))
 
 
 def _make_lr_scale(spec) -> Callable[[str], float]:

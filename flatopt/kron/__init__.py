@@ -72,7 +72,7 @@ import numpy as np
 from . import layout as L
 from . import numerics as K
 from ..core.driver import PerParamOptimizer, config_to_dict
-from ..core.validate import check_range
+from ..core.validate import check_lr, check_range
 
 _MODES = (None, "one_diag", "smart_one_diag", "all_diag")
 
@@ -106,7 +106,7 @@ class KronPsgdConfig:
 
     def __post_init__(self):
         inf = math.inf
-        check_range("KronPsgd", "lr", self.lr, 0.0, inf, hi_open=True)
+        check_lr(self.lr, "lr", "KronPsgd")
         check_range("KronPsgd", "precond_lr", self.precond_lr, 0.0, inf, hi_open=True)
         check_range("KronPsgd", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
         check_range("KronPsgd", "weight_decay", self.weight_decay, 0.0, inf, hi_open=True)

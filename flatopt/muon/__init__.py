@@ -58,7 +58,7 @@ import numpy as np
 
 from ..core import backend as _backend, parallel, shards
 from ..core.driver import PerParamOptimizer
-from ..core.validate import check_range
+from ..core.validate import check_lr, check_range
 
 CONVENTIONS = ("ema", "sgd")
 ADJUST_RULES = ("original", "match_rms_adamw", None)
@@ -80,7 +80,7 @@ class MuonConfig:
     layout: str = "out_in"
 
     def __post_init__(self):
-        check_range("Muon", "lr", self.lr, 0.0, math.inf, hi_open=True)
+        check_lr(self.lr, "lr", "Muon")
         check_range("Muon", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
         if not isinstance(self.nesterov, bool):
             raise TypeError(f"Muon: nesterov must be a bool, got {self.nesterov!r}")

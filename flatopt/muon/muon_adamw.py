@@ -15,7 +15,8 @@ The ``MuonAdamW`` of the Rust crate ruda-optim 0.21.13 (a fork of Burn's optimiz
 * **Missing gradient = no-op**: a name absent from ``grads``/the batch, or an item with ``grad=None``, gets no
   momentum or moment update, no weight decay and no state.
 * **Tied parameters** (``aliases={alias: name}``): one update and one state per name; the alias and the name
-  must be given the same param and grad memory (else :class:`~flatopt.errors.TiedParameterMismatch`).
+  must be given the same param memory, whether or not each comes with a gradient, and the same grad memory when
+  both do (else :class:`~flatopt.errors.TiedParameterMismatch`, nothing changed).
   The same name twice in one batch is an error (as for every flatopt optimizer).
 * ``try_step_or_skip(..., skip_update=True)`` returns at once: no validation, no change.  The caller decides the
   skip consistently on every replica and unscales/finite-checks gradients before a non-skipped step (no step
@@ -51,7 +52,7 @@ from . import checks as _checks
 from .. import errors as E
 from ..core.driver import config_to_dict
 from ..core.types import OptimizerState, OptItem
-from ..core.validate import check_lr
+from ..core.validate import check_lr, check_snapshot
 from ..adamw import AdamW, AdamWConfig
 from . import Muon, MuonConfig, _cost
 from ..routing import Group, IncompatibleState, Router, Select
@@ -142,6 +143,7 @@ class MuonAdamW:
         ], algorithm=self.algorithm, concurrent=concurrent)
         self._dtypes: dict[str, np.dtype] = {}
         self.last_load_error: E.IncompatibleRecord | None = None
+        self.last_load_notes: list[str] = []
         cfg = {"muon": {k: v for k, v in config_to_dict(mcfg).items() if k != "lr"},
                "adamw": {k: v for k, v in config_to_dict(acfg).items() if k != "lr"}, "adamw_lr_ratio": ratio}
         self._config = cfg
@@ -297,14 +299,22 @@ class MuonAdamW:
         except IncompatibleState as exc:
             raise E.StateMismatch(str(exc)) from None
 
-    def load_state_dict(self, state: OptimizerState) -> bool:
-        """``try_load_record`` that answers ``False`` instead of raising (the reason: ``last_load_error``)."""
+    def load_state_dict(self, state: OptimizerState, *, strict: bool = False) -> bool:
+        """``try_load_record`` that answers ``False`` instead of raising (the exception: ``last_load_error``, its
+        message: ``last_load_notes``); ``strict=True`` raises it (an :class:`~flatopt.errors.IncompatibleRecord`,
+        also an :class:`~flatopt.errors.IncompatibleStateError`).  A path or a dict is a ``TypeError`` (read files
+        with ``flatopt.load``)."""
+        check_snapshot(state, type(self).__name__)
         try:
             self.try_load_record(state)
         except E.IncompatibleRecord as exc:
             self.last_load_error = exc
+            self.last_load_notes = [str(exc)]
+            if strict:
+                raise
             return False
         self.last_load_error = None
+        self.last_load_notes = []
         self._dtypes = {n: np.dtype(m["dtype"]) for n, m in state.params.items()}
         return True
 
