@@ -35,8 +35,9 @@ Deviations from the original (all deliberate):
 * CAME on the APOLLO path uses the exact res_low for the update; APOLLO's v_low uses the APOLLO floor also at t = 1;
 * non-finite gradients: read as 0 on the APOLLO path (as the original on every device), not sanitised elsewhere
   (as its CPU path); the Fira limiter zeroes an update whose norm is non-finite; same policy on NumPy and CuPy;
-* APOLLO projections come from NumPy/CuPy generators unless injected (``apollo_proj_fn``, ``apollo_next_seed``);
-  on NumPy a blocked Box–Muller draw (``flatopt.adafactor8bit.apollo_proj``), drawn on all threads;
+* APOLLO projections come from flatopt's own counter-based draw unless injected (``apollo_proj_fn``,
+  ``apollo_next_seed``): a function of (seed, shape) with the same bits on NumPy and CuPy, so a checkpoint moved
+  between them continues with the same P (``flatopt.adafactor8bit.apollo_proj``), drawn on all threads on NumPy;
 * ``lag_norm`` (the original: CUDA kernels only, ignored on its CPU path) is honoured on every backend for the
   non-APOLLO paths: the clip and Fira factor of step t use step t − 1's update norm (no clip at t = 1);
 * ``stochastic_round_writeback`` (BF16/FP16 parameters in the original) and ``warmup_multiplier`` (a CUDA

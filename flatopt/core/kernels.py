@@ -41,10 +41,16 @@ def source(filename: str) -> str:
 
 
 def name_expressions(filename: str) -> list[str]:
-    return [f"{k}<{c}>" for k in KERNELS[filename] for c in CTYPES.values()]
+    return list(_names(filename))
+
+
+@functools.lru_cache(maxsize=None)
+def _names(filename: str) -> tuple[str, ...]:
+    return tuple(f"{k}<{c}>" for k in KERNELS[filename] for c in CTYPES.values())
 
 
 def get(filename: str, kernel: str, dtype) -> object:
-    """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device."""
-    mod = backend.raw_module(("flatopt", filename), source(filename), name_expressions(filename))
-    return mod.get_function(f"{kernel}<{CTYPES[np.dtype(dtype)]}>")
+    """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device: built once per (file, kernel,
+    dtype, device) and cached (``core.backend.raw_function``), not per launch."""
+    return backend.raw_function(("flatopt", filename), source(filename), _names(filename),
+                                f"{kernel}<{CTYPES[np.dtype(dtype)]}>")
