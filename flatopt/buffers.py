@@ -23,10 +23,10 @@ import numpy as np
 
 from .core import backend as _backend
 from .core.types import Array
+from .core.validate import check_shape
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
-from .core.validate import check_shape
 
 __all__ = ["flat_view", "pack", "pack_like"]
 
