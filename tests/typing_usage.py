@@ -56,7 +56,8 @@ def main() -> None:
     kron = flatopt.KronPsgd(1e-3, clip=None).with_momentum(0.9)
     router = Router([Group("muon", flatopt.Muon(lr=0.02), Select(names=["w"])),
                      Group("rest", flatopt.AdamW(), Select.all(), lr_ratio=0.015)])
-    optimizers: list[flatopt.Optimizer] = [adamw, sgd, adafactor, a8, kron, router]
+    catalogue = [flatopt.Lion(lr=1e-4, betas=(0.9, 0.99)), flatopt.Lamb(), flatopt.RAdam(decoupled_weight_decay=True)]
+    optimizers: list[flatopt.Optimizer] = [adamw, sgd, adafactor, a8, kron, router, *catalogue]
     losses = [train(opt, 4) for opt in optimizers]
     assert all(np.isfinite(losses))
 
