@@ -24,16 +24,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 from .core.validate import check_range
 
 
 # --------------------------------------------------------------------------------- the Adam-family pieces
-def check_common(owner: str, cfg, *, eps_field: bool = True) -> None:
+def check_common(owner: str, cfg: Any, *, eps_field: bool = True) -> None:
     """Validate (and normalise) the fields every Adam-family config has: lr, betas, eps, weight_decay."""
     check_range(owner, "lr", cfg.lr, 0.0, math.inf)
     if not isinstance(cfg.betas, (tuple, list)) or len(cfg.betas) != 2:
@@ -46,12 +48,12 @@ def check_common(owner: str, cfg, *, eps_field: bool = True) -> None:
     check_range(owner, "weight_decay", cfg.weight_decay, 0.0, math.inf)
 
 
-def check_bool(owner: str, field: str, value) -> None:
+def check_bool(owner: str, field: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{owner}: {field} must be a bool, got {value!r}")
 
 
-def moments(xp, m, v, g, omb1: float, b2: float, omb2: float, s) -> None:
+def moments(xp: Any, m: Array, v: Array, g: Array, omb1: float, b2: float, omb2: float, s: Array) -> None:
     """m = m + (g − m)·(1 − β1);  v = v·β2 + (g·(1 − β2))·g — in place, five passes through the scratch ``s``
     (the operation order of every family kernel: ``kernels/adam.cu`` and its siblings)."""
     xp.subtract(g, m, s)
@@ -63,12 +65,12 @@ def moments(xp, m, v, g, omb1: float, b2: float, omb2: float, s) -> None:
     xp.add(v, s, v)
 
 
-def bias_corrections(betas, t: int) -> tuple[float, float]:
+def bias_corrections(betas: tuple[float, float], t: int) -> tuple[float, float]:
     """(1 − β1^t, 1 − β2^t) in float64 (never β^t in float32)."""
     return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
 
 
-def zeros_state(xp, n: int, dtype, k: int) -> list:
+def zeros_state(xp: Any, n: int, dtype: Any, k: int) -> list[Array]:
     return [xp.zeros(n, dtype) for _ in range(k)]
 
 
@@ -81,31 +83,32 @@ class AdamConfig:
     weight_decay: float = 0.0
     amsgrad: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_common("Adam", self)
         check_bool("Adam", "amsgrad", self.amsgrad)
 
 
 @dataclasses.dataclass
 class AdamState:
-    m: object
-    v: object
-    vmax: object = None
+    m: Array
+    v: Array
+    vmax: Array = None
 
 
-def init(xp, cfg: AdamConfig, shape, dtype) -> AdamState:
+def init(xp: Any, cfg: AdamConfig, shape: tuple[int, ...], dtype: Any) -> AdamState:
     n = math.prod(shape)
     return AdamState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype) if cfg.amsgrad else None)
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: AdamConfig, t: int, lr: float):
+def _scalars(cfg: AdamConfig, t: int, lr: float) -> tuple[Any, ...]:
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     return cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2 ** 0.5, cfg.eps, -(lr / bc1)
 
 
-def update(xp, cfg: AdamConfig, st: AdamState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p`` (the decayed
     gradient and a temporary), in the operation order of ``kernels/adam.cu``."""
     wd, omb1, b2, omb2, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
@@ -127,7 +130,7 @@ def update(xp, cfg: AdamConfig, st: AdamState, p, g, *, t: int, lr: float, scrat
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: AdamConfig, st: AdamState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("adam.cu", "adam_step", p.dtype)
     vmax = st.vmax if st.vmax is not None else st.v
@@ -149,6 +152,6 @@ class Adam(PerParamOptimizer):
     scratch_buffers = 2
     matters = ("amsgrad",)
 
-    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 amsgrad: bool = False, *, lr_scale=None):
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, lr_scale: LrScale = None) -> None:
         super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale)

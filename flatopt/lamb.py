@@ -28,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 from .adam import bias_corrections, check_common, moments
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 
 _SCRATCH = {"persist": False}
 
@@ -42,31 +44,31 @@ class LambConfig:
     eps: float = 1e-6
     weight_decay: float = 1e-2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_common("Lamb", self)
 
 
 @dataclasses.dataclass
 class LambState:
-    m: object
-    v: object
-    s: object = dataclasses.field(default=None, metadata=_SCRATCH)
-    u: object = dataclasses.field(default=None, metadata=_SCRATCH)
+    m: Array
+    v: Array
+    s: Array = dataclasses.field(default=None, metadata=_SCRATCH)
+    u: Array = dataclasses.field(default=None, metadata=_SCRATCH)
 
 
-def init(xp, cfg: LambConfig, shape, dtype) -> LambState:
+def init(xp: Any, cfg: LambConfig, shape: tuple[int, ...], dtype: Any) -> LambState:
     n = math.prod(shape)
     return LambState(xp.zeros(n, dtype), xp.zeros(n, dtype))
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: LambConfig, t: int):
+def _scalars(cfg: LambConfig, t: int) -> tuple[Any, ...]:
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     return 1.0 - b1, b2, 1.0 - b2, bc1, bc2, cfg.eps
 
 
-def trust_ratio(xp, p, u, s):
+def trust_ratio(xp: Any, p: Array, u: Array, s: Array) -> Array:
     """where(‖p‖ > 0 and ‖u‖ > 0, ‖p‖/‖u‖, 1), a 0-d array on the device (``s``: a scratch buffer)."""
     xp.multiply(p, p, s)
     phi = xp.sqrt(xp.sum(s))
@@ -76,7 +78,8 @@ def trust_ratio(xp, p, u, s):
     return xp.where(ok, phi / xp.where(ok, psi, 1), 1)
 
 
-def update(xp, cfg: LambConfig, st: LambState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the norms need all of it)."""
     omb1, b2, omb2, bc1, bc2, eps = _scalars(cfg, t)
     if st.s is None or st.s.size != p.size:
@@ -105,6 +108,6 @@ class Lamb(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
 
-    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 1e-2, *,
-                 lr_scale=None):
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None) -> None:
         super().__init__(LambConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale)

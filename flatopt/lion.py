@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
 from .adam import check_common
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,25 +34,26 @@ class LionConfig:
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_common("Lion", self, eps_field=False)
 
 
 @dataclasses.dataclass
 class LionState:
-    m: object
+    m: Array
 
 
-def init(xp, cfg: LionConfig, shape, dtype) -> LionState:
+def init(xp: Any, cfg: LionConfig, shape: tuple[int, ...], dtype: Any) -> LionState:
     return LionState(xp.zeros(math.prod(shape), dtype))
 
 
-def _scalars(cfg: LionConfig, lr: float):
+def _scalars(cfg: LionConfig, lr: float) -> tuple[Any, ...]:
     b1, b2 = cfg.betas
     return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, b2, 1.0 - b2, -lr
 
 
-def update(xp, cfg: LionConfig, st: LionState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/lion.cu``."""
     decay, b1, omb1, b2, omb2, neg_lr = _scalars(cfg, lr)
@@ -69,7 +72,7 @@ def update(xp, cfg: LionConfig, st: LionState, p, g, *, t: int, lr: float, scrat
     xp.add(m, s, m)
 
 
-def kernel_update(cfg: LionConfig, st: LionState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("lion.cu", "lion_step", p.dtype)
     scal = tuple(dt(x) for x in _scalars(cfg, lr))
@@ -89,5 +92,6 @@ class Lion(PerParamOptimizer):
     elementwise = True
     scratch_buffers = 2
 
-    def __init__(self, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *, lr_scale=None):
+    def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
+                 lr_scale: LrScale = None) -> None:
         super().__init__(LionConfig(lr, betas, weight_decay), lr_scale=lr_scale)

@@ -28,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 from .adam import bias_corrections, check_bool, check_common, moments
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 from .core.validate import check_range
 
 _SCRATCH = {"persist": False}
@@ -45,7 +47,7 @@ class MarsConfig:
     gamma: float = 0.025
     clip_c: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_common("Mars", self)
         check_range("Mars", "gamma", self.gamma, 0.0, math.inf)
         check_bool("Mars", "clip_c", self.clip_c)
@@ -53,27 +55,28 @@ class MarsConfig:
 
 @dataclasses.dataclass
 class MarsState:
-    m: object
-    v: object
-    g_prev: object
-    s: object = dataclasses.field(default=None, metadata=_SCRATCH)
-    c: object = dataclasses.field(default=None, metadata=_SCRATCH)
+    m: Array
+    v: Array
+    g_prev: Array
+    s: Array = dataclasses.field(default=None, metadata=_SCRATCH)
+    c: Array = dataclasses.field(default=None, metadata=_SCRATCH)
 
 
-def init(xp, cfg: MarsConfig, shape, dtype) -> MarsState:
+def init(xp: Any, cfg: MarsConfig, shape: tuple[int, ...], dtype: Any) -> MarsState:
     n = math.prod(shape)
     return MarsState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype))
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: MarsConfig, t: int, lr: float):
+def _scalars(cfg: MarsConfig, t: int, lr: float) -> tuple[Any, ...]:
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     coef = cfg.gamma * b1 / (1.0 - b1)
     return coef, 1.0 - b1, b2, 1.0 - b2, 1.0 - lr * cfg.weight_decay, bc2 ** 0.5, cfg.eps, -(lr / bc1)
 
 
-def update(xp, cfg: MarsConfig, st: MarsState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the clip needs ‖c‖)."""
     coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
     if st.s is None or st.s.size != p.size:
@@ -107,6 +110,7 @@ class Mars(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
 
-    def __init__(self, lr: float = 3e-3, betas=(0.95, 0.99), eps: float = 1e-8, weight_decay: float = 0.0,
-                 gamma: float = 0.025, clip_c: bool = True, *, lr_scale=None):
+    def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
+                 weight_decay: float = 0.0, gamma: float = 0.025, clip_c: bool = True, *,
+                 lr_scale: LrScale = None) -> None:
         super().__init__(MarsConfig(lr, betas, eps, weight_decay, gamma, clip_c), lr_scale=lr_scale)

@@ -25,12 +25,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
 from .adam import bias_corrections, check_common, moments, zeros_state
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,22 +42,22 @@ class NAdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 1e-2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_common("NAdamW", self)
 
 
 @dataclasses.dataclass
 class NAdamWState:
-    m: object
-    v: object
+    m: Array
+    v: Array
 
 
-def init(xp, cfg: NAdamWConfig, shape, dtype) -> NAdamWState:
+def init(xp: Any, cfg: NAdamWConfig, shape: tuple[int, ...], dtype: Any) -> NAdamWState:
     return NAdamWState(*zeros_state(xp, math.prod(shape), dtype, 2))
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: NAdamWConfig, t: int, lr: float):
+def _scalars(cfg: NAdamWConfig, t: int, lr: float) -> tuple[Any, ...]:
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     bc1_next = 1.0 - b1 ** (t + 1)
@@ -63,7 +65,8 @@ def _scalars(cfg: NAdamWConfig, t: int, lr: float):
             -lr * (1.0 - b1) / bc1, -lr * b1 / bc1_next)
 
 
-def update(xp, cfg: NAdamWConfig, st: NAdamWState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/nadamw.cu``."""
     decay, omb1, b2, omb2, bc2, eps, c_g, c_m = _scalars(cfg, t, lr)
@@ -82,7 +85,7 @@ def update(xp, cfg: NAdamWConfig, st: NAdamWState, p, g, *, t: int, lr: float, s
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: NAdamWConfig, st: NAdamWState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("nadamw.cu", "nadamw_step", p.dtype)
     scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
@@ -102,6 +105,6 @@ class NAdamW(PerParamOptimizer):
     elementwise = True
     scratch_buffers = 2
 
-    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 lr_scale=None):
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None) -> None:
         super().__init__(NAdamWConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale)

@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
 from .adam import bias_corrections, check_common, moments, zeros_state
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 from .core.validate import check_range
 
 
@@ -39,7 +41,7 @@ class QHAdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 1e-2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_common("QHAdamW", self)
         if not isinstance(self.nus, (tuple, list)) or len(self.nus) != 2:
             raise TypeError(f"QHAdamW: nus must be a pair of floats, got {self.nus!r}")
@@ -50,16 +52,16 @@ class QHAdamWConfig:
 
 @dataclasses.dataclass
 class QHAdamWState:
-    m: object
-    v: object
+    m: Array
+    v: Array
 
 
-def init(xp, cfg: QHAdamWConfig, shape, dtype) -> QHAdamWState:
+def init(xp: Any, cfg: QHAdamWConfig, shape: tuple[int, ...], dtype: Any) -> QHAdamWState:
     return QHAdamWState(*zeros_state(xp, math.prod(shape), dtype, 2))
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: QHAdamWConfig, t: int, lr: float):
+def _scalars(cfg: QHAdamWConfig, t: int, lr: float) -> tuple[Any, ...]:
     b1, b2 = cfg.betas
     nu1, nu2 = cfg.nus
     bc1, bc2 = bias_corrections(cfg.betas, t)
@@ -67,7 +69,8 @@ def _scalars(cfg: QHAdamWConfig, t: int, lr: float):
             cfg.eps, -lr)
 
 
-def update(xp, cfg: QHAdamWConfig, st: QHAdamWState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds three buffers the size of ``p``, in the operation
     order of ``kernels/qhadamw.cu``."""
     decay, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, neg_lr = _scalars(cfg, t, lr)
@@ -91,7 +94,7 @@ def update(xp, cfg: QHAdamWConfig, st: QHAdamWState, p, g, *, t: int, lr: float,
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: QHAdamWConfig, st: QHAdamWState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("qhadamw.cu", "qhadamw_step", p.dtype)
     scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
@@ -113,6 +116,7 @@ class QHAdamW(PerParamOptimizer):
     elementwise = True
     scratch_buffers = 3
 
-    def __init__(self, lr: float = 1e-3, betas=(0.995, 0.999), nus=(0.7, 1.0), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, lr_scale=None):
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.995, 0.999),
+                 nus: tuple[float, float] = (0.7, 1.0), eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 lr_scale: LrScale = None) -> None:
         super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay), lr_scale=lr_scale)

@@ -26,12 +26,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
 from .adam import bias_corrections, check_bool, check_common, moments, zeros_state
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 from .core.validate import check_range
 
 
@@ -44,7 +46,7 @@ class RAdamConfig:
     decoupled_weight_decay: bool = False
     threshold: float = 5.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_common("RAdam", self)
         check_bool("RAdam", "decoupled_weight_decay", self.decoupled_weight_decay)
         check_range("RAdam", "threshold", self.threshold, 4.0, math.inf)
@@ -52,16 +54,16 @@ class RAdamConfig:
 
 @dataclasses.dataclass
 class RAdamState:
-    m: object
-    v: object
+    m: Array
+    v: Array
 
 
-def init(xp, cfg: RAdamConfig, shape, dtype) -> RAdamState:
+def init(xp: Any, cfg: RAdamConfig, shape: tuple[int, ...], dtype: Any) -> RAdamState:
     return RAdamState(*zeros_state(xp, math.prod(shape), dtype, 2))
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: RAdamConfig, t: int, lr: float):
+def _scalars(cfg: RAdamConfig, t: int, lr: float) -> tuple[Any, ...]:
     """(wd, decay, 1 − β1, β2, 1 − β2, ε, rectified, step factor)."""
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
@@ -78,7 +80,8 @@ def _scalars(cfg: RAdamConfig, t: int, lr: float):
     return wd, decay, 1.0 - b1, b2, 1.0 - b2, cfg.eps, rect, factor
 
 
-def update(xp, cfg: RAdamConfig, st: RAdamState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/radam.cu``."""
     wd, decay, omb1, b2, omb2, eps, rect, factor = _scalars(cfg, t, lr)
@@ -101,7 +104,7 @@ def update(xp, cfg: RAdamConfig, st: RAdamState, p, g, *, t: int, lr: float, scr
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: RAdamConfig, st: RAdamState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("radam.cu", "radam_step", p.dtype)
     wd, decay, omb1, b2, omb2, eps, rect, factor = _scalars(cfg, t, lr)
@@ -124,7 +127,8 @@ class RAdam(PerParamOptimizer):
     elementwise = True
     scratch_buffers = 2
 
-    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 decoupled_weight_decay: bool = False, threshold: float = 5.0, *, lr_scale=None):
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decoupled_weight_decay: bool = False, threshold: float = 5.0, *,
+                 lr_scale: LrScale = None) -> None:
         super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold),
                          lr_scale=lr_scale)

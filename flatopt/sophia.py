@@ -31,12 +31,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
 from .adam import check_common
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 from .core.slots import Slot
 from .core.validate import check_array, check_range, check_shape
 
@@ -49,28 +51,29 @@ class SophiaConfig:
     weight_decay: float = 1e-1
     eps: float = 1e-15
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_common("Sophia", self)
         check_range("Sophia", "rho", self.rho, 0.0, math.inf)
 
 
 @dataclasses.dataclass
 class SophiaState:
-    m: object
-    h: object
+    m: Array
+    h: Array
 
 
-def init(xp, cfg: SophiaConfig, shape, dtype) -> SophiaState:
+def init(xp: Any, cfg: SophiaConfig, shape: tuple[int, ...], dtype: Any) -> SophiaState:
     n = math.prod(shape)
     return SophiaState(xp.zeros(n, dtype), xp.zeros(n, dtype))
 
 
-def _scalars(cfg: SophiaConfig, lr: float):
+def _scalars(cfg: SophiaConfig, lr: float) -> tuple[Any, ...]:
     b1 = cfg.betas[0]
     return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, cfg.rho, cfg.eps, -lr
 
 
-def update(xp, cfg: SophiaConfig, st: SophiaState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/sophia.cu``."""
     decay, b1, omb1, rho, eps, neg_lr = _scalars(cfg, lr)
@@ -92,7 +95,7 @@ def update(xp, cfg: SophiaConfig, st: SophiaState, p, g, *, t: int, lr: float, s
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: SophiaConfig, st: SophiaState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("sophia.cu", "sophia_step", p.dtype)
     scal = tuple(dt(x) for x in _scalars(cfg, lr))
@@ -113,11 +116,11 @@ class Sophia(PerParamOptimizer):
     elementwise = True
     scratch_buffers = 2
 
-    def __init__(self, lr: float = 1e-4, betas=(0.965, 0.99), rho: float = 0.04, weight_decay: float = 1e-1,
-                 eps: float = 1e-15, *, lr_scale=None):
+    def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
+                 weight_decay: float = 1e-1, eps: float = 1e-15, *, lr_scale: LrScale = None) -> None:
         super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps), lr_scale=lr_scale)
 
-    def update_hessian(self, name: str, shape, h_hat) -> None:
+    def update_hessian(self, name: str, shape: tuple[int, ...], h_hat: Array) -> None:
         """h ← β2·h + (1 − β2)·ĥ for ``name`` (state created with t = 0 if new; t is not advanced)."""
         with self._lock:
             if not isinstance(name, str) or not name:
