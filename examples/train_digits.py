@@ -128,9 +128,9 @@ def optimizer_factories(shapes) -> dict:
         "adafactor8bit": lambda: flatopt.Adafactor8Bit(block_size=128),
         "adam": lambda: flatopt.Adam(lr=3e-3),
         "nadamw": lambda: flatopt.NAdamW(lr=3e-3, weight_decay=1e-4),
-        "radam": lambda: flatopt.RAdam(lr=3e-3),
+        "radam": lambda: flatopt.RAdam(lr=1e-2),  # its rectification scales the early steps down (r_t ~ 0.2 at t = 100)
         "qhadamw": lambda: flatopt.QHAdamW(lr=3e-3, weight_decay=1e-4),
-        "lion": lambda: flatopt.Lion(lr=3e-4, weight_decay=1e-3),  # Lion: 3-10x below AdamW's lr, as its paper
+        "lion": lambda: flatopt.Lion(lr=1e-3, weight_decay=1e-3),  # Lion: below AdamW's lr (sign steps)
         "lamb": lambda: flatopt.Lamb(lr=1e-2, weight_decay=1e-4),
         "mars": lambda: flatopt.Mars(lr=3e-3),
         # Sophia: its Hessian estimate is fed every HESSIAN_EVERY steps by the loop below (update_hessian)
