@@ -19,7 +19,7 @@ from .harness import Case
 
 SUITE = "adafactor8bit"
 
-CONFIGS = {  # the reference's §3 table (quantize=True unless said)
+CONFIGS = {  # the state layouts of adafactor8bit 0.4.6's README (quantize=True unless said)
     "factored AL8": dict(),
     "factored fp32": dict(quantize=False),
     "factored AL8 + uf8 m": dict(beta1=0.9),

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flatopt  # noqa: E402
 import train_digits as td  # noqa: E402
+from _cli import Formatter, blas_single_thread, nonnegative_int, positive_int  # noqa: E402
 
 
 def batches(n_train: int, batch: int, seed: int):
@@ -72,12 +73,21 @@ def run(name="adamw", steps=40, crash_at=17, hidden=64, verbose=True) -> bool:
     return same
 
 
+def main(argv=None) -> int:
+    names_all = list(td.optimizer_factories(td.param_shapes(1, 1)))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--optimizer", choices=names_all + ["all"], default="all", help="which optimizer to run")
+    ap.add_argument("--steps", type=positive_int, default=40, help="optimizer steps in all")
+    ap.add_argument("--crash-at", type=nonnegative_int, default=17, help="the step after which to crash (< --steps)")
+    a = ap.parse_args(argv)
+    if a.crash_at >= a.steps:
+        ap.error(f"--crash-at {a.crash_at}: must be less than --steps {a.steps}")
+    names = names_all if a.optimizer == "all" else [a.optimizer]
+    with blas_single_thread():
+        ok = [run(n, a.steps, a.crash_at) for n in names]
+    print("every run resumed bit for bit" if all(ok) else "a resumed run DIFFERS: exit code 1")
+    return 0 if all(ok) else 1
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--optimizer", default="all")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--crash-at", type=int, default=17)
-    a = ap.parse_args()
-    names = td.optimizer_factories(td.param_shapes(64)) if a.optimizer == "all" else [a.optimizer]
-    ok = [run(n, a.steps, a.crash_at) for n in names]
-    sys.exit(0 if all(ok) else 1)
+    sys.exit(main())

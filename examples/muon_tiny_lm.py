@@ -24,9 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flatopt  # noqa: E402
+from _cli import Formatter, blas_single_thread, positive_int  # noqa: E402
 
 EPS = 1e-6
 
@@ -58,9 +60,9 @@ def init(shapes, seed=0, dtype=np.float32) -> dict[str, np.ndarray]:
     p = {}
     for n, s in shapes.items():
         if n.endswith("gain"):
-            p[n] = np.ones(s, dtype).ravel()
+            p[n] = flatopt.flat_view(np.ones(s, dtype))
         else:
-            p[n] = (rng.standard_normal(s) * (0.5 / np.sqrt(s[0]))).astype(dtype).ravel()
+            p[n] = flatopt.flat_view((rng.standard_normal(s) * (0.5 / np.sqrt(s[0]))).astype(dtype))
     return p
 
 
@@ -140,15 +142,17 @@ def train(make_opt, steps=300, k=8, d=64, batch=64, seed=0, tied_items=True, ver
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=400)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--steps", type=positive_int, default=400, help="training steps")
     args = ap.parse_args(argv)
     x, _, vocab = dataset(8)
     print(f"Zen of Python: {len(x)} contexts of 8 characters, vocabulary {len(vocab)}")
     print("MuonAdamW (Muon: mlp.w1, mlp.w2; AdamW: embed (tied head), pos, gains)")
-    lm, _ = train(make_muon_adamw, args.steps, verbose=True)
-    print("AdamW on everything")
-    la, _ = train(lambda s: flatopt.AdamW(lr=3e-3, weight_decay=0.0), args.steps, tied_items=False, verbose=True)
+    with blas_single_thread():
+        lm, _ = train(make_muon_adamw, args.steps, verbose=True)
+        print("AdamW on everything")
+        la, _ = train(lambda s: flatopt.AdamW(lr=3e-3, weight_decay=0.0), args.steps, tied_items=False,
+                      verbose=True)
     print(f"final loss (mean of the last 50 steps): MuonAdamW {np.mean(lm[-50:]):.3f}, AdamW {np.mean(la[-50:]):.3f}")
     return lm, la
 

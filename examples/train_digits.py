@@ -5,8 +5,13 @@ live in flat buffers that the optimizers update in place.  Every optimizer start
 and sees the same mini-batches.  At the end it prints a table (final train loss, test accuracy, ms per step,
 optimizer-state bytes per parameter) and writes the loss curves to a PNG (when matplotlib is installed).
 
-    python examples/train_digits.py                        # every optimizer, default size (< 2 minutes)
+    python examples/train_digits.py                        # every optimizer, default size
     python examples/train_digits.py --optimizers adamw,sgd --epochs 40 --hidden 256
+
+The model's matrix products are tiny, so the BLAS is held at one thread during training (through threadpoolctl
+when it is installed; ``OPENBLAS_NUM_THREADS=1`` does the same without it): OpenBLAS's own threads would otherwise
+spin against flatopt's worker threads on the same cores (on a 2-vCPU machine that made the run about 3x slower).
+Losses and accuracies are deterministic for a given machine, NumPy/BLAS build and seed.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import flatopt  # noqa: E402
+from _cli import Formatter, blas_single_thread, check_output, name_list, positive_int  # noqa: E402
 from flatopt import OptItem  # noqa: E402
 
 
@@ -58,7 +65,7 @@ def init_params(shapes, seed: int = 0) -> dict[str, np.ndarray]:
     params = {}
     for name, shape in shapes.items():
         if name.endswith("weight"):
-            params[name] = (rng.standard_normal(shape) * math.sqrt(2.0 / shape[0])).astype(np.float32).ravel()
+            params[name] = flatopt.flat_view((rng.standard_normal(shape) * math.sqrt(2.0 / shape[0])).astype(np.float32))
         elif name.endswith("gain"):
             params[name] = np.ones(math.prod(shape), np.float32)
         else:
@@ -119,6 +126,15 @@ def optimizer_factories(shapes) -> dict:
         "adafactor": lambda: flatopt.Adafactor(),  # the paper's relative step: no lr to tune
         # 8-bit states; blocks of 128 so that this small model's states are quantized at all
         "adafactor8bit": lambda: flatopt.Adafactor8Bit(block_size=128),
+        "adam": lambda: flatopt.Adam(lr=3e-3),
+        "nadamw": lambda: flatopt.NAdamW(lr=3e-3, weight_decay=1e-4),
+        "radam": lambda: flatopt.RAdam(lr=1e-2),  # its rectification scales the early steps down (r_t ~ 0.2 at t = 100)
+        "qhadamw": lambda: flatopt.QHAdamW(lr=3e-3, weight_decay=1e-4),
+        "lion": lambda: flatopt.Lion(lr=1e-3, weight_decay=1e-3),  # Lion: below AdamW's lr (sign steps)
+        "lamb": lambda: flatopt.Lamb(lr=1e-2, weight_decay=1e-4),
+        "mars": lambda: flatopt.Mars(lr=3e-3),
+        # Sophia: its Hessian estimate is fed every HESSIAN_EVERY steps by the loop below (update_hessian)
+        "sophia": lambda: flatopt.Sophia(lr=1e-3, weight_decay=1e-4),
         "kron_psgd": lambda: flatopt.KronPsgd(lr=3e-3),
         "muon_adamw": lambda: flatopt.MuonAdamW(shapes, muon_names=hidden_matrices, lr=0.01, adamw_lr_ratio=0.3,
                                                 muon={"layout": "in_out"}),
@@ -126,6 +142,9 @@ def optimizer_factories(shapes) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ training
+HESSIAN_EVERY = 10  # Sophia's Hessian refresh period k (its paper: 10)
+
+
 def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every, order_seed=None, evaluate=False):
     """Train from ``init_params(shapes, seed)`` on mini-batches drawn with ``order_seed`` (default ``seed + 1``).
     With ``evaluate``, the loss on the whole training set and on the held-out set is recorded after every epoch
@@ -144,6 +163,11 @@ def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every, or
             items = [OptItem(k, shapes[k], params[k], grads[k]) for k in shapes]
             t0 = time.perf_counter()
             opt.step_batch(items)
+            if hasattr(opt, "update_hessian") and len(curve) % HESSIAN_EVERY == 0:
+                # Sophia's diagonal Hessian estimate: the batch-size-scaled squared mini-batch gradient (an
+                # empirical-Fisher stand-in for its Gauss-Newton-Bartlett estimator, which samples the labels)
+                for k in shapes:
+                    opt.update_hessian(k, shapes[k], grads[k] * grads[k] * batch)
             opt.end_iteration()
             if xp is not np:
                 xp.cuda.get_current_stream().synchronize()
@@ -207,17 +231,23 @@ def plot(results, path: Path) -> bool:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--optimizers", default="all", help="comma-separated names, or 'all'")
-    ap.add_argument("--epochs", type=int, default=30)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--depth", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", choices=["numpy", "cupy"], default="numpy")
+    names_all = list(optimizer_factories(param_shapes(1, 1)))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--optimizers", type=name_list(names_all), default="all",
+                    help=f"comma-separated subset of {','.join(names_all)}, or 'all'")
+    ap.add_argument("--epochs", type=positive_int, default=30, help="passes over the training images")
+    ap.add_argument("--hidden", type=positive_int, default=128, help="units per hidden layer")
+    ap.add_argument("--depth", type=positive_int, default=2, help="hidden layers")
+    ap.add_argument("--batch", type=positive_int, default=64, help="mini-batch size (at most the 1438 training "
+                    "images)")
+    ap.add_argument("--seed", type=int, default=0, help="initialisation, data split and mini-batch order")
+    ap.add_argument("--device", choices=["numpy", "cupy"], default="numpy", help="array backend (cupy: a CUDA GPU)")
     ap.add_argument("--png", default="digits_loss.png", help="where to write the loss curves ('' to skip)")
-    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
     args = ap.parse_args(argv)
+    if args.batch > 1438:
+        ap.error(f"--batch {args.batch}: larger than the 1438 training images")
+    check_output(ap, args.png, "--png")
 
     if args.device == "cupy":
         from flatopt.core import backend
@@ -229,25 +259,24 @@ def main(argv=None) -> list[dict]:
         xp = np
     shapes = param_shapes(args.hidden, args.depth)
     factories = optimizer_factories(shapes)
-    names = list(factories) if args.optimizers == "all" else args.optimizers.split(",")
-    unknown = [n for n in names if n not in factories]
-    if unknown:
-        ap.error(f"unknown optimizers {unknown}; choose from {sorted(factories)}")
+    names = args.optimizers
     (xtr, ytr), (xte, yte) = load_data(args.seed)
     data = ((xp.asarray(xtr), xp.asarray(ytr)), (xp.asarray(xte), xp.asarray(yte)))
     n_params = sum(math.prod(s) for s in shapes.values())
     print(f"digits: {len(xtr)} train / {len(xte)} test images, MLP with {n_params} parameters, "
           f"{args.epochs} epochs of batch {args.batch}, on {args.device}", flush=True)
     results = []
-    for name in names:
-        r = train(name, factories[name], shapes, data, epochs=args.epochs, batch=args.batch, seed=args.seed,
-                  xp=xp, log_every=0 if args.quiet else max(1, args.epochs // 3))
-        results.append(r)
+    t0 = time.perf_counter()
+    with blas_single_thread():
+        for name in names:
+            r = train(name, factories[name], shapes, data, epochs=args.epochs, batch=args.batch, seed=args.seed,
+                      xp=xp, log_every=0 if args.quiet else max(1, args.epochs // 3))
+            results.append(r)
     print()
     print(table(results))
+    print(f"\ntrained in {time.perf_counter() - t0:.1f} s")
     if args.png:
-        print(f"\nloss curves: {args.png}" if plot(results, Path(args.png)) else "\n(matplotlib not installed: "
-              "no plot)")
+        print(f"loss curves: {args.png}" if plot(results, Path(args.png)) else "(matplotlib not installed: no plot)")
     return results
 
 

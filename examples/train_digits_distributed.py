@@ -4,7 +4,8 @@ Each rank computes the gradients of its slice of every mini-batch, ``allreduce_m
 ``Sharded`` steps: each rank holds and updates only the optimizer state of the parameters (or, for AdamW, the
 ranges of large buffers) it owns, then the new values are broadcast.  With ``--check`` (default on) every rank
 also steps an unsharded replica with the same averaged gradients and compares the parameters bit for bit at the
-end.  Prints the optimizer-state bytes each rank holds, next to the single-process figure.
+end, and exits with 1 when they differ.  Prints the optimizer-state bytes each rank holds, next to the
+single-process figure.
 
     mpiexec -n 2 python examples/train_digits_distributed.py
     mpiexec -n 2 python examples/train_digits_distributed.py --optimizers adamw,muon_adamw,kron_psgd --epochs 10
@@ -28,6 +29,7 @@ from mpi4py import MPI  # noqa: E402
 import flatopt  # noqa: E402
 from flatopt import OptItem  # noqa: E402
 from flatopt.distributed import Sharded, allreduce_mean  # noqa: E402
+from _cli import Formatter, blas_single_thread, name_list, positive_int  # noqa: E402
 from train_digits import accuracy, forward_backward, init_params, load_data, param_shapes  # noqa: E402
 
 
@@ -88,21 +90,29 @@ def opt_state_bytes(opt) -> int:
     return sum(int(b.nbytes) for b in opt.state_dict().buffers.values())
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--optimizers", default="adamw,muon_adamw")
-    ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--split-min", type=int, default=4096, help="AdamW/SGD buffers this large are split in ranges")
+def main(argv=None) -> int:
+    names_all = list(factories(param_shapes(1, 1)))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--optimizers", type=name_list(names_all), default="adamw,muon_adamw",
+                    help=f"comma-separated subset of {','.join(names_all)}, or 'all'")
+    ap.add_argument("--epochs", type=positive_int, default=5, help="passes over the training images")
+    ap.add_argument("--hidden", type=positive_int, default=128, help="units per hidden layer")
+    ap.add_argument("--batch", type=positive_int, default=64, help="global mini-batch (split over the ranks)")
+    ap.add_argument("--seed", type=int, default=0, help="initialisation, data split and mini-batch order")
+    ap.add_argument("--split-min", type=positive_int, default=4096,
+                    help="AdamW/SGD buffers this large are split in ranges")
     ap.add_argument("--no-check", dest="check", action="store_false", help="skip the unsharded replica")
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
+    if not comm.Get_size() <= args.batch <= 1438:
+        ap.error(f"--batch {args.batch}: needs at least one image per rank ({comm.Get_size()}) and at most the 1438 "
+                 "training images")
     shapes = param_shapes(args.hidden)
     data = load_data(args.seed)
     table = factories(shapes)
-    rows = [train(n, table[n], shapes, data, args, comm) for n in args.optimizers.split(",")]
+    with blas_single_thread():
+        rows = [train(n, table[n], shapes, data, args, comm) for n in args.optimizers]
+    differs = [r["name"] for r in rows if r["same"] is False]
     if comm.Get_rank() == 0:
         n_params = sum(int(np.prod(s)) for s in shapes.values())
         print(f"digits MLP, {n_params} parameters, {comm.Get_size()} ranks, {args.epochs} epochs")
@@ -112,9 +122,12 @@ def main(argv=None) -> None:
             same = {None: "not checked", True: "yes", False: "NO"}[r["same"]]
             print(f"| {r['name']} | {r['loss']:.4f} | {100 * r['acc']:.1f}% | {r['ms']:.3f} | "
                   f"{' / '.join(map(str, r['per_rank']))} | {r['single']} | {same} |")
-        print("state bytes per rank measured with Sharded.state_nbytes(); bit-identical: "
-              + ("yes" if all(r["same"] for r in rows) else "no"), flush=True)
+        verdict = ("not checked (--no-check)" if not args.check else
+                   f"NO ({', '.join(differs)}): exit code 1" if differs else "yes")
+        print("state bytes per rank measured with Sharded.state_nbytes(); bit-identical: " + verdict,
+              flush=True)
+    return 1 if differs else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

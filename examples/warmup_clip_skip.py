@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flatopt  # noqa: E402
 import train_digits as td  # noqa: E402
+from _cli import Formatter, blas_single_thread, positive_int  # noqa: E402
 from flatopt import gradients, schedules  # noqa: E402
 
 
@@ -57,7 +58,13 @@ def run(steps=300, peak_lr=3e-3, warmup=30, max_norm=1.0, poison_every=25, hidde
     return {"skipped": skipped, "losses": losses, "acc": acc, "params": params, "opt": opt}
 
 
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--steps", type=positive_int, default=300, help="training steps")
+    args = ap.parse_args(argv)
+    with blas_single_thread():
+        return run(args.steps)
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    run(ap.parse_args().steps)
+    main()

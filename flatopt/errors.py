@@ -1,4 +1,12 @@
-"""The exception family of :class:`flatopt.MuonAdamW` (after RUDA's ``MuonError``).
+"""flatopt's public exception types.
+
+:class:`IncompatibleStateError` (a ``ValueError``): a snapshot that does not belong to the optimizer it is loaded
+into (another algorithm, a configuration field that matters, a parameter shape, a format version); raised by
+``load_state_dict(state, strict=True)`` of every optimizer, whose message (also in ``last_load_notes`` after a
+non-strict ``False``) names the parameter or field.
+
+The exception family of :class:`flatopt.MuonAdamW` (after ``MuonError`` of the Rust crate ruda-optim 0.21.13, a
+fork of Burn's optimizers):
 
 Every error derives from :class:`MuonError`, itself a ``ValueError`` (the dtype and backend errors are also
 ``TypeError`` s), so code written against the generic Optimizer contract (``ValueError``/``TypeError``) keeps
@@ -15,6 +23,11 @@ Loading (``try_load_record``; nothing changes): :class:`IncompatibleRecord` and 
 """
 
 from __future__ import annotations
+
+
+class IncompatibleStateError(ValueError):
+    """A snapshot (``OptimizerState``) that does not belong to the optimizer it is loaded into; nothing was
+    changed.  The message names the parameter or configuration field and what differs."""
 
 
 class MuonError(ValueError):
@@ -84,7 +97,7 @@ class InvalidStep(MuonError):
 
 
 # ------------------------------------------------------------------------------------------------- records
-class IncompatibleRecord(MuonError):
+class IncompatibleRecord(MuonError, IncompatibleStateError):
     """A record (``OptimizerState``) that does not belong to this optimizer; nothing was changed."""
 
 

@@ -59,8 +59,9 @@ def test_a_module_whose_reference_is_missing_is_skipped_with_a_note(monkeypatch)
 
 
 def test_threads_probe_runs():
-    """``python -m benchmarks.threads_probe codec apollo scaling`` (probes behind README's threading claims, APOLLO's
-    and the factored passes' constants) run and print their lines (timings are not asserted)."""
+    """``python -m benchmarks.threads_probe codec apollo scaling`` (probes behind the threading claims of
+    benchmarks/README.md, APOLLO's and the factored passes' constants) run and print their lines (timings are not
+    asserted)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.threads_probe", "codec", "apollo", "scaling"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)

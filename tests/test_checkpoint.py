@@ -110,3 +110,60 @@ def test_loaded_state_then_shape_mismatch_raises():
     assert b.load_state_dict(a.state_dict())
     with pytest.raises(ValueError, match="'w'.*shape"):
         b.step("w", (3, 4), rng_arrays(0, (3, 4)), rng_arrays(1, (3, 4)))
+
+
+@pytest.mark.parametrize("content", [b"hello, not a checkpoint\n", b"", np.zeros(3).tobytes()],
+                         ids=["text", "empty", "raw"])
+def test_a_non_zip_file_is_not_a_flatopt_checkpoint(tmp_path, content):
+    path = tmp_path / "c.npz"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match="is not a flatopt checkpoint") as info:
+        flatopt.load(path)
+    assert "pickle" not in str(info.value)
+    np.save(tmp_path / "a.npy", np.zeros(3))  # a .npy is not a zip either
+    with pytest.raises(CheckpointError, match="is not a flatopt checkpoint"):
+        flatopt.load(tmp_path / "a.npy")
+
+
+def test_saving_into_a_missing_folder_names_the_folder(tmp_path):
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(FileNotFoundError) as info:
+        flatopt.save(missing / "c.npz", _trained(1))
+    assert str(missing) in str(info.value) and ".tmp" not in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes and umask are POSIX")
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_file_mode_honours_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        flatopt.save(tmp_path / "c.npz", _trained(1))
+        with open(tmp_path / "plain", "wb"):
+            pass
+    finally:
+        os.umask(old)
+    mode = os.stat(tmp_path / "c.npz").st_mode & 0o777
+    assert mode == 0o666 & ~umask == os.stat(tmp_path / "plain").st_mode & 0o777
+
+
+@pytest.mark.skipif(os.name != "posix", reason="folders are fsynced on POSIX only")
+def test_the_folder_is_fsynced_after_the_rename(tmp_path, monkeypatch):
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else None))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        calls.append(("replace", None))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    flatopt.save(tmp_path / "c.npz", _trained(1))
+    kinds = [k for k, _ in calls]
+    assert kinds == ["fsync", "replace", "fsync"]  # the file, the rename, then the folder
+    if calls[-1][1] is not None:
+        assert calls[-1][1] is True and calls[0][1] is False

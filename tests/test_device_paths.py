@@ -22,16 +22,10 @@ from .test_adafactor8bit import PATHS as A8_PATHS
 
 XP = fake_device.FakeDevice()
 SKIP = {"muon_adamw": "a composite of Muon and AdamW, whose twins are covered by their own entries"}
-
-
 @pytest.fixture(autouse=True)
 def _twins(monkeypatch):
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1")  # no CUDA kernels on the stand-in
     monkeypatch.setattr(_backend, "solve_triangular", lambda: fake_device.solve_triangular)
-
-
-def _proj(seed, shape):  # one APOLLO projection for both backends (their generators differ by design)
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 def _device_steps(opt, params, steps, dtype):
@@ -77,8 +71,7 @@ def test_registry_twins_run_on_the_device_branch(name):
         pytest.skip(SKIP[name])
     spec = REGISTRY[name]
     params = make_params(spec.shapes)
-    kw = dict(apollo_proj_fn=_proj) if name.startswith("adafactor8bit") else {}
-    _compare(_device_steps(spec.make(**kw), params, 3, np.float32), _numpy_steps(spec.make(**kw), params, 3), name)
+    _compare(_device_steps(spec.make(), params, 3, np.float32), _numpy_steps(spec.make(), params, 3), name)
 
 
 @pytest.mark.parametrize("name", sorted(set(A8_CONFIGS) | set(A8_PATHS)))
@@ -90,8 +83,8 @@ def test_adafactor8bit_paths_on_the_device_branch(name):
     shape = (3, 101, 157) if not cfg.get("apollo_rank") else (303, 157)
     params = {"w": (shape, rng_arrays(0, shape, scale=0.1)), "b": ((157,), rng_arrays(1, (157,), scale=0.1))}
     assert math.prod(shape) > (1 << 15)
-    _compare(_device_steps(flatopt.Adafactor8Bit(apollo_proj_fn=_proj, **cfg), params, 3, np.float32),
-             _numpy_steps(flatopt.Adafactor8Bit(apollo_proj_fn=_proj, **cfg), params, 3), name)
+    _compare(_device_steps(flatopt.Adafactor8Bit(**cfg), params, 3, np.float32),
+             _numpy_steps(flatopt.Adafactor8Bit(**cfg), params, 3), name)  # APOLLO: the default P, on both
 
 
 def test_the_stand_in_catches_a_host_read():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,3 +142,81 @@ def test_readme_quickstart_runs(tmp_path, monkeypatch):
     start, end = np.abs(w0 - t0).mean(), np.abs(scope["w"] - scope["target"]).mean()
     assert end < 0.5 * start, (start, end)
     assert (tmp_path / "ckpt.npz").exists()
+
+
+# ------------------------------------------------------------------------------ bad arguments: exit code 2, at once
+BAD_ARGS = [
+    ("train_digits", ["--epochs", "0"]),
+    ("train_digits", ["--epochs", "-1"]),
+    ("train_digits", ["--batch", "0"]),
+    ("train_digits", ["--batch", "5000"]),
+    ("train_digits", ["--hidden", "0"]),
+    ("train_digits", ["--depth", "0"]),
+    ("train_digits", ["--epochs", "two"]),
+    ("train_digits", ["--optimizers", "adamw,nope"]),
+    ("train_digits", ["--png", "no-such-folder/loss.png"]),
+    ("adafactor8bit_digits", ["--seeds", "0"]),
+    ("adafactor8bit_digits", ["--epochs", "4", "--last", "5"]),
+    ("adafactor8bit_digits", ["--variants", "16-bit"]),
+    ("checkpoint_resume", ["--steps", "10", "--crash-at", "10"]),
+    ("checkpoint_resume", ["--optimizer", "nosuch"]),
+    ("warmup_clip_skip", ["--steps", "0"]),
+    ("muon_tiny_lm", ["--steps", "-5"]),
+    ("torch_interop", ["--steps", "0"]),
+    ("train_digits_distributed", ["--epochs", "0"]),
+    ("train_digits_distributed", ["--optimizers", "lion"]),
+]
+
+
+@pytest.mark.parametrize(("name", "argv"), BAD_ARGS, ids=[f"{n}:{' '.join(a)}" for n, a in BAD_ARGS])
+def test_examples_reject_bad_arguments_before_any_work(name, argv, capsys, tmp_path, monkeypatch):
+    if name == "train_digits_distributed":
+        pytest.importorskip("mpi4py")
+    monkeypatch.chdir(tmp_path)  # a relative --png resolves here: its folder does not exist
+    pytest.importorskip("sklearn")
+    mod = _load(name)
+    with pytest.raises(SystemExit) as exc:
+        mod.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "error:" in err, err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_train_digits_bad_argument_exit_code_and_help_defaults_as_a_process():
+    """What a user sees: a usage line and exit code 2 (no traceback), and --help shows every default."""
+    script = str(EXAMPLES / "train_digits.py")
+    bad = subprocess.run([sys.executable, script, "--hidden", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "--hidden" in bad.stderr and "must be at least 1" in bad.stderr
+    help_ = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0
+    text = " ".join(help_.stdout.split())
+    for default in ("(default: 30)", "(default: 128)", "(default: 64)", "(default: digits_loss.png)"):
+        assert default in text, default
+
+
+def test_torch_interop_says_it_matches_and_exits_zero(capsys):
+    pytest.importorskip("torch")
+    mod = _load("torch_interop")
+    assert mod.main(["--steps", "5"]) == 0
+    assert "matches torch.optim.AdamW" in capsys.readouterr().out
+    assert not mod.within_rounding([0.0, 1e-3])
+
+
+def test_distributed_example_exits_nonzero_when_not_bit_identical(monkeypatch, capsys):
+    """A claim the example checks sets its exit code: one rank (no mpiexec), the replica comparison forced to fail."""
+    pytest.importorskip("mpi4py")
+    pytest.importorskip("sklearn")
+    mod = _load("train_digits_distributed")
+    real = mod.train
+
+    def failing(*a, **k):
+        return dict(real(*a, **k), same=False)
+
+    monkeypatch.setattr(mod, "train", failing)
+    assert mod.main(["--epochs", "1", "--hidden", "8", "--optimizers", "sgd"]) == 1
+    assert "bit-identical: NO (sgd)" in capsys.readouterr().out
+    monkeypatch.setattr(mod, "train", real)
+    assert mod.main(["--epochs", "1", "--hidden", "8", "--optimizers", "sgd"]) == 0
+    assert "bit-identical: yes" in capsys.readouterr().out

@@ -1,7 +1,12 @@
-"""GPU parity (run wherever a CUDA device answers; skipped otherwise).
+"""GPU parity: on a real CUDA device when one answers, else on the emulated device (``tests/cuda_emu``: a CuPy
+stand-in as strict as CuPy 14 whose fused kernels run on the CPU CUDA emulator; skipped only where the emulator
+cannot run, i.e. not Linux x86-64 with g++).
 
-* fused kernel vs its array-agnostic twin (FLATOPT_FORCE_TWIN=1) on CuPy: bit-identical;
-* CuPy vs NumPy: within one ulp per step of the largest parameter (both round each operation to the dtype);
+* fused kernel vs its array-agnostic twin (FLATOPT_FORCE_TWIN=1) on CuPy: bit-identical, except Adafactor's, whose
+  sums add in another order than the twin's (its elementwise operations are the twin's: kernels/adafactor.cu), held
+  to the CuPy-vs-NumPy tolerance;
+* CuPy vs NumPy: within 4 ulps per step of the largest parameter, the ulp of the coarser of the parameter's dtype and
+  the optimizer state's float dtype (both round each operation to its dtype);
 * step_batch on worker streams vs the serial loop: bit-identical;
 * a checkpoint written from CuPy resumes on NumPy and back.
 """
@@ -14,13 +19,52 @@ import pytest
 import flatopt
 from flatopt.core import backend
 
+from .cuda_emu import emu, fakecupy
 from .helpers import assert_bits_equal, make_for, make_params, run_steps
 from .registry import REGISTRY
 
-pytestmark = pytest.mark.skipif(not backend.gpu_available(), reason="no CUDA device answers")
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_device():
+    """The real GPU when one answers; otherwise CuPy is the stand-in and the kernels run on the emulator."""
+    if backend.gpu_available():
+        yield "gpu"
+        return
+    why = emu.available()
+    if why:
+        pytest.skip(f"no CUDA device answers and {why}")
+    with fakecupy.installed():
+        yield "emulated"
+
 
 NAMES = sorted(REGISTRY)
 STEPS = 4
+# Algorithms whose kernel sums in another order than its twin (see the module documentation).
+SUMS_DIFFER = ("adafactor",)
+
+# Known defects (../shared/reference/gpu-audit.md §1.4, §3), each a strict xfail: the fix flips it to a failure
+# (XPASS), which is the signal to delete the entry.  The audit's D1-D6 are fixed (the Adafactor kernel in its twin's
+# operation order, one rounding point and one non-finite policy for the 8-bit state, APOLLO without einsum(out=) and
+# with one projection on both backends, the tolerance from the state's dtype): none is left.
+KNOWN: dict[tuple, str] = {}
+
+
+def _cases(test, dtypes=(None,)):
+    """(name[, dtype]) parameters of ``test``, the known defects as strict xfails."""
+    out = []
+    for dt in dtypes:
+        for n in NAMES:
+            why = KNOWN.get((test, n, None if dt is None else np.dtype(dt).name))
+            # the defect's own exception only: an emulator error or another exception still fails the test
+            raises = AssertionError
+            if why is not None and why.startswith("D3"):
+                raises = (TypeError, AssertionError) if "D6" in why else TypeError
+            marks = [pytest.mark.xfail(strict=True, raises=raises, reason=why)] if why else []
+            vals = (n,) if dt is None else (n, dt)
+            ident = n if dt is None else f"{np.dtype(dt).name}-{n}"
+            out.append(pytest.param(*vals, marks=marks, id=ident))
+    return out
+
 
 
 def _to_gpu(params):
@@ -28,8 +72,7 @@ def _to_gpu(params):
     return {n: (s, cp.asarray(p)) for n, (s, p) in params.items()}
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name, dtype", _cases("twin", (np.float32, np.float64)))
 def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
     spec = REGISTRY[name]
     base = make_params(spec.shapes + ((300, 1000),), dtype)
@@ -37,27 +80,42 @@ def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
     for twin in ("1", "0"):
         monkeypatch.setenv("FLATOPT_FORCE_TWIN", twin)
         params = _to_gpu(base)
-        run_steps(make_for(spec, params), params, STEPS)
+        opt = make_for(spec, params)
+        run_steps(opt, params, STEPS)
         outs.append(params)
     for n in base:
-        assert_bits_equal(outs[0][n][1], outs[1][n][1], n)
+        if opt.algorithm in SUMS_DIFFER:
+            want = backend.to_numpy(outs[0][n][1])
+            np.testing.assert_allclose(backend.to_numpy(outs[1][n][1]), want, rtol=0, atol=_tol(dtype, want),
+                                       err_msg=n)
+        else:
+            assert_bits_equal(outs[0][n][1], outs[1][n][1], n)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def _tol(dtype, p, state=None, steps=STEPS):
+    """4 ulps per step of max(1, max|p|), in the coarser of ``dtype`` and the float dtypes of ``state``'s buffers
+    (Adafactor8Bit's state and KronPsgd's default preconditioner are float32 for a float64 parameter too)."""
+    dts = [np.dtype(dtype)] + [np.dtype(b.dtype) for b in (state.buffers.values() if state else ())
+                               if np.dtype(b.dtype).kind == "f"]
+    eps = max(float(np.finfo(d).eps) for d in dts)
+    return 4 * steps * eps * max(1.0, float(np.abs(p).max()))
+
+
+@pytest.mark.parametrize("name, dtype", _cases("numpy", (np.float32, np.float64)))
 def test_cupy_matches_numpy(name, dtype):
     spec = REGISTRY[name]
     host = make_params(spec.shapes, dtype)
     dev = _to_gpu(host)
-    run_steps(make_for(spec, host), host, STEPS)
+    opt = make_for(spec, host)
+    run_steps(opt, host, STEPS)
     run_steps(make_for(spec, dev), dev, STEPS)
+    state = opt.state_dict()
     for n, (_, p) in host.items():
         got = backend.to_numpy(dev[n][1])
-        tol = 4 * STEPS * np.finfo(dtype).eps * max(1.0, float(np.abs(p).max()))
-        np.testing.assert_allclose(got, p, rtol=0, atol=tol, err_msg=n)
+        np.testing.assert_allclose(got, p, rtol=0, atol=_tol(dtype, p, state), err_msg=n)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", _cases("batch"))
 def test_step_batch_on_streams_equals_serial(name):
     spec = REGISTRY[name]
     base = make_params(spec.shapes * 3 + ((600, 700), (700, 600)))
@@ -68,7 +126,7 @@ def test_step_batch_on_streams_equals_serial(name):
         assert_bits_equal(a[n][1], b[n][1], n)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", _cases("checkpoint"))
 def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
     spec = REGISTRY[name]
     base = make_params(spec.shapes)
@@ -92,3 +150,21 @@ def test_checkpoint_moves_between_cupy_and_numpy(name, tmp_path):
         got, want = backend.to_numpy(back[n][1]), backend.to_numpy(p)
         tol = 4 * 6 * np.finfo(np.float32).eps * max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=n)
+
+
+@pytest.mark.parametrize("kw", [dict(scale_parameter=False),
+                                dict(lr=0.01, beta1=0.9, weight_decay=0.1, scale_parameter=False),
+                                dict(lr=0.01, beta2=0.99, scale_parameter=False)], ids=["relative", "manual", "beta2"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_adafactor_kernel_is_its_twin_where_no_sum_can_differ(kw, dtype, monkeypatch):
+    """Every elementwise operation of kernels/adafactor.cu is its twin's: with sums of at most two terms (whose
+    order cannot matter: 2×2 matrices, at most two of them per tensor, vectors of two, no Σθ²) the bits agree."""
+    base = make_params([(2, 2)] * 4 + [(2, 2, 2)] * 2 + [(2,)] * 2, dtype)
+    outs = []
+    for twin in ("1", "0"):
+        monkeypatch.setenv("FLATOPT_FORCE_TWIN", twin)
+        params = _to_gpu(base)
+        run_steps(flatopt.Adafactor(**kw), params, STEPS)
+        outs.append(params)
+    for n in base:
+        assert_bits_equal(outs[0][n][1], outs[1][n][1], n)

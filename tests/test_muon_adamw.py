@@ -387,7 +387,8 @@ def test_load_refuses_other_algorithms():
     opt = make()
     with pytest.raises(E.RecordVersionMismatch):
         opt.try_load_record(sgd.state_dict())
-    assert opt.load_state_dict("nonsense") is False
+    with pytest.raises(TypeError, match="flatopt.load"):
+        opt.load_state_dict("nonsense")
 
 
 # --------------------------------------------------------------------------------------------- oracles

@@ -1,4 +1,5 @@
-"""The non-finite gradient policy of every optimizer, as documented in the README, checked.
+"""The non-finite gradient policy of every optimizer, as documented in docs/contract.md ("Non-finite gradients"),
+checked.
 
 flatopt never repairs gradients silently on its own (the reference implementations don't either, except where
 noted): a NaN or Inf in ``grad`` reaches the parameter as each algorithm's arithmetic carries it.  The supported
@@ -11,6 +12,8 @@ nothing at all.
   Soap's eigenbasis projections):
   a NaN makes the whole parameter non-finite, an infinity at least its own element (KronPsgd keeps its
   preconditioner Q finite);
+* ``sign``: Lion and Sophia step by sign(m)·(a ratio clipped at 1): a NaN poisons its element, an infinity gives a
+  finite step of ±η (the momentum keeps the infinity);
 * ``matrix``: Stiefel (tangent projection and QR per matrix): as ``tensor`` for each matrix of a batch — a NaN makes
   its own matrix non-finite, the other matrices of the batch are independent and stay finite; a 1×1 matrix
   stays finite (St(1, 1) = {±1}: the QR of a 1×1 is ±1 whatever it is given, as LAPACK's);
@@ -36,6 +39,9 @@ POLICY = {
     "kron_psgd": "tensor", "kron_psgd_knobs": "tensor",
     "muon": "tensor",
     "muon_adamw": lambda shape: "tensor" if len(shape) == 2 else "element",
+    **dict.fromkeys(["adam", "adam_amsgrad", "nadamw", "radam", "radam_decoupled", "qhadamw", "qhadamw_nu2", "lamb"],
+                    "element"),
+    "lion": "sign", "sophia": "sign", "mars": "tensor",
     "soap": lambda shape: "tensor" if len(shape) > 1 else "element",  # vectors: Adam
     "soap_1d_capped": lambda shape: "tensor" if max(shape) <= 8 else "element",
     "stiefel": lambda shape: "finite" if shape[-2:] == (1, 1) else "matrix",
@@ -66,5 +72,6 @@ def test_nonfinite_gradient_policy(name, bad):
         if policy in ("tensor", "matrix") and not np.isnan(bad):  # an infinity may leave 0·inf = NaN in one place
             assert nonfinite >= 1, (n, s, policy, nonfinite)
         else:
-            expected = {"element": 1, "tensor": p.size, "finite": 0, "matrix": int(np.prod(s[-2:]))}[policy]
+            expected = {"element": 1, "tensor": p.size, "finite": 0, "sign": int(np.isnan(bad)),
+                        "matrix": int(np.prod(s[-2:]))}[policy]
             assert nonfinite == expected, (n, s, policy, nonfinite)

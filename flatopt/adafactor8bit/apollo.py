@@ -1,5 +1,5 @@
-"""APOLLO (Zhu et al., "APOLLO: SGD-like Memory, AdamW-level Performance") as in adafactor8bit 0.4.6 (§6 of
-``reference/adafactor8bit.md``): a random projector and the low-rank update of ``Adafactor8Bit``.
+"""APOLLO (Zhu et al., "APOLLO: SGD-like Memory, AdamW-level Performance") as in adafactor8bit 0.4.6:
+a random projector and the low-rank update of ``Adafactor8Bit``.
 
 **Projector.**  For the 2-D view G (R×C; > 2-D reshaped to (shape[0], −1)): R ≥ C ("right"): P is r×C and
 G_low = G·Pᵀ (R×r); otherwise ("left") P is R×r and G_low = Pᵀ·G (r×C).  P = N(0, 1)/√r drawn from the parameter's
@@ -56,7 +56,7 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, 
     when installed, as for Muon): the projection GEMM is cut into row ranges on our threads instead, and no idle
     BLAS worker spins against the elementwise passes (measured: they ran no faster on two threads than on one
     after a threaded GEMM; with the cap the low-rank passes went 13.0 -> 7.6 ms)."""
-    with shards.blas_capped(threads and xp is np) as capped:
+    with shards.blas_capped(xp is np) as capped:
         _update(xp, cfg, st, p, g, t=t, lr=lr, shape=shape, projector=projector, threads=threads, capped=capped)
 
 
@@ -166,6 +166,8 @@ def _channel_sumsq(xp, gm, right: bool, threads: bool):
     """Σ_j G_ij² per row ("right") or Σ_i G_ij² per column, over row ranges (column sums folded in range order)."""
     r_, c_ = gm.shape
     if right:
+        if xp is not np:  # one range; cupy.einsum has no out= (it raises TypeError)
+            return xp.einsum("ij,ij->i", gm, gm)
         out = xp.empty(r_, np.float32)
         row_tasks(xp, r_, c_, lambda i0, i1: xp.einsum("ij,ij->i", gm[i0:i1], gm[i0:i1], out=out[i0:i1]), threads)
         return out

@@ -1,4 +1,4 @@
-"""APOLLO's low-rank direction U_low (§6.3, §6.5, §6.6 of ``reference/adafactor8bit.md``), used by
+"""APOLLO's low-rank direction U_low (as in adafactor8bit 0.4.6), used by
 ``flatopt.adafactor8bit.apollo``: from G_low, the low-rank moments (v_low and m_low, or the factorised row/column variances, and
 CAME's confidence) and U_low.  ``direction`` runs the whole-slot array-agnostic form (``_low_rank_direction``) on
 CuPy and for APOLLO + CAME without factorisation; on NumPy the other paths run the same arithmetic over ranges of

@@ -1,5 +1,5 @@
 """CAME confidence (Luo et al., "CAME: Confidence-guided Adaptive Memory Efficient Optimization"), as in
-adafactor8bit 0.4.6 (§5 and §6.6 of ``reference/adafactor8bit.md``).
+adafactor8bit 0.4.6 (its plain and APOLLO paths).
 
 Given the clipped normalised update U and its momentum m (β1 EMA of U), the instability is
 res = (U − m)² + eps_came.  Factored: the confidence vectors are β3 EMAs of the row/column means of res,

@@ -1,6 +1,6 @@
 """State migration of ``Adafactor8Bit`` on load (private): a snapshot saved with another state layout.
 
-Reference ``reference/adafactor8bit.md`` §8: when ``quantize``, a format, a block size, the APOLLO switch, the rank,
+The original (adafactor8bit 0.4.6), when ``quantize``, a format, a block size, the APOLLO switch, the rank,
 ``apollo_factorize`` or the CAME switch changes, the state is dequantized/requantized or reset, keeping the step,
 with a warning.  A flatopt optimizer's configuration is fixed, so this happens in ``load_state_dict``: a snapshot
 whose layout (``quantize``, ``block_size``, ``m_block_size``, ``v_quant_type``/``m_quant_type``/``c_quant_type``,

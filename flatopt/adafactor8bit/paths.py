@@ -2,7 +2,7 @@
 (Adafactor- and Adam-style) and SGD in ``adafactor8bit.flat``; the step's scalars and the helpers the APOLLO path shares in
 ``adafactor8bit.common``.
 
-Formulas: ``reference/adafactor8bit.md`` §4–§5 (the original's pure-PyTorch path, float32).  Each path is a
+Formulas: those of the Python package adafactor8bit 0.4.6 (its pure-PyTorch path, float32).  Each path is a
 generator of *phases* (``flatopt.core.blocks``): the factored paths (Adafactor and CAME) are
 composed from Adafactor's own blocked passes (``FactoredPasses``: row/column statistics, factors, ΣU², apply) with
 the 8-bit factor EMA (lerp, requantized) plugged in; the elementwise states (V, m) are updated over ranges aligned

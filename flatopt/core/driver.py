@@ -19,12 +19,14 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import IncompatibleStateError
 from . import backend as _backend, cpu_plan, gpu_run, parallel
 from . import slots as slotlib
-from .slots import Slot as _Slot, config_from_dict, config_to_dict, persistent_fields  # noqa: F401 - re-exported
+from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
+from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
 from .slots import is_array as _is_array
-from .types import FORMAT_VERSION, OptimizerState, OptItem
-from .validate import check_batch_aliasing, check_item, check_lr
+from .types import FORMAT_VERSION, Array, JSONDict, LrScale, OptimizerState, OptItem
+from .validate import check_batch_aliasing, check_item, check_lr, check_snapshot
 
 # Elementwise algorithms process NumPy buffers in chunks of this many elements, so that all the temporaries of
 # one chunk stay in the L2 cache (and the chunks can be spread over threads).  Measured on a 2-core Xeon (2 MB L2
@@ -33,9 +35,15 @@ from .validate import check_batch_aliasing, check_item, check_lr
 # other too often).  core/cpu_plan.py turns a batch into tasks (chunked large items, bucketed small ones).
 CHUNK = 1 << 16
 
+# The largest finite value of each parameter dtype: the effective learning rate must be finite in it.
+_DTYPE_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float32, np.float64)}
+
 
 class PerParamOptimizer:
-    """Base class: the contract of DESIGN §1 for algorithms whose parameters are independent.
+    """Base class of the optimizers whose parameters are updated independently (SGD, AdamW, Adafactor,
+    Adafactor8Bit, KronPsgd, Muon): it implements the ``flatopt.Optimizer`` protocol once — validation before
+    mutation, lazy name-keyed state with a step count per name, ``set_lr``/``lr_scale``, ``state_dict`` /
+    ``load_state_dict``, threads on NumPy and the fused-kernel dispatch on CuPy — around an algorithm's update.
 
     Subclasses set ``algorithm`` (a stable id), ``config_cls`` and ``state_cls``, and implement ``_init`` and
     ``_update``; elementwise algorithms set ``elementwise = True`` and then receive contiguous chunks of the
@@ -51,7 +59,7 @@ class PerParamOptimizer:
     matters: ClassVar[tuple[str, ...]] = ()
     threaded: ClassVar[bool] = True  # False: step_batch runs items serially (e.g. BLAS already uses the cores)
 
-    def __init__(self, config: Any, *, lr_scale: Mapping[str, float] | Callable[[str], float] | None = None):
+    def __init__(self, config: Any, *, lr_scale: LrScale = None) -> None:
         self.config = config
         self._lr = float(config.lr) if getattr(config, "lr", None) is not None else None
         self._slots: dict[str, _Slot] = {}
@@ -65,36 +73,38 @@ class PerParamOptimizer:
     # An algorithm module provides ``init(xp, cfg, shape, dtype) -> State``, the array-agnostic
     # ``update(xp, cfg, state, param, grad, *, t, lr, scratch)`` and optionally the fused CUDA
     # ``kernel_update(cfg, state, param, grad, *, t, lr) -> bool`` (False: use the twin); the class binds them.
-    init_fn: ClassVar[Callable]
-    update_fn: ClassVar[Callable]
-    kernel_fn: ClassVar[Callable | None] = None
+    init_fn: ClassVar[Callable[..., Any]]
+    update_fn: ClassVar[Callable[..., None]]
+    kernel_fn: ClassVar[Callable[..., bool] | None] = None
 
-    def _init(self, xp, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    def _init(self, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         return type(self).init_fn(xp, self.config, shape, dtype)
 
-    def _init_named(self, name: str, xp, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    def _init_named(self, name: str, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         """Fresh state for parameter ``name`` (override for per-name configuration; default: ``_init``)."""
         return self._init(xp, shape, dtype)
 
-    def _update(self, xp, state: Any, param, grad, *, t: int, lr: float, scratch: list) -> None:
+    def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
         type(self).update_fn(xp, self.config, state, param, grad, t=t, lr=lr, scratch=scratch)
 
-    def _kernel_update(self, state: Any, param, grad, *, t: int, lr: float) -> bool:
+    def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int, lr: float) -> bool:
         kernel = type(self).kernel_fn
         return kernel is not None and kernel(self.config, state, param, grad, t=t, lr=lr)
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Raise for a shape the algorithm cannot handle (before anything is touched)."""
 
-    def _extra_state(self) -> dict:
+    def _extra_state(self) -> JSONDict:
         return {}
 
-    def _load_extra(self, extra: dict) -> None:
+    def _load_extra(self, extra: JSONDict) -> None:
         pass
 
     # ------------------------------------------------------------------------------------------ public API
     @property
     def lr(self) -> float | None:
+        """The base learning rate (``None`` where the algorithm derives its own, e.g. Adafactor's relative step)."""
         return self._lr
 
     def set_lr(self, lr: float) -> None:
@@ -102,16 +112,26 @@ class PerParamOptimizer:
         self._lr = check_lr(lr)
 
     def lr_scale(self, name: str) -> float:
+        """The learning-rate multiplier of ``name``: from the ``lr_scale=`` mapping (missing names: 1.0) or
+        callable given at construction; 1.0 without one."""
         return self._lr_scale(name)
 
     def end_iteration(self) -> None:
         """Count one training iteration (saved in ``state_dict``); per-name step counts advance inside ``step``."""
         self.iteration += 1
 
-    def step(self, name: str, shape: tuple[int, ...], param, grad) -> None:
+    def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
+        """Update ``param`` (flat, contiguous, ``prod(shape)`` elements, float32/float64) in place from ``grad``
+        (same size, dtype and backend; never written).  Bad input raises ``ValueError``/``TypeError`` naming the
+        parameter, with nothing changed.  The same as ``step_batch([OptItem(name, shape, param, grad)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
     def step_batch(self, items: Sequence[OptItem]) -> None:
+        """Update every item's parameter in place: bit for bit what ``step`` on each item in order gives.
+
+        Every item is validated before any buffer or state changes; the same name twice is an error.  On NumPy
+        large items are split in cache-sized chunks and spread over threads and small ones are bucketed; on CuPy
+        the fused kernels run without host synchronisation.  Thread-safe: one optimizer's calls are serialised."""
         with self._lock:
             prepared = self._prepare(items)
             if not prepared:
@@ -125,6 +145,7 @@ class PerParamOptimizer:
             cpu_plan.forget_plans(self)
 
     def state_names(self) -> list[str]:
+        """The names that have state (stepped at least once), sorted."""
         return sorted(self._slots)
 
     def state_nbytes(self) -> int:
@@ -138,7 +159,7 @@ class PerParamOptimizer:
         return total
 
     # --------------------------------------------------------------------------------------- preparation
-    def _check_items(self, items: Sequence[OptItem]) -> list:
+    def _check_items(self, items: Sequence[OptItem]) -> list[Any]:
         """Validate every item (nothing is touched); return ``(item, shape, backend, lr_scale)`` per item."""
         items = [it if isinstance(it, OptItem) else OptItem(*it) for it in items]
         seen: set[str] = set()
@@ -168,6 +189,9 @@ class PerParamOptimizer:
                 math.isfinite(scale) and scale >= 0
             ):
                 raise ValueError(f"parameter {it.name!r}: lr_scale must be finite and >= 0, got {scale!r}")
+            if not (self._lr or 0.0) * scale <= _DTYPE_MAX[it.param.dtype]:
+                raise ValueError(f"parameter {it.name!r}: lr · lr_scale = {self._lr!r} · {scale!r} is not finite "
+                                 f"in {it.param.dtype}")
             checked.append((it, shape, backend, float(scale)))
         if len(checked) > 1:
             cache = self.__dict__.setdefault("_alias_cache", [])  # the last batch that passed (weak references)
@@ -180,7 +204,7 @@ class PerParamOptimizer:
         with self._lock:
             self._check_items(items)
 
-    def _prepare(self, items: Sequence[OptItem]) -> list:
+    def _prepare(self, items: Sequence[OptItem]) -> list[Any]:
         """Validate every item, then create missing states serially (in item order)."""
         checked = self._check_items(items)
         prepared = []
@@ -195,7 +219,7 @@ class PerParamOptimizer:
             prepared.append((it, slot, scale))
         return prepared
 
-    def _move_state(self, slot: _Slot, like) -> None:
+    def _move_state(self, slot: _Slot, like: Array) -> None:
         for f in dataclasses.fields(slot.state):
             v = getattr(slot.state, f.name)
             if _is_array(v):
@@ -210,8 +234,9 @@ class PerParamOptimizer:
     def _effective_lr(self, scale: float) -> float:
         return (self._lr if self._lr is not None else 0.0) * scale
 
-    def _run(self, prepared: list) -> None:
-        cpu, gpu = [], []
+    def _run(self, prepared: list[Any]) -> None:
+        cpu: list[Any] = []
+        gpu: list[Any] = []
         for it, slot, scale in prepared:
             slot.t += 1
             lr = self._effective_lr(scale)
@@ -226,11 +251,11 @@ class PerParamOptimizer:
             gpu_run.run_gpu(self, gpu)
 
     # ---------------------------------------------------------------------------------------- checkpoints
-    def _config_key(self) -> dict:
+    def _config_key(self) -> JSONDict:
         d = config_to_dict(self.config)
         return {k: d[k] for k in self.matters}
 
-    def _config_dict(self) -> dict:
+    def _config_dict(self) -> JSONDict:
         d = config_to_dict(self.config)
         if "lr" in d:
             d["lr"] = self._lr
@@ -250,16 +275,22 @@ class PerParamOptimizer:
                 extra=self._extra_state(),
             )
 
-    def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False) -> bool:
-        """Restore a snapshot exactly; ``False`` (and nothing changed) when it belongs to another algorithm, format
-        version, a configuration that matters, or holds a state that does not fit.  Hyper-parameters that do not
-        matter (lr, betas, ...) stay those of this object unless ``restore_hparams``; ``last_load_notes`` says
-        what differed and what was kept."""
+    def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False, strict: bool = False) -> bool:
+        """Restore a snapshot exactly, or return ``False`` with nothing changed when it belongs to another
+        algorithm, format version, a configuration that matters, or holds a state that does not fit; the reason
+        (naming the parameter or field) is then ``last_load_notes[0]``, and ``strict=True`` raises it as
+        :class:`~flatopt.errors.IncompatibleStateError` instead.  A path or a dict is a ``TypeError`` (read files
+        with ``flatopt.load``).  Hyper-parameters that do not matter (lr, betas, ...) stay those of this object
+        unless ``restore_hparams``; after a load ``last_load_notes`` says what differed and what was kept."""
+        check_snapshot(state, type(self).__name__)
         with self._lock:
-            built = self._build_from_state(state)
-            if built is None:
+            try:
+                slots, notes = self._build_from_state(state)
+            except IncompatibleStateError as exc:
+                self.last_load_notes = [str(exc)]
+                if strict:
+                    raise
                 return False
-            slots, notes = built
             if restore_hparams:
                 self.config = config_from_dict(self.config_cls, state.config)
                 self._lr = state.config.get("lr", self._lr)
@@ -272,17 +303,11 @@ class PerParamOptimizer:
             self.last_load_notes = notes
             return True
 
-    def _build_from_state(self, state: Any):
-        if not isinstance(state, OptimizerState):
-            return None
-        if state.algorithm != self.algorithm or state.format_version != FORMAT_VERSION:
-            return None
-        if state.config_key != self._config_key():
-            return None
+    def _build_from_state(self, state: OptimizerState) -> tuple[dict[str, _Slot], list[str]]:
+        """``(slots, notes)`` for ``state``, changing nothing; :class:`IncompatibleStateError` when it does not fit."""
+        check_compatible(state, self.algorithm, self._config_key())
         slots = slotlib.restore(state.params, state.buffers,
                                lambda name, shape, dtype: self._init_named(name, np, shape, dtype), self._check_shape)
-        if slots is None:
-            return None
         cur = self._config_dict()
         notes = [
             f"{k}: kept {cur[k]!r} (snapshot had {v!r})" for k, v in state.config.items() if k in cur and cur[k] != v
@@ -290,7 +315,27 @@ class PerParamOptimizer:
         return slots, notes
 
 
-def _make_lr_scale(spec) -> Callable[[str], float]:
+def check_compatible(state: OptimizerState, algorithm: str, config_key: Any) -> None:
+    """:class:`IncompatibleStateError` when ``state`` is of another algorithm or format version, or its config key
+    (the configuration fields that matter) differs from ``config_key`` (the message names each field)."""
+    if state.algorithm != algorithm:
+        raise IncompatibleStateError(f"the snapshot is of algorithm {state.algorithm!r}, this optimizer is "
+                                     f"{algorithm!r}")
+    if state.format_version != FORMAT_VERSION:
+        raise IncompatibleStateError(f"the snapshot has format version {state.format_version!r}, this flatopt "
+                                     f"reads {FORMAT_VERSION}")
+    theirs = state.config_key
+    if theirs != config_key:
+        if isinstance(theirs, Mapping) and isinstance(config_key, Mapping):
+            diff = [f"{k!r} (snapshot {theirs.get(k, '<absent>')!r}, here {config_key.get(k, '<absent>')!r})"
+                    for k in sorted(set(theirs) | set(config_key), key=str) if theirs.get(k) != config_key.get(k)]
+        else:
+            diff = [f"(snapshot {theirs!r}, here {config_key!r})"]
+        raise IncompatibleStateError("the configuration that decides the state's layout differs: config field "
+                                     + "; ".join(diff))
+
+
+def _make_lr_scale(spec: LrScale) -> Callable[[str], float]:
     if spec is None:
         return lambda name: 1.0
     if callable(spec):

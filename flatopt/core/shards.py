@@ -36,46 +36,69 @@ def assign(costs: Sequence[tuple[str, int]], k: int) -> dict[str, int]:
     return out
 
 
-_blas = None  # threadpoolctl controller (optional); False when unavailable
+_blas = None  # threadpoolctl's controllers of the loaded BLAS libraries; [] when they cannot be capped
 
 
-def _blas_controller():
+def _blas_libs() -> list:
+    """The BLAS libraries to cap, or [] when flatopt cannot hold them at one thread: no threadpoolctl, no BLAS
+    found, or an OpenMP-threaded one (its thread count is per calling thread, so a cap taken by the caller would not
+    reach the worker threads that run the GEMMs)."""
     global _blas
     if _blas is None:
         try:
             import threadpoolctl  # noqa: PLC0415 - optional, never a dependency
 
-            _blas = threadpoolctl.ThreadpoolController()
+            libs = list(threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers)
         except Exception:  # noqa: BLE001 - not installed or no BLAS found: no cap
-            _blas = False
+            libs = []
+        _blas = [] if any(getattr(lib, "threading_layer", None) == "openmp" for lib in libs) else libs
     return _blas
 
 
+def _set_threads(lib, n: int) -> None:
+    # threadpoolctl >= 3.6 lets only one Python thread (the first to set it) change a pthreads OpenBLAS's thread
+    # count and silently ignores every other thread while that one lives; flatopt caps from whichever thread steps
+    # (a worker of MuonAdamW's concurrent groups, a user's thread), so it calls the library's own setter.
+    getattr(lib, "_real_set_num_threads", lib.set_num_threads)(n)
+
+
 _cap_lock = threading.Lock()
-_cap_depth = 0
-_cap_limit = None
+_cap_depth = 0  # callers inside the process-wide cap
+_cap_saved: list = []
 
 
 def cap_enter() -> bool:
-    """Cap the BLAS at one thread (nested/concurrent callers share one cap; the last one out restores)."""
-    global _cap_depth, _cap_limit
-    ctl = _blas_controller()
-    if not ctl:
+    """Hold the BLAS at one thread, process-wide (nested/concurrent callers share one cap; the last one out
+    restores).  Returns False, changing nothing, when it cannot (see ``_blas_libs``) or the library did not take it."""
+    global _cap_depth, _cap_saved
+    libs = _blas_libs()
+    if not libs:
         return False
     with _cap_lock:
         if _cap_depth == 0:
-            _cap_limit = ctl.limit(limits=1, user_api="blas")
+            _cap_saved = [(lib, lib.get_num_threads()) for lib in libs]
+            for lib in libs:
+                _set_threads(lib, 1)
+            if any(lib.get_num_threads() != 1 for lib in libs):
+                for lib, n in _cap_saved:
+                    _set_threads(lib, n)
+                return False
         _cap_depth += 1
     return True
 
 
 def cap_exit() -> None:
-    global _cap_depth, _cap_limit
+    global _cap_depth
     with _cap_lock:
         _cap_depth -= 1
-        if _cap_depth == 0 and _cap_limit is not None:
-            _cap_limit.restore_original_limits()
-            _cap_limit = None
+        if _cap_depth == 0:
+            for lib, n in _cap_saved:
+                _set_threads(lib, n)
+
+
+def threads_now() -> list[int]:
+    """The thread count each BLAS library would use for a call from this thread now (tests, diagnostics)."""
+    return [lib.get_num_threads() for lib in _blas_libs()]
 
 
 @contextlib.contextmanager
@@ -90,13 +113,17 @@ def blas_capped(wanted: bool = True):
             cap_exit()
 
 
+def can_cap() -> bool:
+    """True when the BLAS thread count can be held at one thread (``threadpoolctl`` installed and a BLAS found)."""
+    return bool(_blas_libs())
+
+
 def default_workers() -> int:
     """Workers for matmul-heavy sharding: ``min(core.parallel.num_threads(), 8)`` when the BLAS can be capped at one
     thread meanwhile (``threadpoolctl`` installed and a BLAS found), else 1 (leave the cores to the BLAS)."""
     from . import parallel  # noqa: PLC0415
 
-    ctl = _blas_controller()
-    return min(parallel.num_threads(), 8) if ctl and ctl.select(user_api="blas").lib_controllers else 1
+    return min(parallel.num_threads(), 8) if can_cap() else 1
 
 
 def run(fns: Sequence[Callable[[], None] | None], *, single_threaded_blas: bool = False) -> None:
@@ -104,8 +131,12 @@ def run(fns: Sequence[Callable[[], None] | None], *, single_threaded_blas: bool 
 
     ``single_threaded_blas``: while the workers run, cap the BLAS thread pool at one thread (through
     ``threadpoolctl`` when it is installed; the cap is process-wide for that time), so that K workers do not
-    oversubscribe the cores with K multi-threaded BLAS calls.  OpenBLAS partitions a GEMM over rows/columns only,
-    so the bits do not depend on the BLAS thread count."""
+    oversubscribe the cores with K multi-threaded BLAS calls.
+
+    The bits of a GEMM **do** depend on the BLAS thread count on some CPUs (OpenBLAS 0.3.31's Haswell kernels on an
+    AMD EPYC: a 2-thread and a 1-thread sgemm of the same operands differ in the last bits), so a caller that
+    promises the same bits as a serial path must run that serial path under the same cap (``blas_capped``), and
+    must not use the workers at all when ``can_cap()`` is False."""
     with blas_capped(single_threaded_blas):
         futures = [_worker(k).submit(fn) for k, fn in enumerate(fns) if fn is not None]
         first = None

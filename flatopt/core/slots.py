@@ -2,8 +2,8 @@
 
 ``Slot`` holds a name's shape, dtype, backend, step count and the algorithm's state dataclass.  ``snapshot``
 turns the slots into the ``params``/``buffers`` of an ``OptimizerState`` (arrays copied, names sorted);
-``restore`` checks a snapshot against fresh templates of the algorithm's state and builds new slots, or returns
-``None`` when anything does not fit (so a failed load changes nothing).
+``restore`` checks a snapshot against fresh templates of the algorithm's state and builds new slots, or raises
+:class:`~flatopt.errors.IncompatibleStateError` naming what does not fit (so a failed load changes nothing).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ..errors import IncompatibleStateError
 from . import backend as _backend
 
 
@@ -48,9 +49,10 @@ def snapshot(slots: dict[str, Slot]) -> tuple[dict, dict]:
 
 
 def restore(params: Mapping, buffers: Mapping, template: Callable[[str, tuple, np.dtype], Any],
-            check_shape: Callable[[str, tuple], None]) -> dict[str, Slot] | None:
-    """New slots from a snapshot's ``params``/``buffers``; ``None`` when an entry is malformed, a shape is refused,
-    an array is missing or does not match the fresh ``template(name, shape, dtype)``, or a buffer is left over."""
+            check_shape: Callable[[str, tuple], None]) -> dict[str, Slot]:
+    """New slots from a snapshot's ``params``/``buffers``; :class:`~flatopt.errors.IncompatibleStateError` naming
+    the parameter when an entry is malformed, a shape is refused, an array is missing or does not match the fresh
+    ``template(name, shape, dtype)``, or a buffer is left over (nothing is changed: the caller installs the slots)."""
     slots: dict[str, Slot] = {}
     used = set()
     for name, meta in params.items():
@@ -58,9 +60,13 @@ def restore(params: Mapping, buffers: Mapping, template: Callable[[str, tuple, n
             shape = tuple(int(d) for d in meta["shape"])
             dtype = np.dtype(meta["dtype"])
             t = int(meta["t"])
+        except Exception as exc:  # noqa: BLE001 - any malformed entry means "does not fit"
+            raise IncompatibleStateError(f"parameter {name!r}: malformed snapshot entry "
+                                         f"({type(exc).__name__}: {exc})") from None
+        try:
             check_shape(name, shape)
-        except Exception:  # noqa: BLE001 - any malformed entry means "does not fit"
-            return None
+        except Exception as exc:  # noqa: BLE001 - a shape this algorithm refuses
+            raise IncompatibleStateError(f"parameter {name!r}: shape {shape} refused ({exc})") from None
         tmpl = template(name, shape, dtype)
         kw = {}
         backend = None
@@ -69,18 +75,24 @@ def restore(params: Mapping, buffers: Mapping, template: Callable[[str, tuple, n
             key = f"{f.name}/{name}"
             if is_array(tv):
                 v = buffers.get(key)
-                if not is_array(v) or v.shape != tv.shape or v.dtype != tv.dtype:
-                    return None
+                if not is_array(v):
+                    raise IncompatibleStateError(f"parameter {name!r}: buffer {key!r} is missing from the snapshot")
+                if v.shape != tv.shape or v.dtype != tv.dtype:
+                    raise IncompatibleStateError(
+                        f"parameter {name!r}: buffer {key!r} has shape {v.shape} and dtype {v.dtype}, this optimizer "
+                        f"needs {tv.shape} and {tv.dtype} for shape {shape}")
                 backend = _backend.backend_name(v)
                 kw[f.name] = v.copy()
                 used.add(key)
             elif tv is None and buffers.get(key) is not None:
-                return None
+                raise IncompatibleStateError(f"parameter {name!r}: the snapshot holds buffer {key!r}, which this "
+                                             f"optimizer's configuration does not keep")
             else:
                 kw[f.name] = meta.get(f.name, tv)
         slots[name] = Slot(shape, dtype, backend or "numpy", t, dataclasses.replace(tmpl, **kw), pinned=False)
-    if set(buffers) - used:
-        return None
+    left = sorted(set(buffers) - used)
+    if left:
+        raise IncompatibleStateError(f"buffer {left[0]!r} of the snapshot belongs to no parameter it describes")
     return slots
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from . import backend as _backend
+from .types import OptimizerState
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -123,24 +125,64 @@ def _same_arrays(refs: list, items: list) -> bool:
     return True
 
 
-def check_lr(lr: Any, what: str = "lr") -> float:
-    if isinstance(lr, bool) or not isinstance(lr, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{what} must be a real number, got {lr!r}")
-    lr = float(lr)
-    if not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"{what} must be finite and >= 0, got {lr!r}")
-    return lr
+# The largest learning rate flatopt accepts: the largest finite float32.  Kernels and the NumPy paths cast the
+# learning rate to the parameter's dtype, and float32 is the narrowest dtype flatopt steps, so a larger lr would be
+# inf inside the step.  (A finite lr whose *product* with an update, a weight decay or an lr_scale overflows is
+# not rejected at construction; see ``check_lr``.)
+LR_MAX = float(np.finfo(np.float32).max)
 
 
-def check_range(owner: str, field: str, value: Any, lo: float, hi: float, *, lo_open=False, hi_open=False) -> float:
-    """A real hyper-parameter in [lo, hi] (bounds open where asked); a clear error naming it otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{owner}: {field} must be a real number, got {value!r}")
+def check_real(owner: str | None, field: str, value: Any) -> float:
+    """The one rule every hyper-parameter obeys: a real, finite number (not a bool); returned as a float.
+
+    ``inf``, ``-inf`` and ``nan`` are refused with a ``ValueError`` naming ``owner: field``; a non-number (a str,
+    a bool, None) with a ``TypeError``.  :func:`check_range` and :func:`check_lr` build on it, so every bound,
+    open or closed, is a bound on a finite number."""
+    what = f"{owner}: {field}" if owner else field
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{what} must be a real number, got {value!r}")
     v = float(value)
-    ok = math.isfinite(v) or (hi == math.inf and v == math.inf and not hi_open)
-    ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be finite, got {value!r}")
+    return v
+
+
+def check_lr(lr: Any, what: str = "lr", owner: str | None = None) -> float:
+    """A learning rate (or a learning-rate factor): finite, ``>= 0`` and at most :data:`LR_MAX` (float32's largest
+    value); the error names ``owner: what``.
+
+    What a finite but absurd value does: an lr up to ``LR_MAX`` is accepted; where its product with another
+    factor is known without looking at the data it is checked too (the driver refuses, per parameter and before
+    anything changes, an ``lr · lr_scale(name)`` that is not finite in that parameter's dtype; Muon refuses an
+    ``lr · s`` or ``lr · weight_decay`` that overflows float32).  A product with the *update* (lr = 1e30 times a
+    gradient of 1e10) depends on values flatopt never scans inside a step (no host synchronisation): it overflows to
+    ``±inf`` in the parameters, exactly as ``torch.optim`` does.  Check gradients with ``flatopt.gradients``."""
+    return check_range(owner, what, lr, 0.0, LR_MAX)
+
+
+def check_range(owner: str | None, field: str, value: Any, lo: float, hi: float, *, lo_open=False,
+                hi_open=False) -> float:
+    """A real, finite hyper-parameter (:func:`check_real`) in [lo, hi] (bounds open where asked; ``math.inf`` as a
+    bound means "no bound", never "inf is allowed"); a clear error naming it otherwise."""
+    v = check_real(owner, field, value)
+    if not ((v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)):
         lb = "(" if lo_open else "["
         rb = ")" if hi_open else "]"
-        raise ValueError(f"{owner}: {field} must be in {lb}{lo}, {hi}{rb}, got {value!r}")
+        what = f"{owner}: {field}" if owner else field
+        raise ValueError(f"{what} must be in {lb}{lo:g}, {hi:g}{rb}, got {value!r}")
     return v
+
+
+def check_snapshot(state: Any, owner: str) -> None:
+    """``load_state_dict`` takes an ``OptimizerState``: a path or a plain dict (a common mistake) is a ``TypeError``
+    that says how to get one (``flatopt.load(path)``), as is any other object."""
+    if isinstance(state, OptimizerState):
+        return
+    if isinstance(state, (str, bytes, os.PathLike)):
+        raise TypeError(f"{owner}.load_state_dict takes an OptimizerState, got the path {state!r}: read the file "
+                        f"with flatopt.load(path) and pass what it returns")
+    if isinstance(state, Mapping):
+        raise TypeError(f"{owner}.load_state_dict takes an OptimizerState, got a {type(state).__name__}: use what "
+                        f"state_dict() returned, or flatopt.load(path) for a file written by flatopt.save")
+    raise TypeError(f"{owner}.load_state_dict takes an OptimizerState (from state_dict() or flatopt.load(path)), "
+                    f"got {type(state).__name__}")

@@ -15,6 +15,8 @@ from ..core import backend as _backend
 from .. import checkpoint
 from .plan import Plan, carve, merge
 from ..core.types import OptimizerState
+from ..core.validate import check_snapshot
+from ..errors import IncompatibleStateError
 
 MANIFEST = "manifest.json"
 FORMAT = "flatopt-sharded"
@@ -59,6 +61,8 @@ class ShardedCheckpoints:
     """The checkpoint half of :class:`flatopt.distributed.Sharded` (uses its ``inner``, ``plan``, ``backend``,
     ``rank``, ``world``, ``_vote``, ``_seeds`` and ``_lock``).  Every method is collective."""
 
+    last_load_notes: list[str] = []  # why the last load_state_dict refused (set per instance by each load)
+
     def shard_state_dict(self) -> OptimizerState:
         """This rank's shard (the wrapped optimizer's snapshot of the pieces it owns)."""
         return self.inner.state_dict()
@@ -70,29 +74,43 @@ class ShardedCheckpoints:
         shards = self.backend.allgather_object(st)
         return merge(dict(enumerate(shards)), self.plan)
 
-    def load_state_dict(self, state: OptimizerState) -> bool:
+    def load_state_dict(self, state: OptimizerState, *, strict: bool = False) -> bool:
         """Collective: restore a single-process snapshot, each rank keeping its pieces; ``False`` on every rank
-        (nothing changed anywhere) when any rank's optimizer refuses its part."""
+        (nothing changed anywhere) when any rank's optimizer refuses its part, with the reason in
+        ``last_load_notes`` (this rank's, or which ranks refused); ``strict=True`` raises it on every rank as
+        :class:`~flatopt.errors.IncompatibleStateError`.  A path or a dict is a ``TypeError`` (``flatopt.load``)."""
+        check_snapshot(state, type(self).__name__)
+        why = None
         try:
             names = [(n, tuple(int(d) for d in m["shape"])) for n, m in state.params.items()]
             plan = self.plan.extended(names)
             local = carve(state, plan, self.rank)
-        except Exception:  # noqa: BLE001 - a snapshot that does not fit: voted as a refusal
+        except Exception as exc:  # noqa: BLE001 - a snapshot that does not fit: voted as a refusal
             local, plan = None, None
-        return self._install(local, plan)
+            why = f"the snapshot does not fit the sharding plan ({type(exc).__name__}: {exc})"
+        if not self._install(local, plan, why):
+            if strict:
+                raise IncompatibleStateError(self.last_load_notes[0])
+            return False
+        return True
 
-    def _install(self, local: OptimizerState | None, plan: Plan | None) -> bool:
+    def _install(self, local: OptimizerState | None, plan: Plan | None, why: str | None = None) -> bool:
         with self._lock:
             before = self.inner.state_dict()
             ok = local is not None and self.inner.load_state_dict(local) is True
+            if local is not None and not ok:
+                why = "; ".join(getattr(self.inner, "last_load_notes", None) or ["its optimizer refused its part"])
             failed, _ = self.backend.agree(not ok, 0)
             if failed:
                 if ok:
                     self.inner.load_state_dict(before)
+                self.last_load_notes = [f"rank {self.rank}: {why}" if why else
+                                        f"rank(s) {failed} refused their part of the snapshot"]
                 return False
             self.plan = plan
             if self._seeds is not None:
                 self._seeds.reset()
+            self.last_load_notes = []
             return True
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -131,5 +149,5 @@ class ShardedCheckpoints:
             err = exc
         self._vote(err, 0, "could not read the checkpoint")
         if not self._install(local, plan):
-            raise ValueError(f"{directory}: the checkpoint does not fit this optimizer (another algorithm, "
-                             f"configuration or shapes) on at least one rank; nothing was changed")
+            raise IncompatibleStateError(f"{directory}: the checkpoint does not fit this optimizer on at least one "
+                                         f"rank ({self.last_load_notes[0]}); nothing was changed")

@@ -2,7 +2,8 @@
 
 A factor is ``(True, q)`` for a diagonal factor (a vector) or ``(False, Q)`` for a dense upper-triangular one;
 the views point into the packed ``q`` buffer of the state, so updating a view updates the state.  Mode i of a
-tensor is its axis i; ``X ×_i M`` multiplies the mode-i fibres by M (see ``reference/kron.md`` §1).  Nothing here
+tensor is its axis i; ``X ×_i M`` multiplies the mode-i fibres by M (the n-mode product of
+Kolda & Bader, "Tensor Decompositions and Applications").  Nothing here
 synchronises with the host: norms, lower bounds and guards stay 0-d device arrays.
 """
 

@@ -51,6 +51,7 @@ def validate_items(self, items: list[OptItem], muon_lr: float) -> list[OptItem]:
     canonical names, tied aliases folded into one item, missing gradients dropped."""
     seen: set[str] = set()
     canon_items: dict[str, OptItem] = {}
+    tied_params: dict[str, tuple[str, object]] = {}  # canonical name -> (first name given, its param buffer)
     for it in items:
         name = it.name
         if not isinstance(name, str) or not name:
@@ -86,6 +87,11 @@ def validate_items(self, items: list[OptItem], muon_lr: float) -> list[OptItem]:
         for what, a in (("param", it.param), ("grad", grad)):
             if a is not None and getattr(a, "size", n) != n:
                 raise E.ShapeMismatch(f"parameter {name!r}: {what} has {a.size} elements, shape {mshape} needs {n}")
+        # Tied names share one param buffer, with or without a gradient (a stale copy would never be updated).
+        first, first_param = tied_params.setdefault(canon, (name, it.param))
+        if first_param is not it.param and not same_memory(first_param, it.param):
+            raise E.TiedParameterMismatch(f"parameter {name!r} is tied to {canon!r} but was given another param "
+                                          f"buffer than {first!r} (tied names must share the same memory)")
         if grad is None:
             continue  # missing gradient: no-op (the param itself was checked above)
         try:
@@ -103,9 +109,9 @@ def validate_items(self, items: list[OptItem], muon_lr: float) -> list[OptItem]:
         prev = canon_items.get(canon)
         if prev is None:
             canon_items[canon] = OptItem(canon, mshape, it.param, grad)
-        elif not (same_memory(prev.param, it.param) and same_memory(prev.grad, grad)):
-            raise E.TiedParameterMismatch(f"parameter {name!r} is tied to {canon!r} but was given other "
-                                          f"param/grad buffers")
+        elif not same_memory(prev.grad, grad):
+            raise E.TiedParameterMismatch(f"parameter {name!r} is tied to {canon!r} but was given another grad "
+                                          f"buffer (tied names must share the same memory)")
     return list(canon_items.values())
 
 
@@ -117,7 +123,8 @@ def check_record(self, state: OptimizerState) -> None:
     if state.algorithm != self.algorithm or state.format_version != FORMAT_VERSION or key.get(
             "version") != RECORD_VERSION:
         raise E.RecordVersionMismatch(f"record of {state.algorithm!r} version {key.get('version')!r} (format "
-                                      f"{state.format_version}); this is {self.algorithm!r} v{RECORD_VERSION}")
+                                      f"version {state.format_version}); this is {self.algorithm!r} "
+                                      f"v{RECORD_VERSION} (format version {FORMAT_VERSION})")
     mine = self._muon.config.momentum_convention
     if key.get("momentum_convention") != mine:
         raise E.ConventionMismatch(f"record uses momentum convention {key.get('momentum_convention')!r}, this "
