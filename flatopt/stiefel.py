@@ -49,11 +49,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
 from .core import linalg
 from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
 from .core.validate import check_range
 
 
@@ -62,7 +64,7 @@ class StiefelConfig:
     lr: float
     momentum: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("Stiefel", "lr", self.lr, 0.0, math.inf, hi_open=True)
         check_range("Stiefel", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
 
@@ -73,27 +75,27 @@ class StiefelConfig:
 
 @dataclasses.dataclass
 class StiefelState:
-    buf: object = None  # momentum b (flat, the parameter's layout); None without momentum
+    buf: Array = None  # momentum b (flat, the parameter's layout); None without momentum
     started: bool = False  # the start projection X <- qf(X) is done
-    shape: tuple = dataclasses.field(default=(), metadata={"persist": False})
+    shape: tuple[int, ...] = dataclasses.field(default=(), metadata={"persist": False})
 
 
-def init(xp, cfg: StiefelConfig, shape, dtype) -> StiefelState:
+def init(xp: Any, cfg: StiefelConfig, shape: tuple[int, ...], dtype: Any) -> StiefelState:
     return StiefelState(buf=xp.zeros(math.prod(shape), dtype) if cfg.has_momentum else None, shape=tuple(shape))
 
 
-def _tall(a, shape):
+def _tall(a: Array, shape: tuple[int, ...]) -> Array:
     """The (batch, n, p) tall-orientation view of a flat buffer of ``shape``."""
     r, c = shape[-2], shape[-1]
     x = a.reshape(-1, r, c)
     return x.transpose(0, 2, 1) if r <= c else x
 
 
-def _scratch(xp, key, shape, dtype):
+def _scratch(xp: Any, key: str, shape: tuple[int, ...], dtype: Any) -> Array:
     return linalg.scratch(xp, "stiefel_" + key, shape, dtype)
 
 
-def _project(xp, x, u, out):
+def _project(xp: Any, x: Array, u: Array, out: Array) -> Array:
     """out = u − X·sym(XᵀU): u projected on the tangent space at X (batched; ``out`` may be ``u``)."""
     b, n, p = x.shape
     a = xp.matmul(x.transpose(0, 2, 1), u, out=_scratch(xp, "a", (b, p, p), x.dtype))
@@ -103,7 +105,7 @@ def _project(xp, x, u, out):
     return xp.subtract(u, xs, out=out)
 
 
-def _retract(xp, y, x) -> None:
+def _retract(xp: Any, y: Array, x: Array) -> None:
     """x[...] = qf(y) = Q·diag(sign(diag R)) of the reduced QR of every matrix of ``y`` (sign(0) = +1)."""
     if xp is np:  # LAPACK's Householder QR in the parameter's dtype, allocation-free (core.linalg)
         q = _scratch(xp, "q", y.shape, y.dtype)
@@ -117,7 +119,8 @@ def _retract(xp, y, x) -> None:
     xp.multiply(q, sign[:, None, :], out=x)
 
 
-def update(xp, cfg: StiefelConfig, st: StiefelState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: StiefelConfig, st: StiefelState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step of one parameter (whole flat buffers; ``scratch`` is unused)."""
     if p.size == 0 or lr == 0:
         return
@@ -147,10 +150,10 @@ class Stiefel(PerParamOptimizer):
     update_fn = staticmethod(update)
     threaded = False  # BLAS/LAPACK work (see the module doc)
 
-    def __init__(self, lr: float, momentum: float = 0.0, *, lr_scale=None):
+    def __init__(self, lr: float, momentum: float = 0.0, *, lr_scale: LrScale | None = None) -> None:
         super().__init__(StiefelConfig(lr, momentum), lr_scale=lr_scale)
 
-    def _config_key(self) -> dict:  # the state layout: a momentum buffer or none
+    def _config_key(self) -> dict[str, Any]:  # the state layout: a momentum buffer or none
         return {"has_momentum": self.config.has_momentum}
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:

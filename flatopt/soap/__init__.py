@@ -60,15 +60,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
 from . import numerics as N
 from ..core.driver import PerParamOptimizer
+from ..core.types import Array, LrScale
 from ..core.validate import check_range
 
 
-def _check_int(field: str, v, lo: int) -> None:
+def _check_int(field: str, v: Any, lo: int) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"Soap: {field} must be an int, got {v!r}")
     if v < lo:
@@ -86,7 +88,7 @@ class SoapConfig:
     max_precond_dim: int = 10000
     precondition_1d: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("Soap", "lr", self.lr, 0.0, math.inf)
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise TypeError(f"Soap: betas must be a pair of floats, got {self.betas!r}")
@@ -112,23 +114,25 @@ class SoapConfig:
 
 @dataclasses.dataclass
 class SoapState:
-    exp_avg: object  # m, original coordinates (flat)
-    exp_avg_sq: object  # v, eigen coordinates (flat, in the parameter's shape)
-    gg: object  # the statistics Lᵢ, dᵢ×dᵢ row-major, concatenated in axis order
-    q: object  # the bases Qᵢ, same layout
+    exp_avg: Array  # m, original coordinates (flat)
+    exp_avg_sq: Array  # v, eigen coordinates (flat, in the parameter's shape)
+    gg: Array  # the statistics Lᵢ, dᵢ×dᵢ row-major, concatenated in axis order
+    q: Array  # the bases Qᵢ, same layout
     layout: N.Layout | None = dataclasses.field(default=None, metadata={"persist": False})
 
 
-def init(xp, cfg: SoapConfig, shape, dtype) -> SoapState:
+def init(xp: Any, cfg: SoapConfig, shape: tuple[int, ...], dtype: Any) -> SoapState:
     lay = N.make_layout(tuple(shape), cfg.max_precond_dim, cfg.precondition_1d)
     n = math.prod(shape)
     return SoapState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(lay.size, dtype), xp.zeros(lay.size, dtype),
                      layout=lay)
 
 
-def update(xp, cfg: SoapConfig, st: SoapState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: SoapConfig, st: SoapState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step of one parameter (whole flat buffers; ``scratch`` is unused)."""
     lay = st.layout
+    assert lay is not None
     if p.size == 0:
         return
     shape = lay.shape
@@ -183,8 +187,9 @@ class Soap(PerParamOptimizer):
     matters = ("max_precond_dim", "precondition_1d")
     threaded = False  # matrix products on the threaded BLAS (see the module doc)
 
-    def __init__(self, lr: float = 3e-3, betas=(0.95, 0.95), shampoo_beta: float | None = None, eps: float = 1e-8,
-                 weight_decay: float = 1e-2, precondition_frequency: int = 10, max_precond_dim: int = 10000,
-                 precondition_1d: bool = False, *, lr_scale=None):
+    def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float | None = None,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, precondition_frequency: int = 10,
+                 max_precond_dim: int = 10000, precondition_1d: bool = False, *, lr_scale: LrScale | None = None
+                 ) -> None:
         super().__init__(SoapConfig(lr, betas, shampoo_beta, eps, weight_decay, precondition_frequency,
                                     max_precond_dim, precondition_1d), lr_scale=lr_scale)
