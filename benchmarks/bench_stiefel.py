@@ -1,7 +1,7 @@
 """Stiefel: flatopt vs geoopt 0.5.1 ``RiemannianSGD`` on ``EuclideanStiefel``, on the same matrices, in one process.
 
 Workload: the matrices of AdamW's 76-tensor transformer-like set (``bench_adamw.transformer_shapes``: 8192x512,
-2048x512, 24 x 512x512, 6 x 512x2048, 6 x 2048x512: 38 matrices, 22.0M elements), momentum 0.9, lr 1e-3.  geoopt's
+2048x512, 24 x 512x512, 6 x 512x2048, 6 x 2048x512: 38 matrices, 24.1M elements), momentum 0.9, lr 1e-3.  geoopt's
 ``EuclideanStiefel`` needs tall matrices (n >= p), so its parameters are the tall orientation (the 512x2048 ones
 transposed, as a geoopt user would store them); flatopt steps the matrices as they are (wide ones through a
 transposed view).  Both start on the manifold (flatopt's first step, which projects the start, runs in the

@@ -52,7 +52,10 @@ r×c matrix: six projections (O(rc(r + c)) each), two Grams, and every ``precond
 product per axis; the first step is an ``eigh`` per axis (on NumPy, OpenBLAS's float64 ``dsyevd``: ~10-30 s
 at d = 2048 on 2 cores, several times torch's MKL — a one-off cost).  Memory: 8 bytes/param (fp32) + 8(dᵢ²) per
 axis (24 for a square matrix).  On NumPy the work is matrix products on the threaded BLAS, so ``step_batch`` runs items
-serially (``threaded = False``: every bit is then the serial loop's, under any BLAS thread count).  On CuPy
+serially (``threaded = False``: every bit is then the serial loop's, under any BLAS thread count).  Measured
+against pytorch-optimizer's SOAP (2 cores, ``benchmarks/bench_soap.py``, ``max_precond_dim=2048``): 1.32× its
+speed per step on the 38 matrices of a transformer-like set (24.1M elements), 4.4× over ten steps with their
+refresh on one layer's six matrices.  On CuPy
 nothing reads a device value on the host (see ``soap.numerics``).
 """
 
