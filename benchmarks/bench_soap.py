@@ -7,10 +7,10 @@ sides with ``max_precond_dim=2048``: the 8192 side of the token embedding uses t
 and its ``eigh`` are what no one runs; the official default 10000 would build it).  Every other option is the
 official default, ``precondition_frequency=10``.  The first step (an ``eigh`` per axis) runs in the untimed
 warm-up; the median of single steps is a step without a refresh (one step in ten adds a QR and a product per
-axis), so workload (b10) times ten consecutive steps of one layer's six matrices: every timed call holds
-exactly one refresh, the amortised cost.  The baseline is pytorch-optimizer with ``torch.set_num_threads(2)``; flatopt steps
-the set with one ``step_batch`` (items serially, on NumPy's BLAS at 2 threads).  The last column is the state
-bytes per parameter (m, v, the statistics and the bases).
+axis), so workload (b10) times ten consecutive steps of one layer's six matrices: every timed call
+holds exactly one refresh, the amortised cost.  The baseline is pytorch-optimizer with
+``torch.set_num_threads(2)``; flatopt steps the set with one ``step_batch`` (items serially, on NumPy's BLAS at
+2 threads).  The last column is the state bytes per parameter (m, v, the statistics and the bases).
 """
 
 from __future__ import annotations
