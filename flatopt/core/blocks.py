@@ -284,6 +284,16 @@ def sq_sum(xp, buf, n: int):
     """Σ buf[i] for i < n, buf[:n] holding squares (or any terms ≥ +0), in the blocked order above; ``buf`` is
     ``sq_scratch(xp, n, dtype)`` (the squares are overwritten).  Returns a 1-element view of ``buf``."""
     nb, k, xlen, plen, _ = sq_layout(n)
+    if nb == 1 and xp is np:  # _sq_np's one-block case, with fewer Python steps (small tensors)
+        a = buf[:SQ_THREADS]
+        if k > 1:
+            a = buf[xlen:xlen + SQ_THREADS]
+            np.add.reduce(buf[:xlen].reshape(k, SQ_THREADS), axis=0, out=a)
+        b = buf[xlen + SQ_THREADS:xlen + SQ_THREADS + SQ_LANES]
+        np.add.reduce(a.reshape(SQ_LANES, SQ_LANES), axis=0, out=b)
+        c = buf[xlen + SQ_THREADS + SQ_LANES:xlen + SQ_THREADS + 2 * SQ_LANES]
+        np.add.accumulate(b, out=c)
+        return c[SQ_LANES - 1:]
     x = buf[:xlen]
     if xp is np:
         parts, w = _sq_np(x, k, nb, buf[xlen + plen:])
