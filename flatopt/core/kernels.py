@@ -21,8 +21,8 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 KERNELS: dict[str, tuple[str, ...]] = {
     "adafactor.cu": ("af_row_sumsq", "af_col_sumsq", "af_ema", "af_factors", "af_v_update", "af_sumsq_partials", "af_u_partials", "af_scalars", "af_apply"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
-    "adamw.cu": ("adamw_step",),
-    "sgd.cu": ("sgd_step",),
+    "adamw.cu": ("adamw_step", "adamw_multi"),
+    "sgd.cu": ("sgd_step", "sgd_multi"),
 }
 
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
