@@ -177,6 +177,7 @@ class PerParamOptimizer:
             names = list(map(step_plan._NAME, items))  # noqa: SLF001
             plan = plans.get(tuple(names))
             if plan is not None and plan.matches(self, items, names):
+                plan.hits += 1
                 return plan
         except Exception:  # noqa: BLE001 - a malformed item: the full validation says what is wrong
             return None
@@ -188,7 +189,14 @@ class PerParamOptimizer:
             return None
         plans = self.__dict__.setdefault("_step_plans", {})
         key = tuple(c[0].name for c in checked)
-        plans.pop(key, None)
+        old = plans.pop(key, None)
+        if old is not None and not old.hits and not old.groups and old.skips < step_plan.MAX_SKIPS:
+            # this composition came back with other arrays before its plan was ever re-used (e.g. fresh gradient
+            # arrays every step): on NumPy a plan would cost more than it saves; try again after MAX_SKIPS calls
+            # (on CuPy a new table is still far cheaper than a launch per tensor)
+            old.skips += 1
+            plans[key] = old
+            return None
         while len(plans) >= step_plan.MAX_PLANS:
             plans.pop(next(iter(plans)))
         plan = plans[key] = step_plan.StepPlan(self, checked, [p[1] for p in prepared], CHUNK)

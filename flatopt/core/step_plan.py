@@ -29,8 +29,10 @@ same array object:
 
 Anything that does not match falls back to the full validation, which raises for a bad item before anything
 changes, and then builds a plan (or re-uses one whose identity turns out equal).  The plan holds no reference to
-the caller's arrays between calls (weak references only): a batch that brings fresh gradient arrays every step
-rebuilds its plan every step (the cost of the full path plus the plan) and keeps no old gradient alive.
+the caller's arrays between calls (weak references only), so it keeps no old gradient alive.  A batch that brings
+fresh gradient arrays every step cannot re-use a plan: on NumPy, once a plan was dropped without ever being re-used,
+the composition runs the full path without a plan for the next ``MAX_SKIPS`` calls (then tries again); on CuPy the
+plan is rebuilt every step (one table upload and allocation, still far cheaper than a launch per tensor).
 
 Step counts: every plan step advances its slots' ``t``.  The grouping by ``t`` (buckets on NumPy, multi-tensor
 groups on CuPy) is kept while the slots advance together, which :meth:`StepPlan.run` knows without looking at them
@@ -57,6 +59,8 @@ _CP_ATTRS = attrgetter("shape")
 _WRITEABLE = attrgetter("flags.writeable")
 # Plans kept per optimizer (one per batch composition: e.g. the groups a router steps separately).
 MAX_PLANS = 8
+# A NumPy batch whose plan was never re-used (other arrays each call) runs without one for this many calls.
+MAX_SKIPS = 16
 
 
 def _exact_shapes(shapes: list) -> bool:
@@ -69,6 +73,7 @@ class StepPlan:
         """``checked``: ``_check_items``' ``(item, shape, backend, scale)`` per item; ``slots``: their slots (the
         states exist); ``chunk``: the NumPy chunk size (``core.driver.CHUNK``)."""
         self.chunk = chunk
+        self.hits = self.skips = 0
         items = [c[0] for c in checked]
         self.n = len(items)
         self.names = [it.name for it in items]
