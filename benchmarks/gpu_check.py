@@ -7,7 +7,8 @@ one GPU, it writes a Markdown report with:
    test, run with pytest; on a real device they run on it, without one on the emulated device of ``tests/cuda_emu``
    (CUDA kernels executed on the CPU, CuPy's API held to CuPy 14's signatures);
 2. **parity on large shapes** (a real device only) — every fused kernel against its array-agnostic twin
-   (``FLATOPT_FORCE_TWIN=1``) bit for bit, and CuPy against NumPy (max relative difference), on buffers of training
+   (``FLATOPT_FORCE_TWIN=1``) bit for bit (Adafactor's within rounding: its sums add in another order than the
+   twin's), and CuPy against NumPy (max relative difference), on buffers of training
    size: AdamW and SGD on 16M elements, Adafactor on 4096×4096, Adafactor8Bit on 2048×1024;
 3. **timings** (a real device only) — median step time by CUDA events after warm-up, flatopt against
    ``torch.optim.AdamW(fused=True)`` on one 16M buffer and on 76 tensors of a transformer (24M parameters), with the
@@ -91,8 +92,15 @@ def _parity(quick: bool) -> list[str]:
             out[mode] = backend.to_numpy(p)
         os.environ.pop("FLATOPT_FORCE_TWIN", None)
         same = out["kernel"].tobytes() == out["twin"].tobytes()
-        rel = float(np.max(np.abs(out["kernel"] - out["numpy"])) / max(float(np.max(np.abs(out["numpy"]))), 1e-30))
-        rows.append(f"| {label} | {shape} | {'yes' if same else '**no**'} | {rel:.2e} |")
+
+        def rel(a, b):
+            return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+        # Adafactor's kernel adds its sums in another order than the twin (kernels/adafactor.cu): rounding expected
+        twin = "yes" if same else f"no: max rel. diff. {rel(out['kernel'], out['twin']):.2e}"
+        if not same and label != "Adafactor":
+            twin = f"**{twin}**"
+        rows.append(f"| {label} | {shape} | {twin} | {rel(out['kernel'], out['numpy']):.2e} |")
     return rows
 
 

@@ -10,7 +10,7 @@
 3. **adafactor** — ``Adafactor.step_batch`` on the transformer-like set with the BLAS held at one thread (GEMV
    statistics sums, ``adafactor.factored_passes.BLAS_MIN``) and without (einsum sums), in-process A/B (needs threadpoolctl);
 4. **apollo** — the 256×1024 APOLLO projection of a 2048×1024 weight: NumPy's float32 ziggurat
-   (``default_rng(seed).standard_normal``) against flatopt's blocked Box–Muller draw (``adafactor8bit.apollo_proj._draw_block``, one
+   (``default_rng(seed).standard_normal``) against flatopt's blocked counter-based draw (``adafactor8bit.apollo_proj.draw``, one
    thread), and the projection GEMM G·Pᵀ on one thread cut into row ranges of 128 and 1024 rows (each range
    repacks P; ``adafactor8bit.apollo.GEMM_TASK``); θ's per-row scaling by einsum against a broadcast multiply (one thread); with
    torch installed, the GEMM on two threads as flatopt runs it (NumPy's BLAS, two row halves) against ``torch.mm``;
@@ -160,12 +160,12 @@ def apollo(repeats: int = 15) -> None:
     buf = np.empty(n, np.float32)
 
     def blocked():
-        for b, lo in enumerate(range(0, n, apollo_proj.PROJ_BLOCK)):
-            apollo_proj._draw_block(7, b, buf[lo:lo + apollo_proj.PROJ_BLOCK], 1.0)  # noqa: SLF001
+        for lo in range(0, n, apollo_proj.PROJ_BLOCK):
+            apollo_proj.draw(np, 7, lo, buf[lo:lo + apollo_proj.PROJ_BLOCK], 1.0)
 
     zig = _median_ms(lambda: np.random.default_rng(7).standard_normal((rank, cols), dtype=np.float32), repeats)
     bm = _median_ms(blocked, repeats)
-    print(f"apollo: {rank}x{cols} projection, float32 ziggurat {zig:.2f} ms, blocked Box-Muller {bm:.2f} ms "
+    print(f"apollo: {rank}x{cols} projection, float32 ziggurat {zig:.2f} ms, blocked counter-based draw {bm:.2f} ms "
           f"(one thread, {zig / bm:.1f}x)")
     rng = np.random.default_rng(0)
     g = rng.standard_normal((rows, cols), dtype=np.float32)

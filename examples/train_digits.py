@@ -126,6 +126,15 @@ def optimizer_factories(shapes) -> dict:
         "adafactor": lambda: flatopt.Adafactor(),  # the paper's relative step: no lr to tune
         # 8-bit states; blocks of 128 so that this small model's states are quantized at all
         "adafactor8bit": lambda: flatopt.Adafactor8Bit(block_size=128),
+        "adam": lambda: flatopt.Adam(lr=3e-3),
+        "nadamw": lambda: flatopt.NAdamW(lr=3e-3, weight_decay=1e-4),
+        "radam": lambda: flatopt.RAdam(lr=1e-2),  # its rectification scales the early steps down (r_t ~ 0.2 at t = 100)
+        "qhadamw": lambda: flatopt.QHAdamW(lr=3e-3, weight_decay=1e-4),
+        "lion": lambda: flatopt.Lion(lr=1e-3, weight_decay=1e-3),  # Lion: below AdamW's lr (sign steps)
+        "lamb": lambda: flatopt.Lamb(lr=1e-2, weight_decay=1e-4),
+        "mars": lambda: flatopt.Mars(lr=3e-3),
+        # Sophia: its Hessian estimate is fed every HESSIAN_EVERY steps by the loop below (update_hessian)
+        "sophia": lambda: flatopt.Sophia(lr=1e-3, weight_decay=1e-4),
         "kron_psgd": lambda: flatopt.KronPsgd(lr=3e-3),
         "muon_adamw": lambda: flatopt.MuonAdamW(shapes, muon_names=hidden_matrices, lr=0.01, adamw_lr_ratio=0.3,
                                                 muon={"layout": "in_out"}),
@@ -133,6 +142,9 @@ def optimizer_factories(shapes) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ training
+HESSIAN_EVERY = 10  # Sophia's Hessian refresh period k (its paper: 10)
+
+
 def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every, order_seed=None, evaluate=False):
     """Train from ``init_params(shapes, seed)`` on mini-batches drawn with ``order_seed`` (default ``seed + 1``).
     With ``evaluate``, the loss on the whole training set and on the held-out set is recorded after every epoch
@@ -151,6 +163,11 @@ def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every, or
             items = [OptItem(k, shapes[k], params[k], grads[k]) for k in shapes]
             t0 = time.perf_counter()
             opt.step_batch(items)
+            if hasattr(opt, "update_hessian") and len(curve) % HESSIAN_EVERY == 0:
+                # Sophia's diagonal Hessian estimate: the batch-size-scaled squared mini-batch gradient (an
+                # empirical-Fisher stand-in for its Gauss-Newton-Bartlett estimator, which samples the labels)
+                for k in shapes:
+                    opt.update_hessian(k, shapes[k], grads[k] * grads[k] * batch)
             opt.end_iteration()
             if xp is not np:
                 xp.cuda.get_current_stream().synchronize()

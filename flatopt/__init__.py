@@ -18,30 +18,46 @@ from .core.parallel import TaskError
 from .core.types import Optimizer, OptimizerState, OptItem
 from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
+from .adam import Adam
 from .adamw import AdamW
 from .checkpoint import CheckpointError, load, save
 from .errors import IncompatibleStateError
 from .muon import Muon
 from .muon.muon_adamw import MuonAdamW
 from .kron import KronPsgd
+from .lamb import Lamb
+from .lion import Lion
+from .mars import Mars
+from .nadamw import NAdamW
+from .qhadamw import QHAdamW
+from .radam import RAdam
 from .sgd import SGD
+from .sophia import Sophia
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Adafactor",
     "Adafactor8Bit",
+    "Adam",
     "AdamW",
     "CheckpointError",
     "IncompatibleStateError",
     "Muon",
     "MuonAdamW",
     "KronPsgd",
+    "Lamb",
+    "Lion",
+    "Mars",
+    "NAdamW",
+    "QHAdamW",
+    "RAdam",
     "Optimizer",
     "OptimizerState",
     "OptItem",
     "PerParamOptimizer",
     "SGD",
+    "Sophia",
     "TaskError",
     "flat_view",
     "gradients",

@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import numpy as np
 
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
+from .core.types import Array, LrScale
 from .core.validate import check_lr, check_range
 
 
@@ -37,7 +39,7 @@ class AdamWConfig:
     weight_decay: float = 1e-2
     amsgrad: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_lr(self.lr, "lr", "AdamW")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise TypeError(f"AdamW: betas must be a pair of floats, got {self.betas!r}")
@@ -52,12 +54,12 @@ class AdamWConfig:
 
 @dataclasses.dataclass
 class AdamWState:
-    m: object
-    v: object
-    vmax: object = None
+    m: Array
+    v: Array
+    vmax: Array = None
 
 
-def init(xp, cfg: AdamWConfig, shape, dtype) -> AdamWState:
+def init(xp: Any, cfg: AdamWConfig, shape: tuple[int, ...], dtype: Any) -> AdamWState:
     n = math.prod(shape)
     return AdamWState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype) if cfg.amsgrad else None)
 
@@ -70,7 +72,7 @@ def _bias(cfg: AdamWConfig, t: int) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: AdamWConfig, t: int, lr: float):
+def _scalars(cfg: AdamWConfig, t: int, lr: float) -> tuple[float, float, float, float, float, float, float]:
     """The per-step scalars (cached: ``update`` runs once per cache-sized chunk).  ``kernels/adamw.cu``'s
     ``adamw_multi`` derives ``decay`` and the step size from ``lr`` with these operations, in double."""
     b1, b2 = cfg.betas
@@ -78,7 +80,8 @@ def _scalars(cfg: AdamWConfig, t: int, lr: float):
     return 1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, cfg.eps, -(lr / bc1)
 
 
-def update(xp, cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds one buffer the size of ``p``.
 
     Fourteen in-place ufunc passes (13 without weight decay, one more with amsgrad), each rounded to the dtype, in
@@ -109,7 +112,7 @@ def update(xp, cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float, scr
     add(p, s, p)
 
 
-def kernel_update(cfg: AdamWConfig, st: AdamWState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("adamw.cu", "adamw_step", p.dtype)
     vmax = st.vmax if st.vmax is not None else st.v
@@ -144,7 +147,7 @@ class AdamW(PerParamOptimizer):
     scratch_buffers = 1
     matters = ("amsgrad",)
 
-    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 amsgrad: bool = False, *, lr_scale=None):
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, lr_scale: LrScale = None) -> None:
         super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale)
 

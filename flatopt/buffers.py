@@ -17,17 +17,21 @@ specifics live in ``flatopt.core.backend``.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from .core import backend as _backend
+from .core.types import Array
 from .core.validate import check_shape
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = ["flat_view", "pack", "pack_like"]
 
 
-def flat_view(array: Any) -> Any:
+def flat_view(array: Array) -> Array:
     """A 1-D view of the NumPy or CuPy ``array`` that shares its memory (``reshape(-1)`` that never copies).
 
     Raises ``ValueError`` when ``array`` is not C-contiguous (transposed, Fortran-ordered, sliced along a
@@ -37,7 +41,8 @@ def flat_view(array: Any) -> Any:
     return _backend.flat_view(array)
 
 
-def pack(shapes: Mapping[str, Sequence[int]], dtype: Any = np.float32, xp: Any = np) -> tuple[Any, dict[str, Any]]:
+def pack(shapes: Mapping[str, Sequence[int]], dtype: DTypeLike = np.float32,
+         xp: Any = np) -> tuple[Array, dict[str, Array]]:
     """``(flat, views)``: one zero-filled 1-D buffer of ``dtype`` holding every named shape back to back (in the
     mapping's order), and ``{name: view of flat with that shape}``.
 
@@ -58,7 +63,7 @@ def pack(shapes: Mapping[str, Sequence[int]], dtype: Any = np.float32, xp: Any =
     return flat, {name: flat[o:o + n].reshape(shape) for name, shape, o, n in layout}
 
 
-def pack_like(arrays: Mapping[str, Any], dtype: Any = None) -> tuple[Any, dict[str, Any]]:
+def pack_like(arrays: Mapping[str, Array], dtype: DTypeLike | None = None) -> tuple[Array, dict[str, Array]]:
     """:func:`pack` for existing arrays: ``(flat, views)`` with each array's values copied into its view.  The
     arrays are not changed; use the returned views from now on (they share memory with ``flat``).  ``dtype``
     defaults to the arrays' common dtype; the array module (NumPy or CuPy) is theirs (mixing them is a

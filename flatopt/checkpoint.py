@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .core import backend
-from .core.types import FORMAT_VERSION, OptimizerState
+from .core.types import FORMAT_VERSION, Optimizer, OptimizerState
 
 MAGIC = "flatopt-checkpoint"
 
@@ -33,14 +33,17 @@ class CheckpointError(ValueError):
     """A checkpoint file is truncated, corrupted, foreign or of an unsupported format version."""
 
 
-def save(path: str | os.PathLike, optimizer_or_state: Any) -> None:
+def save(path: str | os.PathLike[str], optimizer_or_state: Optimizer | OptimizerState) -> None:
     """Write the optimizer's ``state_dict()`` (or an ``OptimizerState``) to ``path`` atomically."""
-    state = optimizer_or_state
-    if not isinstance(state, OptimizerState):
-        state = optimizer_or_state.state_dict()
-        if state is None:
+    if isinstance(optimizer_or_state, OptimizerState):
+        state = optimizer_or_state
+    else:
+        snapshot = optimizer_or_state.state_dict()
+        if snapshot is None:
             raise ValueError(f"{type(optimizer_or_state).__name__} cannot be checkpointed")
-    arrays, entries = {}, []
+        state = snapshot
+    arrays: dict[str, Any] = {}
+    entries: list[dict[str, Any]] = []
     for i, key in enumerate(sorted(state.buffers)):
         a = np.ascontiguousarray(backend.to_numpy(state.buffers[key]))
         arrays[f"a{i}"] = a
@@ -104,7 +107,7 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def load(path: str | os.PathLike) -> OptimizerState:
+def load(path: str | os.PathLike[str]) -> OptimizerState:
     """Read a checkpoint written by ``save``; ``CheckpointError`` names what is wrong with a bad file."""
     path = Path(path)
     with open(path, "rb") as f:  # (FileNotFoundError/IsADirectoryError as open() raises them)

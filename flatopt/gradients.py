@@ -18,22 +18,23 @@ and ``all_finite`` False, so they are reported instead of silently ignored.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .core import backend
+from .core.types import Array
 
 __all__ = ["global_norm", "all_finite", "clip_by_global_norm"]
 
 
-def _xp(buffers: Sequence):
+def _xp(buffers: Sequence[Array]) -> Any:
     if not buffers:
         raise ValueError("expected at least one buffer")
     return backend.array_module(*buffers)
 
 
-def global_norm(buffers: Sequence):
+def global_norm(buffers: Sequence[Array]) -> Array:
     """√(Σ over every buffer of Σ x²), accumulated in float64; a 0-d array on the buffers' backend."""
     xp = _xp(buffers)
     total = xp.zeros((), xp.float64)
@@ -43,7 +44,7 @@ def global_norm(buffers: Sequence):
     return xp.sqrt(total)
 
 
-def _sumsq64(xp, b, chunk: int = 1 << 16):
+def _sumsq64(xp: Any, b: Array, chunk: int = 1 << 16) -> Array:
     """Σ x² of a float32 buffer in float64: chunked on NumPy so no full-size float64 copy is made; one cast and
     one dot on CuPy (a pooled temporary; a host loop of small launches would cost more)."""
     if xp is not np:
@@ -56,7 +57,7 @@ def _sumsq64(xp, b, chunk: int = 1 << 16):
     return acc
 
 
-def all_finite(buffers: Sequence):
+def all_finite(buffers: Sequence[Array]) -> Array:
     """True (a 0-d bool array) when no buffer holds a NaN or an infinity."""
     xp = _xp(buffers)
     ok = xp.ones((), bool)
@@ -70,7 +71,7 @@ def all_finite(buffers: Sequence):
     return ok
 
 
-def clip_by_global_norm(buffers: Sequence, max_norm: float, eps: float = 1e-6):
+def clip_by_global_norm(buffers: Sequence[Array], max_norm: float, eps: float = 1e-6) -> Array:
     """Scale every buffer in place by min(1, max_norm / (norm + eps)) (``torch.nn.utils.clip_grad_norm_``
     semantics); return the norm before clipping.  These are *your* gradient buffers: optimizers never write
     gradients, this helper does so only because you ask it to.  With a non-finite norm the buffers become

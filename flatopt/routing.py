@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .core import backend, parallel
-from .core.types import FORMAT_VERSION, OptimizerState, OptItem
+from .core.types import FORMAT_VERSION, Array, JSONDict, OptimizerState, OptItem
 from .core.validate import check_batch_aliasing, check_lr, check_shape, check_snapshot
 from .errors import IncompatibleStateError
 
@@ -69,8 +69,8 @@ class Select:
     to load)."""
 
     def __init__(self, names: Sequence[str] = (), patterns: Sequence[str] = (),
-                 predicate: Callable[[str, tuple], bool] | None = None, description: str | None = None,
-                 *, everything: bool = False):
+                 predicate: Callable[[str, tuple[int, ...]], bool] | None = None, description: str | None = None,
+                 *, everything: bool = False) -> None:
         if isinstance(names, str) or isinstance(patterns, str):
             raise TypeError("Select: names and patterns must be sequences of str, not a single str")
         self.names = frozenset(names)
@@ -88,7 +88,7 @@ class Select:
         """Matches every parameter (a catch-all, normally the last group)."""
         return cls(everything=True)
 
-    def matches(self, name: str, shape: tuple) -> bool:
+    def matches(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether this selector takes parameter ``name`` of ``shape``: ``all()``, a listed name, a glob pattern
         (``fnmatch``, case-sensitive), or the predicate ``predicate(name, shape)``."""
         if self.everything or name in self.names:
@@ -97,7 +97,7 @@ class Select:
             return True
         return bool(self.predicate(name, shape)) if self.predicate is not None else False
 
-    def describe(self) -> dict:
+    def describe(self) -> JSONDict:
         """A JSON-able description (names, patterns, the predicate's ``description``), stored in checkpoints so
         that a snapshot only loads into the same grouping."""
         return {"all": self.everything, "names": sorted(self.names), "patterns": list(self.patterns),
@@ -111,10 +111,10 @@ class Group:
     decide whether running groups concurrently pays (default: number of elements)."""
 
     name: str
-    optimizer: Any
+    optimizer: Any  # a flatopt.Optimizer that also has validate_batch(items) and an ``lr`` property
     select: Select
     lr_ratio: float | None = 1.0
-    cost: Callable[[tuple], int] | None = None
+    cost: Callable[[tuple[int, ...]], int] | None = None
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -133,10 +133,10 @@ class Router:
     """Routes parameters to groups of optimizers; see the module doc."""
 
     def __init__(self, groups: Sequence[Group], *, algorithm: str = "routed", concurrent: bool = True,
-                 min_concurrent_cost: int = parallel.PARALLEL_MIN_COST):
+                 min_concurrent_cost: int = parallel.PARALLEL_MIN_COST) -> None:
         if not groups:
             raise RoutingError("Router: at least one group is needed")
-        seen = set()
+        seen: set[str] = set()
         for g in groups:
             if not isinstance(g, Group):
                 raise TypeError(f"Router: expected Group objects, got {type(g).__name__}")
@@ -161,7 +161,7 @@ class Router:
         self._lock = threading.RLock()
 
     # -------------------------------------------------------------------------------------------- routing
-    def route(self, name: str, shape: tuple) -> str:
+    def route(self, name: str, shape: tuple[int, ...]) -> str:
         """The name of the group that owns ``name`` (first match); :class:`RoutingError` when none does."""
         for g in self.groups:
             if g.select.matches(name, shape):
@@ -173,7 +173,7 @@ class Router:
         """Validate ``items`` against every group (nothing changes) and return them by group, in item order."""
         items = [it if isinstance(it, OptItem) else OptItem(*it) for it in items]
         by_group: dict[str, list[OptItem]] = {g.name: [] for g in self.groups}
-        seen = set()
+        seen: set[str] = set()
         for it in items:
             if not isinstance(it.name, str) or not it.name:
                 raise TypeError(f"parameter name must be a non-empty str, got {it.name!r}")
@@ -194,7 +194,7 @@ class Router:
             self.split(items)
 
     # ----------------------------------------------------------------------------------------- protocol
-    def step(self, name: str, shape: tuple, param, grad) -> None:
+    def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
         """One parameter, routed to the first group whose selector takes it: ``step_batch([OptItem(...)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
@@ -206,7 +206,7 @@ class Router:
         for this call only."""
         with self._lock:
             by_group = self.split(items)
-            overrides = {}
+            overrides: dict[str, float] = {}
             for gname, lr in (lrs or {}).items():
                 if gname not in self._by_name:
                     raise RoutingError(f"lrs: no group named {gname!r}")
@@ -222,8 +222,8 @@ class Router:
             return
         lrs = lrs or {}
 
-        def job(g: Group, its: list) -> Callable[[], None]:
-            def run():
+        def job(g: Group, its: list[OptItem]) -> Callable[[], None]:
+            def run() -> None:
                 if g.name in lrs:
                     old = g.optimizer.lr
                     g.optimizer.set_lr(lrs[g.name])
@@ -275,15 +275,16 @@ class Router:
             hit = sel.everything or name in sel.names or any(fnmatch.fnmatchcase(name, p) for p in sel.patterns)
             if not hit and sel.predicate is not None:
                 try:
-                    hit = bool(sel.predicate(name, None))
+                    hit = bool(sel.predicate(name, None))  # type: ignore[arg-type]  # documented: shape=None here
                 except Exception:  # noqa: BLE001 - a shape-dependent predicate cannot answer without a shape
                     hit = False
             if hit:
-                return g.optimizer.lr_scale(name)
+                scale: float = g.optimizer.lr_scale(name)
+                return scale
         return 1.0
 
     # -------------------------------------------------------------------------------------- checkpoints
-    def config_key(self) -> dict:
+    def config_key(self) -> JSONDict:
         """The grouping a snapshot must match to load: each group's name, algorithm and selector."""
         return {"groups": [{"name": g.name, "algorithm": getattr(g.optimizer, "algorithm", type(g.optimizer).__name__),
                             "select": g.select.describe()} for g in self.groups]}
@@ -291,7 +292,11 @@ class Router:
     def state_dict(self) -> OptimizerState:
         """One snapshot of every group's optimizer (each parameter tagged with its group) and the grouping."""
         with self._lock:
-            params, buffers, groups, configs, keys = {}, {}, {}, {}, {}
+            params: dict[str, JSONDict] = {}
+            buffers: dict[str, Array] = {}
+            groups: dict[str, JSONDict] = {}
+            configs: dict[str, JSONDict] = {}
+            keys: dict[str, JSONDict] = {}
             for g in self.groups:
                 st = g.optimizer.state_dict()
                 for name, meta in st.params.items():
@@ -347,7 +352,7 @@ class Router:
         """Load a combined snapshot or raise :class:`IncompatibleState` (nothing changed)."""
         with self._lock:
             parts = self.split_state(state)
-            backups = []
+            backups: list[tuple[Group, OptimizerState]] = []
             for g in self.groups:
                 before = g.optimizer.state_dict()
                 if g.optimizer.load_state_dict(parts[g.name]) is not True:

@@ -17,12 +17,14 @@ State: ``buf`` (only when momentum != 0).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
+from .core.types import Array, JSONDict, LrScale
 from .core.validate import check_lr, check_range
 
 
@@ -34,7 +36,7 @@ class SGDConfig:
     nesterov: bool = False
     weight_decay: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_lr(self.lr, "lr", "SGD")
         check_range("SGD", "momentum", self.momentum, 0.0, 1.0)
         check_range("SGD", "dampening", self.dampening, 0.0, 1.0)
@@ -47,17 +49,18 @@ class SGDConfig:
 
 @dataclasses.dataclass
 class SGDState:
-    buf: object = None  # momentum buffer (None when momentum == 0)
+    buf: Array = None  # momentum buffer (None when momentum == 0)
 
 
-def init(xp, cfg: SGDConfig, shape, dtype) -> SGDState:
+def init(xp: Any, cfg: SGDConfig, shape: tuple[int, ...], dtype: Any) -> SGDState:
     n = 1
     for d in shape:
         n *= d
     return SGDState(buf=xp.zeros(n, dtype) if cfg.momentum != 0 else None)
 
 
-def update(xp, cfg: SGDConfig, st: SGDState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``."""
     s1, s2 = scratch
     d = g
@@ -86,7 +89,7 @@ def update(xp, cfg: SGDConfig, st: SGDState, p, g, *, t: int, lr: float, scratch
     p += s2
 
 
-def kernel_update(cfg: SGDConfig, st: SGDState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("sgd.cu", "sgd_step", p.dtype)
     buf = st.buf if st.buf is not None else p  # unused when momentum == 0
@@ -120,9 +123,9 @@ class SGD(PerParamOptimizer):
     matters = ("momentum",)  # whether a momentum buffer exists
 
     def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, *, lr_scale=None):
+                 weight_decay: float = 0.0, *, lr_scale: LrScale = None) -> None:
         super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay), lr_scale=lr_scale)
 
-    def _config_key(self) -> dict:
+    def _config_key(self) -> JSONDict:
         return {"momentum": self.config.momentum != 0}
 

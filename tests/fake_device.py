@@ -6,11 +6,14 @@ would synchronise a real device with the host (``bool``, ``float``, ``int``, ``i
 runs here without :class:`HostSync` keeps its scalars on the device.  Every module function and ufunc call is
 checked against CuPy 14's real signature (``tests/cuda_emu/cupy_api.py``: ``einsum(out=)`` is a ``TypeError`` as on
 CuPy, a name CuPy lacks an ``AttributeError``).  What it cannot check: CUDA kernels (run the twins:
-``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), streams, and CuPy's array methods; for those, and for a
+``use_cuda_kernel=False`` / ``FLATOPT_FORCE_TWIN=1``), the execution on streams (its streams only record
+``record``/``wait_event`` calls and which one is current), and CuPy's array methods; for those, and for a
 stand-in whose arrays are not NumPy arrays, see ``tests/cuda_emu/fakecupy.py`` (the emulated GPU of test_gpu.py).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -51,29 +54,55 @@ class _Device:
         return False
 
 
+class _Event:
+    def __init__(self, stream):
+        self.stream = stream
+
+
+class _Stream:
+    """A stream that records what is asked of it (``record``, ``wait_event``) and is current inside ``with``."""
+
+    def __init__(self, null=False, non_blocking=False):
+        self.null, self.non_blocking, self.calls = null, non_blocking, []
+
+    def __enter__(self):
+        _current.stack = getattr(_current, "stack", []) + [self]
+        return self
+
+    def __exit__(self, *exc):
+        _current.stack = _current.stack[:-1]
+        return False
+
+    def record(self, event=None):
+        ev = _Event(self)
+        self.calls.append(("record", ev))
+        return ev
+
+    def wait_event(self, event):
+        self.calls.append(("wait", event))
+
+
+_current = threading.local()
+NULL_STREAM = _Stream(null=True)
+
+
 class _Cuda:
+    Stream = _Stream
+
     @staticmethod
     def Device(_i=None):  # noqa: N802 - CuPy's name
         return _Device()
 
-
-class _RandomState:  # CuPy's RandomState takes a dtype and 64-bit seeds (here folded to NumPy's 32 bits)
-    def __init__(self, seed=None):
-        self._rs = np.random.RandomState(None if seed is None else int(seed) % (1 << 32))
-
-    def standard_normal(self, size=None, dtype=float):
-        return _wrap(self._rs.standard_normal(size).astype(dtype))
-
-
-class _Random:
-    RandomState = _RandomState
+    @staticmethod
+    def get_current_stream(_device_id=-1):
+        stack = getattr(_current, "stack", [])
+        return stack[-1] if stack else NULL_STREAM
 
 
 class FakeDevice:
     """The array module (see the module documentation)."""
 
     cuda = _Cuda()
-    random = _Random()
     ndarray = DeviceArray
 
     def __getattr__(self, name):

@@ -507,7 +507,7 @@ def test_no_host_synchronisation_inside_a_step(name):
 @pytest.mark.parametrize("shape", [(256, 1024), (1000, 3), (7, 9), (1, 1)])
 def test_default_projection_is_seeded_gaussian(shape, monkeypatch):
     """The default NumPy projection (no ``apollo_proj_fn``): P·√r is standard normal — mean, variance, the
-    fractions within 1σ and 2σ, the Box–Muller bound √(2·ln 2²⁴) — a function of the seed alone (the same from
+    fractions within 1σ and 2σ, a bound (the table's truncation at 4.32 lies inside it) — a function of the seed alone (the same from
     any thread count and in any order of its blocks, another for another seed), and its blocks are not
     correlated with each other.  Odd block lengths (a last, partial pair) included."""
     from flatopt.adafactor8bit import apollo_proj

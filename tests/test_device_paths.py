@@ -22,28 +22,10 @@ from .test_adafactor8bit import PATHS as A8_PATHS
 
 XP = fake_device.FakeDevice()
 SKIP = {"muon_adamw": "a composite of Muon and AdamW, whose twins are covered by their own entries"}
-# gpu-audit D3 (strict xfails: the fix flips them): the stand-in rejects einsum(out=) as CuPy 14 does
-D3 = ("D3: cupy.einsum has no out= (TypeError on real CuPy): flatopt/adafactor8bit/apollo.py:170 "
-      "xp.einsum('ij,ij->i', ..., out=out[i0:i1]) in _channel_sumsq")
-D3_NAMES = {"adafactor8bit_apollo_came", "apollo_came", "apollo_came_factorize", "apollo_came_factorize_clip",
-            "apollo_channel_defaults", "apollo_factorize", "apollo_factorize_came", "apollo_factorize_left",
-            "apollo_factorize_right", "apollo_left", "apollo_preset_gap3", "apollo_right_channel",
-            "apollo_right_channel_r5"}
-
-
-def _d3(names):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=TypeError, reason=D3)) if n in D3_NAMES
-            else n for n in names]
-
-
 @pytest.fixture(autouse=True)
 def _twins(monkeypatch):
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1")  # no CUDA kernels on the stand-in
     monkeypatch.setattr(_backend, "solve_triangular", lambda: fake_device.solve_triangular)
-
-
-def _proj(seed, shape):  # one APOLLO projection for both backends (their generators differ by design)
-    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
 def _device_steps(opt, params, steps, dtype):
@@ -83,17 +65,16 @@ def _compare(a, b, what):
         assert float(np.max(np.abs(a[n] - b[n]))) <= tol * scale, (what, n)
 
 
-@pytest.mark.parametrize("name", _d3(sorted(REGISTRY)))
+@pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_registry_twins_run_on_the_device_branch(name):
     if name in SKIP:
         pytest.skip(SKIP[name])
     spec = REGISTRY[name]
     params = make_params(spec.shapes)
-    kw = dict(apollo_proj_fn=_proj) if name.startswith("adafactor8bit") else {}
-    _compare(_device_steps(spec.make(**kw), params, 3, np.float32), _numpy_steps(spec.make(**kw), params, 3), name)
+    _compare(_device_steps(spec.make(), params, 3, np.float32), _numpy_steps(spec.make(), params, 3), name)
 
 
-@pytest.mark.parametrize("name", _d3(sorted(set(A8_CONFIGS) | set(A8_PATHS))))
+@pytest.mark.parametrize("name", sorted(set(A8_CONFIGS) | set(A8_PATHS)))
 def test_adafactor8bit_paths_on_the_device_branch(name):
     """Every Adafactor8Bit path (quantized with small blocks, which do not divide the rows) on a tensor that NumPy
     cuts into several ranges and blocks; the stand-in runs it as one."""
@@ -102,8 +83,8 @@ def test_adafactor8bit_paths_on_the_device_branch(name):
     shape = (3, 101, 157) if not cfg.get("apollo_rank") else (303, 157)
     params = {"w": (shape, rng_arrays(0, shape, scale=0.1)), "b": ((157,), rng_arrays(1, (157,), scale=0.1))}
     assert math.prod(shape) > (1 << 15)
-    _compare(_device_steps(flatopt.Adafactor8Bit(apollo_proj_fn=_proj, **cfg), params, 3, np.float32),
-             _numpy_steps(flatopt.Adafactor8Bit(apollo_proj_fn=_proj, **cfg), params, 3), name)
+    _compare(_device_steps(flatopt.Adafactor8Bit(**cfg), params, 3, np.float32),
+             _numpy_steps(flatopt.Adafactor8Bit(**cfg), params, 3), name)  # APOLLO: the default P, on both
 
 
 def test_the_stand_in_catches_a_host_read():

@@ -159,7 +159,7 @@ BAD_ARGS = [
     ("adafactor8bit_digits", ["--epochs", "4", "--last", "5"]),
     ("adafactor8bit_digits", ["--variants", "16-bit"]),
     ("checkpoint_resume", ["--steps", "10", "--crash-at", "10"]),
-    ("checkpoint_resume", ["--optimizer", "adam"]),
+    ("checkpoint_resume", ["--optimizer", "nosuch"]),
     ("warmup_clip_skip", ["--steps", "0"]),
     ("muon_tiny_lm", ["--steps", "-5"]),
     ("torch_interop", ["--steps", "0"]),

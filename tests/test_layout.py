@@ -29,7 +29,10 @@ from .registry import REGISTRY
 
 ROOT = pathlib.Path(flatopt.__file__).parent
 UTILITIES = {"buffers", "checkpoint", "gradients", "routing", "schedules"}
-ALGORITHM_USES = {"adafactor8bit": {"adafactor"}, "muon": {"adamw"}}
+# composition between algorithms: the 8-bit family reuses Adafactor's passes, MuonAdamW composes AdamW, the Adam
+# family's single-file algorithms share adam.py's moments, bias corrections and config checks
+ALGORITHM_USES = {"adafactor8bit": {"adafactor"}, "muon": {"adamw"},
+                  **{k: {"adam"} for k in ("nadamw", "radam", "qhadamw", "lion", "lamb", "mars", "sophia")}}
 
 
 def _room(mod: str) -> str:
@@ -148,7 +151,8 @@ def test_no_flat_private_modules_left():
     assert sorted(p.name for p in (ROOT / "kernels").glob("*.cu"))  # the CUDA sources stay in one folder
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(n for n in REGISTRY  # (algorithms added after the move have no file)
+                                  if (pathlib.Path(__file__).parent / "data" / "pre_layout" / f"{n}.npz").exists()))
 def test_checkpoint_written_before_the_move_loads(name):
     """``tests/data/pre_layout/<name>.npz`` was written by the flat-layout code (commit 881fa0d) after 3 steps of
     ``run_steps`` over the registry shapes (float32).  It loads into a fresh optimizer, its state comes back bit for

@@ -11,6 +11,8 @@ nothing at all.
 * ``tensor``: algorithms with per-tensor statistics (Adafactor's factors and RMS, Muon's norm, KronPsgd's RMS clip):
   a NaN makes the whole parameter non-finite, an infinity at least its own element (KronPsgd keeps its
   preconditioner Q finite);
+* ``sign``: Lion and Sophia step by sign(m)·(a ratio clipped at 1): a NaN poisons its element, an infinity gives a
+  finite step of ±η (the momentum keeps the infinity);
 * ``finite``: Adafactor8Bit reads non-finite entries as 0 on the APOLLO path, and its Fira limiter zeroes an
   update whose norm is non-finite (both as the original package): the parameter stays finite.
 """
@@ -33,6 +35,9 @@ POLICY = {
     "kron_psgd": "tensor", "kron_psgd_knobs": "tensor",
     "muon": "tensor",
     "muon_adamw": lambda shape: "tensor" if len(shape) == 2 else "element",
+    **dict.fromkeys(["adam", "adam_amsgrad", "nadamw", "radam", "radam_decoupled", "qhadamw", "qhadamw_nu2", "lamb"],
+                    "element"),
+    "lion": "sign", "sophia": "sign", "mars": "tensor",
 }
 
 
@@ -59,5 +64,5 @@ def test_nonfinite_gradient_policy(name, bad):
         if policy == "tensor" and not np.isnan(bad):  # an infinity may leave 0·inf = NaN in one place only
             assert nonfinite >= 1, (n, s, policy, nonfinite)
         else:
-            expected = {"element": 1, "tensor": p.size, "finite": 0}[policy]
+            expected = {"element": 1, "tensor": p.size, "finite": 0, "sign": int(np.isnan(bad))}[policy]
             assert nonfinite == expected, (n, s, policy, nonfinite)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -48,6 +49,7 @@ from .numerics import st_shape, step_sizes  # noqa: F401 - part of the module's 
 from ..core import blocks
 from ..core import gpu_run, shards
 from ..core.driver import PerParamOptimizer, config_to_dict
+from ..core.types import Array, LrScale
 from ..core.validate import check_lr, check_range
 
 
@@ -65,7 +67,7 @@ class AdafactorConfig:
     warmup_init: bool = False
     factored: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.lr is not None:
             check_lr(self.lr, "lr", "Adafactor")
         check_range("Adafactor", "beta2_decay", self.beta2_decay, -math.inf, 0.0)
@@ -89,18 +91,18 @@ class AdafactorConfig:
 
 @dataclasses.dataclass
 class AdafactorState:
-    exp_avg_sq_row: object = None
-    exp_avg_sq_col: object = None
-    exp_avg_sq: object = None
-    exp_avg: object = None
-    work: object = dataclasses.field(default=None, metadata={"persist": False})  # adafactor.factored_passes.Work scratch vectors
+    exp_avg_sq_row: Array = None
+    exp_avg_sq_col: Array = None
+    exp_avg_sq: Array = None
+    exp_avg: Array = None
+    work: Any = dataclasses.field(default=None, metadata={"persist": False})  # adafactor.factored_passes.Work scratch vectors
 
 
-def is_factored(cfg: AdafactorConfig, shape) -> bool:
+def is_factored(cfg: AdafactorConfig, shape: tuple[int, ...]) -> bool:
     return cfg.factored and len(shape) >= 2
 
 
-def init(xp, cfg: AdafactorConfig, shape, dtype) -> AdafactorState:
+def init(xp: Any, cfg: AdafactorConfig, shape: tuple[int, ...], dtype: Any) -> AdafactorState:
     n = math.prod(shape)
     st = AdafactorState(exp_avg=xp.zeros(n, dtype) if cfg.beta1 is not None else None)
     if is_factored(cfg, shape):
@@ -111,12 +113,14 @@ def init(xp, cfg: AdafactorConfig, shape, dtype) -> AdafactorState:
     return st
 
 
-def update(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step on the whole flat buffers (``cfg.lr`` is the current manual lr or None; see ``step_sizes``)."""
     blocks.run_serial(phases(xp, cfg, st, p, g, t=t, lr=lr))
 
 
-def phases(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float, blas: bool = False):
+def phases(xp: Any, cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array, *, t: int, lr: float,
+           blas: bool = False) -> Iterator[Any]:
     """``update`` as a generator of phases of independent block tasks (``core.blocks``): ``update`` runs them
     inline, ``Adafactor.step_batch`` on NumPy runs the phases of all its items on the threads."""
     n = p.size
@@ -125,19 +129,19 @@ def phases(xp, cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: fl
     rho, beta = step_sizes(cfg, t, lr)
     d, wd, eps2, scale = cfg.clip_threshold, cfg.weight_decay, cfg.eps2, cfg.scale_parameter
 
-    def scalars(ssq_p, ssq_u, n):
+    def scalars(ssq_p: Array, ssq_u: Array, n: int) -> tuple[Any, Any, float | None]:
         alpha = rho * xp.maximum(xp.sqrt(ssq_p / n), eps2) if scale else rho
         step_scale = alpha / xp.maximum(xp.sqrt(ssq_u / n) / d, 1.0)
         return step_scale, (1.0 - alpha * wd) if wd != 0 else None, cfg.beta1
 
-    kw = dict(beta=beta, eps1=cfg.eps1, need_rms=scale, scalars=scalars)
+    kw: dict[str, Any] = dict(beta=beta, eps1=cfg.eps1, need_rms=scale, scalars=scalars)
     if st.exp_avg_sq is None:
         yield from fm.factored_phases(xp, st, p, g, st_shape(st, p), blas=blas, **kw)
     else:
         yield from fm.unfactored_phases(xp, st, p, g, **kw)
 
 
-def kernel_update(cfg: AdafactorConfig, st: AdafactorState, p, g, *, t: int, lr: float) -> bool:
+def kernel_update(cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     from .gpu import kernel_step  # noqa: PLC0415 - CuPy-only code
 
     return kernel_step(cfg, st, p, g, t=t, lr=lr)
@@ -162,7 +166,7 @@ class Adafactor(PerParamOptimizer):
     def __init__(self, lr: float | None = None, beta2_decay: float = -0.8, eps1: float = 1e-30, eps2: float = 1e-3,
                  clip_threshold: float = 1.0, weight_decay: float = 0.0, *, beta1: float | None = None,
                  beta2: float | None = None, scale_parameter: bool | None = None, warmup_init: bool = False,
-                 factored: bool = True, lr_scale=None):
+                 factored: bool = True, lr_scale: LrScale = None) -> None:
         cfg = AdafactorConfig(lr, beta2_decay, eps1, eps2, clip_threshold, weight_decay, beta1, beta2,
                               scale_parameter, warmup_init, factored)
         super().__init__(cfg, lr_scale=lr_scale)
@@ -170,7 +174,7 @@ class Adafactor(PerParamOptimizer):
         self._step_cfg = cfg
 
     # ------------------------------------------------------------------------------------------- builders
-    def _copy(self, **changes) -> "Adafactor":
+    def _copy(self, **changes: Any) -> "Adafactor":
         kw = config_to_dict(self.config)
         kw["lr"] = self._lr
         kw.update(changes)
@@ -198,12 +202,13 @@ class Adafactor(PerParamOptimizer):
     def _effective_lr(self, scale: float) -> float:
         return (self._lr if self._lr is not None else 1.0) * scale
 
-    def _run(self, prepared: list) -> None:
+    def _run(self, prepared: list[Any]) -> None:
         cfg = self.config
         if cfg.lr != self._lr:
             cfg = dataclasses.replace(cfg, lr=self._lr, warmup_init=cfg.warmup_init and self._lr is None)
         self._step_cfg = cfg
-        cpu, gpu = [], []
+        cpu: list[Any] = []
+        gpu: list[Any] = []
         for it, slot, scale in prepared:
             slot.t += 1
             lr = self._effective_lr(scale)
@@ -218,8 +223,9 @@ class Adafactor(PerParamOptimizer):
         if gpu:
             gpu_run.run_gpu(self, gpu)
 
-    def _update(self, xp, state, param, grad, *, t: int, lr: float, scratch: list) -> None:
+    def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
         update(xp, self._step_cfg, state, param, grad, t=t, lr=lr, scratch=scratch)
 
-    def _kernel_update(self, state, param, grad, *, t: int, lr: float) -> bool:
+    def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int, lr: float) -> bool:
         return kernel_update(self._step_cfg, state, param, grad, t=t, lr=lr)

@@ -35,8 +35,9 @@ Deviations from the original (all deliberate):
 * CAME on the APOLLO path uses the exact res_low for the update; APOLLO's v_low uses the APOLLO floor also at t = 1;
 * non-finite gradients: read as 0 on the APOLLO path (as the original on every device), not sanitised elsewhere
   (as its CPU path); the Fira limiter zeroes an update whose norm is non-finite; same policy on NumPy and CuPy;
-* APOLLO projections come from NumPy/CuPy generators unless injected (``apollo_proj_fn``, ``apollo_next_seed``);
-  on NumPy a blocked Box–Muller draw (``flatopt.adafactor8bit.apollo_proj``), drawn on all threads;
+* APOLLO projections come from flatopt's own counter-based draw unless injected (``apollo_proj_fn``,
+  ``apollo_next_seed``): a function of (seed, shape) with the same bits on NumPy and CuPy, so a checkpoint moved
+  between them continues with the same P (``flatopt.adafactor8bit.apollo_proj``), drawn on all threads on NumPy;
 * ``lag_norm`` (the original: CUDA kernels only, ignored on its CPU path) is honoured on every backend for the
   non-APOLLO paths: the clip and Fira factor of step t use step t − 1's update norm (no clip at t = 1);
 * ``stochastic_round_writeback`` (BF16/FP16 parameters in the original) and ``warmup_multiplier`` (a CUDA
@@ -58,7 +59,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, TypeAlias, Union
 
 import numpy as np
 
@@ -68,7 +69,7 @@ from ..adafactor import factored_passes
 from . import state as S
 from . import migrate as migration
 from ..core.driver import PerParamOptimizer
-from ..core.types import FORMAT_VERSION
+from ..core.types import FORMAT_VERSION, Array, JSONDict, LrScale, OptimizerState, OptItem
 from ..errors import IncompatibleStateError
 from ..core.validate import check_lr, check_range
 from .quant import M_FORMATS, V_FORMATS
@@ -82,6 +83,10 @@ MATTERS = ("quantize", "block_size", "m_block_size", "m_quant_type", "v_quant_ty
 # ones step whole, several at once (each on one thread).
 SPLIT_MIN = 1 << 17
 
+Selector: TypeAlias = Union[Select, str, Sequence[str], Callable[[str, tuple[int, ...]], bool]]
+"""A ``groups`` selector: a :class:`flatopt.routing.Select`, a glob pattern, a list of names or a predicate
+``(name, shape) -> bool``."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Adafactor8BitConfig:
@@ -91,7 +96,7 @@ class Adafactor8BitConfig:
     beta2_decay: float | None = -0.8
     beta3: float | None = None
     eps_came: float = 1e-16
-    eps: tuple = (1e-30, 1e-3)
+    eps: tuple[float | None, float] = (1e-30, 1e-3)
     weight_decay: float = 0.0
     d: float = 1.0
     maximize: bool = False
@@ -124,7 +129,7 @@ class Adafactor8BitConfig:
     stochastic_round_writeback: bool = False
     warmup_multiplier: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         o = "Adafactor8Bit"
         check_lr(self.lr, "lr", o)
         for f in ("beta1", "beta2", "beta3"):
@@ -172,7 +177,7 @@ class Adafactor8BitConfig:
             raise ValueError(f"{o}: beta3 (CAME) requires factored=True unless apollo_rank > 0")
 
 
-def _as_select(sel) -> Select:
+def _as_select(sel: Selector) -> Select:
     if isinstance(sel, Select):
         return sel
     if isinstance(sel, str):
@@ -199,11 +204,14 @@ class Adafactor8Bit(PerParamOptimizer):
     matters = MATTERS
     threaded = True
 
-    def __init__(self, lr: float = 1e-2, *, groups: Sequence[tuple[Any, Mapping]] | None = None, lr_scale=None,
-                 apollo_proj_fn=None, apollo_next_seed=None, **options):
+    _migration: migration.Report | Literal[False] | None  # during load_state_dict (see there)
+
+    def __init__(self, lr: float = 1e-2, *, groups: Sequence[tuple[Selector, Mapping[str, Any]]] | None = None,
+                 lr_scale: LrScale = None, apollo_proj_fn: Callable[[int, tuple[int, ...]], Array] | None = None,
+                 apollo_next_seed: Callable[[int], int] | None = None, **options: Any) -> None:
         base = Adafactor8BitConfig(lr=lr, **options)
         super().__init__(base, lr_scale=lr_scale)
-        self._groups = []
+        self._groups: list[tuple[Select, dict[str, Any], Adafactor8BitConfig]] = []
         for i, grp in enumerate(groups or ()):
             try:
                 sel, overrides = grp
@@ -216,14 +224,15 @@ class Adafactor8Bit(PerParamOptimizer):
         self._apollo_seed_counter = 1
 
     # ---------------------------------------------------------------------------------------- routing
-    def config_for(self, name: str, shape: tuple) -> Adafactor8BitConfig:
+    def config_for(self, name: str, shape: tuple[int, ...]) -> Adafactor8BitConfig:
         """The configuration parameter ``name`` is stepped with (first matching group, else the base)."""
         for sel, _, cfg in self._groups:
             if sel.matches(name, tuple(shape)):
                 return cfg
-        return self.config
+        base: Adafactor8BitConfig = self.config
+        return base
 
-    def _init_named(self, name, xp, shape, dtype):
+    def _init_named(self, name: str, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         cfg = self.config_for(name, shape)
         seed = None
         if cfg.apollo_rank > 0 and len(shape) >= 2:
@@ -231,27 +240,31 @@ class Adafactor8Bit(PerParamOptimizer):
             self._apollo_seed_counter += 1
         return S.init(xp, cfg, shape, dtype, apollo_seed=seed)
 
-    def _config_key(self) -> dict:
+    def _config_key(self) -> JSONDict:
         key = super()._config_key()
         key["groups"] = [{"select": sel.describe(), **{k: v for k, v in ov.items() if k in MATTERS}}
                          for sel, ov, _ in self._groups]
         return key
 
-    def _config_dict(self) -> dict:
+    def _config_dict(self) -> JSONDict:
         d = super()._config_dict()
         d["groups"] = [{"select": sel.describe(), "overrides": dict(ov)} for sel, ov, _ in self._groups]
         return d
 
     # --------------------------------------------------------------------------------------- stepping
-    def _effective_lr(self, scale: float):
+    # the driver's lr is a float; here it is the pair (base lr, lr_scale), which paths/apollo apply themselves (the
+    # two private hooks below differ from the base class's in that one respect)
+    def _effective_lr(self, scale: float) -> tuple[float, float]:  # type: ignore[override]
         return (self._lr if self._lr is not None else 0.0, scale)
 
-    def _run(self, prepared: list) -> None:
-        cpu, gpu = [], []
+    def _run(self, prepared: list[Any]) -> None:
+        cpu: list[Any] = []
+        gpu: list[Any] = []
         for it, slot, scale in prepared:
             slot.t += 1
             (gpu if slot.backend == "cupy" else cpu).append((it, slot, self._effective_lr(scale)))
-        whole, split = [], []
+        whole: list[Any] = []
+        split: list[Any] = []
         for it, slot, lr in cpu:
             big = it.param.size >= SPLIT_MIN and self.threaded
             (split if big else whole).append((it, slot, lr))
@@ -275,10 +288,11 @@ class Adafactor8Bit(PerParamOptimizer):
         if gpu:
             gpu_run.run_gpu(self, gpu)
 
-    def _step_whole(self, it, slot, lr, blas: bool = False) -> None:
+    def _step_whole(self, it: OptItem, slot: Any, lr: tuple[float, float], blas: bool = False) -> None:
         self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[], blas=blas)
 
-    def _update(self, xp, state, param, grad, *, t, lr, scratch, blas: bool = False):
+    def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
+                lr: tuple[float, float], scratch: list[Array], blas: bool = False) -> None:
         cfg = state.cfg
         shape = state.sizes["shape"]
         if param.size == 0:  # nothing to update (the step count still advances)
@@ -288,13 +302,13 @@ class Adafactor8Bit(PerParamOptimizer):
         else:
             paths.update(xp, cfg, state, param, grad, t=t, lr=lr, shape=shape, blas=blas)
 
-    def _extra_state(self) -> dict:
+    def _extra_state(self) -> JSONDict:
         return {"apollo_seed_counter": self._apollo_seed_counter}
 
-    def _load_extra(self, extra: dict) -> None:
+    def _load_extra(self, extra: JSONDict) -> None:
         self._apollo_seed_counter = int(extra.get("apollo_seed_counter", 1))
 
-    def load_state_dict(self, state, *, restore_hparams: bool = False, migrate: bool = True,
+    def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False, migrate: bool = True,
                         strict: bool = False) -> bool:
         """The driver's load; a snapshot of this algorithm saved with another state layout (formats, block sizes,
         ``quantize``, ``min_8bit_size``, path, group overrides) is converted to this optimizer's layout or reset per
@@ -324,11 +338,11 @@ class Adafactor8Bit(PerParamOptimizer):
                     warnings.warn(message, migration.StateMigrationWarning, stacklevel=2)
             return ok
 
-    def _restore_groups(self, saved: list) -> None:
+    def _restore_groups(self, saved: list[JSONDict]) -> None:
         """After ``restore_hparams``: each group takes the snapshot's overrides when its selector has the same
         description (selectors themselves are code and stay this object's), the group configurations are rebuilt
         from the restored base, and every loaded parameter steps with its rebuilt configuration."""
-        groups = []
+        groups: list[tuple[Select, dict[str, Any], Adafactor8BitConfig]] = []
         for i, (sel, ov, _) in enumerate(self._groups):
             if i < len(saved) and saved[i].get("select") == sel.describe():
                 ov = dict(saved[i].get("overrides", ov))
@@ -337,7 +351,7 @@ class Adafactor8Bit(PerParamOptimizer):
         for name, slot in self._slots.items():
             slot.state.cfg = self.config_for(name, slot.shape)
 
-    def _build_from_state(self, state):
+    def _build_from_state(self, state: OptimizerState) -> tuple[dict[str, Any], list[str]]:
         try:
             return super()._build_from_state(state)
         except IncompatibleStateError as exc:
@@ -353,7 +367,7 @@ class Adafactor8Bit(PerParamOptimizer):
             return slots, notes
 
 
-def hybrid_groups(apollo_rank: int = 256, weight_decay: float = 1e-2) -> list:
+def hybrid_groups(apollo_rank: int = 256, weight_decay: float = 1e-2) -> list[tuple[Select, dict[str, Any]]]:
     """The hybrid routing adafactor8bit's README recommends: 1-D / bias / norm in float32 without decay on
     Adafactor; embeddings in float32 without decay on APOLLO; other 2-D weights 8-bit with decay on APOLLO; > 2-D
     weights 8-bit with decay on Adafactor.  Pass as ``groups=`` (with ``weight_decay`` also given to the constructor for the rest)."""

@@ -166,6 +166,8 @@ def _channel_sumsq(xp, gm, right: bool, threads: bool):
     """Σ_j G_ij² per row ("right") or Σ_i G_ij² per column, over row ranges (column sums folded in range order)."""
     r_, c_ = gm.shape
     if right:
+        if xp is not np:  # one range; cupy.einsum has no out= (it raises TypeError)
+            return xp.einsum("ij,ij->i", gm, gm)
         out = xp.empty(r_, np.float32)
         row_tasks(xp, r_, c_, lambda i0, i1: xp.einsum("ij,ij->i", gm[i0:i1], gm[i0:i1], out=out[i0:i1]), threads)
         return out

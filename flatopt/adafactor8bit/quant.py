@@ -23,6 +23,12 @@ per byte, even index in the high nibble; ``d8``/``d4`` the nearest entry of Dett
 sign-preserving nudge (``_nearest``; on NumPy by an equivalent table look-up on the upper 16 bits of the float,
 ``flatopt.adafactor8bit.nearest_lut``).  ``fp32`` means unquantized (handled by the caller).
 
+**Non-finite values** (the same on NumPy and CuPy, fused kernel or not; ``kernels/adafactor8bit.cu``): a NaN makes
+its block's statistics NaN.  AL: scale = min_log = NaN, code 0 for exact zeros and 1 for every other value, so the
+block decodes as NaN (zeros apart); +inf is an ordinary value (max_log is clamped at 126).  Signed first moment: a
+block whose absmax is not finite (a NaN or an infinity in it) keeps that absmax and is encoded as zeros (the code of
+0 everywhere), so it decodes as NaN.  A poisoned block stays poisoned until the state is reset.
+
 Array-agnostic (``xp`` is NumPy or CuPy); NumPy processes a few blocks at a time in per-thread scratch buffers, so
 nothing is allocated per step after the first.
 """
@@ -35,7 +41,7 @@ import numpy as np
 
 from . import nearest_lut
 from .nearest_lut import nearest as _nearest
-from ..core import workspace
+from ..core import backend, workspace
 from .qmaps import construct_dynamic_map, dynamic_map  # noqa: F401 - re-exported
 
 AL_FORMATS = ("al8", "al16")
@@ -115,6 +121,9 @@ def al_encode(xp, v, q, scale, min_log, *, block: int, fmt: str, floor: float) -
         xp.multiply(lg2, levels, out=lg2)
         xp.rint(lg2, out=lg2)
         xp.clip(lg2, _F32(0.0), levels, out=lg2)  # clamp(rint(·) + 1, 1, L + 1) = clamp(rint(·), 0, L) + 1
+        nan_block = xp.isnan(sc)  # a NaN in the block: code 1 for its non-zero values (the kernel's; module doc)
+        if xp is not np or nan_block.any():
+            xp.copyto(lg2, _F32(0.0), where=nan_block[:, None])
         if zero is not None:
             xp.copyto(lg, _F32(-1.0), where=zero)  # code 0 iff exactly zero
         xp.add(lg, _F32(1.0), out=q[lo : lo + k * block], casting="unsafe")
@@ -158,17 +167,12 @@ def m_init(xp, n: int, mblock: int, fmt: str):
     return xp.full(size, fill, np.uint8), xp.ones(nb, np.float32)
 
 
-_DEVICE_MAPS: dict = {}
-
-
 def _qmap(xp, bits: int):
-    """The map on the array module's device (uploaded once per device, not per step)."""
+    """The map on the array module's device: uploaded once per device, ordered before its reads on every stream
+    (``core.backend.device_constant``: the workers' non-blocking streams wait for the upload's event)."""
     if xp is np:
         return dynamic_map(bits)
-    key = (bits, xp.cuda.Device().id)
-    if key not in _DEVICE_MAPS:
-        _DEVICE_MAPS[key] = xp.asarray(dynamic_map(bits))
-    return _DEVICE_MAPS[key]
+    return backend.device_constant(xp, ("flatopt.dynamic_map", bits), lambda: dynamic_map(bits))
 
 
 def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
@@ -192,10 +196,14 @@ def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
             am = xp.maximum(a.reshape(k, mblock).max(axis=1), _F32(1e-12))
         scale[b0:b1] = am
         w2 = w.reshape(k, mblock)
+        bad = ~xp.isfinite(am)  # a NaN or an infinity in the block: encoded as zeros (the module documentation)
+        bad = bad if xp is not np or bad.any() else None
         if fmt in ("uf8", "uf4"):
             # rint(half·(m/absmax)) with one division: m/(absmax/half) is the same float (half a power of two)
             half = _F32(128.0 if fmt == "uf8" else 8.0)
             xp.divide(src.reshape(k, mblock), (am / half)[:, None], out=w2)
+            if bad is not None:
+                xp.copyto(w2, _F32(0.0), where=bad[:, None])
             xp.rint(w, out=w)
             xp.minimum(w, half - _F32(1.0), out=w)  # |m/absmax| ≤ 1: only +half needs the clamp
             if bits == 8 and xp is np:  # w ∈ [−128, 127]: as int8, then the sign bit flipped = w + 128 as uint8
@@ -211,6 +219,8 @@ def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
                 xp.add(h, _F32(136.0), out=q[lo // 2 : (lo + k * mblock) // 2], casting="unsafe")
             continue
         xp.divide(src.reshape(k, mblock), am[:, None], out=w2)
+        if bad is not None:
+            xp.copyto(w2, _F32(0.0), where=bad[:, None])
         if bits == 8:
             _nearest_into(xp, w, _qmap(xp, bits), q[lo : lo + k * mblock])
         else:

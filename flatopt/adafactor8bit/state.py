@@ -193,7 +193,8 @@ def align(st) -> int:
 def ema_range(xp, st, slot, lo: int, hi: int, x, w: float, out, *, floor: float, square: bool = False,
               add: float = 0.0, first: bool = False):
     """slot[lo:hi] ← lerp(slot[lo:hi], x', w) with x' = (x² if ``square`` else x) + ``add`` (x'·w at the ``first``
-    step); ``lo`` a multiple of ``align(st)``, so the range covers whole codec blocks except at the slot's end.  The
+    step), x rounded to float32 before anything else (a float64 x too: the state is float32; the fused kernel
+    rounds at the same point); ``lo`` a multiple of ``align(st)``, so the range covers whole codec blocks except at the slot's end.  The
     exact float32 values are written into ``out`` (length hi − lo; a float32 slot is updated in place instead) and
     returned; the stored codes of the range are requantized, those of other ranges untouched, so disjoint ranges may
     run on different threads (scratch is per thread).  On CuPy, for a quantized slot and ``use_cuda_kernel`` (unless
@@ -205,9 +206,12 @@ def ema_range(xp, st, slot, lo: int, hi: int, x, w: float, out, *, floor: float,
             raise ValueError(f"{slot}: the fused kernel updates a whole slot (CuPy steps one range)")
         return _ema_kernel(xp, st, slot, x, w, floor=floor, square=square, add=add, first=first, out=out)
     xin = x
-    if square or add:
+    if x.dtype != np.float32:  # one rounding point, the fused kernel's: x to float32 first, then x², + add, lerp
         xin = workspace.get(xp, "a8.ema_in", n, np.float32)
-        xp.multiply(x, x, out=xin) if square else xin.__setitem__(Ellipsis, x)
+        xin[...] = x
+    if square or add:
+        src, xin = xin, workspace.get(xp, "a8.ema_in", n, np.float32)
+        xp.multiply(src, src, out=xin) if square else xin.__setitem__(Ellipsis, src)
         if add:  # (x² + 0 is x²: no pass for a zero)
             xp.add(xin, np.float32(add), out=xin)
     if arr is not None:

@@ -31,6 +31,10 @@ __all__ = [
     "gpu_available",
     "force_twin",
     "nvrtc_compile",
+    "raw_module",
+    "raw_function",
+    "launch",
+    "device_constant",
     "solve_triangular",
     "nccl",
 ]
@@ -208,9 +212,67 @@ def raw_module(key: tuple, source: str, name_expressions: list[str]):
     return mod
 
 
+def raw_function(key: tuple, source: str, name_expressions, name: str):
+    """The kernel ``name`` of ``raw_module(key, ...)`` on the current device, looked up once and cached (thread-safe):
+    CuPy's ``RawModule.get_function`` builds a new ``RawKernel`` and resolves the function on every call.  Kept in the
+    modules' cache, so whatever resets that cache resets these too."""
+    cp = cupy()
+    full = ("function", key, name, cp.cuda.Device().id)
+    fn = _modules.get(full)
+    if fn is None:
+        mod = raw_module(key, source, list(name_expressions))
+        with _modules_lock:
+            fn = _modules.get(full)
+            if fn is None:
+                fn = _modules[full] = mod.get_function(name)
+    return fn
+
+
 def launch(kernel, n: int, args: tuple, block: int = 256) -> None:
     """Launch a 1-D elementwise kernel over ``n`` elements on the current stream (no host synchronisation)."""
     if n == 0:
         return
     grid = min((n + block - 1) // block, 65535 * 8)
     kernel((grid,), (block,), args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Read-only device constants (tables uploaded once per device and read by kernels on any stream)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Constant:
+    __slots__ = ("array", "event", "host")
+
+    def __init__(self, array, event, host):
+        self.array, self.event, self.host = array, event, host
+
+
+_constants: dict[tuple, _Constant] = {}
+_constants_lock = threading.Lock()
+
+
+def device_constant(xp, key, make):
+    """The device copy of the host array ``make()`` on ``xp``'s current device, uploaded once per (key, device) and
+    ordered before every read of it, on any stream.
+
+    The first caller (under a lock: one upload however many threads ask) uploads on a stream of its own and records
+    an event after the copy; every call makes the caller's current stream wait for that event (a device-side wait,
+    no host synchronisation; a no-op on the device once the copy is done, about a microsecond of host time).  So a
+    kernel on a worker's non-blocking stream never reads a half-copied table.  (Not ``Event.done``: a query of the
+    device that the strict CuPy stand-in counts as a host synchronisation.)
+    """
+    full = (key, id(xp), xp.cuda.Device().id)  # (id: the tests' CuPy stand-ins are array modules too)
+    c = _constants.get(full)
+    if c is None:
+        with _constants_lock:
+            c = _constants.get(full)
+            if c is None:
+                host = np.ascontiguousarray(make())
+                stream = xp.cuda.Stream(non_blocking=True)
+                with stream:
+                    arr = xp.asarray(host)
+                    event = stream.record()
+                c = _constants[full] = _Constant(arr, event, host)
+    xp.cuda.get_current_stream().wait_event(c.event)
+    return c.array

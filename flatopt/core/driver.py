@@ -22,9 +22,10 @@ import numpy as np
 from ..errors import IncompatibleStateError
 from . import backend as _backend, cpu_plan, gpu_run, parallel, step_plan
 from . import slots as slotlib
-from .slots import Slot as _Slot, config_from_dict, config_to_dict, persistent_fields  # noqa: F401 - re-exported
+from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
+from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
 from .slots import is_array as _is_array
-from .types import FORMAT_VERSION, OptimizerState, OptItem
+from .types import FORMAT_VERSION, Array, JSONDict, LrScale, OptimizerState, OptItem
 from .validate import check_batch_aliasing, check_item, check_lr, check_snapshot
 
 # Elementwise algorithms process NumPy buffers in chunks of this many elements, so that all the temporaries of
@@ -59,7 +60,7 @@ class PerParamOptimizer:
     threaded: ClassVar[bool] = True  # False: step_batch runs items serially (e.g. BLAS already uses the cores)
     multi_tensor: ClassVar[Any] = None  # core.multi_tensor.MultiTensor: one CuPy launch for many tensors
 
-    def __init__(self, config: Any, *, lr_scale: Mapping[str, float] | Callable[[str], float] | None = None):
+    def __init__(self, config: Any, *, lr_scale: LrScale = None) -> None:
         self.config = config
         self._lr = float(config.lr) if getattr(config, "lr", None) is not None else None
         self._slots: dict[str, _Slot] = {}
@@ -74,31 +75,32 @@ class PerParamOptimizer:
     # An algorithm module provides ``init(xp, cfg, shape, dtype) -> State``, the array-agnostic
     # ``update(xp, cfg, state, param, grad, *, t, lr, scratch)`` and optionally the fused CUDA
     # ``kernel_update(cfg, state, param, grad, *, t, lr) -> bool`` (False: use the twin); the class binds them.
-    init_fn: ClassVar[Callable]
-    update_fn: ClassVar[Callable]
-    kernel_fn: ClassVar[Callable | None] = None
+    init_fn: ClassVar[Callable[..., Any]]
+    update_fn: ClassVar[Callable[..., None]]
+    kernel_fn: ClassVar[Callable[..., bool] | None] = None
 
-    def _init(self, xp, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    def _init(self, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         return type(self).init_fn(xp, self.config, shape, dtype)
 
-    def _init_named(self, name: str, xp, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    def _init_named(self, name: str, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         """Fresh state for parameter ``name`` (override for per-name configuration; default: ``_init``)."""
         return self._init(xp, shape, dtype)
 
-    def _update(self, xp, state: Any, param, grad, *, t: int, lr: float, scratch: list) -> None:
+    def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
         type(self).update_fn(xp, self.config, state, param, grad, t=t, lr=lr, scratch=scratch)
 
-    def _kernel_update(self, state: Any, param, grad, *, t: int, lr: float) -> bool:
+    def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int, lr: float) -> bool:
         kernel = type(self).kernel_fn
         return kernel is not None and kernel(self.config, state, param, grad, t=t, lr=lr)
 
     def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Raise for a shape the algorithm cannot handle (before anything is touched)."""
 
-    def _extra_state(self) -> dict:
+    def _extra_state(self) -> JSONDict:
         return {}
 
-    def _load_extra(self, extra: dict) -> None:
+    def _load_extra(self, extra: JSONDict) -> None:
         pass
 
     # ------------------------------------------------------------------------------------------ public API
@@ -120,7 +122,7 @@ class PerParamOptimizer:
         """Count one training iteration (saved in ``state_dict``); per-name step counts advance inside ``step``."""
         self.iteration += 1
 
-    def step(self, name: str, shape: tuple[int, ...], param, grad) -> None:
+    def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
         """Update ``param`` (flat, contiguous, ``prod(shape)`` elements, float32/float64) in place from ``grad``
         (same size, dtype and backend; never written).  Bad input raises ``ValueError``/``TypeError`` naming the
         parameter, with nothing changed.  The same as ``step_batch([OptItem(name, shape, param, grad)])``."""
@@ -227,7 +229,7 @@ class PerParamOptimizer:
         return total
 
     # --------------------------------------------------------------------------------------- preparation
-    def _check_items(self, items: Sequence[OptItem]) -> list:
+    def _check_items(self, items: Sequence[OptItem]) -> list[Any]:
         """Validate every item (nothing is touched); return ``(item, shape, backend, lr_scale)`` per item."""
         items = [it if isinstance(it, OptItem) else OptItem(*it) for it in items]
         seen: set[str] = set()
@@ -278,7 +280,7 @@ class PerParamOptimizer:
                 return
             self._check_items(items)
 
-    def _prepare(self, items: Sequence[OptItem], checked: list | None = None) -> list:
+    def _prepare(self, items: Sequence[OptItem], checked: list | None = None) -> list[Any]:
         """Validate every item (unless ``checked`` is ``_check_items(items)``), then create missing states serially
         (in item order)."""
         if checked is None:
@@ -295,7 +297,7 @@ class PerParamOptimizer:
             prepared.append((it, slot, scale))
         return prepared
 
-    def _move_state(self, slot: _Slot, like) -> None:
+    def _move_state(self, slot: _Slot, like: Array) -> None:
         for f in dataclasses.fields(slot.state):
             v = getattr(slot.state, f.name)
             if _is_array(v):
@@ -310,8 +312,9 @@ class PerParamOptimizer:
     def _effective_lr(self, scale: float) -> float:
         return (self._lr if self._lr is not None else 0.0) * scale
 
-    def _run(self, prepared: list) -> None:
-        cpu, gpu = [], []
+    def _run(self, prepared: list[Any]) -> None:
+        cpu: list[Any] = []
+        gpu: list[Any] = []
         for it, slot, scale in prepared:
             slot.t += 1
             lr = self._effective_lr(scale)
@@ -326,11 +329,11 @@ class PerParamOptimizer:
             gpu_run.run_gpu(self, gpu)
 
     # ---------------------------------------------------------------------------------------- checkpoints
-    def _config_key(self) -> dict:
+    def _config_key(self) -> JSONDict:
         d = config_to_dict(self.config)
         return {k: d[k] for k in self.matters}
 
-    def _config_dict(self) -> dict:
+    def _config_dict(self) -> JSONDict:
         d = config_to_dict(self.config)
         if "lr" in d:
             d["lr"] = self._lr
@@ -378,7 +381,7 @@ class PerParamOptimizer:
             self.last_load_notes = notes
             return True
 
-    def _build_from_state(self, state: OptimizerState) -> tuple[dict, list[str]]:
+    def _build_from_state(self, state: OptimizerState) -> tuple[dict[str, _Slot], list[str]]:
         """``(slots, notes)`` for ``state``, changing nothing; :class:`IncompatibleStateError` when it does not fit."""
         check_compatible(state, self.algorithm, self._config_key())
         slots = slotlib.restore(state.params, state.buffers,
@@ -410,7 +413,7 @@ def check_compatible(state: OptimizerState, algorithm: str, config_key: Any) -> 
                                      + "; ".join(diff))
 
 
-def _make_lr_scale(spec) -> Callable[[str], float]:
+def _make_lr_scale(spec: LrScale) -> Callable[[str], float]:
     if spec is None:
         return lambda name: 1.0
     if callable(spec):

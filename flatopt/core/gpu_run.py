@@ -1,8 +1,11 @@
 """The CuPy execution of a step: fused kernel or twin per item, worker streams joined by events.
 
-One item runs on the caller's current stream.  Several items run on ``core.parallel``'s workers, each on its own
-non-blocking stream that first waits for an event recorded on the caller's stream (which produced the
-gradients); the caller's stream then waits for every worker's final event.  Nothing synchronises with the host.
+One item runs on the caller's current stream.  Several items run on ``core.parallel``'s workers, each worker on a
+non-blocking stream of its own per device; per device, a worker's stream first waits for an event recorded on the
+caller's current stream of that device (which produced the gradients), and the caller's stream of each device then
+waits for every worker's final event on that device.  So a batch whose items live on several GPUs is ordered on each
+of them (CuPy's current stream is per device: inside ``with device`` an item would otherwise run on that device's
+default stream, outside the events).  Nothing synchronises with the host.
 """
 
 from __future__ import annotations
@@ -18,45 +21,70 @@ def run_gpu(opt, gpu: list) -> None:
     twin = backend.force_twin()
 
     def one(it, slot, lr):
-        with it.param.device:
-            if twin or not opt._kernel_update(slot.state, it.param, it.grad, t=slot.t, lr=lr):
-                scratch = [cp.empty_like(it.param) for _ in range(opt.scratch_buffers)]
-                opt._update(cp, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=scratch)
+        if twin or not opt._kernel_update(slot.state, it.param, it.grad, t=slot.t, lr=lr):
+            scratch = [cp.empty_like(it.param) for _ in range(opt.scratch_buffers)]
+            opt._update(cp, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=scratch)
 
     if len(gpu) == 1:
-        one(*gpu[0])
+        it = gpu[0][0]
+        with it.param.device:
+            one(*gpu[0])
         return
-    # Each worker group runs on its own non-blocking stream, ordered after the caller's stream (which
-    # produced the gradients) and joined back into it by events: no host synchronisation.
-    caller = cp.cuda.get_current_stream()
-    start = caller.record()
+    # per device: the caller's current stream there and an event recorded on it (the gradients are ready)
+    devices: dict[int, tuple] = {}
+    for it, _, _ in gpu:
+        dev = it.param.device
+        if dev.id not in devices:
+            with dev:
+                caller = cp.cuda.get_current_stream()
+                devices[dev.id] = (dev, caller, caller.record())
     done = []
     done_lock = threading.Lock()
+    ctx = threading.local()
 
     def wrap(group_fn):
         def run():
-            with gpu[0][0].param.device:
-                stream = _worker_stream(cp)
-                with stream:
-                    stream.wait_event(start)
-                    group_fn()
-                    ev = stream.record()
-            with done_lock:
-                done.append(ev)
+            ctx.streams = streams = {}  # device id -> this group's worker stream there (entered on first use)
+            try:
+                group_fn()
+            finally:
+                ctx.streams = None
+                evs = []
+                for dev_id, stream in streams.items():
+                    with devices[dev_id][0]:
+                        evs.append((dev_id, stream.record()))
+                with done_lock:
+                    done.extend(evs)
 
         return run
 
-    tasks = [(it.param.size, it.name, (lambda it=it, s=slot, lr=lr: one(it, s, lr))) for it, slot, lr in gpu]
+    def on_worker(it, slot, lr):
+        dev = it.param.device
+        with dev:
+            stream = ctx.streams.get(dev.id)
+            if stream is None:
+                stream = ctx.streams[dev.id] = _worker_stream(cp, dev.id)
+                stream.wait_event(devices[dev.id][2])
+            with stream:
+                one(it, slot, lr)
+
+    tasks = [(it.param.size, it.name, (lambda it=it, s=slot, lr=lr: on_worker(it, s, lr))) for it, slot, lr in gpu]
     parallel.run_tasks(tasks, wrap=wrap)
-    for ev in done:
-        caller.wait_event(ev)
+    for dev_id, ev in done:
+        dev, caller, _ = devices[dev_id]
+        with dev:
+            caller.wait_event(ev)
 
 
 _tls = threading.local()
 
 
-def _worker_stream(cp):
-    s = getattr(_tls, "stream", None)
-    if s is None or s.device_id != cp.cuda.Device().id:
-        s = _tls.stream = cp.cuda.Stream(non_blocking=True)
+def _worker_stream(cp, device_id: int):
+    """This thread's non-blocking stream on the current device (``device_id``), created once."""
+    streams = getattr(_tls, "streams", None)
+    if streams is None:
+        streams = _tls.streams = {}
+    s = streams.get(device_id)
+    if s is None:
+        s = streams[device_id] = cp.cuda.Stream(non_blocking=True)
     return s

@@ -21,8 +21,14 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 KERNELS: dict[str, tuple[str, ...]] = {
     "adafactor.cu": ("af_row_sumsq", "af_col_sumsq", "af_ema", "af_factors", "af_v_update", "af_sumsq_partials", "af_u_partials", "af_scalars", "af_apply"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
+    "adam.cu": ("adam_step",),
     "adamw.cu": ("adamw_step", "adamw_multi"),
+    "lion.cu": ("lion_step",),
+    "nadamw.cu": ("nadamw_step",),
+    "qhadamw.cu": ("qhadamw_step",),
+    "radam.cu": ("radam_step",),
     "sgd.cu": ("sgd_step", "sgd_multi"),
+    "sophia.cu": ("sophia_step",),
 }
 
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -35,10 +41,16 @@ def source(filename: str) -> str:
 
 
 def name_expressions(filename: str) -> list[str]:
-    return [f"{k}<{c}>" for k in KERNELS[filename] for c in CTYPES.values()]
+    return list(_names(filename))
+
+
+@functools.lru_cache(maxsize=None)
+def _names(filename: str) -> tuple[str, ...]:
+    return tuple(f"{k}<{c}>" for k in KERNELS[filename] for c in CTYPES.values())
 
 
 def get(filename: str, kernel: str, dtype) -> object:
-    """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device."""
-    mod = backend.raw_module(("flatopt", filename), source(filename), name_expressions(filename))
-    return mod.get_function(f"{kernel}<{CTYPES[np.dtype(dtype)]}>")
+    """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device: built once per (file, kernel,
+    dtype, device) and cached (``core.backend.raw_function``), not per launch."""
+    return backend.raw_function(("flatopt", filename), source(filename), _names(filename),
+                                f"{kernel}<{CTYPES[np.dtype(dtype)]}>")

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, TypeAlias, Union, runtime_checkable
 
 FORMAT_VERSION = 1
+
+Array: TypeAlias = Any
+"""A NumPy ``ndarray`` or a CuPy ``ndarray`` (parameters, gradients, state buffers).  ``Any`` for the type checker:
+CuPy is optional and ships no type information, and one alias covers both backends."""
+
+LrScale: TypeAlias = Union[Mapping[str, float], Callable[[str], float], None]
+"""The ``lr_scale=`` argument of the optimizers: a mapping name -> multiplier (missing names: 1.0), a callable
+``name -> multiplier``, or ``None`` (1.0 everywhere)."""
+
+JSONDict: TypeAlias = dict[str, Any]
+"""A JSON-able mapping (configuration, per-parameter metadata, optimizer-wide extra state)."""
 
 
 class OptItem(NamedTuple):
@@ -13,8 +24,8 @@ class OptItem(NamedTuple):
 
     name: str
     shape: tuple[int, ...]
-    param: Any
-    grad: Any
+    param: Array
+    grad: Array
 
 
 @dataclass
@@ -29,12 +40,12 @@ class OptimizerState:
     """
 
     algorithm: str
-    config: dict
-    config_key: dict
+    config: JSONDict
+    config_key: JSONDict
     step: int = 0
-    params: dict[str, dict] = field(default_factory=dict)
-    buffers: dict[str, Any] = field(default_factory=dict)
-    extra: dict = field(default_factory=dict)
+    params: dict[str, JSONDict] = field(default_factory=dict)
+    buffers: dict[str, Array] = field(default_factory=dict)
+    extra: JSONDict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
 
@@ -49,7 +60,7 @@ class Optimizer(Protocol):
     name keeps its own step count, so a parameter without a gradient this iteration is simply not stepped.
     """
 
-    def step(self, name: str, shape: tuple[int, ...], param: Any, grad: Any) -> None:
+    def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
         """Update parameter ``name`` in place from its gradient.
 
         ``shape`` is the logical shape (matrix algorithms read rows and columns from it); ``param`` and ``grad``

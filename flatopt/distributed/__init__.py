@@ -46,7 +46,7 @@ the host: one synchronisation per step).
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -56,7 +56,7 @@ from .comm import MpiBackend, NcclBackend, as_backend, digest
 from .plan import Plan
 from .seeds import ApolloSeeds
 from ..core.driver import PerParamOptimizer
-from ..core.types import OptItem
+from ..core.types import Array, Optimizer, OptItem
 from ..core.validate import check_item, check_shape
 
 __all__ = ["Sharded", "RemoteStepError", "allreduce_mean", "global_norm", "load_merged", "MpiBackend",
@@ -79,11 +79,13 @@ class Sharded(ShardedCheckpoints):
     e.g. the state bytes you expect per parameter); it must give the same answer on every rank.  The wrapped
     optimizer is ``.inner``; it only ever sees the pieces this rank owns."""
 
-    def __init__(self, optimizer, comm, *, control=None, split: bool | None = None,
-                 split_min: int = DEFAULT_SPLIT_MIN, cost=None):
+    plan: Plan
+
+    def __init__(self, optimizer: Optimizer | Callable[[], Optimizer], comm: Any, *, control: Any = None, split: bool | None = None,
+                 split_min: int = DEFAULT_SPLIT_MIN, cost: Callable[[str, tuple[int, ...]], int] | None = None) -> None:
         self.backend = as_backend(comm, control)
         self.rank, self.world = self.backend.rank, self.backend.world
-        inner = optimizer if hasattr(optimizer, "step_batch") else optimizer()
+        inner: Any = optimizer if hasattr(optimizer, "step_batch") else optimizer()
         if not hasattr(inner, "step_batch"):
             raise TypeError(f"expected a flatopt optimizer or a factory of one, got {type(inner).__name__}")
         elementwise = isinstance(inner, PerParamOptimizer) and bool(inner.elementwise)
@@ -97,7 +99,7 @@ class Sharded(ShardedCheckpoints):
         if cost is not None and not callable(cost):
             raise TypeError(f"cost must be a callable (name, shape) -> int, got {cost!r}")
         self.plan = Plan(self.world, bool(split), split_min, cost=cost)
-        self._aliases = {}  # MuonAdamW's tied names: alias -> name (the owner of the name steps both)
+        self._aliases: dict[str, str] = {}  # MuonAdamW's tied names: alias -> name (the owner of the name steps both)
         if hasattr(inner, "manifest"):
             self._aliases = {r[1]: r[2] for r in inner.manifest() if len(r) == 3 and r[0] == "alias"}
         held = inner.state_dict() if hasattr(inner, "state_dict") else None
@@ -109,9 +111,10 @@ class Sharded(ShardedCheckpoints):
 
     # ------------------------------------------------------------------------------------------ protocol
     @property
-    def lr(self):
+    def lr(self) -> float | None:
         """The wrapped optimizer's base learning rate."""
-        return self.inner.lr
+        lr: float | None = self.inner.lr
+        return lr
 
     def set_lr(self, lr: float) -> None:
         """Set the wrapped optimizer's base learning rate (call it on every rank with the same value)."""
@@ -119,13 +122,14 @@ class Sharded(ShardedCheckpoints):
 
     def lr_scale(self, name: str) -> float:
         """The wrapped optimizer's learning-rate multiplier of ``name``."""
-        return self.inner.lr_scale(name)
+        scale: float = self.inner.lr_scale(name)
+        return scale
 
     def end_iteration(self) -> None:
         """Count one iteration in the wrapped optimizer (call it on every rank)."""
         self.inner.end_iteration()
 
-    def step(self, name: str, shape: tuple, param, grad) -> None:
+    def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
         """Collective, one parameter: ``step_batch([OptItem(name, shape, param, grad)])`` on every rank."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
@@ -136,13 +140,14 @@ class Sharded(ShardedCheckpoints):
         parameters, bit-identical to one process stepping them all.  Bad input on any rank raises on every rank
         (the others get ``RemoteStepError``) before anything changes."""
         with self._lock:
-            err, work = None, None
+            err: BaseException | None = None
+            work: tuple[Plan, list[OptItem], list[tuple[int, Array]], Any] | None = None
             try:
                 work = self._prepare(items)
             except Exception as exc:  # noqa: BLE001 - voted on below, re-raised on this rank
                 err = exc
             self._vote(err, digest(items), "rejected the batch (nothing was changed on any rank)")
-            plan, owned, pieces, seeds = work
+            plan, owned, pieces, seeds = work  # type: ignore[misc]  # not None: _vote raised otherwise
             self.plan = plan
             if self._seeds is not None:
                 self._seeds.begin(seeds)
@@ -162,7 +167,7 @@ class Sharded(ShardedCheckpoints):
             if raising is not None:
                 raise raising
 
-    def _prepare(self, items):
+    def _prepare(self, items: Sequence[OptItem]) -> tuple[Plan, list[OptItem], list[tuple[int, Array]], Any]:
         """Validate the batch on this rank (nothing changes) and work out the pieces: ``(plan, items this rank
         steps, [(owner, param range)] to broadcast, APOLLO seeds of new names)``.  The wrapped optimizer checks
         the items this rank owns first (so its own error types and messages surface, as in a single process);
@@ -170,7 +175,9 @@ class Sharded(ShardedCheckpoints):
         items = [it if isinstance(it, OptItem) else OptItem(*it) for it in items]
         batch = [(self._canon(it.name), check_shape(it.name, it.shape)) for it in items]
         plan = self.plan.extended(batch)
-        owned, pieces, sent = [], [], set()
+        owned: list[OptItem] = []
+        pieces: list[tuple[int, Array]] = []
+        sent: set[str] = set()
         for it, (name, shape) in zip(items, batch):
             ps = plan.pieces(name)
             if len(ps) > 1 and it.grad is not None:
@@ -187,7 +194,7 @@ class Sharded(ShardedCheckpoints):
             sent.add(name)
         if owned and hasattr(self.inner, "validate_batch"):
             self.inner.validate_batch(owned)
-        seen = set()
+        seen: set[str] = set()
         for it, (name, shape) in zip(items, batch):
             if it.grad is not None:
                 check_item(it.name, shape, it.param, it.grad)
@@ -201,7 +208,7 @@ class Sharded(ShardedCheckpoints):
         seeds = self._seeds.reserve(batch, self.plan) if self._seeds is not None else None
         return plan, owned, pieces, seeds
 
-    def _canon(self, name):
+    def _canon(self, name: str) -> str:
         return self._aliases.get(name, name)
 
     def _vote(self, err: BaseException | None, digest: int, what: str) -> None:
@@ -227,15 +234,15 @@ class Sharded(ShardedCheckpoints):
                                "rank must call step_batch with the same items; nothing was changed")
 
     # ---------------------------------------------------------------------------------------- helpers
-    def allreduce_mean(self, buffers: Sequence) -> None:
+    def allreduce_mean(self, buffers: Sequence[Array]) -> None:
         """Average each buffer in place over the ranks of this optimizer's communicator (collective)."""
         allreduce_mean(buffers, self.backend)
 
-    def global_norm(self, buffers: Sequence):
+    def global_norm(self, buffers: Sequence[Array]) -> Array:
         """‖buffers‖₂ over all ranks' buffers together (collective; see ``flatopt.distributed.global_norm``)."""
         return global_norm(buffers, self.backend)
 
-    def grad_norm(self, items: Sequence[OptItem]):
+    def grad_norm(self, items: Sequence[OptItem]) -> Array:
         """‖all gradients of ``items``‖₂, each rank summing only the pieces it owns (1/world of the work), for
         identical gradients on every rank (float64 accumulation; not bit-equal to a single-process norm)."""
         bufs = []
@@ -255,7 +262,7 @@ class Sharded(ShardedCheckpoints):
 
 
 # --------------------------------------------------------------------------------------------- free helpers
-def allreduce_mean(buffers: Sequence, comm) -> None:
+def allreduce_mean(buffers: Sequence[Array], comm: Any) -> None:
     """Average ``buffers`` in place across the ranks of ``comm`` (mpi4py or NCCL communicator, or a
     :class:`Sharded`): a sum all-reduce, then a division by the world size, in each buffer's dtype.  NumPy arrays
     go through MPI, CuPy arrays through NCCL on the current stream (no host synchronisation)."""
@@ -267,7 +274,7 @@ def allreduce_mean(buffers: Sequence, comm) -> None:
             b /= b.dtype.type(be.world)
 
 
-def global_norm(buffers: Sequence, comm, *, allow_empty: bool = False, like=None):
+def global_norm(buffers: Sequence[Array], comm: Any, *, allow_empty: bool = False, like: Array = None) -> Array:
     """√(Σ over the ranks of Σ over their ``buffers`` of Σ x²), accumulated in float64: the norm of the union of
     disjoint per-rank buffers (e.g. gradient shards).  NumPy: a NumPy float64; CuPy: a 0-d device array (no host
     synchronisation).  Every rank must call it."""

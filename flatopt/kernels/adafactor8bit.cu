@@ -3,10 +3,23 @@
 // (``ema``) with flatopt/adafactor8bit/quant.py; the arithmetic is float32 in the twin's order (compiled with --fmad=false), the
 // AL log2 is evaluated in double and rounded to float like the twin, reductions are min / max (exact, so the tree
 // order cannot change them) through warp shuffles and shared memory: deterministic, no atomics.
-// T is the type of the new sample x (float or double).
+// T is the type of the new sample x (float or double): x is rounded to float at its load, before it is squared,
+// offset or interpolated; the twin rounds at the same point (state.ema_range), so a double x gives the same bits.
+//
+// Non-finite values (one documented behaviour, the twin's as well): the block reductions propagate NaN (as
+// numpy.maximum / max), so a NaN in a block makes its statistics NaN:
+//   AL8 / AL16: scale = min_log = NaN, code 0 for an exact zero, code 1 for every other value (the whole block,
+//               zeros apart, decodes as NaN); +inf is an ordinary value (max_log is clamped at 126).
+//   uf8 / uf4 / d8 / d4: a block whose absmax is not finite (a NaN or an infinity in it) stores that absmax and
+//               is encoded as zeros (the code of 0 everywhere: 128, 8, 127, 7, as a fresh state), so that the whole
+//               block decodes as NaN (0 * inf, 0 * NaN).
 
 #define A8_TINY 1e-38f   // the original's clamp before log2 (a float32 subnormal)
 #define A8_INF __int_as_float(0x7f800000)
+
+// min / max that propagate NaN (numpy.minimum / numpy.maximum); fminf / fmaxf would drop it.
+__device__ __forceinline__ float a8_min(float a, float b) { return (isnan(a) || a <= b) ? a : b; }
+__device__ __forceinline__ float a8_max(float a, float b) { return (isnan(a) || a >= b) ? a : b; }
 
 __device__ __forceinline__ float a8_lerp(float a, float b, float w) {
     // torch.lerp: a + w*(b - a) for |w| < 0.5, else b - (b - a)*(1 - w)
@@ -14,11 +27,11 @@ __device__ __forceinline__ float a8_lerp(float a, float b, float w) {
     return fabsf(w) < 0.5f ? a + w * d : b - d * (1.0f - w);
 }
 
-// Block-wide min and max (every thread gets the result).  Shared scratch: 2 * 32 floats.
+// Block-wide min and max, NaN propagating (every thread gets the result).  Shared scratch: 2 * 32 floats.
 __device__ __forceinline__ void a8_block_minmax(float& lo, float& hi, float* sh) {
     for (int off = 16; off > 0; off >>= 1) {
-        lo = fminf(lo, __shfl_down_sync(0xffffffffu, lo, off));
-        hi = fmaxf(hi, __shfl_down_sync(0xffffffffu, hi, off));
+        lo = a8_min(lo, __shfl_down_sync(0xffffffffu, lo, off));
+        hi = a8_max(hi, __shfl_down_sync(0xffffffffu, hi, off));
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
     if (lane == 0) { sh[warp] = lo; sh[32 + warp] = hi; }
@@ -27,8 +40,8 @@ __device__ __forceinline__ void a8_block_minmax(float& lo, float& hi, float* sh)
         lo = lane < nwarps ? sh[lane] : A8_INF;
         hi = lane < nwarps ? sh[32 + lane] : -A8_INF;
         for (int off = 16; off > 0; off >>= 1) {
-            lo = fminf(lo, __shfl_down_sync(0xffffffffu, lo, off));
-            hi = fmaxf(hi, __shfl_down_sync(0xffffffffu, hi, off));
+            lo = a8_min(lo, __shfl_down_sync(0xffffffffu, lo, off));
+            hi = a8_max(hi, __shfl_down_sync(0xffffffffu, hi, off));
         }
         if (lane == 0) { sh[0] = lo; sh[32] = hi; }
     }
@@ -38,7 +51,7 @@ __device__ __forceinline__ void a8_block_minmax(float& lo, float& hi, float* sh)
     __syncthreads();
 }
 
-__device__ __forceinline__ float a8_log2(float v) { return (float)log2((double)fmaxf(v, A8_TINY)); }
+__device__ __forceinline__ float a8_log2(float v) { return (float)log2((double)a8_max(v, A8_TINY)); }
 
 // AL8 (bits 8: uint8 codes) / AL16 (bits 16: uint16 codes) state of n values in blocks of `block`: v = lerp(decode(q), x', w) with
 // x' = (square ? x*x : x) + add, or v = x'*w at the first step; out[i] = v (exact), then requantize the block.
@@ -70,21 +83,21 @@ __global__ void a8_al_ema(void* codes, int bits, float* scale, float* min_log, c
             out[idx] = v;
         }
         const float lg = a8_log2(v);
-        hi = fmaxf(hi, lg);
-        if (v != 0.0f) lo = fminf(lo, lg);
+        hi = a8_max(hi, lg);
+        if (v != 0.0f) lo = a8_min(lo, lg);
     }
     a8_block_minmax(lo, hi, sh);
-    const float mx = fminf(hi, 126.0f);
-    float mn = fmaxf(lo, floor_);
+    const float mx = a8_min(hi, 126.0f);
+    float mn = a8_max(lo, floor_);
     if (mn >= mx) mn = mx - 1.0f;
-    const float sc = fmaxf(mx - mn, 1e-12f);
+    const float sc = a8_max(mx - mn, 1e-12f);
     for (int i = threadIdx.x; i < block; i += blockDim.x) {
         const long long idx = base + i;
         const float v = idx < n ? out[idx] : 0.0f;
         float c = 0.0f;
         if (v != 0.0f) {
             c = rintf(((a8_log2(v) - mn) / sc) * L) + 1.0f;
-            c = fminf(fmaxf(c, 1.0f), L + 1.0f);
+            c = fminf(fmaxf(c, 1.0f), L + 1.0f);  // a NaN c (a NaN block) becomes 1: fmaxf drops the NaN
         }
         if (q8) q8[idx] = (unsigned char)c; else q16[idx] = (unsigned short)c;
     }
@@ -146,23 +159,25 @@ __global__ void a8_m_ema(unsigned char* q, float* absmax, const T* x, float* out
             v = a8_lerp(a8_m_value(code, fmt, am_old, mp), (float)x[idx], w);
             out[idx] = v;
         }
-        hi = fmaxf(hi, fabsf(v));
+        hi = a8_max(hi, fabsf(v));
     }
     __syncthreads();  // every thread has read its old codes before any is overwritten
     a8_block_minmax(lo, hi, sh);
-    const float am = fmaxf(hi, 1e-12f);
+    const float am = a8_max(hi, 1e-12f);
+    const bool finite = isfinite(am);  // else the block is encoded as zeros (see the header)
     if (four) {
         for (int j = threadIdx.x; j < mblock / 2; j += blockDim.x) {
             const long long i0 = base + 2 * j;
             const float v0 = i0 < n ? out[i0] : 0.0f, v1 = i0 + 1 < n ? out[i0 + 1] : 0.0f;
-            const int c0 = a8_m_code(v0 / am, fmt, mp, qmap_size), c1 = a8_m_code(v1 / am, fmt, mp, qmap_size);
+            const int c0 = a8_m_code(finite ? v0 / am : 0.0f, fmt, mp, qmap_size);
+            const int c1 = a8_m_code(finite ? v1 / am : 0.0f, fmt, mp, qmap_size);
             q[i0 >> 1] = (unsigned char)((c0 << 4) | c1);
         }
     } else {
         for (int i = threadIdx.x; i < mblock; i += blockDim.x) {
             const long long idx = base + i;
             const float v = idx < n ? out[idx] : 0.0f;
-            q[idx] = (unsigned char)a8_m_code(v / am, fmt, mp, qmap_size);
+            q[idx] = (unsigned char)a8_m_code(finite ? v / am : 0.0f, fmt, mp, qmap_size);
         }
     }
     if (threadIdx.x == 0) absmax[blockIdx.x] = am;

@@ -66,18 +66,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
 from . import layout as L
 from . import numerics as K
 from ..core.driver import PerParamOptimizer, config_to_dict
+from ..core.types import Array, LrScale, OptItem
 from ..core.validate import check_lr, check_range
 
 _MODES = (None, "one_diag", "smart_one_diag", "all_diag")
 
 
-def _check_int(field: str, v, lo: int) -> None:
+def _check_int(field: str, v: Any, lo: int) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
         raise ValueError(f"KronPsgd: {field} must be an int >= {lo}, got {v!r}")
 
@@ -104,7 +106,7 @@ class KronPsgdConfig:
     seed: int = 0
     balance_seed: int = 42
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         inf = math.inf
         check_lr(self.lr, "lr", "KronPsgd")
         check_range("KronPsgd", "precond_lr", self.precond_lr, 0.0, inf, hi_open=True)
@@ -146,23 +148,24 @@ _RUNTIME = {"persist": False}
 
 @dataclasses.dataclass
 class KronPsgdState:
-    m: object  # momentum (flat, parameter dtype)
-    q: object  # the packed factors (flat, precond dtype): dense d×d row-major, or diagonal d
+    m: Array  # momentum (flat, parameter dtype)
+    q: Array  # the packed factors (flat, precond dtype): dense d×d row-major, or diagonal d
     counter: int = 0  # steps since the last preconditioner update (the schedule counter)
     updates: int = 0  # preconditioner updates so far = index of the next probe
     layout: L.Layout | None = dataclasses.field(default=None, metadata=_RUNTIME)
-    ctx: tuple | None = dataclasses.field(default=None, metadata=_RUNTIME)  # (name, stream key, hook)
+    ctx: tuple[Any, ...] | None = dataclasses.field(default=None, metadata=_RUNTIME)  # (name, stream key, hook)
 
 
-def init(xp, cfg: KronPsgdConfig, shape, dtype) -> KronPsgdState:
+def init(xp: Any, cfg: KronPsgdConfig, shape: tuple[int, ...], dtype: Any) -> KronPsgdState:
     lay = L.make_layout(cfg, tuple(shape))
     pdt = np.dtype(dtype) if cfg.precond_dtype == "param" else np.dtype(cfg.precond_dtype)
     return KronPsgdState(m=xp.zeros(lay.numel, dtype), q=L.init_factors(xp, lay, pdt), layout=lay)
 
 
-def update(xp, cfg: KronPsgdConfig, st: KronPsgdState, param, grad, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: KronPsgdConfig, st: KronPsgdState, param: Array, grad: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One step of one parameter (whole flat buffers; ``scratch`` is unused)."""
-    lay = st.layout
+    lay = cast(L.Layout, st.layout)  # set by init (also for restored state)
     if lay.numel == 0:
         return
     do_update, st.counter = L.decide_update(cfg, st.counter, t)
@@ -194,7 +197,7 @@ def update(xp, cfg: KronPsgdConfig, st: KronPsgdState, param, grad, *, t: int, l
         else:  # g.astype(pdt, copy=True)
             fit = K.scratch(xp, "fit", lay.merged, pdt)
             fit[...] = g
-        v = L.probe_for(xp, st.ctx, st.updates, lay.merged, pdt)
+        v = L.probe_for(xp, cast("tuple[Any, ...]", st.ctx), st.updates, lay.merged, pdt)  # ctx: set by _prepare
         ab = K.scratch(xp, "pt", lay.merged, fit.dtype)  # the probe's theta buffer, dead by now
         xp.abs(fit, out=ab)
         c = K.SQRT_EPS_F32 * xp.mean(ab)
@@ -218,7 +221,8 @@ def update(xp, cfg: KronPsgdConfig, st: KronPsgdState, param, grad, *, t: int, l
     param += step
 
 
-def _update_nd(xp, cfg, st, lay, param, g, m, b1, pdt, t, lr, do_update, balance) -> None:
+def _update_nd(xp: Any, cfg: KronPsgdConfig, st: KronPsgdState, lay: L.Layout, param: Array, g: Array, m: Array,
+               b1: float, pdt: Any, t: int, lr: float, do_update: bool, balance: bool) -> None:
     """The step of a > 2-D merged shape (``merge_dims=False``), with fresh temporaries."""
     m *= b1
     m += g * (1.0 - b1)
@@ -228,7 +232,7 @@ def _update_nd(xp, cfg, st, lay, param, g, m, b1, pdt, t, lr, do_update, balance
         K.balance(xp, factors)
     if do_update:
         fit = h if cfg.momentum_into_precond_update else g.astype(pdt, copy=True)
-        v = L.probe_for(xp, st.ctx, st.updates, lay.merged, pdt)
+        v = L.probe_for(xp, cast("tuple[Any, ...]", st.ctx), st.updates, lay.merged, pdt)
         fit += (K.SQRT_EPS_F32 * xp.mean(xp.abs(fit))) * v
         K.update_precond(xp, factors, fit, v, cfg.precond_lr, cfg.eps)
         st.updates += 1
@@ -257,7 +261,8 @@ class KronPsgd(PerParamOptimizer):
                "precond_dtype", "seed", "balance_seed")
 
     def __init__(self, lr: float, precond_lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-                 eps: float = 1e-8, clip: float | None = 1.0, *, lr_scale=None, probe=None, **knobs):
+                 eps: float = 1e-8, clip: float | None = 1.0, *, lr_scale: LrScale = None,
+                 probe: Callable[[str, tuple[int, ...], int], Array] | None = None, **knobs: Any) -> None:
         super().__init__(KronPsgdConfig(lr, precond_lr, momentum, weight_decay, eps, clip, **knobs),
                          lr_scale=lr_scale)
         self.set_probe(probe)
@@ -270,21 +275,21 @@ class KronPsgd(PerParamOptimizer):
         """A new optimizer with ``weight_decay = wd`` (before the first step)."""
         return self._rebuild(weight_decay=wd)
 
-    def _rebuild(self, **change) -> KronPsgd:
+    def _rebuild(self, **change: Any) -> KronPsgd:
         if self._slots:
             raise ValueError("KronPsgd: builders configure a fresh optimizer; this one already holds state")
         kw = {**config_to_dict(self.config), "lr": self._lr, **change}
         kw["prob_schedule"] = tuple(kw["prob_schedule"])
         return type(self)(lr_scale=self._lr_scale_spec, probe=self._hook, **kw)
 
-    def set_probe(self, fn) -> None:
+    def set_probe(self, fn: Callable[[str, tuple[int, ...], int], Array] | None) -> None:
         """Inject the probes: ``fn(name, shape, index) -> V`` (None: the built-in generator)."""
         if fn is not None and not callable(fn):
             raise TypeError(f"KronPsgd: probe must be callable or None, got {fn!r}")
         self._hook = fn
-        self._ctx: dict[str, tuple] = {}
+        self._ctx: dict[str, tuple[Any, ...]] = {}
 
-    def _prepare(self, items):
+    def _prepare(self, items: Sequence[OptItem]) -> list[Any]:
         prepared = super()._prepare(items)
         for it, slot, _ in prepared:  # serial, before any worker runs
             ctx = self._ctx.get(it.name)
@@ -293,15 +298,16 @@ class KronPsgd(PerParamOptimizer):
             slot.state.ctx = ctx
         return prepared
 
-    def factors(self, name: str) -> list:
+    def factors(self, name: str) -> list[Array]:
         """Copies of the preconditioner factors of ``name``: (d, d) upper-triangular or (d,) diagonal arrays."""
         slot = self._slots[name]
         return [q.copy() for _, q in K.factor_views(slot.state.q, slot.state.layout)]
 
-    def preconditioner_shape(self, name_or_shape) -> tuple[int, ...]:
+    def preconditioner_shape(self, name_or_shape: str | Sequence[int]) -> tuple[int, ...]:
         """The (merged) shape the preconditioner sees for a parameter name or a shape."""
         if isinstance(name_or_shape, str):
-            return self._slots[name_or_shape].state.layout.merged
+            merged: tuple[int, ...] = self._slots[name_or_shape].state.layout.merged
+            return merged
         return L.make_layout(self.config, tuple(name_or_shape)).merged
 
     def preconditioner_nbytes(self) -> int:

@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..core import backend as _backend, parallel, shards
 from ..core.driver import PerParamOptimizer
+from ..core.types import Array, LrScale
 from ..core.validate import check_lr, check_range
 
 CONVENTIONS = ("ema", "sgd")
@@ -79,7 +81,7 @@ class MuonConfig:
     eps_mode: str = "clamp"
     layout: str = "out_in"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_lr(self.lr, "lr", "Muon")
         check_range("Muon", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
         if not isinstance(self.nesterov, bool):
@@ -108,7 +110,7 @@ class MuonConfig:
             raise ValueError(f"Muon: layout must be 'out_in' or 'in_out', got {self.layout!r}")
 
 
-def shape_scale(cfg: MuonConfig, shape: tuple[int, int]) -> float:
+def shape_scale(cfg: MuonConfig, shape: tuple[int, ...]) -> float:
     """The lr-adjust factor s of ``cfg.adjust_lr`` for a stored (rows, cols) shape."""
     r, c = shape
     if cfg.adjust_lr == "original":
@@ -121,16 +123,17 @@ def shape_scale(cfg: MuonConfig, shape: tuple[int, int]) -> float:
 
 @dataclasses.dataclass
 class MuonState:
-    momentum_buffer: object
-    shape: tuple = dataclasses.field(default=(), metadata={"persist": False})
-    work: tuple | None = dataclasses.field(default=None, metadata={"persist": False})  # X, Y, A, B
+    momentum_buffer: Array
+    shape: tuple[int, ...] = dataclasses.field(default=(), metadata={"persist": False})
+    work: tuple[Array, Array, Array, Array] | None = dataclasses.field(default=None, metadata={"persist": False})  # X, Y, A, B
 
 
-def init(xp, cfg: MuonConfig, shape, dtype) -> MuonState:
+def init(xp: Any, cfg: MuonConfig, shape: tuple[int, ...], dtype: Any) -> MuonState:
     return MuonState(xp.zeros(math.prod(shape), dtype), tuple(shape))
 
 
-def newton_schulz(xp, cfg: MuonConfig, x, y, a_buf, b_buf, shape):
+def newton_schulz(xp: Any, cfg: MuonConfig, x: Array, y: Array, a_buf: Array, b_buf: Array,
+                  shape: tuple[int, ...]) -> Array:
     """Orthogonalise the (r, c) matrix held flat in ``x`` (overwritten); return the flat buffer holding the result
     (``x`` or ``y``).  ``a_buf``/``b_buf`` are min(r, c)² work matrices."""
     r, c = shape
@@ -161,7 +164,8 @@ def newton_schulz(xp, cfg: MuonConfig, x, y, a_buf, b_buf, shape):
     return x
 
 
-def update(xp, cfg: MuonConfig, st: MuonState, p, g, *, t: int, lr: float, scratch: list) -> None:
+def update(xp: Any, cfg: MuonConfig, st: MuonState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
     """One Muon step on a whole flat matrix buffer (``scratch`` is unused: work buffers live in the state)."""
     shape = st.shape
     k = min(shape)
@@ -209,9 +213,10 @@ class Muon(PerParamOptimizer):
     threaded = False  # the driver's pool over multi-threaded BLAS oversubscribes; ``workers`` shards instead
 
     def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
-                 ns_steps: int = 5, ns_coefficients=(3.4445, -4.7750, 2.0315), eps: float = 1e-7,
-                 adjust_lr: str | None = "original", momentum_convention: str = "ema", eps_mode: str = "clamp",
-                 layout: str = "out_in", *, lr_scale=None, workers: int | None = None):
+                 ns_steps: int = 5, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+                 eps: float = 1e-7, adjust_lr: str | None = "original", momentum_convention: str = "ema",
+                 eps_mode: str = "clamp", layout: str = "out_in", *, lr_scale: LrScale = None,
+                 workers: int | None = None) -> None:
         cfg = MuonConfig(lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr,
                          momentum_convention, eps_mode, layout)
         super().__init__(cfg, lr_scale=lr_scale)
@@ -222,7 +227,7 @@ class Muon(PerParamOptimizer):
         self.workers = workers
         self._shard: dict[str, int] = {}
 
-    def assign_shards(self, order) -> None:
+    def assign_shards(self, order: Sequence[tuple[str, tuple[int, ...]]]) -> None:
         """Fix the matrix → worker assignment from a stable list of ``(name, shape)`` (balanced by cost, each
         matrix on one worker for the whole run).  Names not listed get a worker at their first step."""
         self._shard.update(shards.assign([(n, _cost(s)) for n, s in order], self.workers))
@@ -240,7 +245,7 @@ class Muon(PerParamOptimizer):
             if not (lr * shape_scale(self.config, shape) <= _F32_MAX and lr * self.config.weight_decay <= _F32_MAX):
                 raise ValueError(f"parameter {name!r}: lr·s or lr·weight_decay overflows float32 (lr {lr!r})")
 
-    def _run(self, prepared: list) -> None:
+    def _run(self, prepared: list[Any]) -> None:
         # NumPy: every Newton–Schulz GEMM runs with the BLAS held at one thread, in every mode (the serial loop, one
         # item, the workers), because a GEMM's bits depend on the BLAS thread count on some CPUs; without
         # threadpoolctl nothing can hold it, so the items run serially on the BLAS's own threads (same calls either way)
@@ -254,12 +259,13 @@ class Muon(PerParamOptimizer):
         for it, _, _ in prepared:
             if it.name not in self._shard:
                 self._shard[it.name] = len(self._shard) % self.workers
-        buckets: list[list] = [[] for _ in range(self.workers)]
+        buckets: list[list[Any]] = [[] for _ in range(self.workers)]
         for entry in prepared:
             buckets[self._shard[entry[0].name]].append(entry)
-        shards.run([(lambda b=b: PerParamOptimizer._run(self, b)) if b else None for b in buckets],
-                    single_threaded_blas=True)
+        jobs: list[Callable[[], None] | None] = [
+            (lambda b=b: PerParamOptimizer._run(self, b)) if b else None for b in buckets]  # type: ignore[misc]
+        shards.run(jobs, single_threaded_blas=True)
 
 
-def _cost(shape) -> int:
+def _cost(shape: tuple[int, ...]) -> int:
     return math.prod(shape) * min(shape) if len(shape) == 2 else math.prod(shape)

@@ -44,14 +44,14 @@ ignored: ``lr`` and ``adamw_lr_ratio`` set the group learning rates.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeAlias
 
 import numpy as np
 
 from . import checks as _checks
 from .. import errors as E
 from ..core.driver import config_to_dict
-from ..core.types import OptimizerState, OptItem
+from ..core.types import Array, LrScale, OptimizerState, OptItem
 from ..core.validate import check_lr, check_snapshot
 from ..adamw import AdamW, AdamWConfig
 from . import Muon, MuonConfig, _cost
@@ -62,8 +62,15 @@ KEY_PREFIX = "muon-adamw-v1:"
 KELLER_AUX_ADAMW = AdamWConfig(betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
 _F32_MAX = float(np.finfo(np.float32).max)
 
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
-def propose_muon_names(params: Mapping[str, Any], exclude: Sequence[str] = ("embed", "wte", "wpe", "head")) -> list:
+ShapeSpec: TypeAlias = "Sequence[int] | tuple[Sequence[int], DTypeLike]"
+"""A ``params`` entry of :class:`MuonAdamW`: a shape, or ``(shape, dtype)`` (dtype float32 or float64)."""
+
+
+def propose_muon_names(params: Mapping[str, ShapeSpec],
+                       exclude: Sequence[str] = ("embed", "wte", "wpe", "head")) -> list[str]:
     """A *proposal* (sorted) of 2-D, non-empty parameters whose name contains none of ``exclude``; review it and
     pass it explicitly as ``muon_names`` (MuonAdamW never infers roles itself)."""
     out = []
@@ -81,13 +88,13 @@ class MuonAdamW:
 
     algorithm = "muon_adamw"
 
-    def __init__(self, params: Mapping[str, Any], muon_names: Sequence[str], *, lr: float = 0.02,
-                 muon: MuonConfig | Mapping | None = None, adamw: AdamWConfig | Mapping | None = None,
+    def __init__(self, params: Mapping[str, ShapeSpec], muon_names: Sequence[str], *, lr: float = 0.02,
+                 muon: MuonConfig | Mapping[str, Any] | None = None,
+                 adamw: AdamWConfig | Mapping[str, Any] | None = None,
                  adamw_lr_ratio: float = 0.015, aliases: Mapping[str, str] | None = None,
-                 lr_scale: Mapping[str, float] | Callable[[str], float] | None = None, concurrent: bool = True,
-                 muon_workers: int | None = None):
-        mcfg = _checks.make_config(MuonConfig, muon, MuonConfig(), "muon")
-        acfg = _checks.make_config(AdamWConfig, adamw, KELLER_AUX_ADAMW, "adamw")
+                 lr_scale: LrScale = None, concurrent: bool = True, muon_workers: int | None = None) -> None:
+        mcfg: MuonConfig = _checks.make_config(MuonConfig, muon, MuonConfig(), "muon")
+        acfg: AdamWConfig = _checks.make_config(AdamWConfig, adamw, KELLER_AUX_ADAMW, "adamw")
         try:
             lr = check_lr(lr)
             ratio = check_lr(adamw_lr_ratio, "adamw_lr_ratio")
@@ -97,7 +104,7 @@ class MuonAdamW:
             raise E.InvalidConfig(f"lr {lr!r} and adamw_lr_ratio {ratio!r} must be finite in float32")
         if not isinstance(params, Mapping) or not params:
             raise E.InvalidConfig("params must be a non-empty mapping name -> shape (or (shape, dtype))")
-        manifest: dict[str, tuple] = {}
+        manifest: dict[str, tuple[tuple[int, ...], np.dtype[Any] | None]] = {}
         for name, spec in params.items():
             if not isinstance(name, str) or not name:
                 raise E.InvalidConfig(f"parameter names must be non-empty str, got {name!r}")
@@ -170,7 +177,7 @@ class MuonAdamW:
         """The inner ``AdamW`` optimizer of the AdamW group (for inspection; step through this object)."""
         return self._adamw
 
-    def manifest(self) -> list:
+    def manifest(self) -> list[list[Any]]:
         """Sorted ``[name, shape, role, dtype or "any"]`` rows, then ``["alias", alias, name]`` rows."""
         rows = [[n, list(s), "muon" if n in self._muon_set else "adamw", dt.name if dt is not None else "any"]
                 for n, (s, dt) in sorted(self._manifest.items())]
@@ -205,7 +212,7 @@ class MuonAdamW:
         """Count one iteration (saved in ``state_dict``); neither group has an optimizer-wide schedule."""
         self._router.end_iteration()
 
-    def step(self, name: str, shape: tuple, param, grad) -> None:
+    def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
         """One parameter: ``step_batch([OptItem(name, shape, param, grad)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
@@ -215,17 +222,20 @@ class MuonAdamW:
         before either group changes anything, and the two groups then run concurrently."""
         self.try_step_with_lrs(self._lr, self._lr * self._ratio, items)
 
-    def try_step_or_skip(self, muon_lr: float, adamw_lr: float, params, grads=None, *, skip_update: bool) -> None:
+    def try_step_or_skip(self, muon_lr: float, adamw_lr: float,
+                         params: Sequence[OptItem] | Mapping[str, Array],
+                         grads: Mapping[str, Array | None] | None = None, *, skip_update: bool) -> None:
         """``skip_update=True``: return at once (no validation, no change); otherwise ``try_step_with_lrs``."""
         if skip_update:
             return
         self.try_step_with_lrs(muon_lr, adamw_lr, params, grads)
 
-    def try_step_with_lrs(self, muon_lr: float, adamw_lr: float, params, grads=None) -> None:
+    def try_step_with_lrs(self, muon_lr: float, adamw_lr: float, params: Sequence[OptItem] | Mapping[str, Array],
+                          grads: Mapping[str, Array | None] | None = None) -> None:
         """Step Muon with ``muon_lr`` and AdamW with ``adamw_lr``.  ``params``: a sequence of ``OptItem`` (grad
         ``None`` = missing), or a mapping name → param buffer with ``grads`` a mapping name → grad (names without
         a gradient are not stepped).  Everything is validated before anything changes (module doc)."""
-        lrs = {}
+        lrs: dict[str, float] = {}
         for what, v in (("muon_lr", muon_lr), ("adamw_lr", adamw_lr)):
             try:
                 lrs[what] = check_lr(v, what)
@@ -236,7 +246,7 @@ class MuonAdamW:
         items = self._items(params, grads)
         with self._router._lock:  # noqa: SLF001 - one step at a time, validation and commit together
             live, by_group = self._check(items, lrs["muon_lr"])
-            over = {}
+            over: dict[str, float] = {}
             if lrs["muon_lr"] != self._muon.lr:
                 over["muon"] = lrs["muon_lr"]
             if lrs["adamw_lr"] != self._adamw.lr:
@@ -250,7 +260,7 @@ class MuonAdamW:
         with self._router._lock:  # noqa: SLF001
             self._check(self._items(items, None), self._lr)
 
-    def _check(self, items: list[OptItem], muon_lr: float):
+    def _check(self, items: list[OptItem], muon_lr: float) -> tuple[list[OptItem], dict[str, list[OptItem]]]:
         live = _checks.validate_items(self, items, muon_lr)
         try:
             return live, self._router.split(live)
@@ -260,7 +270,8 @@ class MuonAdamW:
             cls = E.DTypeMismatch if "dtype" in str(exc) else E.InvalidStep
             raise cls(str(exc)) from exc
 
-    def _items(self, params, grads) -> list[OptItem]:
+    def _items(self, params: Sequence[OptItem] | Mapping[str, Array],
+               grads: Mapping[str, Array | None] | None) -> list[OptItem]:
         if grads is None:
             if isinstance(params, Mapping):
                 raise TypeError("try_step_with_lrs: give grads with a params mapping (or a sequence of OptItem)")

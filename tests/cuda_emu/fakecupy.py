@@ -609,26 +609,26 @@ _MODULES = {"cupy": module, "cupy.cuda": cuda, "cupy.random": random, "cupyx": c
 @contextlib.contextmanager
 def installed():
     """``cupy`` is the stand-in inside the block (sys.modules and ``flatopt.core.backend``); restored afterwards."""
-    from flatopt.adafactor8bit import quant  # noqa: PLC0415
     from flatopt.core import backend as _backend  # noqa: PLC0415
     from flatopt.core import workspace as _workspace  # noqa: PLC0415
 
     # flatopt caches device buffers by device id (0 here, as for tests/fake_device.FakeDevice): the per-thread
-    # workspace of this thread and the uploaded quantization maps must not leak between the two stand-ins
+    # workspace of this thread and the uploaded device constants (quantization maps, APOLLO's normal table) must not
+    # leak between the two stand-ins
     saved = {k: sys.modules.get(k) for k in _MODULES}
     saved_cupy, saved_modules = _backend._cupy, dict(_backend._modules)  # noqa: SLF001
-    saved_maps = dict(quant._DEVICE_MAPS)  # noqa: SLF001
+    saved_constants = dict(_backend._constants)  # noqa: SLF001
     sys.modules.update(_MODULES)
     _backend._cupy = module  # noqa: SLF001
     _backend._modules.clear()  # noqa: SLF001
-    quant._DEVICE_MAPS.clear()  # noqa: SLF001
+    _backend._constants.clear()  # noqa: SLF001
     _workspace.clear()
     try:
         yield module
     finally:
         _workspace.clear()
-        quant._DEVICE_MAPS.clear()  # noqa: SLF001
-        quant._DEVICE_MAPS.update(saved_maps)  # noqa: SLF001
+        _backend._constants.clear()  # noqa: SLF001
+        _backend._constants.update(saved_constants)  # noqa: SLF001
         for k, v in saved.items():
             if v is None:
                 sys.modules.pop(k, None)

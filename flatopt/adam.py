@@ -1,0 +1,157 @@
+"""Adam: Kingma & Ba with coupled (L2) weight decay — ``torch.optim.Adam`` semantics; and the Adam-family pieces
+that NAdamW, RAdam, QHAdamW, Lamb and Mars compose (config checks, the moment passes, bias corrections).
+
+Update rule, per element, with t the step count of this parameter (advanced inside ``step``) and
+η = lr · lr_scale(name)::
+
+    g' = g + λ·p                                        (L2 decay, when weight_decay != 0; torch's grad.add(p, α=λ))
+    m  = m + (1 − β1)·(g' − m)                          (= β1·m + (1 − β1)·g', torch's lerp form)
+    v  = β2·v + (1 − β2)·g'²
+    v̂max = max(v̂max, v)                                (amsgrad only)
+    p  = p − η/(1 − β1^t) · m / (√(v or v̂max)/√(1 − β2^t) + ε)
+
+Defaults lr 1e-3, betas (0.9, 0.999), eps 1e-8 (outside the square root), weight_decay 0, amsgrad False (torch's;
+rlx-optim requires lr).  This is torch's single-tensor operation order; torch's ``Adam(decoupled_weight_decay=True)``
+is ``flatopt.AdamW``.  Deviations: none from torch or the paper (``maximize``, ``capturable``, ``differentiable``
+are not offered); rlx-optim computes with f64 intermediates, flatopt in the parameter's dtype with float64 bias
+corrections.  ``end_iteration`` only counts iterations (bias correction uses the per-name t).  State: ``m``, ``v``
+(and ``vmax``): 8 B/param in float32 (12 with amsgrad).  Use it where a model was tuned with L2-coupled Adam;
+otherwise prefer AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from .core import backend, kernels
+from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
+from .core.validate import check_range
+
+
+# --------------------------------------------------------------------------------- the Adam-family pieces
+def check_common(owner: str, cfg: Any, *, eps_field: bool = True) -> None:
+    """Validate (and normalise) the fields every Adam-family config has: lr, betas, eps, weight_decay."""
+    check_range(owner, "lr", cfg.lr, 0.0, math.inf)
+    if not isinstance(cfg.betas, (tuple, list)) or len(cfg.betas) != 2:
+        raise TypeError(f"{owner}: betas must be a pair of floats, got {cfg.betas!r}")
+    check_range(owner, "betas[0]", cfg.betas[0], 0.0, 1.0, hi_open=True)
+    check_range(owner, "betas[1]", cfg.betas[1], 0.0, 1.0, hi_open=True)
+    object.__setattr__(cfg, "betas", (float(cfg.betas[0]), float(cfg.betas[1])))
+    if eps_field:
+        check_range(owner, "eps", cfg.eps, 0.0, math.inf)
+    check_range(owner, "weight_decay", cfg.weight_decay, 0.0, math.inf)
+
+
+def check_bool(owner: str, field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {field} must be a bool, got {value!r}")
+
+
+def moments(xp: Any, m: Array, v: Array, g: Array, omb1: float, b2: float, omb2: float, s: Array) -> None:
+    """m = m + (g − m)·(1 − β1);  v = v·β2 + (g·(1 − β2))·g — in place, five passes through the scratch ``s``
+    (the operation order of every family kernel: ``kernels/adam.cu`` and its siblings)."""
+    xp.subtract(g, m, s)
+    xp.multiply(s, omb1, s)
+    xp.add(m, s, m)
+    xp.multiply(g, omb2, s)
+    xp.multiply(s, g, s)
+    xp.multiply(v, b2, v)
+    xp.add(v, s, v)
+
+
+def bias_corrections(betas: tuple[float, float], t: int) -> tuple[float, float]:
+    """(1 − β1^t, 1 − β2^t) in float64 (never β^t in float32)."""
+    return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
+
+
+def zeros_state(xp: Any, n: int, dtype: Any, k: int) -> list[Array]:
+    return [xp.zeros(n, dtype) for _ in range(k)]
+
+
+# ------------------------------------------------------------------------------------------------ Adam
+@dataclasses.dataclass(frozen=True)
+class AdamConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+
+    def __post_init__(self) -> None:
+        check_common("Adam", self)
+        check_bool("Adam", "amsgrad", self.amsgrad)
+
+
+@dataclasses.dataclass
+class AdamState:
+    m: Array
+    v: Array
+    vmax: Array = None
+
+
+def init(xp: Any, cfg: AdamConfig, shape: tuple[int, ...], dtype: Any) -> AdamState:
+    n = math.prod(shape)
+    return AdamState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype) if cfg.amsgrad else None)
+
+
+@functools.lru_cache(maxsize=16)
+def _scalars(cfg: AdamConfig, t: int, lr: float) -> tuple[Any, ...]:
+    b1, b2 = cfg.betas
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    return cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2 ** 0.5, cfg.eps, -(lr / bc1)
+
+
+def update(xp: Any, cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
+    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p`` (the decayed
+    gradient and a temporary), in the operation order of ``kernels/adam.cu``."""
+    wd, omb1, b2, omb2, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
+    s, gd = scratch
+    if wd != 0:
+        xp.multiply(p, wd, gd)  # g' = g + p * wd
+        xp.add(g, gd, gd)
+        g = gd
+    moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
+    src = st.v
+    if cfg.amsgrad:
+        xp.maximum(st.vmax, st.v, out=st.vmax)
+        src = st.vmax
+    xp.sqrt(src, s)  # p = p + (m / (sqrt(v) / bc2_sqrt + eps)) * neg_step
+    xp.divide(s, bc2_sqrt, s)
+    xp.add(s, eps, s)
+    xp.divide(st.m, s, s)
+    xp.multiply(s, neg_step, s)
+    xp.add(p, s, p)
+
+
+def kernel_update(cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+    dt = p.dtype.type
+    k = kernels.get("adam.cu", "adam_step", p.dtype)
+    vmax = st.vmax if st.vmax is not None else st.v
+    scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
+    backend.launch(k, p.size, (p, g, st.m, st.v, vmax, np.int64(p.size), *scal, np.int32(cfg.amsgrad)))
+    return True
+
+
+class Adam(PerParamOptimizer):
+    """``Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False)``: see the module doc."""
+
+    algorithm = "adam"
+    config_cls = AdamConfig
+    state_cls = AdamState
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
+    elementwise = True
+    scratch_buffers = 2
+    matters = ("amsgrad",)
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, lr_scale: LrScale = None) -> None:
+        super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale)

@@ -1,0 +1,34 @@
+// Fused QHAdamW step (qhoptim QHAdamW semantics, raw moments debiased by host scalars), one pass.
+// Twin: flatopt/qhadamw.py `update` -- the same operations in the same order, each rounded to T
+// (compiled with --fmad=false), hence bit-identical results.
+//   p <- p * decay                                      (flags & 1)
+//   m <- m + (g - m) * (1 - beta1);  v <- v * beta2 + (g * (1 - beta2)) * g
+//   num = m * c_m [+ g * c_g]                           (flags & 2: nu1 != 1)
+//   den = sqrt(v * c_v [+ (g * c_gg) * g]) + eps        (flags & 4: nu2 != 1)
+//   p <- p + (num / den) * neg_lr
+template <typename T>
+__global__ void qhadamw_step(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m,
+                             T* __restrict__ v, const long long n, const T decay,
+                             const T one_minus_beta1, const T beta2, const T one_minus_beta2,
+                             const T c_m, const T c_g, const T c_v, const T c_gg, const T eps,
+                             const T neg_lr, const int flags) {
+  const long long stride = (long long)blockDim.x * gridDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const T gi = g[i];
+    T pi = p[i];
+    if (flags & 1) pi = pi * decay;
+    T mi = m[i];
+    mi = mi + (gi - mi) * one_minus_beta1;
+    T vi = v[i];
+    vi = vi * beta2 + (gi * one_minus_beta2) * gi;
+    T num = mi * c_m;
+    if (flags & 2) num = num + gi * c_g;
+    T den = vi * c_v;
+    if (flags & 4) den = den + (gi * c_gg) * gi;
+    den = sqrt(den) + eps;
+    pi = pi + (num / den) * neg_lr;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi;
+  }
+}

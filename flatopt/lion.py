@@ -1,0 +1,97 @@
+"""Lion: the sign of an interpolation of momentum and gradient (Chen et al. 2023) — lion-pytorch ``Lion``.
+
+Update rule, per element, with η = lr · lr_scale(name)::
+
+    p  = p · (1 − η·λ)                                  (decoupled decay, on the value before the step)
+    c  = m·β1 + g·(1 − β1)
+    p  = p + sign(c)·(−η)                               (sign(0) = 0; NaN propagates)
+    m  = m·β2 + g·(1 − β2)
+
+Defaults lr 1e-4 (lion-pytorch's), betas (0.9, 0.99), weight_decay 0 (rlx-optim's).  Lion's steps have size η per
+element: use an lr 3-10x smaller than AdamW's and a weight decay 3-10x larger.  No bias correction, so the step
+count t is unused.  Deviations: none from lion-pytorch with ``decoupled_weight_decay=False`` (its
+``decoupled_weight_decay=True`` divides λ by the initial lr: not offered); optax ``lion`` computes the same rule
+with other roundings.  ``end_iteration`` only counts iterations.  State: ``m`` (4 B/param in float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from .adam import check_common
+from .core import backend, kernels
+from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
+
+
+@dataclasses.dataclass(frozen=True)
+class LionConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_common("Lion", self, eps_field=False)
+
+
+@dataclasses.dataclass
+class LionState:
+    m: Array
+
+
+def init(xp: Any, cfg: LionConfig, shape: tuple[int, ...], dtype: Any) -> LionState:
+    return LionState(xp.zeros(math.prod(shape), dtype))
+
+
+def _scalars(cfg: LionConfig, lr: float) -> tuple[Any, ...]:
+    b1, b2 = cfg.betas
+    return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, b2, 1.0 - b2, -lr
+
+
+def update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
+    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
+    order of ``kernels/lion.cu``."""
+    decay, b1, omb1, b2, omb2, neg_lr = _scalars(cfg, lr)
+    s, u = scratch
+    m = st.m
+    if cfg.weight_decay != 0:
+        xp.multiply(p, decay, p)
+    xp.multiply(m, b1, u)  # c = m * b1 + g * (1 - b1)
+    xp.multiply(g, omb1, s)
+    xp.add(u, s, u)
+    xp.sign(u, u)  # p = p + sign(c) * (-lr)
+    xp.multiply(u, neg_lr, u)
+    xp.add(p, u, p)
+    xp.multiply(m, b2, m)  # m = m * b2 + g * (1 - b2)
+    xp.multiply(g, omb2, s)
+    xp.add(m, s, m)
+
+
+def kernel_update(cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+    dt = p.dtype.type
+    k = kernels.get("lion.cu", "lion_step", p.dtype)
+    scal = tuple(dt(x) for x in _scalars(cfg, lr))
+    backend.launch(k, p.size, (p, g, st.m, np.int64(p.size), *scal, np.int32(cfg.weight_decay != 0)))
+    return True
+
+
+class Lion(PerParamOptimizer):
+    """``Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)``: see the module doc."""
+
+    algorithm = "lion"
+    config_cls = LionConfig
+    state_cls = LionState
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
+    elementwise = True
+    scratch_buffers = 2
+
+    def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
+                 lr_scale: LrScale = None) -> None:
+        super().__init__(LionConfig(lr, betas, weight_decay), lr_scale=lr_scale)

@@ -1,0 +1,122 @@
+"""QHAdamW: quasi-hyperbolic Adam (Ma & Yarats 2019) with decoupled weight decay — qhoptim ``QHAdamW``.
+
+Update rule, per element, with t the step count of this parameter and η = lr · lr_scale(name)::
+
+    p  = p · (1 − η·λ)                                   (decoupled decay, on the value before the step)
+    m  = m + (1 − β1)·(g − m);   v = β2·v + (1 − β2)·g²  (raw averages)
+    n  = m·(ν1/(1 − β1^t)) + g·(1 − ν1)                  (the g term only when ν1 != 1)
+    d  = √(v·(ν2/(1 − β2^t)) + (g·(1 − ν2))·g) + ε       (the g² term only when ν2 != 1)
+    p  = p + (n / d)·(−η)
+
+Defaults lr 1e-3 (qhoptim's), betas (0.995, 0.999) and nus (0.7, 1.0) (the paper's recommendation and
+rlx-optim's), eps 1e-8, weight_decay 1e-2.  ν = (1, 1) is AdamW; ν1 = 0 is RMSProp-like.
+
+Deviations: qhoptim stores already-debiased averages (its β_adj weights); flatopt stores the raw EMAs m, v and
+debiases with float64 β^t, identical in exact arithmetic (rlx-optim does the same).  qhoptim's defaults
+(β1 0.9, ν (1, 1)) differ from these.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``
+(8 B/param in float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from .adam import bias_corrections, check_common, moments, zeros_state
+from .core import backend, kernels
+from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
+from .core.validate import check_range
+
+
+@dataclasses.dataclass(frozen=True)
+class QHAdamWConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.995, 0.999)
+    nus: tuple[float, float] = (0.7, 1.0)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def __post_init__(self) -> None:
+        check_common("QHAdamW", self)
+        if not isinstance(self.nus, (tuple, list)) or len(self.nus) != 2:
+            raise TypeError(f"QHAdamW: nus must be a pair of floats, got {self.nus!r}")
+        check_range("QHAdamW", "nus[0]", self.nus[0], 0.0, 1.0)
+        check_range("QHAdamW", "nus[1]", self.nus[1], 0.0, 1.0)
+        object.__setattr__(self, "nus", (float(self.nus[0]), float(self.nus[1])))
+
+
+@dataclasses.dataclass
+class QHAdamWState:
+    m: Array
+    v: Array
+
+
+def init(xp: Any, cfg: QHAdamWConfig, shape: tuple[int, ...], dtype: Any) -> QHAdamWState:
+    return QHAdamWState(*zeros_state(xp, math.prod(shape), dtype, 2))
+
+
+@functools.lru_cache(maxsize=16)
+def _scalars(cfg: QHAdamWConfig, t: int, lr: float) -> tuple[Any, ...]:
+    b1, b2 = cfg.betas
+    nu1, nu2 = cfg.nus
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    return (1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, nu1 / bc1, 1.0 - nu1, nu2 / bc2, 1.0 - nu2,
+            cfg.eps, -lr)
+
+
+def update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
+    """One step on (chunks of) flat buffers; ``scratch`` holds three buffers the size of ``p``, in the operation
+    order of ``kernels/qhadamw.cu``."""
+    decay, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, neg_lr = _scalars(cfg, t, lr)
+    s, num, den = scratch
+    if cfg.weight_decay != 0:
+        xp.multiply(p, decay, p)
+    moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
+    xp.multiply(st.m, c_m, num)  # num = m * c_m + g * c_g
+    if cfg.nus[0] != 1.0:
+        xp.multiply(g, c_g, s)
+        xp.add(num, s, num)
+    xp.multiply(st.v, c_v, den)  # den = sqrt(v * c_v + (g * c_gg) * g) + eps
+    if cfg.nus[1] != 1.0:
+        xp.multiply(g, c_gg, s)
+        xp.multiply(s, g, s)
+        xp.add(den, s, den)
+    xp.sqrt(den, den)
+    xp.add(den, eps, den)
+    xp.divide(num, den, s)  # p = p + (num / den) * (-lr)
+    xp.multiply(s, neg_lr, s)
+    xp.add(p, s, p)
+
+
+def kernel_update(cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+    dt = p.dtype.type
+    k = kernels.get("qhadamw.cu", "qhadamw_step", p.dtype)
+    scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
+    flags = (cfg.weight_decay != 0) | (cfg.nus[0] != 1.0) << 1 | (cfg.nus[1] != 1.0) << 2
+    backend.launch(k, p.size, (p, g, st.m, st.v, np.int64(p.size), *scal, np.int32(flags)))
+    return True
+
+
+class QHAdamW(PerParamOptimizer):
+    """``QHAdamW(lr=1e-3, betas=(0.995, 0.999), nus=(0.7, 1.0), eps=1e-8, weight_decay=1e-2)``: see the module
+    doc."""
+
+    algorithm = "qhadamw"
+    config_cls = QHAdamWConfig
+    state_cls = QHAdamWState
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
+    elementwise = True
+    scratch_buffers = 3
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.995, 0.999),
+                 nus: tuple[float, float] = (0.7, 1.0), eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 lr_scale: LrScale = None) -> None:
+        super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay), lr_scale=lr_scale)

@@ -1,0 +1,134 @@
+"""RAdam: rectified Adam (Liu et al. 2020) — ``torch.optim.RAdam`` semantics, threshold exposed.
+
+Update rule, per element, with t the step count of this parameter and η = lr · lr_scale(name)::
+
+    decay: g' = g + λ·p (L2, default)   or, with decoupled_weight_decay, p = p · (1 − η·λ) and g' = g
+    m  = m + (1 − β1)·(g' − m);   v = β2·v + (1 − β2)·g'²
+    b1 = 1 − β1^t;  b2 = 1 − β2^t;  ρ∞ = 2/(1 − β2) − 1;  ρ_t = ρ∞ − 2t·β2^t/b2          (host float64)
+    ρ_t > threshold:  r = √((ρ_t−4)(ρ_t−2)ρ∞ / ((ρ∞−4)(ρ∞−2)ρ_t))
+                      p = p + (m / (√v + ε))·(−η·r·√b2/b1)     (ε on the raw √v, then times √b2: torch's placement)
+    otherwise:        p = p + m·(−η/b1)                          (SGD with momentum)
+
+The branch depends only on t and β2 (host scalars), so the GPU path never synchronises.  Defaults lr 1e-3 (torch's),
+betas (0.9, 0.999), eps 1e-8, weight_decay 0, decoupled_weight_decay False, threshold 5.
+
+Deviations: from rlx-optim, the threshold (rlx-optim rectifies when ρ_t > 4, the paper's Algorithm 2 text; the
+official code, torch, optax and pytorch-optimizer use 5, and flatopt does: ``threshold=4`` reproduces rlx-optim) and
+ε's placement (rlx-optim and optax put ε on √v̂, i.e. ε·√b2 here).  From torch: the step scalars −η·r·√b2/b1 are
+folded into one float64 factor (torch multiplies the arrays by lr, the adaptive factor and r in turn), a few ulps.
+From the official code: its default ``degenerated_to_sgd=False`` skips the whole update (decay included) while
+ρ_t < 5; flatopt (like torch) takes the SGD-momentum step.  ``end_iteration`` only counts iterations.  State: ``m``,
+``v`` (8 B/param in float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from .adam import bias_corrections, check_bool, check_common, moments, zeros_state
+from .core import backend, kernels
+from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
+from .core.validate import check_range
+
+
+@dataclasses.dataclass(frozen=True)
+class RAdamConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+    threshold: float = 5.0
+
+    def __post_init__(self) -> None:
+        check_common("RAdam", self)
+        check_bool("RAdam", "decoupled_weight_decay", self.decoupled_weight_decay)
+        check_range("RAdam", "threshold", self.threshold, 4.0, math.inf)
+
+
+@dataclasses.dataclass
+class RAdamState:
+    m: Array
+    v: Array
+
+
+def init(xp: Any, cfg: RAdamConfig, shape: tuple[int, ...], dtype: Any) -> RAdamState:
+    return RAdamState(*zeros_state(xp, math.prod(shape), dtype, 2))
+
+
+@functools.lru_cache(maxsize=16)
+def _scalars(cfg: RAdamConfig, t: int, lr: float) -> tuple[Any, ...]:
+    """(wd, decay, 1 − β1, β2, 1 − β2, ε, rectified, step factor)."""
+    b1, b2 = cfg.betas
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    rho_inf = 2.0 / (1.0 - b2) - 1.0
+    rho_t = rho_inf - 2.0 * t * (b2 ** t) / bc2
+    rect = rho_t > cfg.threshold
+    if rect:
+        r = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+        factor = -lr * r * math.sqrt(bc2) / bc1
+    else:
+        factor = -lr / bc1
+    wd = 0.0 if cfg.decoupled_weight_decay else cfg.weight_decay
+    decay = 1.0 - lr * cfg.weight_decay if cfg.decoupled_weight_decay else 1.0
+    return wd, decay, 1.0 - b1, b2, 1.0 - b2, cfg.eps, rect, factor
+
+
+def update(xp: Any, cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
+    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
+    order of ``kernels/radam.cu``."""
+    wd, decay, omb1, b2, omb2, eps, rect, factor = _scalars(cfg, t, lr)
+    s, gd = scratch
+    if cfg.weight_decay != 0:
+        if cfg.decoupled_weight_decay:
+            xp.multiply(p, decay, p)
+        else:
+            xp.multiply(p, wd, gd)  # g' = g + p * wd
+            xp.add(g, gd, gd)
+            g = gd
+    moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
+    if rect:
+        xp.sqrt(st.v, s)  # p = p + (m / (sqrt(v) + eps)) * factor
+        xp.add(s, eps, s)
+        xp.divide(st.m, s, s)
+    else:  # p = p + m * factor
+        s[...] = st.m
+    xp.multiply(s, factor, s)
+    xp.add(p, s, p)
+
+
+def kernel_update(cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+    dt = p.dtype.type
+    k = kernels.get("radam.cu", "radam_step", p.dtype)
+    wd, decay, omb1, b2, omb2, eps, rect, factor = _scalars(cfg, t, lr)
+    scal = tuple(dt(x) for x in (wd, decay, omb1, b2, omb2, eps, factor))
+    mode = 0 if cfg.weight_decay == 0 else (2 if cfg.decoupled_weight_decay else 1)
+    backend.launch(k, p.size, (p, g, st.m, st.v, np.int64(p.size), *scal, np.int32(mode), np.int32(rect)))
+    return True
+
+
+class RAdam(PerParamOptimizer):
+    """``RAdam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+    threshold=5.0)``: see the module doc."""
+
+    algorithm = "radam"
+    config_cls = RAdamConfig
+    state_cls = RAdamState
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
+    elementwise = True
+    scratch_buffers = 2
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decoupled_weight_decay: bool = False, threshold: float = 5.0, *,
+                 lr_scale: LrScale = None) -> None:
+        super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold),
+                         lr_scale=lr_scale)

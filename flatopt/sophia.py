@@ -1,0 +1,153 @@
+"""Sophia: clipped diagonal-Newton steps (Liu et al. 2023) — the official ``SophiaG`` (= sophia-opt's), with the
+diagonal Hessian estimate supplied by the caller through ``update_hessian``.
+
+``step``, per element, with η = lr · lr_scale(name)::
+
+    p  = p · (1 − η·λ)                                   (decoupled decay)
+    m  = m·β1 + g·(1 − β1)
+    p  = p + (sign(m) · min(|m| / (h·ρ + ε), 1))·(−η)    (sign(0) = 0)
+
+``update_hessian(name, shape, h_hat)``::
+
+    h  = h·β2 + ĥ·(1 − β2)
+
+ĥ is the caller's diagonal estimate: for Gauss-Newton-Bartlett ĥ = B·ĝ⊙ĝ, with ĝ the mean gradient of the loss on
+labels sampled from the model and B the batch size in tokens (exactly the official ``update_hessian()`` followed by
+``step(bs=B)``, which keeps EMA(ĝ²) and multiplies it by bs in the step); for Hutchinson ĥ = u⊙(∇²L·u).  The
+official cadence is every 10 steps, after ``step``.  ``update_hessian`` validates like ``step`` (size, dtype,
+backend, the shape of existing state; ĥ is never written), creates the state of a new name with t = 0 and never
+advances t.  Never called, h = 0 and every step is η·sign(m), as in the official code.
+
+Defaults lr 1e-4 (official), betas (0.965, 0.99), rho 0.04 (the official code's ρ, the paper's γ), weight_decay
+0.1 (official), eps 1e-15 (the official constant).  Deviations: rlx-optim computes clip(m/max(γh, ε), ±ρ) with
+γ = 0.01, ρ = 0.04 — a mix of the paper's earlier and final forms that caps every step at 0.04·η and stops ρ from
+scaling h — flatopt follows the official code.  The official ``bs`` argument of ``step`` is folded into ĥ.
+pytorch-optimizer's ``SophiaH`` follows the earlier form.  t is unused (no bias correction).
+``end_iteration`` only counts iterations.  State: ``m``, ``h`` (8 B/param in float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from .adam import check_common
+from .core import backend, kernels
+from .core.driver import PerParamOptimizer
+from .core.types import Array, LrScale
+from .core.slots import Slot
+from .core.validate import check_array, check_range, check_shape
+
+
+@dataclasses.dataclass(frozen=True)
+class SophiaConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.965, 0.99)
+    rho: float = 0.04
+    weight_decay: float = 1e-1
+    eps: float = 1e-15
+
+    def __post_init__(self) -> None:
+        check_common("Sophia", self)
+        check_range("Sophia", "rho", self.rho, 0.0, math.inf)
+
+
+@dataclasses.dataclass
+class SophiaState:
+    m: Array
+    h: Array
+
+
+def init(xp: Any, cfg: SophiaConfig, shape: tuple[int, ...], dtype: Any) -> SophiaState:
+    n = math.prod(shape)
+    return SophiaState(xp.zeros(n, dtype), xp.zeros(n, dtype))
+
+
+def _scalars(cfg: SophiaConfig, lr: float) -> tuple[Any, ...]:
+    b1 = cfg.betas[0]
+    return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, cfg.rho, cfg.eps, -lr
+
+
+def update(xp: Any, cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float,
+           scratch: list[Array]) -> None:
+    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
+    order of ``kernels/sophia.cu``."""
+    decay, b1, omb1, rho, eps, neg_lr = _scalars(cfg, lr)
+    s, d = scratch
+    m = st.m
+    if cfg.weight_decay != 0:
+        xp.multiply(p, decay, p)
+    xp.multiply(m, b1, m)  # m = m * b1 + g * (1 - b1)
+    xp.multiply(g, omb1, s)
+    xp.add(m, s, m)
+    xp.multiply(st.h, rho, s)  # ratio = min(|m| / (h * rho + eps), 1)
+    xp.add(s, eps, s)
+    xp.absolute(m, d)
+    xp.divide(d, s, d)
+    xp.minimum(d, 1, out=d)
+    xp.sign(m, s)  # p = p + (sign(m) * ratio) * (-lr)
+    xp.multiply(s, d, s)
+    xp.multiply(s, neg_lr, s)
+    xp.add(p, s, p)
+
+
+def kernel_update(cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+    dt = p.dtype.type
+    k = kernels.get("sophia.cu", "sophia_step", p.dtype)
+    scal = tuple(dt(x) for x in _scalars(cfg, lr))
+    backend.launch(k, p.size, (p, g, st.m, st.h, np.int64(p.size), *scal, np.int32(cfg.weight_decay != 0)))
+    return True
+
+
+class Sophia(PerParamOptimizer):
+    """``Sophia(lr=1e-4, betas=(0.965, 0.99), rho=0.04, weight_decay=1e-1, eps=1e-15)`` plus
+    ``update_hessian(name, shape, h_hat)``: see the module doc."""
+
+    algorithm = "sophia"
+    config_cls = SophiaConfig
+    state_cls = SophiaState
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
+    elementwise = True
+    scratch_buffers = 2
+
+    def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
+                 weight_decay: float = 1e-1, eps: float = 1e-15, *, lr_scale: LrScale = None) -> None:
+        super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps), lr_scale=lr_scale)
+
+    def update_hessian(self, name: str, shape: tuple[int, ...], h_hat: Array) -> None:
+        """h ← β2·h + (1 − β2)·ĥ for ``name`` (state created with t = 0 if new; t is not advanced)."""
+        with self._lock:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"parameter name must be a non-empty str, got {name!r}")
+            shape = check_shape(name, shape)
+            where = check_array(name, "h_hat", h_hat)
+            n = math.prod(shape)
+            if h_hat.size != n:
+                raise ValueError(f"parameter {name!r}: h_hat has {h_hat.size} elements but shape {shape} needs {n}")
+            slot = self._slots.get(name)
+            if slot is not None:
+                if slot.shape != shape:
+                    raise ValueError(f"parameter {name!r}: shape {shape} differs from the shape {slot.shape} its "
+                                     f"state was created with")
+                if slot.dtype != h_hat.dtype:
+                    raise TypeError(f"parameter {name!r}: h_hat dtype {h_hat.dtype} differs from the dtype "
+                                    f"{slot.dtype} its state was created with")
+                if slot.pinned and slot.backend != where:
+                    raise TypeError(f"parameter {name!r}: state lives on {slot.backend}, got a {where} h_hat")
+                if not slot.pinned:
+                    self._move_state(slot, h_hat)
+            else:
+                xp = backend.array_module(h_hat)
+                slot = Slot(shape, h_hat.dtype, where, 0, self._init_named(name, xp, shape, h_hat.dtype))
+                self._slots[name] = slot
+            xp = backend.array_module(h_hat)
+            h, b2 = slot.state.h, self.config.betas[1]
+            with h_hat.device if where == "cupy" else contextlib.nullcontext():
+                xp.multiply(h, b2, h)
+                xp.add(h, xp.multiply(h_hat, 1.0 - b2), h)
