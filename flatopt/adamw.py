@@ -121,7 +121,7 @@ def kernel_update(cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: in
     return True
 
 
-def _multi_args(cfg: AdamWConfig, t: int, dt) -> tuple:
+def _multi_args(cfg: AdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
     """``adamw_multi``'s arguments after ``base_lr`` (each tensor's decay and step size are derived in the kernel)."""
     b1, b2 = cfg.betas
     bc1, bc2_sqrt = _bias(cfg, t)

@@ -99,7 +99,7 @@ def kernel_update(cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, l
     return True
 
 
-def _multi_args(cfg: SGDConfig, t: int, dt) -> tuple:
+def _multi_args(cfg: SGDConfig, t: int, dt: Any) -> tuple[Any, ...]:
     """``sgd_multi``'s arguments after ``base_lr`` (each tensor's -lr is derived in the kernel)."""
     flags = (cfg.weight_decay != 0, cfg.momentum != 0, t == 1, cfg.nesterov, cfg.dampening != 0)
     return (dt(cfg.weight_decay), dt(cfg.momentum), dt(1.0 - cfg.dampening), *(np.int32(f) for f in flags))

@@ -92,10 +92,15 @@ def test_new_grad_array_name_or_batch_is_noticed(xp):
     oa, pa, ob, pb = _twins(xp)
     grads = _data(xp, 1)
     _step_both(oa, pa, ob, pb, grads)
+    _step_both(oa, pa, ob, pb, grads)
     plan = next(iter(oa._step_plans.values()))  # noqa: SLF001
-    grads2 = _data(xp, 2)  # new arrays, other values
+    hits = plan.hits
+    assert hits == 1
+    grads2 = _data(xp, 2)  # new arrays, other values: the plan is not used
     _step_both(oa, pa, ob, pb, grads2)
-    assert next(iter(oa._step_plans.values())) is not plan  # noqa: SLF001
+    assert plan.hits == hits
+    _step_both(oa, pa, ob, pb, grads2)  # a new plan for the new arrays, re-used
+    assert next(iter(oa._step_plans.values())).hits == 1  # noqa: SLF001
     names = [f"v{i}" for i in range(len(pa))]  # new names: fresh states
     _step_both(oa, pa, ob, pb, grads2, names)
     del grads  # a freed array kills the plans that knew it

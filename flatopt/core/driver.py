@@ -146,7 +146,7 @@ class PerParamOptimizer:
                         self._run(prepared)
                     return
                 checked = self._check_items(items)
-                prepared = self._prepare(items, checked)
+                prepared = self._create_states(checked)
                 if not prepared:
                     return
                 plan = self._plan_for(checked, prepared)
@@ -170,7 +170,7 @@ class PerParamOptimizer:
         """Whether a plan also keeps the execution (the driver's own ``_run``); otherwise it calls ``_run``."""
         return type(self)._run is PerParamOptimizer._run
 
-    def _find_plan(self, items):
+    def _find_plan(self, items: Sequence[Any]) -> Any:
         """The cached plan ``items`` repeat, or ``None`` (then the full path runs)."""
         plans = self.__dict__.get("_step_plans")
         if not plans or len(items) < 2:
@@ -185,7 +185,7 @@ class PerParamOptimizer:
             return None
         return None
 
-    def _plan_for(self, checked: list, prepared: list):
+    def _plan_for(self, checked: list[Any], prepared: list[Any]) -> Any:
         """A plan for the batch that just passed validation (re-used when an equal one exists), or ``None``."""
         if len(checked) < 2 or not self._plannable:
             return None
@@ -280,11 +280,12 @@ class PerParamOptimizer:
                 return
             self._check_items(items)
 
-    def _prepare(self, items: Sequence[OptItem], checked: list | None = None) -> list[Any]:
-        """Validate every item (unless ``checked`` is ``_check_items(items)``), then create missing states serially
-        (in item order)."""
-        if checked is None:
-            checked = self._check_items(items)
+    def _prepare(self, items: Sequence[OptItem]) -> list[Any]:
+        """Validate every item, then create missing states serially (in item order)."""
+        return self._create_states(self._check_items(items))
+
+    def _create_states(self, checked: list[Any]) -> list[Any]:
+        """``(item, slot, scale)`` per ``_check_items`` entry, creating missing states serially (in item order)."""
         prepared = []
         for it, shape, backend, scale in checked:
             slot = self._slots.get(it.name)
