@@ -7,8 +7,8 @@ Update rule, per tensor, with t the step count of this parameter and η = lr · 
     φ  = ‖p‖₂,  ψ = ‖u‖₂  (both before the step);   r = φ/ψ if φ > 0 and ψ > 0, else 1
     p  = p + u·(−η·r)
 
-There is no clamp on φ (φ(z) = z).  The norms are sums of squares reduced by ``xp.sum`` (NumPy's pairwise sum: the
-same bits on any CPU and BLAS), and r stays a 0-d device array on CuPy (``where``, never ``if``), so a step never
+There is no clamp on φ (φ(z) = z).  The norms are sums of squares added in the fused kernel's fixed blocked order
+(``core.blocks.sq_sum``: the same bits on NumPy, CuPy and the kernel), and r stays a device array on CuPy (``where``, never ``if``), so a step never
 synchronises with the host.  Defaults lr 1e-3 and weight_decay 1e-2 (flatopt AdamW's), betas (0.9, 0.999),
 eps 1e-6 (rlx-optim's).
 
@@ -17,10 +17,11 @@ rlx-optim's ``bias_correction`` switch is not exposed (always on).  A non-finite
 would be NaN and poison the whole tensor; here only the non-finite elements are).  optax raises β to the power t in float32
 (~7e-6 away at β2 = 0.999); flatopt uses float64.  Not pytorch-optimizer's ``Lamb``, another algorithm (no bias
 correction, decay outside the ratio, ‖θ‖ clamped at 10, ε on ψ).  The conformance tests compare with a float64
-transcription of optax's chain (optax/jax are not installed in CI).  GPU: no fused kernel; the twin runs on CuPy
-(elementwise passes plus two ``cupy.sum`` reductions, no host synchronisation).  The whole tensor is one task
+transcription of optax's chain (optax/jax are not installed in CI).  GPU: ``kernels/lamb.cu``, three launches per tensor (moments and
+the per-block partials of ‖θ‖² and ‖u‖², the fold into r·(−η), the update; no atomics, no host synchronisation), bit-
+identical to the twin.  The whole tensor is one task
 (the norms need all of it): ``step_batch`` spreads tensors, not chunks, over threads.  ``end_iteration`` only
-counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus two unsaved scratch buffers.
+counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
 from __future__ import annotations

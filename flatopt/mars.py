@@ -10,7 +10,8 @@ Update rule, per tensor, with t the step count of this parameter and η = lr · 
     p  = p + (m / (√v/√(1 − β2^t) + ε))·(−η/(1 − β1^t))  (= p − η·m̂/(√v̂ + ε))
     g_prev = g
 
-The norm is a sum of squares reduced by ``xp.sum`` (pairwise on NumPy) and stays a device scalar on CuPy.
+The norm is a sum of squares added in the fused kernel's fixed blocked order (``core.blocks.sq_sum``: the same
+bits on NumPy, CuPy and the kernel) and stays a device scalar on CuPy.
 Defaults lr 3e-3 (official), betas (0.95, 0.99), eps 1e-8, weight_decay 0, gamma 0.025, clip_c True (rlx-optim's).
 
 Deviations: flatopt applies MARS to every tensor, as rlx-optim does; the official default ``optimize_1d=False``
@@ -18,9 +19,10 @@ sends non-2-D tensors to a separate AdamW (betas (0.9, 0.95), λ 0.1): route tho
 pytorch-optimizer adds ε (and 1e-15 inside the root) before dividing by √(1 − β2^t): 1.2e-6 from the official
 rule at ε = 1e-8 (so the conformance test runs it at ε = 1e-12, and checks ε = 1e-8 against a float64
 transcription of the official ``update_fn``).  mars-lion, mars-shampoo and the exact two-gradient mode are not
-offered.  GPU: no fused kernel; the twin runs on CuPy (elementwise passes plus one ``cupy.sum``, no host
-synchronisation); each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
-``g_prev`` (12 B/param in float32) plus two unsaved scratch buffers.
+offered.  GPU: ``kernels/mars.cu``, three launches per tensor with clip_c (the per-block
+partials of ‖c‖², the fold into max(‖c‖, 1), the step), one without; no atomics, no host synchronisation;
+bit-identical to the twin.  Each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
+``g_prev`` (12 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
 from __future__ import annotations
