@@ -9,6 +9,7 @@ that compiles every source without a GPU uses the same list, so what is tested i
 from __future__ import annotations
 
 import functools
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,7 @@ def _names(filename: str) -> tuple[str, ...]:
     return tuple(f"{k}<{c}>" for k in KERNELS[filename] for c in CTYPES.values())
 
 
-def get(filename: str, kernel: str, dtype) -> object:
+def get(filename: str, kernel: str, dtype: Any) -> Any:
     """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device: built once per (file, kernel,
     dtype, device) and cached (``core.backend.raw_function``), not per launch."""
     return backend.raw_function(("flatopt", filename), source(filename), _names(filename),
