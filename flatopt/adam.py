@@ -31,13 +31,13 @@ import numpy as np
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
 from .core.types import Array, LrScale
-from .core.validate import check_range
+from .core.validate import check_lr, check_range
 
 
 # --------------------------------------------------------------------------------- the Adam-family pieces
 def check_common(owner: str, cfg: Any, *, eps_field: bool = True) -> None:
     """Validate (and normalise) the fields every Adam-family config has: lr, betas, eps, weight_decay."""
-    check_range(owner, "lr", cfg.lr, 0.0, math.inf)
+    check_lr(cfg.lr, "lr", owner)  # finite, >= 0, at most float32's largest value (core.validate.LR_MAX)
     if not isinstance(cfg.betas, (tuple, list)) or len(cfg.betas) != 2:
         raise TypeError(f"{owner}: betas must be a pair of floats, got {cfg.betas!r}")
     check_range(owner, "betas[0]", cfg.betas[0], 0.0, 1.0, hi_open=True)

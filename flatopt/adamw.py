@@ -26,6 +26,7 @@ import numpy as np
 
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
 from .core.validate import check_lr, check_range
 
@@ -64,11 +65,18 @@ def init(xp: Any, cfg: AdamWConfig, shape: tuple[int, ...], dtype: Any) -> AdamW
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: AdamWConfig, t: int, lr: float) -> tuple[float, float, float, float, float, float, float]:
-    """The per-step scalars (cached: ``update`` runs once per cache-sized chunk)."""
+def _bias(cfg: AdamWConfig, t: int) -> tuple[float, float]:
+    """``(1 - beta1^t, sqrt(1 - beta2^t))`` in double (the host computes them for every path)."""
     b1, b2 = cfg.betas
-    bc1 = 1.0 - b1**t
-    bc2_sqrt = (1.0 - b2**t) ** 0.5
+    return 1.0 - b1**t, (1.0 - b2**t) ** 0.5
+
+
+@functools.lru_cache(maxsize=16)
+def _scalars(cfg: AdamWConfig, t: int, lr: float) -> tuple[float, float, float, float, float, float, float]:
+    """The per-step scalars (cached: ``update`` runs once per cache-sized chunk).  ``kernels/adamw.cu``'s
+    ``adamw_multi`` derives ``decay`` and the step size from ``lr`` with these operations, in double."""
+    b1, b2 = cfg.betas
+    bc1, bc2_sqrt = _bias(cfg, t)
     return 1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, cfg.eps, -(lr / bc1)
 
 
@@ -113,6 +121,18 @@ def kernel_update(cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: in
     return True
 
 
+def _multi_args(cfg: AdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``adamw_multi``'s arguments after ``base_lr`` (each tensor's decay and step size are derived in the kernel)."""
+    b1, b2 = cfg.betas
+    bc1, bc2_sqrt = _bias(cfg, t)
+    return (float(cfg.weight_decay), bc1, dt(1.0 - b1), dt(b2), dt(1.0 - b2), dt(bc2_sqrt), dt(cfg.eps),
+            np.int32(cfg.amsgrad))
+
+
+MULTI = MultiTensor("adamw.cu", "adamw_multi",
+                    lambda st, p: (st.m, st.v, st.vmax if st.vmax is not None else st.v), _multi_args)
+
+
 class AdamW(PerParamOptimizer):
     """``AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False)``: see the module doc."""
 
@@ -122,6 +142,7 @@ class AdamW(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
     scratch_buffers = 1
     matters = ("amsgrad",)

@@ -7,8 +7,8 @@ Update rule, per tensor, with t the step count of this parameter and η = lr · 
     φ  = ‖p‖₂,  ψ = ‖u‖₂  (both before the step);   r = φ/ψ if φ > 0 and ψ > 0, else 1
     p  = p + u·(−η·r)
 
-There is no clamp on φ (φ(z) = z).  The norms are sums of squares reduced by ``xp.sum`` (NumPy's pairwise sum: the
-same bits on any CPU and BLAS), and r stays a 0-d device array on CuPy (``where``, never ``if``), so a step never
+There is no clamp on φ (φ(z) = z).  The norms are sums of squares added in the fused kernel's fixed blocked order
+(``core.blocks.sq_sum``: the same bits on NumPy, CuPy and the kernel), and r stays a device array on CuPy (``where``, never ``if``), so a step never
 synchronises with the host.  Defaults lr 1e-3 and weight_decay 1e-2 (flatopt AdamW's), betas (0.9, 0.999),
 eps 1e-6 (rlx-optim's).
 
@@ -17,10 +17,11 @@ rlx-optim's ``bias_correction`` switch is not exposed (always on).  A non-finite
 would be NaN and poison the whole tensor; here only the non-finite elements are).  optax raises β to the power t in float32
 (~7e-6 away at β2 = 0.999); flatopt uses float64.  Not pytorch-optimizer's ``Lamb``, another algorithm (no bias
 correction, decay outside the ratio, ‖θ‖ clamped at 10, ε on ψ).  The conformance tests compare with a float64
-transcription of optax's chain (optax/jax are not installed in CI).  GPU: no fused kernel; the twin runs on CuPy
-(elementwise passes plus two ``cupy.sum`` reductions, no host synchronisation).  The whole tensor is one task
+transcription of optax's chain (optax/jax are not installed in CI).  GPU: ``kernels/lamb.cu``, three launches per tensor (moments and
+the per-block partials of ‖θ‖² and ‖u‖², the fold into r·(−η), the update; no atomics, no host synchronisation), bit-
+identical to the twin.  The whole tensor is one task
 (the norms need all of it): ``step_batch`` spreads tensors, not chunks, over threads.  ``end_iteration`` only
-counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus two unsaved scratch buffers.
+counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
+
 from .adam import bias_corrections, check_common, moments
+from .core import backend, blocks, kernels
 from .core.driver import PerParamOptimizer
 from .core.types import Array, LrScale
 
@@ -54,6 +58,7 @@ class LambState:
     v: Array
     s: Array = dataclasses.field(default=None, metadata=_SCRATCH)
     u: Array = dataclasses.field(default=None, metadata=_SCRATCH)
+    parts: Array = dataclasses.field(default=None, metadata=_SCRATCH)  # the kernel's partials and its scalar
 
 
 def init(xp: Any, cfg: LambConfig, shape: tuple[int, ...], dtype: Any) -> LambState:
@@ -69,11 +74,13 @@ def _scalars(cfg: LambConfig, t: int) -> tuple[Any, ...]:
 
 
 def trust_ratio(xp: Any, p: Array, u: Array, s: Array) -> Array:
-    """where(‖p‖ > 0 and ‖u‖ > 0, ‖p‖/‖u‖, 1), a 0-d array on the device (``s``: a scratch buffer)."""
-    xp.multiply(p, p, s)
-    phi = xp.sqrt(xp.sum(s))
-    xp.multiply(u, u, s)
-    psi = xp.sqrt(xp.sum(s))
+    """where(‖p‖ > 0 and ‖u‖ > 0, ‖p‖/‖u‖, 1), a 1-element array on the device (``s``: ``blocks.sq_scratch``; the
+    sums of squares in the blocked order of ``kernels/lamb.cu``)."""
+    n = p.size
+    xp.multiply(p, p, s[:n])
+    phi = xp.sqrt(blocks.sq_sum(xp, s, n))
+    xp.multiply(u, u, s[:n])
+    psi = xp.sqrt(blocks.sq_sum(xp, s, n))
     ok = (phi > 0) & (psi > 0)
     return xp.where(ok, phi / xp.where(ok, psi, 1), 1)
 
@@ -82,9 +89,10 @@ def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: in
            scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the norms need all of it)."""
     omb1, b2, omb2, bc1, bc2, eps = _scalars(cfg, t)
-    if st.s is None or st.s.size != p.size:
-        st.s, st.u = xp.empty_like(p), xp.empty_like(p)
-    s, u = st.s, st.u
+    n = p.size
+    if st.u is None or st.u.size != n:
+        st.s, st.u = blocks.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
+    s, u = st.s[:n], st.u
     moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
     xp.divide(st.v, bc2, s)  # u = (m / bc1) / (sqrt(v / bc2) + eps) + p * wd
     xp.sqrt(s, s)
@@ -94,9 +102,31 @@ def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: in
     if cfg.weight_decay != 0:
         xp.multiply(p, cfg.weight_decay, s)
         xp.add(u, s, u)
-    r = trust_ratio(xp, p, u, s)
+    r = trust_ratio(xp, p, u, st.s)
     xp.multiply(u, r * (-lr), u)  # p = p + u * (-lr * r)
     xp.add(p, u, p)
+
+
+def kernel_update(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+    """``kernels/lamb.cu``: three launches (moments + partials, the ratio, the update), no host synchronisation; the
+    partials' buffer is allocated once per name."""
+    n = p.size
+    if n == 0:
+        return True
+    nb = blocks.sq_blocks(n)
+    if st.parts is None or st.parts.size != 2 * nb + 1:
+        st.parts = backend.cupy().empty(2 * nb + 1, p.dtype)
+    parts, scal = st.parts[:2 * nb], st.parts[2 * nb:]
+    omb1, b2, omb2, bc1, bc2, eps = _scalars(cfg, t)
+    dt, i64 = p.dtype.type, np.int64
+    wd, has_wd = dt(cfg.weight_decay), np.int32(cfg.weight_decay != 0)
+    threads = blocks.SQ_THREADS
+    kernels.get("lamb.cu", "lamb_moments", p.dtype)((nb,), (threads,), (
+        p, g, st.m, st.v, i64(n), dt(omb1), dt(b2), dt(omb2), dt(bc1), dt(bc2), dt(eps), wd, has_wd, parts))
+    kernels.get("lamb.cu", "lamb_ratio", p.dtype)((1,), (threads,), (parts, i64(nb), dt(-lr), scal))
+    backend.launch(kernels.get("lamb.cu", "lamb_apply", p.dtype), n,
+                   (p, st.m, st.v, i64(n), dt(bc1), dt(bc2), dt(eps), wd, has_wd, scal), threads)
+    return True
 
 
 class Lamb(PerParamOptimizer):
@@ -107,6 +137,7 @@ class Lamb(PerParamOptimizer):
     state_cls = LambState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 1e-2, *, lr_scale: LrScale = None) -> None:

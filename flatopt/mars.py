@@ -10,7 +10,8 @@ Update rule, per tensor, with t the step count of this parameter and η = lr · 
     p  = p + (m / (√v/√(1 − β2^t) + ε))·(−η/(1 − β1^t))  (= p − η·m̂/(√v̂ + ε))
     g_prev = g
 
-The norm is a sum of squares reduced by ``xp.sum`` (pairwise on NumPy) and stays a device scalar on CuPy.
+The norm is a sum of squares added in the fused kernel's fixed blocked order (``core.blocks.sq_sum``: the same
+bits on NumPy, CuPy and the kernel) and stays a device scalar on CuPy.
 Defaults lr 3e-3 (official), betas (0.95, 0.99), eps 1e-8, weight_decay 0, gamma 0.025, clip_c True (rlx-optim's).
 
 Deviations: flatopt applies MARS to every tensor, as rlx-optim does; the official default ``optimize_1d=False``
@@ -18,9 +19,10 @@ sends non-2-D tensors to a separate AdamW (betas (0.9, 0.95), λ 0.1): route tho
 pytorch-optimizer adds ε (and 1e-15 inside the root) before dividing by √(1 − β2^t): 1.2e-6 from the official
 rule at ε = 1e-8 (so the conformance test runs it at ε = 1e-12, and checks ε = 1e-8 against a float64
 transcription of the official ``update_fn``).  mars-lion, mars-shampoo and the exact two-gradient mode are not
-offered.  GPU: no fused kernel; the twin runs on CuPy (elementwise passes plus one ``cupy.sum``, no host
-synchronisation); each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
-``g_prev`` (12 B/param in float32) plus two unsaved scratch buffers.
+offered.  GPU: ``kernels/mars.cu``, three launches per tensor with clip_c (the per-block
+partials of ‖c‖², the fold into max(‖c‖, 1), the step), one without; no atomics, no host synchronisation;
+bit-identical to the twin.  Each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
+``g_prev`` (12 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
+
 from .adam import bias_corrections, check_bool, check_common, moments
+from .core import backend, blocks, kernels
 from .core.driver import PerParamOptimizer
 from .core.types import Array, LrScale
 from .core.validate import check_range
@@ -60,6 +65,7 @@ class MarsState:
     g_prev: Array
     s: Array = dataclasses.field(default=None, metadata=_SCRATCH)
     c: Array = dataclasses.field(default=None, metadata=_SCRATCH)
+    parts: Array = dataclasses.field(default=None, metadata=_SCRATCH)  # the kernel's partials and its scalar
 
 
 def init(xp: Any, cfg: MarsConfig, shape: tuple[int, ...], dtype: Any) -> MarsState:
@@ -79,15 +85,16 @@ def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: in
            scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the clip needs ‖c‖)."""
     coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
-    if st.s is None or st.s.size != p.size:
-        st.s, st.c = xp.empty_like(p), xp.empty_like(p)
-    s, c = st.s, st.c
+    n = p.size
+    if st.c is None or st.c.size != n:
+        st.s, st.c = blocks.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
+    s, c = st.s[:n], st.c
     xp.subtract(g, st.g_prev, c)  # c = g + (g - g_prev) * coef
     xp.multiply(c, coef, c)
     xp.add(g, c, c)
-    if cfg.clip_c:  # c = c / max(||c||, 1)
+    if cfg.clip_c:  # c = c / max(||c||, 1), ||c||² in the blocked order of kernels/mars.cu
         xp.multiply(c, c, s)
-        xp.divide(c, xp.maximum(xp.sqrt(xp.sum(s)), 1), c)
+        xp.divide(c, xp.maximum(xp.sqrt(blocks.sq_sum(xp, st.s, n)), 1), c)
     moments(xp, st.m, st.v, c, omb1, b2, omb2, s)
     if cfg.weight_decay != 0:
         xp.multiply(p, decay, p)
@@ -100,6 +107,29 @@ def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: in
     st.g_prev[...] = g
 
 
+def kernel_update(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+    """``kernels/mars.cu``: with clip_c three launches (the partials of ‖c‖², the clip divisor, the step), else the
+    step alone; no host synchronisation; the partials' buffer is allocated once per name."""
+    n = p.size
+    if n == 0:
+        return True
+    coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
+    dt, i64 = p.dtype.type, np.int64
+    threads = blocks.SQ_THREADS
+    scal = p  # unread without clipping
+    if cfg.clip_c:
+        nb = blocks.sq_blocks(n)
+        if st.parts is None or st.parts.size != nb + 1:
+            st.parts = backend.cupy().empty(nb + 1, p.dtype)
+        parts, scal = st.parts[:nb], st.parts[nb:]
+        kernels.get("mars.cu", "mars_c_partials", p.dtype)((nb,), (threads,), (g, st.g_prev, i64(n), dt(coef), parts))
+        kernels.get("mars.cu", "mars_clip", p.dtype)((1,), (threads,), (parts, i64(nb), scal))
+    backend.launch(kernels.get("mars.cu", "mars_step", p.dtype), n, (
+        p, g, st.g_prev, st.m, st.v, i64(n), dt(coef), dt(omb1), dt(b2), dt(omb2), dt(decay), dt(bc2_sqrt),
+        dt(eps), dt(neg_step), np.int32(cfg.weight_decay != 0), np.int32(cfg.clip_c), scal), threads)
+    return True
+
+
 class Mars(PerParamOptimizer):
     """``Mars(lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, gamma=0.025, clip_c=True)``: see the
     module doc."""
@@ -109,6 +139,7 @@ class Mars(PerParamOptimizer):
     state_cls = MarsState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
+    kernel_fn = staticmethod(kernel_update)
 
     def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
                  weight_decay: float = 0.0, gamma: float = 0.025, clip_c: bool = True, *,

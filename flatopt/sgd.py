@@ -23,6 +23,7 @@ import numpy as np
 
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor
 from .core.types import Array, JSONDict, LrScale
 from .core.validate import check_lr, check_range
 
@@ -98,6 +99,15 @@ def kernel_update(cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, l
     return True
 
 
+def _multi_args(cfg: SGDConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``sgd_multi``'s arguments after ``base_lr`` (each tensor's -lr is derived in the kernel)."""
+    flags = (cfg.weight_decay != 0, cfg.momentum != 0, t == 1, cfg.nesterov, cfg.dampening != 0)
+    return (dt(cfg.weight_decay), dt(cfg.momentum), dt(1.0 - cfg.dampening), *(np.int32(f) for f in flags))
+
+
+MULTI = MultiTensor("sgd.cu", "sgd_multi", lambda st, p: (st.buf if st.buf is not None else p,), _multi_args)
+
+
 class SGD(PerParamOptimizer):
     """``SGD(lr, momentum=0, dampening=0, nesterov=False, weight_decay=0)``: see the module docstring."""
 
@@ -107,6 +117,7 @@ class SGD(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
     scratch_buffers = 2
     matters = ("momentum",)  # whether a momentum buffer exists

@@ -505,3 +505,63 @@ def test_lamb_trust_ratio_is_one_for_a_zero_parameter():
     g = np.arange(1, 7, dtype=np.float32)
     flatopt.Lamb(lr=0.1, weight_decay=0.0, eps=0.0).step("w", (6,), p, g)
     np.testing.assert_allclose(p, -0.1 * np.ones(6), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- Lamb/Mars norms
+def _sq_reference(x, nb):
+    """A scalar transcription of the blocked order (core/blocks.py, kernels/lamb.cu and mars.cu): the nb partials."""
+    from flatopt.core import blocks
+
+    n, lanes, threads = x.size, blocks.SQ_LANES, blocks.SQ_THREADS
+    g = nb * threads
+    zero = x.dtype.type(0)
+    parts = []
+    for c in range(nb):
+        a = []
+        for t in range(threads):
+            i, j = divmod(t, lanes)
+            s = zero
+            for e in range(i * nb * lanes + c * lanes + j, n, g):  # the thread's grid-stride loop
+                s = s + x[e]
+            a.append(s)
+        b = []
+        for j in range(lanes):
+            s = a[j]
+            for i in range(1, lanes):
+                s = s + a[i * lanes + j]
+            b.append(s)
+        s = b[0]
+        for j in range(1, lanes):
+            s = s + b[j]
+        parts.append(s)
+    return np.array(parts, x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lamb_mars_blocked_sumsq_order(dtype):
+    """``blocks.sq_sum`` (the Lamb and Mars twins' norms) adds in the kernels' order: its NumPy path (reduce/accumulate
+    over leading axes) and its elementwise path (CuPy's) against a scalar transcription, over one block, several
+    blocks and a fold over more than one row of partials; the scratch stays reusable (a second sum, same bits)."""
+    import types
+
+    from flatopt.core import blocks
+
+    rng = np.random.default_rng(5)
+    elementwise = types.SimpleNamespace(add=np.add)  # not numpy: the in-place elementwise path
+    for n in (0, 1, 2, 17, 256, 257, 4095, 4097, 5 * 4096 + 77, 257 * 4096 + 3):
+        x = (rng.standard_normal(n) ** 2).astype(dtype)
+        nb = blocks.sq_blocks(n)
+        want = None
+        if n < 30000:  # the transcription is slow; the largest (258 partials: a fold over 2 rows) checks the paths
+            parts = _sq_reference(x, nb)
+            want = np.asarray(parts[0] if nb == 1 else _sq_reference(parts, 1)[0], dtype).tobytes()
+        got = []
+        for xp in (np, elementwise):
+            buf = blocks.sq_scratch(np, n, dtype)
+            for _ in range(2):
+                buf[:n] = x
+                got.append(blocks.sq_sum(xp, buf, n)[0].tobytes())
+        if want is None:
+            want = got[0]
+            assert np.frombuffer(want, dtype)[0] == pytest.approx(np.sum(x, dtype=np.float64), rel=1e-5)
+        assert got == [want] * 4, n

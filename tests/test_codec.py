@@ -131,9 +131,20 @@ def test_al_codes_equal_the_original(oracle, v, fmt, block):
                                                        n_levels=256 if fmt == "al8" else 65536)
     q, s, ml = quant.al_init(np, v.size, block, fmt)
     quant.al_encode(np, v, q, s, ml, block=block, fmt=fmt, floor=quant.al_floor(1e-30))
-    assert np.array_equal(q_t.numpy().ravel().view(quant.AL_DTYPES[fmt]), q)
-    assert np.array_equal(s_t.numpy(), s) and np.array_equal(ml_t.numpy(), ml)
-    ref = oracle._log_dequantize_nonneg(q_t, s_t, ml_t, (v.size,), q.size - v.size,
+    # torch.log2 and NumPy's float32 log2 are different implementations (SIMD paths chosen by the CPU): they
+    # differ by one ulp on ~2 % of inputs (measured: 227,536 of 10M on an AMD EPYC with AVX-512).  So a block's
+    # min/max log may differ by an ulp, and a code that sits on a rounding boundary by one level; on most inputs the
+    # codes are equal, which the second assertion checks in bulk.
+    q_ref = q_t.numpy().ravel().view(quant.AL_DTYPES[fmt])
+    assert np.max(np.abs(q.astype(np.int64) - q_ref.astype(np.int64)), initial=0) <= 1
+    assert np.count_nonzero(q != q_ref) <= max(2, q.size // 50)
+    for ours, theirs in ((s, s_t.numpy()), (ml, ml_t.numpy())):
+        finite = np.isfinite(theirs)
+        assert np.array_equal(np.isfinite(ours), finite)
+        assert np.all(np.abs(ours[finite] - theirs[finite]) <= 4 * np.spacing(np.abs(theirs[finite]) + 1))
+    # the decoder: flatopt's codes decoded by the original and by flatopt agree to exp2's rounding
+    ref = oracle._log_dequantize_nonneg(torch.from_numpy(q.view(q_t.numpy().dtype)), torch.from_numpy(s),
+                                        torch.from_numpy(ml), (v.size,), q.size - v.size,
                                         n_levels=256 if fmt == "al8" else 65536).numpy()
     out = np.empty_like(v)
     quant.al_decode(np, q, s, ml, out, block=block, fmt=fmt)

@@ -13,6 +13,8 @@ cannot run, i.e. not Linux x86-64 with g++).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,7 @@ import flatopt
 from flatopt.core import backend
 
 from .cuda_emu import emu, fakecupy
-from .helpers import assert_bits_equal, make_for, make_params, run_steps
+from .helpers import assert_bits_equal, grads_for, make_for, make_params, run_steps
 from .registry import REGISTRY
 
 
@@ -166,5 +168,46 @@ def test_adafactor_kernel_is_its_twin_where_no_sum_can_differ(kw, dtype, monkeyp
         params = _to_gpu(base)
         run_steps(flatopt.Adafactor(**kw), params, STEPS)
         outs.append(params)
+    for n in base:
+        assert_bits_equal(outs[0][n][1], outs[1][n][1], n)
+
+
+# Lamb and Mars: the fused path runs (launches counted on the stand-in), over several pass-1 blocks (4096 elements a
+# block: blocks.SQ_ROWS × SQ_THREADS) and a 1-element tensor, bit-identical to the twin, with no host
+# synchronisation and no allocation once the partials' buffers exist.
+SQ_SHAPES = [(1,), (3 * 4096 + 77,), (64, 300), (2,)]
+
+
+@pytest.mark.parametrize("make, per_tensor", [
+    (lambda: flatopt.Lamb(lr=0.05), 3),  # moments + partials, the ratio, the update
+    (lambda: flatopt.Lamb(lr=0.05, betas=(0.8, 0.99), weight_decay=0.0), 3),
+    (lambda: flatopt.Mars(lr=0.05, weight_decay=1e-2), 3),  # partials of ‖c‖², the clip divisor, the step
+    (lambda: flatopt.Mars(lr=0.05, clip_c=False), 1),
+], ids=["lamb", "lamb_nodecay", "mars", "mars_noclip"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lamb_mars_kernel_path_runs(make, per_tensor, dtype, gpu_device, monkeypatch):
+    cp = backend.cupy()
+    base = make_params(SQ_SHAPES, dtype)
+    grads = [grads_for(base, it) for it in range(STEPS)]
+    outs, counts = [], []
+    for twin in ("1", "0"):
+        monkeypatch.setenv("FLATOPT_FORCE_TWIN", twin)
+        params = _to_gpu(base)
+        dev_grads = [{n: cp.asarray(g) for n, g in gs.items()} for gs in grads]
+        opt = make()
+        for it in range(STEPS):
+            last = it == STEPS - 1 and gpu_device == "emulated"
+            if last:
+                fakecupy.stats.reset()
+            with fakecupy.forbid_sync() if last else contextlib.nullcontext():
+                for n, (s, p) in sorted(params.items()):
+                    opt.step(n, s, p, dev_grads[it][n])
+            if last:
+                counts.append((fakecupy.stats.launches, fakecupy.stats.syncs, fakecupy.stats.allocs))
+            opt.end_iteration()
+        outs.append(params)
+    if gpu_device == "emulated":
+        assert counts[0][:2] == (0, 0)  # the twin: CuPy operations only
+        assert counts[1] == (per_tensor * len(SQ_SHAPES), 0, 0)
     for n in base:
         assert_bits_equal(outs[0][n][1], outs[1][n][1], n)

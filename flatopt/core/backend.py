@@ -43,7 +43,7 @@ _cupy = None
 _cupy_lock = threading.Lock()
 
 
-def cupy():
+def cupy() -> Any:
     """Import and return the ``cupy`` module (raises ``ImportError`` with a hint when it is not installed)."""
     global _cupy
     if _cupy is None:

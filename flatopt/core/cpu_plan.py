@@ -24,6 +24,8 @@ import threading
 
 import numpy as np
 
+from . import parallel
+
 # Items of at most this many elements are bucketed (per-call overhead dominates below it).
 SMALL = 1 << 13
 # Elements per bucket at most (each bucket is one task, so large groups of small items still use the threads).
@@ -194,6 +196,7 @@ def _plan_for(opt, slots: list, sizes: list, chunk: int) -> BucketPlan:
         while len(plans) >= MAX_PLANS:
             plans.pop(next(iter(plans)))
         plan = plans[key] = BucketPlan(slots, sizes, chunk)
+        opt.__dict__["_bucket_epoch"] = opt.__dict__.get("_bucket_epoch", 0) + 1  # (StaticPlan.valid)
     return plan
 
 
@@ -206,44 +209,51 @@ def forget_plans(opt) -> None:
 def tasks(opt, items: list, chunk: int) -> list:
     """``(cost, name, fn)`` tasks for the NumPy ``(item, slot, lr)`` triples of one batch (state already created,
     ``t`` already advanced)."""
+    entries = [(i, it.name, it.param, it.grad, slot, lr, lr) for i, (it, slot, lr) in enumerate(items)]
+    return [(cost, name, fn) for cost, name, fn, _ in _make(opt, entries, chunk)]
+
+
+def _make(opt, entries: list, chunk: int) -> list:
+    """``(cost, name, fn, refill)`` for ``entries`` = ``[(index, name, param, grad, slot, lr, group)]``: items of
+    one ``group`` value (and bucket key and ``t``) may share a bucket (``group`` is the lr, or the lr_scale when
+    the tasks are kept for later steps, see :class:`StaticPlan`).  ``refill`` = ``(index or indices, slot,
+    group)`` says where a kept task finds its arrays, ``t`` and lr in a later step."""
     out = []
     if not opt.elementwise:
-        for it, slot, lr in items:
-            out.append((it.param.size, it.name, _WholeTask(opt, slot.state, it.param, it.grad, slot.t, lr)))
+        for i, name, p, g, slot, lr, grp in entries:
+            out.append((p.size, name, _WholeTask(opt, slot.state, p, g, slot.t, lr), (i, slot, grp)))
         return out
     groups: dict = {}
-    for entry in items:
-        it, slot, lr = entry
-        n = it.param.size
-        if n <= SMALL and len(items) > 1 and bucket_key(slot) is not None:
-            groups.setdefault((slot.bucket_key, slot.t, lr), []).append(entry)
+    for entry in entries:
+        i, name, p, g, slot, lr, grp = entry
+        n = p.size
+        if n <= SMALL and len(entries) > 1 and bucket_key(slot) is not None:
+            groups.setdefault((slot.bucket_key, slot.t, grp), []).append(entry)
             continue
-        out.extend(_large_tasks(opt, it, slot, lr, chunk))
-    for (_, t, lr), members in groups.items():
+        out.extend(_large_tasks(opt, entry, chunk))
+    for members in groups.values():
         if len(members) == 1:
-            it, slot, lr = members[0]
-            out.extend(_large_tasks(opt, it, slot, lr, chunk))
+            out.extend(_large_tasks(opt, members[0], chunk))
             continue
         start, acc = 0, 0
-        for i, (it, _, _) in enumerate(members):
-            acc += it.param.size
-            if acc >= BUCKET or i == len(members) - 1:
-                part = members[start:i + 1]
-                out.append(_bucket_task(opt, part, t, lr, chunk))
-                start, acc = i + 1, 0
+        for k, entry in enumerate(members):
+            acc += entry[2].size
+            if acc >= BUCKET or k == len(members) - 1:
+                out.append(_bucket_task(opt, members[start:k + 1], chunk))
+                start, acc = k + 1, 0
     return out
 
 
-def _bucket_task(opt, part: list, t: int, lr: float, chunk: int):
+def _bucket_task(opt, part: list, chunk: int):
     if len(part) == 1:
-        it, slot, _ = part[0]
-        return (it.param.size, it.name, RangeTask(opt, _slot_views(slot, it.param.size, chunk), it.param, it.grad,
-                                                  t, lr, chunk))
-    params = [it.param for it, _, _ in part]
-    plan = _plan_for(opt, [slot for _, slot, _ in part], [p.size for p in params], chunk)
-    grads = [it.grad for it, _, _ in part]
-    name = f"{part[0][0].name} .. {part[-1][0].name} (a bucket of {len(part)} small parameters)"
-    return (plan.size, name, BucketTask(opt, plan, params, grads, t, lr))
+        i, name, p, g, slot, lr, grp = part[0]
+        return (p.size, name, RangeTask(opt, _slot_views(slot, p.size, chunk), p, g, slot.t, lr, chunk), (i, slot, grp))
+    _, _, _, _, slot0, lr, grp = part[0]
+    params = [e[2] for e in part]
+    plan = _plan_for(opt, [e[4] for e in part], [p.size for p in params], chunk)
+    grads = [e[3] for e in part]
+    name = f"{part[0][1]} .. {part[-1][1]} (a bucket of {len(part)} small parameters)"
+    return (plan.size, name, BucketTask(opt, plan, params, grads, slot0.t, lr), ([e[0] for e in part], slot0, grp))
 
 
 def _slot_views(slot, n: int, chunk: int) -> list:
@@ -253,18 +263,67 @@ def _slot_views(slot, n: int, chunk: int) -> list:
     return views
 
 
-def _large_tasks(opt, it, slot, lr, chunk: int) -> list:
-    n = it.param.size
+def _large_tasks(opt, entry, chunk: int) -> list:
+    i, name, p, g, slot, lr, grp = entry
+    n = p.size
     views = _slot_views(slot, n, chunk)
     per = max(1, TASK // chunk)
-    p, g, t = it.param, it.grad, slot.t
+    t = slot.t
     if len(views) <= per:
-        return [(n, it.name, RangeTask(opt, views, p, g, t, lr, chunk))]
+        return [(n, name, RangeTask(opt, views, p, g, t, lr, chunk), (i, slot, grp))]
     out = []
     for k in range(0, len(views), per):
         part = views[k:k + per]
-        out.append((part[-1][1] - part[0][0], it.name, RangeTask(opt, part, p, g, t, lr, chunk)))
+        out.append((part[-1][1] - part[0][0], name, RangeTask(opt, part, p, g, t, lr, chunk), (i, slot, grp)))
     return out
+
+
+class StaticPlan:
+    """The NumPy tasks of one batch composition, kept for the steps that repeat it (``core.step_plan``): built with
+    :func:`_make` once, items grouped by lr_scale rather than lr (the same buckets whenever the base lr is not 0);
+    each step only fills in the tasks' arrays, ``t`` and lr.  ``valid()`` is False once a bucket plan of another
+    composition has taken over some of these slots (their state arrays moved: rebuild)."""
+
+    def __init__(self, opt, entries: list, chunk: int):
+        """``entries``: ``[(index, name, param, grad, slot, scale)]`` (state created, ``t`` advanced)."""
+        made = _make(opt, [(i, n, p, g, s, opt._effective_lr(c), c) for i, n, p, g, s, c in entries],  # noqa: SLF001
+                     chunk)
+        self.epoch = opt.__dict__.get("_bucket_epoch", 0)
+        self.run_list = [(cost, name, fn) for cost, name, fn, _ in made]
+        self.fill = [(fn, ref) for _, _, fn, ref in made]
+        for fn, _ in self.fill:
+            _clear(fn)
+
+    def valid(self, opt) -> bool:
+        return opt.__dict__.get("_bucket_epoch", 0) == self.epoch
+
+    def run(self, opt, params: list, grads: list) -> None:
+        """One step: ``params``/``grads`` are this call's arrays in item order (``t`` already advanced)."""
+        lrs = {}
+        try:
+            for fn, (idx, slot, scale) in self.fill:
+                lr = lrs.get(scale)
+                if lr is None:
+                    lr = lrs[scale] = opt._effective_lr(scale)  # noqa: SLF001
+                fn.t, fn.lr = slot.t, lr
+                if type(idx) is list:
+                    fn.params = [params[i] for i in idx]
+                    fn.grads = [grads[i] for i in idx]
+                elif type(fn) is _WholeTask:
+                    fn.st, fn.p, fn.g = slot.state, params[idx], grads[idx]
+                else:
+                    fn.p, fn.g = params[idx], grads[idx]
+            parallel.run_tasks(self.run_list, serial=not opt.threaded)
+        finally:
+            for fn, _ in self.fill:  # hold no reference to the caller's arrays between steps
+                _clear(fn)
+
+
+def _clear(fn) -> None:
+    if type(fn) is BucketTask:
+        fn.params = fn.grads = None
+    else:
+        fn.p = fn.g = None
 
 
 class _WholeTask:

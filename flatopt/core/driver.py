@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import numpy as np
 
 from ..errors import IncompatibleStateError
-from . import backend as _backend, cpu_plan, gpu_run, parallel
+from . import backend as _backend, cpu_plan, gpu_run, parallel, step_plan
 from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
 from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
@@ -58,6 +58,7 @@ class PerParamOptimizer:
     scratch_buffers: ClassVar[int] = 0  # chunk-sized scratch buffers an elementwise update needs
     matters: ClassVar[tuple[str, ...]] = ()
     threaded: ClassVar[bool] = True  # False: step_batch runs items serially (e.g. BLAS already uses the cores)
+    multi_tensor: ClassVar[Any] = None  # core.multi_tensor.MultiTensor: one CuPy launch for many tensors
 
     def __init__(self, config: Any, *, lr_scale: LrScale = None) -> None:
         self.config = config
@@ -68,6 +69,7 @@ class PerParamOptimizer:
         self.iteration = 0
         self.last_load_notes: list[str] = []
         self._lock = threading.RLock()
+        self._plan_serial = 0  # step_batch calls so far (core.step_plan: did another step run since a plan's?)
 
     # ----------------------------------------------------------------------------------------------- hooks
     # An algorithm module provides ``init(xp, cfg, shape, dtype) -> State``, the array-agnostic
@@ -133,16 +135,84 @@ class PerParamOptimizer:
         large items are split in cache-sized chunks and spread over threads and small ones are bucketed; on CuPy
         the fused kernels run without host synchronisation.  Thread-safe: one optimizer's calls are serialised."""
         with self._lock:
-            prepared = self._prepare(items)
-            if not prepared:
-                return
-            self._run(prepared)
+            self._plan_serial += 1
+            if not isinstance(items, (list, tuple)):
+                items = list(items)
+            plan = self._find_plan(items)
+            if plan is None:
+                if not self._plannable:
+                    prepared = self._prepare(items)
+                    if prepared:
+                        self._run(prepared)
+                    return
+                checked = self._check_items(items)
+                prepared = self._create_states(checked)
+                if not prepared:
+                    return
+                plan = self._plan_for(checked, prepared)
+                if plan is None:
+                    self._run(prepared)
+                    return
+                plan.params = [c[0].param for c in checked]
+                plan.grads = [c[0].grad for c in checked]
+            plan.run(self, items)
+
+    # ------------------------------------------------------------------------------------------ step plans
+    @property
+    def _plannable(self) -> bool:
+        """Whether batches may be cached as step plans (``core.step_plan``): the driver's own validation and
+        preparation, which the plan's checks mirror."""
+        cls = type(self)
+        return cls._check_items is PerParamOptimizer._check_items and cls._prepare is PerParamOptimizer._prepare
+
+    @property
+    def _plan_runs(self) -> bool:
+        """Whether a plan also keeps the execution (the driver's own ``_run``); otherwise it calls ``_run``."""
+        return type(self)._run is PerParamOptimizer._run
+
+    def _find_plan(self, items: Sequence[Any]) -> Any:
+        """The cached plan ``items`` repeat, or ``None`` (then the full path runs)."""
+        plans = self.__dict__.get("_step_plans")
+        if not plans or len(items) < 2:
+            return None
+        try:
+            names = list(map(step_plan._NAME, items))  # noqa: SLF001
+            plan = plans.get(tuple(names))
+            if plan is not None and plan.matches(self, items, names):
+                plan.hits += 1
+                return plan
+        except Exception:  # noqa: BLE001 - a malformed item: the full validation says what is wrong
+            return None
+        return None
+
+    def _plan_for(self, checked: list[Any], prepared: list[Any]) -> Any:
+        """A plan for the batch that just passed validation (re-used when an equal one exists), or ``None``."""
+        if len(checked) < 2 or not self._plannable:
+            return None
+        plans = self.__dict__.setdefault("_step_plans", {})
+        key = tuple(c[0].name for c in checked)
+        old = plans.pop(key, None)
+        if old is not None and not old.hits and not old.groups and old.skips < step_plan.MAX_SKIPS:
+            # this composition came back with other arrays before its plan was ever re-used (e.g. fresh gradient
+            # arrays every step): on NumPy a plan would cost more than it saves; try again after MAX_SKIPS calls
+            # (on CuPy a new table is still far cheaper than a launch per tensor)
+            old.skips += 1
+            plans[key] = old
+            return None
+        while len(plans) >= step_plan.MAX_PLANS:
+            plans.pop(next(iter(plans)))
+        plan = plans[key] = step_plan.StepPlan(self, checked, [p[1] for p in prepared], CHUNK)
+        return plan
+
+    def _forget_plans(self) -> None:
+        cpu_plan.forget_plans(self)
+        step_plan.forget(self)
 
     def reset(self, name: str) -> None:
         """Forget the state of ``name`` (its next step starts from fresh state, e.g. after a shape change)."""
         with self._lock:
             self._slots.pop(name, None)
-            cpu_plan.forget_plans(self)
+            self._forget_plans()
 
     def state_names(self) -> list[str]:
         """The names that have state (stepped at least once), sorted."""
@@ -202,11 +272,20 @@ class PerParamOptimizer:
         """Raise what ``step_batch(items)`` would raise for bad input, changing nothing (routers use it to
         validate every group before any group mutates)."""
         with self._lock:
+            if not isinstance(items, (list, tuple)):
+                items = list(items)
+            plan = self._find_plan(items)
+            if plan is not None:
+                plan.params = plan.grads = None
+                return
             self._check_items(items)
 
     def _prepare(self, items: Sequence[OptItem]) -> list[Any]:
         """Validate every item, then create missing states serially (in item order)."""
-        checked = self._check_items(items)
+        return self._create_states(self._check_items(items))
+
+    def _create_states(self, checked: list[Any]) -> list[Any]:
+        """``(item, slot, scale)`` per ``_check_items`` entry, creating missing states serially (in item order)."""
         prepared = []
         for it, shape, backend, scale in checked:
             slot = self._slots.get(it.name)
@@ -297,7 +376,7 @@ class PerParamOptimizer:
                 if notes:
                     notes = ["restored from the snapshot: " + n for n in notes]
             self._slots = slots
-            cpu_plan.forget_plans(self)
+            self._forget_plans()
             self.iteration = int(state.step)
             self._load_extra(dict(state.extra))
             self.last_load_notes = notes

@@ -9,6 +9,7 @@ that compiles every source without a GPU uses the same list, so what is tested i
 from __future__ import annotations
 
 import functools
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +23,14 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "adafactor.cu": ("af_row_sumsq", "af_col_sumsq", "af_ema", "af_factors", "af_v_update", "af_sumsq_partials", "af_u_partials", "af_scalars", "af_apply"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
     "adam.cu": ("adam_step",),
-    "adamw.cu": ("adamw_step",),
+    "adamw.cu": ("adamw_step", "adamw_multi"),
+    "lamb.cu": ("lamb_moments", "lamb_ratio", "lamb_apply"),
     "lion.cu": ("lion_step",),
+    "mars.cu": ("mars_c_partials", "mars_clip", "mars_step"),
     "nadamw.cu": ("nadamw_step",),
     "qhadamw.cu": ("qhadamw_step",),
     "radam.cu": ("radam_step",),
-    "sgd.cu": ("sgd_step",),
+    "sgd.cu": ("sgd_step", "sgd_multi"),
     "sophia.cu": ("sophia_step",),
 }
 
@@ -49,7 +52,7 @@ def _names(filename: str) -> tuple[str, ...]:
     return tuple(f"{k}<{c}>" for k in KERNELS[filename] for c in CTYPES.values())
 
 
-def get(filename: str, kernel: str, dtype) -> object:
+def get(filename: str, kernel: str, dtype: Any) -> Any:
     """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device: built once per (file, kernel,
     dtype, device) and cached (``core.backend.raw_function``), not per launch."""
     return backend.raw_function(("flatopt", filename), source(filename), _names(filename),

@@ -310,7 +310,10 @@ class ndarray:  # noqa: N801 - CuPy's name
         return obj
 
     # --- attributes
-    shape = property(lambda self: self._a.shape)
+    def _set_shape(self, shape):  # CuPy's setter: an in-place reshape without copy (strides, dtype: read-only)
+        self._a.shape = shape
+
+    shape = property(lambda self: self._a.shape, _set_shape)
     dtype = property(lambda self: self._a.dtype)
     size = property(lambda self: self._a.size)
     ndim = property(lambda self: self._a.ndim)

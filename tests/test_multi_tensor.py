@@ -1,0 +1,168 @@
+"""Multi-tensor AdamW/SGD kernels (``core/multi_tensor.py``) on the GPU path: on a real GPU when one answers, else on
+the emulated device (``tests/cuda_emu``), as ``tests/test_gpu.py``.
+
+* ``step_batch`` (one multi-tensor launch per (dtype, t) group) is bit-identical to ``step`` per item (the
+  per-tensor kernel) and to the twin (``FLATOPT_FORCE_TWIN=1``): params and every state array, over mixed sizes
+  (0 and 1 element, sizes on and across chunk boundaries), float32 and float64 in one batch, different lr_scales,
+  items at different step counts; the tensors are views into one buffer with sentinel gaps, so a write outside a
+  tensor's range through the table's addresses shows up;
+* a steady-state step of the issue's workloads (76 tensors; 500 x 64) costs at most 4 launches, no host
+  synchronisation and no device allocation (counted by the stand-in).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt import OptItem
+from flatopt.core import backend
+from flatopt.core import multi_tensor as mt
+
+from .cuda_emu import emu, fakecupy
+
+GAP = 7  # sentinel elements between two tensors of the shared buffer
+SENTINEL = 12345.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_device():
+    if backend.gpu_available():
+        yield "gpu"
+        return
+    why = emu.available()
+    if why:
+        pytest.skip(f"no CUDA device answers and {why}")
+    with fakecupy.installed():
+        yield "emulated"
+
+
+MAKERS = {
+    "adamw": lambda: flatopt.AdamW(lr=1e-2, lr_scale={"t1": 0.5, "t3": 3.0, "d2": 0.25}),
+    "adamw_amsgrad_nowd": lambda: flatopt.AdamW(lr=3e-3, weight_decay=0.0, amsgrad=True),
+    "sgd_nesterov_wd": lambda: flatopt.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3,
+                                           lr_scale=lambda n: 2.0 if n.endswith("0") else 1.0),
+    "sgd_dampening": lambda: flatopt.SGD(lr=0.05, momentum=0.8, dampening=0.3),
+    "sgd_plain": lambda: flatopt.SGD(lr=0.1),
+}
+
+
+def _layout(chunk):
+    """(name, size, dtype): float32 and float64 tensors around the chunk boundaries, 0 and 1 element."""
+    f32 = [0, 1, chunk - 1, chunk, chunk + 1, 2 * chunk + 3, 64, 5]
+    f64 = [1, chunk + 1, 0, 3 * chunk - 1, 64]
+    return [(f"t{i}", n, np.float32) for i, n in enumerate(f32)] + [(f"d{i}", n, np.float64) for i, n in enumerate(f64)]
+
+
+def _buffers(cp, layout, seed):
+    """Per dtype, one device buffer holding every tensor of that dtype with SENTINEL gaps; the views by name."""
+    rng = np.random.default_rng(seed)
+    out, whole = {}, {}
+    for dt in (np.float32, np.float64):
+        names = [(n, k) for n, k, d in layout if d is dt]
+        total = sum(k for _, k in names) + GAP * (len(names) + 1)
+        host = np.full(total, SENTINEL, dt)
+        off = GAP
+        spans = {}
+        for n, k in names:
+            host[off:off + k] = rng.standard_normal(k)
+            spans[n] = (off, k)
+            off += k + GAP
+        dev = cp.asarray(host)
+        whole[np.dtype(dt)] = (dev, spans)
+        for n, (o, k) in spans.items():
+            out[n] = dev[o:o + k]
+    return out, whole
+
+
+def _gaps_intact(whole):
+    for dev, spans in whole.values():
+        host = backend.to_numpy(dev)
+        mask = np.ones(host.size, bool)
+        for o, k in spans.values():
+            mask[o:o + k] = False
+        assert np.all(host[mask] == SENTINEL), "a write outside a tensor's range"
+
+
+def _run(cp, kind, mode, chunk, monkeypatch, steps=3):
+    monkeypatch.setattr(mt, "CHUNK", chunk)
+    monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1" if mode == "twin" else "0")
+    layout = _layout(chunk)
+    params, pwhole = _buffers(cp, layout, 0)
+    opt = MAKERS[kind]()
+    # two names step once on their own first: the batch then holds two step counts (two groups per dtype)
+    for name in ("t2", "t4", "d1", "d3"):
+        g = cp.asarray(np.random.default_rng(7).standard_normal(params[name].size).astype(params[name].dtype))
+        opt.step(name, (params[name].size,), params[name], g)
+    for k in range(steps):
+        grads, gwhole = _buffers(cp, layout, 100 + k)
+        items = [OptItem(n, (size,), params[n], grads[n]) for n, size, _ in layout]
+        if mode == "single":
+            for it in items:
+                opt.step(*it)
+        else:
+            opt.step_batch(items)
+        _gaps_intact(gwhole)
+    _gaps_intact(pwhole)
+    st = opt.state_dict()
+    return {n: backend.to_numpy(p) for n, p in params.items()}, st
+
+
+@pytest.mark.parametrize("kind", sorted(MAKERS))
+@pytest.mark.parametrize("chunk", [256, mt.CHUNK], ids=["chunk256", "chunk_default"])
+def test_multi_tensor_bit_identical_to_per_tensor_kernel_and_twin(kind, chunk, monkeypatch, gpu_device):
+    cp = backend.cupy()
+    if gpu_device == "emulated":
+        emu.stats.by_kernel.clear()
+    got = {mode: _run(cp, kind, mode, chunk, monkeypatch) for mode in ("single", "batch", "twin")}
+    if gpu_device == "emulated":
+        multi = sum(v for k, v in emu.stats.by_kernel.items() if "_multi<" in k)
+        assert multi == 3 * 4, emu.stats.by_kernel  # 3 batch steps x (2 dtypes x 2 step counts)
+    ref_p, ref_s = got["single"]
+    for mode in ("batch", "twin"):
+        p, s = got[mode]
+        for n in ref_p:
+            assert ref_p[n].tobytes() == p[n].tobytes(), f"{mode}: param {n}"
+        assert sorted(s.buffers) == sorted(ref_s.buffers)
+        for key in ref_s.buffers:
+            assert backend.to_numpy(ref_s.buffers[key]).tobytes() == backend.to_numpy(s.buffers[key]).tobytes(), \
+                f"{mode}: {key}"
+        assert s.params == ref_s.params
+
+
+def _workload(cp, shapes, dtype=np.float32):
+    rng = np.random.default_rng(1)
+    return [OptItem(f"w{i}", s, cp.asarray(rng.standard_normal(int(np.prod(s))).astype(dtype)),
+                    cp.asarray(rng.standard_normal(int(np.prod(s))).astype(dtype))) for i, s in enumerate(shapes)]
+
+
+def _small_transformer():
+    """The 76-tensor layout of benchmarks/bench_adamw.py, scaled down for the emulator (d = 16)."""
+    d = 16
+    shapes = [(64, d), (32, d)]
+    for _ in range(6):
+        shapes += [(d, d)] * 4 + [(d, 4 * d), (4 * d,), (4 * d, d), (d,)] + [(d,)] * 4
+    return shapes + [(d,), (d,)]
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd_nesterov_wd"])
+@pytest.mark.parametrize("shapes", [_small_transformer(), [(64,)] * 500], ids=["76_tensors", "500x64"])
+def test_steady_state_launches_syncs_allocations(kind, shapes, gpu_device):
+    if gpu_device != "emulated":
+        pytest.skip("counted by the stand-in")
+    assert len(shapes) in (76, 500)
+    cp = backend.cupy()
+    items = _workload(cp, shapes)
+    opt = MAKERS[kind]()
+    for _ in range(2):
+        opt.step_batch(items)
+    fakecupy.stats.reset()
+    ops = fakecupy.stats.ops
+    with fakecupy.forbid_sync():
+        opt.step_batch(items)
+    launches = fakecupy.stats.launches + fakecupy.stats.ops - ops
+    assert launches <= 4, launches
+    assert fakecupy.stats.launches == 1  # one dtype, one step count: one multi-tensor launch
+    assert fakecupy.stats.syncs == 0
+    assert fakecupy.stats.allocs == 0
