@@ -59,7 +59,7 @@ import numpy as np
 from .core import linalg
 from .core.driver import PerParamOptimizer
 from .core.types import Array, LrScale
-from .core.validate import check_range
+from .core.validate import check_lr, check_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class StiefelConfig:
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
-        check_range("Stiefel", "lr", self.lr, 0.0, math.inf, hi_open=True)
+        check_lr(self.lr, "lr", "Stiefel")
         check_range("Stiefel", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
 
     @property

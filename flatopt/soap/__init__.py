@@ -70,7 +70,7 @@ import numpy as np
 from . import numerics as N
 from ..core.driver import PerParamOptimizer
 from ..core.types import Array, LrScale
-from ..core.validate import check_range
+from ..core.validate import check_lr, check_range
 
 
 def _check_int(field: str, v: Any, lo: int) -> None:
@@ -92,7 +92,7 @@ class SoapConfig:
     precondition_1d: bool = False
 
     def __post_init__(self) -> None:
-        check_range("Soap", "lr", self.lr, 0.0, math.inf)
+        check_lr(self.lr, "lr", "Soap")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise TypeError(f"Soap: betas must be a pair of floats, got {self.betas!r}")
         check_range("Soap", "betas[0]", self.betas[0], 0.0, 1.0, hi_open=True)
