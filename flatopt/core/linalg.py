@@ -2,7 +2,8 @@
 
 ``numpy.linalg.qr`` computes a float32 input in float64 (``_commonType``) through the reference LAPACK bundled with
 OpenBLAS, and allocates its copies at every call: measured ~10× slower than ``householder_q`` for 2048×2048 fp32
-on 2 cores, 2× for 2048×512.  ``householder_q`` is LAPACK's algorithm (``dgeqrf`` + ``dorgqr``: the reflectors of
+on 2 cores, 2× for 2048×512 (below 2^16 elements it is the faster one, and ``householder_q`` hands such
+matrices to it).  ``householder_q`` is LAPACK's algorithm (``dgeqrf`` + ``dorgqr``: the reflectors of
 ``dlarfg``, the compact WY form of ``dlarft``, blocked trailing updates and the backward formation of Q by matrix
 products) in the input's dtype, with every temporary in this thread's ``core.workspace`` buffers: after the first
 call of a size it allocates nothing of the matrix's size.  Same reflectors, so the same Q as LAPACK's up to
@@ -35,11 +36,23 @@ def scratch(xp, key: str, shape, dtype):
     return workspace.get(xp, key, math.prod(shape), dtype).reshape(shape)
 
 
+SMALL_QR = 1 << 16  # below this many elements numpy.linalg.qr is faster (measured, fp32, 2 cores: 64² 0.07 vs
+# 0.72 ms, 192² 1.7 vs 2.7 ms, 256² 3.4 vs 3.9 ms, 384² 7.2 vs 7.0 ms, 2048×128 14 vs 9.3 ms): the panels' Python
+# loop costs more than its float64 detour there; its temporaries (a few times the matrix, in float64) are allocated
+
+
 def householder_q(a, out=None):
     """``(Q, diag(R))`` of the reduced Householder QR of a square or tall matrix ``a`` (not modified); Q is
-    written into ``out`` when given (shape of ``a``, C-contiguous, not overlapping ``a``)."""
+    written into ``out`` when given (shape of ``a``, C-contiguous, not overlapping ``a``).  Matrices of fewer than
+    ``SMALL_QR`` elements go to ``numpy.linalg.qr`` (the same LAPACK reflectors, in float64)."""
     n, p = a.shape
     dt = a.dtype
+    if n * p < SMALL_QR:
+        q64, r64 = np.linalg.qr(a)
+        if out is None:
+            out = np.empty((n, p), dt)
+        out[...] = q64
+        return out, np.diagonal(r64).astype(dt)
     work = _ws("a", (n, p), dt)
     work[...] = a
     rdiag = np.empty(p, dt)
