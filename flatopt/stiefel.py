@@ -43,7 +43,7 @@ When to use: weights that must stay orthonormal (orthogonal RNN cells, whitening
 adapters).  Cost per step of an n×p matrix: three or five products of O(np²) and one QR; the QR dominates.  On
 NumPy the work is BLAS, so ``step_batch`` runs items serially (``threaded = False``; bits equal the serial loop's
 under any BLAS thread count).  Measured on the 38 matrices of a transformer-like set (24.1M elements, 2 cores,
-``benchmarks/bench_stiefel.py``): 0.59× geoopt's speed — torch's QR is MKL's, NumPy has no float32 LAPACK QR
+``benchmarks/bench_stiefel.py``): 0.58× geoopt's speed — torch's QR is MKL's, NumPy has no float32 LAPACK QR
 (``householder_q``'s panels are Python loops of level-2 operations).  On CuPy nothing reads a device value on the
 host (the sign fix is a device ``where``).
 """

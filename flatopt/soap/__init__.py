@@ -53,9 +53,10 @@ product per axis; the first step is an ``eigh`` per axis (on NumPy, OpenBLAS's f
 at d = 2048 on 2 cores, several times torch's MKL — a one-off cost).  Memory: 8 bytes/param (fp32) + 8(dᵢ²) per
 axis (24 for a square matrix).  On NumPy the work is matrix products on the threaded BLAS, so ``step_batch`` runs items
 serially (``threaded = False``: every bit is then the serial loop's, under any BLAS thread count).  Measured
-against pytorch-optimizer's SOAP (2 cores, ``benchmarks/bench_soap.py``, ``max_precond_dim=2048``): 1.32× its
-speed per step on the 38 matrices of a transformer-like set (24.1M elements), 4.4× over ten steps with their
-refresh on one layer's six matrices.  On CuPy
+against pytorch-optimizer's SOAP (2 cores, ``benchmarks/bench_soap.py``, ``max_precond_dim=2048``): 1.11× its
+speed per step on the 38 matrices of a transformer-like set (24.1M elements), 1.01× over ten steps with their
+refresh on one layer's six matrices (at load 6 on the 2 cores: 1.32× and 4.4×).  Small matrices (d = 64) are
+slower than torch's (0.4-0.9×: a NumPy call per operation, OpenBLAS threads on 64×64 products).  On CuPy
 nothing reads a device value on the host (see ``soap.numerics``).
 """
 
