@@ -597,12 +597,30 @@ def _solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite
     return ndarray._of(np.linalg.solve(a_.astype(np.float64), b_.astype(np.float64)).astype(b_.dtype))
 
 
+# cupy.linalg: the functions flatopt calls (SOAP's eigenbasis, Stiefel's and SOAP's QR), held to CuPy's signatures;
+# computed by NumPy's LAPACK in the input's dtype (cuSOLVER's results differ in rounding and, for eigenvectors, in
+# sign: the tests that compare with NumPy allow for both), no host synchronisation.
+linalg = types.ModuleType("cupy.linalg")
+for _name in ("eigh", "qr", "norm"):
+    def _linalg_fn(*args, _name=_name, **kwargs):
+        def run(*a, **k):
+            out = getattr(np.linalg, _name)(*a, **k)
+            cast = a[0].dtype if _name != "norm" else None  # NumPy may widen a float32 QR; CuPy keeps the dtype
+            if isinstance(out, tuple):
+                return tuple(o.astype(cast, copy=False) if cast is not None else o for o in out)
+            return out.astype(cast, copy=False) if cast is not None else out
+        return _call(f"linalg.{_name}", run, args, kwargs)
+    _linalg_fn.__name__ = _name
+    setattr(linalg, _name, _linalg_fn)
+module.linalg = linalg
+
 cupyx = types.ModuleType("cupyx")
 cupyx.scipy = types.ModuleType("cupyx.scipy")
 cupyx.scipy.linalg = types.ModuleType("cupyx.scipy.linalg")
 cupyx.scipy.linalg.solve_triangular = _solve_triangular
 
-_MODULES = {"cupy": module, "cupy.cuda": cuda, "cupy.random": random, "cupyx": cupyx, "cupyx.scipy": cupyx.scipy,
+_MODULES = {"cupy": module, "cupy.cuda": cuda, "cupy.random": random, "cupy.linalg": linalg, "cupyx": cupyx,
+            "cupyx.scipy": cupyx.scipy,
             "cupyx.scipy.linalg": cupyx.scipy.linalg}
 
 
