@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import flatopt  # noqa: E402
 from _cli import Formatter, blas_single_thread, check_output, name_list, positive_int  # noqa: E402
 from flatopt import OptItem  # noqa: E402
+from flatopt.routing import Group, Router, Select  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------- the data
@@ -135,6 +136,12 @@ def optimizer_factories(shapes) -> dict:
         "mars": lambda: flatopt.Mars(lr=3e-3),
         # Sophia: its Hessian estimate is fed every HESSIAN_EVERY steps by the loop below (update_hessian)
         "sophia": lambda: flatopt.Sophia(lr=1e-3, weight_decay=1e-4),
+        "soap": lambda: flatopt.Soap(lr=3e-3, weight_decay=1e-4),
+        # Stiefel keeps the hidden weight matrices orthonormal (the per-unit gains carry their scale); AdamW the rest
+        "stiefel": lambda: Router([
+            Group("stiefel", flatopt.Stiefel(lr=0.05, momentum=0.9), Select(patterns=hidden_matrices)),
+            Group("adamw", flatopt.AdamW(lr=3e-3, weight_decay=1e-4), Select(patterns=["*"])),
+        ]),
         "kron_psgd": lambda: flatopt.KronPsgd(lr=3e-3),
         "muon_adamw": lambda: flatopt.MuonAdamW(shapes, muon_names=hidden_matrices, lr=0.01, adamw_lr_ratio=0.3,
                                                 muon={"layout": "in_out"}),
