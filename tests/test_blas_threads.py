@@ -152,3 +152,49 @@ def test_no_cap_means_serial_muon(monkeypatch):
     run_steps(flatopt.Muon(workers=1), ref, 1, batch=False)
     for n in params:
         assert_bits_equal(params[n][1], ref[n][1], n)
+
+
+@needs_cap
+def test_muon_matrix_stepped_alone_uses_the_threads(monkeypatch):
+    """One matrix stepped alone runs its row-blocked products (``flatopt.muon._row_blocks``) on the pool's threads,
+    with the BLAS at one thread; the workers of a batch run the same blocks one after another: equal bits."""
+    from flatopt.core import parallel
+
+    if parallel.num_threads() < 2:
+        pytest.skip("one thread")
+    spy = BlasSpy(monkeypatch)
+    seen = set()
+    orig = np.matmul
+
+    def where(*a, **k):
+        seen.add(threading.current_thread().name)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(np, "matmul", where)
+    alone = make_params([(1024, 512), (512, 384), (384, 1024)], np.float32)
+    run_steps(flatopt.Muon(workers=1), alone, 2, batch=False)
+    assert len(seen) >= 2, seen
+    batch = make_params([(1024, 512), (512, 384), (384, 1024)], np.float32)
+    run_steps(flatopt.Muon(workers=2), batch, 2, batch=True)
+    for n in alone:
+        assert_bits_equal(alone[n][1], batch[n][1], n)
+    del spy
+
+
+def test_nested_run_tasks_in_a_pool_worker_runs_inline(monkeypatch):
+    """A task that runs ``run_tasks`` again from a pool thread runs those tasks inline: submitting to the pool it
+    occupies and waiting could deadlock it."""
+    from flatopt.core import parallel
+
+    monkeypatch.setenv("FLATOPT_NUM_THREADS", "2")
+    done = []
+
+    def inner(i):
+        parallel.run_tasks([(parallel.PARALLEL_MIN_COST, f"in{i}{j}", lambda: done.append(1)) for j in range(4)])
+
+    tasks = [(parallel.PARALLEL_MIN_COST, f"out{i}", lambda i=i: inner(i)) for i in range(4)]
+    t = threading.Thread(target=parallel.run_tasks, args=(tasks,), daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "nested run_tasks deadlocked"
+    assert len(done) == 16

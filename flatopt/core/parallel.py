@@ -39,8 +39,21 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         if _pool is None or _pool._max_workers < workers:  # noqa: SLF001
             if _pool is not None:  # FLATOPT_NUM_THREADS grew: retire the old pool's threads once idle
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flatopt")
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flatopt", initializer=_mark_worker)
         return _pool
+
+
+_local = threading.local()
+
+
+def _mark_worker() -> None:
+    _local.worker = True
+
+
+def in_worker() -> bool:
+    """True on a thread of the pool: a task that runs ``run_tasks`` again runs those tasks inline (submitting to
+    the pool it occupies and waiting could deadlock it)."""
+    return getattr(_local, "worker", False)
 
 
 class TaskError(RuntimeError):
@@ -63,7 +76,7 @@ def run_tasks(tasks: Sequence[tuple[int, str, Callable[[], None]]], *, wrap: Cal
             except Exception as exc:
                 raise TaskError(f"parameter {name!r}: {type(exc).__name__}: {exc}") from exc
 
-    if serial or threads == 1 or total < PARALLEL_MIN_COST or len(tasks) == 1:
+    if serial or threads == 1 or total < PARALLEL_MIN_COST or len(tasks) == 1 or in_worker():
         groups = [lambda: run_group(0, len(tasks))]
     else:
         # Workers claim the tasks in order from a shared counter (``next`` on ``itertools.count`` is atomic under
