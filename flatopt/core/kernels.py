@@ -9,6 +9,7 @@ that compiles every source without a GPU uses the same list, so what is tested i
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 from pathlib import Path
 
@@ -37,10 +38,21 @@ KERNELS: dict[str, tuple[str, ...]] = {
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
+_INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.M)
+
+
 @functools.lru_cache(maxsize=None)
 def source(filename: str) -> str:
+    """The file's text for NVRTC, with ``#line`` directives, and each ``#include "x.cuh"`` of a header beside it
+    pasted in (NVRTC is given no include path; g++, the CPU emulator, resolves the include itself)."""
     path = KERNEL_DIR / filename
-    return f'#line 1 "{path}"\n' + path.read_text()
+
+    def paste(m: re.Match[str]) -> str:
+        header = KERNEL_DIR / m.group(1)
+        line = path.read_text().count("\n", 0, m.start()) + 2
+        return f'#line 1 "{header}"\n{header.read_text()}\n#line {line} "{path}"'
+
+    return f'#line 1 "{path}"\n' + _INCLUDE.sub(paste, path.read_text())
 
 
 def name_expressions(filename: str) -> list[str]:

@@ -80,6 +80,8 @@ def _cache_key() -> str:
     h.update(repr(FLAGS).encode())
     for name in sorted(k.KERNELS):
         h.update(name.encode() + (k.KERNEL_DIR / name).read_bytes())
+    for header in sorted(k.KERNEL_DIR.glob("*.cuh")):  # included by the .cu files
+        h.update(header.name.encode() + header.read_bytes())
     return h.hexdigest()[:20]
 
 
