@@ -39,6 +39,7 @@ from .core.driver import PerParamOptimizer
 from .core.types import Array, LrScale
 
 _SCRATCH = {"persist": False}
+_CHUNK = 1 << 16  # elements per chunk of the NumPy sweeps (their operands stay in the L2 cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,48 @@ def trust_ratio(xp: Any, p: Array, u: Array, s: Array) -> Array:
     phi = xp.sqrt(blocks.sq_sum(xp, s, n))
     xp.multiply(u, u, s[:n])
     psi = xp.sqrt(blocks.sq_sum(xp, s, n))
+    return _ratio(xp, phi, psi)
+
+
+def _ratio(xp: Any, phi: Array, psi: Array) -> Array:
     ok = (phi > 0) & (psi > 0)
     return xp.where(ok, phi / xp.where(ok, psi, 1), 1)
+
+
+def _update_np(cfg: LambConfig, st: LambState, p: Array, g: Array, lr: float, scal: tuple) -> None:
+    """NumPy: ``update``'s operations on every element, cut into cache-sized chunks (one sweep for the moments, u
+    and p², one for u², one for the step instead of ~17 sweeps over the whole buffers); the sums of squares are
+    the same ``blocks.sq_sum`` calls over the same squares, so the bits are ``update``'s."""
+    omb1, b2, omb2, bc1, bc2, eps = scal
+    n = p.size
+    wd = cfg.weight_decay
+    sq, u, m, v = st.s, st.u, st.m, st.v
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        sc, uc, mc, vc, pc = sq[lo:hi], u[lo:hi], m[lo:hi], v[lo:hi], p[lo:hi]
+        moments(np, mc, vc, g[lo:hi], omb1, b2, omb2, sc)
+        np.divide(vc, bc2, sc)  # u = (m / bc1) / (sqrt(v / bc2) + eps) + p * wd
+        np.sqrt(sc, sc)
+        np.add(sc, eps, sc)
+        np.divide(mc, bc1, uc)
+        np.divide(uc, sc, uc)
+        if wd != 0:
+            np.multiply(pc, wd, sc)
+            np.add(uc, sc, uc)
+        np.multiply(pc, pc, sc)
+    phi = np.sqrt(blocks.sq_sum(np, sq, n)[0])  # NumPy scalars of the dtype: the same roundings as the arrays
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        uc = u[lo:hi]
+        np.multiply(uc, uc, sq[lo:hi])
+    psi = np.sqrt(blocks.sq_sum(np, sq, n)[0])
+    r = phi / psi if phi > 0 and psi > 0 else p.dtype.type(1)
+    step = r * (-lr)  # p = p + u * (-lr * r)
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        uc, pc = u[lo:hi], p[lo:hi]
+        np.multiply(uc, step, uc)
+        np.add(pc, uc, pc)
 
 
 def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float,
@@ -92,6 +133,9 @@ def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: in
     n = p.size
     if st.u is None or st.u.size != n:
         st.s, st.u = blocks.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
+    if xp is np:
+        _update_np(cfg, st, p, g, lr, (omb1, b2, omb2, bc1, bc2, eps))
+        return
     s, u = st.s[:n], st.u
     moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
     xp.divide(st.v, bc2, s)  # u = (m / bc1) / (sqrt(v / bc2) + eps) + p * wd

@@ -52,6 +52,26 @@ def _scalars(cfg: LionConfig, lr: float) -> tuple[Any, ...]:
     return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, b2, 1.0 - b2, -lr
 
 
+def _signed_step(c: np.ndarray, s: np.ndarray, neg_lr: float) -> bool:
+    """NumPy: c <- sign(c)·neg_lr with the bits of ``numpy.sign`` then the multiply, branch-free: (c > 0) − (c < 0)
+    as int8 in the bytes of the free scratch ``s``, times neg_lr (the int8 → dtype conversion is exact, so every
+    element is the same ±1·neg_lr or +0·neg_lr product).  ``numpy.sign`` branches per element (~4 ns/element on
+    random signs, 85% of a step); this is ~0.2.  A chunk holding a NaN (sign(NaN) = NaN) returns False untouched:
+    the caller takes the ``numpy.sign`` path."""
+    n = c.size
+    b = s.view(np.int8)
+    pos, neg = b[:n].view(np.bool_), b[n:2 * n].view(np.bool_)
+    np.not_equal(c, c, out=pos)
+    if pos.any():
+        return False
+    np.greater(c, 0, out=pos)
+    np.less(c, 0, out=neg)
+    d = b[:n]
+    np.subtract(d, b[n:2 * n], out=d)
+    np.multiply(d, neg_lr, out=c, dtype=c.dtype)
+    return True
+
+
 def update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
@@ -64,8 +84,9 @@ def update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: in
     xp.multiply(m, b1, u)  # c = m * b1 + g * (1 - b1)
     xp.multiply(g, omb1, s)
     xp.add(u, s, u)
-    xp.sign(u, u)  # p = p + sign(c) * (-lr)
-    xp.multiply(u, neg_lr, u)
+    if xp is not np or not _signed_step(u, s, neg_lr):
+        xp.sign(u, u)  # p = p + sign(c) * (-lr)
+        xp.multiply(u, neg_lr, u)
     xp.add(p, u, p)
     xp.multiply(m, b2, m)  # m = m * b2 + g * (1 - b2)
     xp.multiply(g, omb2, s)

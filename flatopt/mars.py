@@ -41,6 +41,7 @@ from .core.types import Array, LrScale
 from .core.validate import check_range
 
 _SCRATCH = {"persist": False}
+_CHUNK = 1 << 16  # elements per chunk of the NumPy sweeps (their operands stay in the L2 cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,45 @@ def _scalars(cfg: MarsConfig, t: int, lr: float) -> tuple[Any, ...]:
     return coef, 1.0 - b1, b2, 1.0 - b2, 1.0 - lr * cfg.weight_decay, bc2 ** 0.5, cfg.eps, -(lr / bc1)
 
 
+def _update_np(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple) -> None:
+    """NumPy: ``update``'s operations on every element, cut into cache-sized chunks (a sweep for c and c², the
+    sum, a sweep for the rest, instead of ~20 sweeps over whole buffers); the same ``blocks.sq_sum`` call over the
+    same squares, so the bits are ``update``'s."""
+    coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step = scal
+    n = p.size
+    sq, c, m, v, gp = st.s, st.c, st.m, st.v, st.g_prev
+    clip = cfg.clip_c
+    if clip:  # c = c / max(||c||, 1), ||c||² in the blocked order of kernels/mars.cu
+        for lo in range(0, n, _CHUNK):
+            hi = min(lo + _CHUNK, n)
+            cc, gc = c[lo:hi], g[lo:hi]
+            np.subtract(gc, gp[lo:hi], cc)  # c = g + (g - g_prev) * coef
+            np.multiply(cc, coef, cc)
+            np.add(gc, cc, cc)
+            np.multiply(cc, cc, sq[lo:hi])
+        nrm = np.sqrt(blocks.sq_sum(np, sq, n)[0])  # a NumPy scalar of the dtype: the arrays' roundings
+        den = nrm if nrm >= 1 or nrm != nrm else nrm.dtype.type(1)  # = maximum(nrm, 1), NaN kept
+    for lo in range(0, n, _CHUNK):
+        hi = min(lo + _CHUNK, n)
+        sc, mc, vc, pc, gc, cc = sq[lo:hi], m[lo:hi], v[lo:hi], p[lo:hi], g[lo:hi], c[lo:hi]
+        if clip:
+            np.divide(cc, den, cc)
+        else:
+            np.subtract(gc, gp[lo:hi], cc)  # c = g + (g - g_prev) * coef
+            np.multiply(cc, coef, cc)
+            np.add(gc, cc, cc)
+        moments(np, mc, vc, cc, omb1, b2, omb2, sc)
+        if cfg.weight_decay != 0:
+            np.multiply(pc, decay, pc)
+        np.sqrt(vc, sc)  # p = p + (m / (sqrt(v) / bc2_sqrt + eps)) * neg_step
+        np.divide(sc, bc2_sqrt, sc)
+        np.add(sc, eps, sc)
+        np.divide(mc, sc, sc)
+        np.multiply(sc, neg_step, sc)
+        np.add(pc, sc, pc)
+        gp[lo:hi] = gc
+
+
 def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the clip needs ‖c‖)."""
@@ -88,6 +128,9 @@ def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: in
     n = p.size
     if st.c is None or st.c.size != n:
         st.s, st.c = blocks.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
+    if xp is np:
+        _update_np(cfg, st, p, g, (coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step))
+        return
     s, c = st.s[:n], st.c
     xp.subtract(g, st.g_prev, c)  # c = g + (g - g_prev) * coef
     xp.multiply(c, coef, c)
