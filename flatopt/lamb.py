@@ -90,7 +90,7 @@ def _ratio(xp: Any, phi: Array, psi: Array) -> Array:
     return xp.where(ok, phi / xp.where(ok, psi, 1), 1)
 
 
-def _update_np(cfg: LambConfig, st: LambState, p: Array, g: Array, lr: float, scal: tuple) -> None:
+def _update_np(cfg: LambConfig, st: LambState, p: Array, g: Array, lr: float, scal: tuple[Any, ...]) -> None:
     """NumPy: ``update``'s operations on every element, cut into cache-sized chunks (one sweep for the moments, u
     and p², one for u², one for the step instead of ~17 sweeps over the whole buffers); the sums of squares are
     the same ``blocks.sq_sum`` calls over the same squares, so the bits are ``update``'s."""

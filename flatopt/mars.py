@@ -82,7 +82,7 @@ def _scalars(cfg: MarsConfig, t: int, lr: float) -> tuple[Any, ...]:
     return coef, 1.0 - b1, b2, 1.0 - b2, 1.0 - lr * cfg.weight_decay, bc2 ** 0.5, cfg.eps, -(lr / bc1)
 
 
-def _update_np(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple) -> None:
+def _update_np(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple[Any, ...]) -> None:
     """NumPy: ``update``'s operations on every element, cut into cache-sized chunks (a sweep for c and c², the
     sum, a sweep for the rest, instead of ~20 sweeps over whole buffers); the same ``blocks.sq_sum`` call over the
     same squares, so the bits are ``update``'s."""
