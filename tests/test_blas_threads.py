@@ -90,7 +90,7 @@ def _run(name, params, batch, in_thread=False):
 @pytest.mark.parametrize("name", sorted(REGISTRY) + sorted(EXTRA))
 def test_same_blas_calls_in_every_mode(name, monkeypatch):
     """The ``step`` loop, ``step_batch`` and ``step_batch`` from another thread (after the main thread has capped the
-    BLAS once: threadpoolctl >= 3.6 ignores a cap set by any thread but the first) make the same BLAS calls under
+    BLAS once: threadpoolctl (3.8.0, installed here) ignores a cap set by any thread but the first) make the same BLAS calls under
     the same thread counts, and give the same bits."""
     spy = BlasSpy(monkeypatch)
     runs = {}
@@ -120,7 +120,7 @@ def test_blas_held_at_one_thread(name, monkeypatch):
 
 @needs_cap
 def test_cap_from_another_thread_is_taken():
-    """threadpoolctl >= 3.6 silently ignores a pthreads OpenBLAS limit set by any Python thread other than the first
+    """threadpoolctl (3.8.0, installed here) silently ignores a pthreads OpenBLAS limit set by any Python thread other than the first
     that set one; flatopt's cap must hold from whichever thread steps."""
     before = shards.threads_now()
     with shards.blas_capped() as capped:  # the main thread caps first

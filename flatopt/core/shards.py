@@ -56,7 +56,7 @@ def _blas_libs() -> list:
 
 
 def _set_threads(lib, n: int) -> None:
-    # threadpoolctl >= 3.6 lets only one Python thread (the first to set it) change a pthreads OpenBLAS's thread
+    # threadpoolctl (3.8.0, installed here) lets only one Python thread (the first to set it) change a pthreads OpenBLAS's thread
     # count and silently ignores every other thread while that one lives; flatopt caps from whichever thread steps
     # (a worker of MuonAdamW's concurrent groups, a user's thread), so it calls the library's own setter.
     getattr(lib, "_real_set_num_threads", lib.set_num_threads)(n)
