@@ -6,6 +6,8 @@
 //   v <- v * beta2 + (g' * (1 - beta2)) * g'
 //   vmax <- max(vmax, v) when amsgrad (NaN propagates as in numpy.maximum)
 //   p <- p + (m / (sqrt(v or vmax) / bc2_sqrt + eps)) * neg_step_size
+#include "adam_core.cuh"
+
 template <typename T>
 __global__ void adam_step(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m,
                           T* __restrict__ v, T* __restrict__ vmax, const long long n,
@@ -14,23 +16,10 @@ __global__ void adam_step(T* __restrict__ p, const T* __restrict__ g, T* __restr
                           const T neg_step_size, const int amsgrad) {
   const long long stride = (long long)blockDim.x * gridDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    T pi = p[i];
+    const T pi = p[i];
     T gi = g[i];
     if (wd != T(0)) gi = gi + pi * wd;
-    T mi = m[i];
-    mi = mi + (gi - mi) * one_minus_beta1;
-    T vi = v[i];
-    vi = vi * beta2 + (gi * one_minus_beta2) * gi;
-    T src = vi;
-    if (amsgrad) {
-      const T vm = vmax[i];
-      src = (isnan(vm) || vm >= vi) ? vm : vi;
-      vmax[i] = src;
-    }
-    const T den = sqrt(src) / bc2_sqrt + eps;
-    pi = pi + (mi / den) * neg_step_size;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi;
+    adam_elem(pi, gi, p, m, v, vmax, i, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+              amsgrad);
   }
 }

@@ -8,29 +8,16 @@
 //   p <- p + (m / (sqrt(v or vmax) / bc2_sqrt + eps)) * neg_step_size
 // Both kernels below apply this one element function, so the multi-tensor kernel is the per-tensor kernel's bits.
 
+#include "adam_core.cuh"
+
 template <typename T>
 __device__ __forceinline__ void adamw_elem(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m,
                                            T* __restrict__ v, T* __restrict__ vmax, const long long i,
                                            const T decay, const T one_minus_beta1, const T beta2,
                                            const T one_minus_beta2, const T bc2_sqrt, const T eps,
                                            const T neg_step_size, const int amsgrad) {
-  const T gi = g[i];
-  T pi = p[i] * decay;
-  T mi = m[i];
-  mi = mi + (gi - mi) * one_minus_beta1;
-  T vi = v[i];
-  vi = vi * beta2 + (gi * one_minus_beta2) * gi;
-  T src = vi;
-  if (amsgrad) {
-    const T vm = vmax[i];
-    src = (isnan(vm) || vm >= vi) ? vm : vi;
-    vmax[i] = src;
-  }
-  const T den = sqrt(src) / bc2_sqrt + eps;
-  pi = pi + (mi / den) * neg_step_size;
-  m[i] = mi;
-  v[i] = vi;
-  p[i] = pi;
+  adam_elem(p[i] * decay, g[i], p, m, v, vmax, i, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps,
+            neg_step_size, amsgrad);
 }
 
 template <typename T>
