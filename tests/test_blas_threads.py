@@ -162,7 +162,6 @@ def test_muon_matrix_stepped_alone_uses_the_threads(monkeypatch):
 
     if parallel.num_threads() < 2:
         pytest.skip("one thread")
-    spy = BlasSpy(monkeypatch)
     seen = set()
     orig = np.matmul
 
@@ -178,7 +177,6 @@ def test_muon_matrix_stepped_alone_uses_the_threads(monkeypatch):
     run_steps(flatopt.Muon(workers=2), batch, 2, batch=True)
     for n in alone:
         assert_bits_equal(alone[n][1], batch[n][1], n)
-    del spy
 
 
 def test_nested_run_tasks_in_a_pool_worker_runs_inline(monkeypatch):

@@ -21,22 +21,13 @@ import pytest
 import flatopt
 from flatopt.core import backend
 
-from .cuda_emu import emu, fakecupy
+from .cuda_emu import fakecupy
 from .helpers import assert_bits_equal, grads_for, make_for, make_params, run_steps
 from .registry import REGISTRY
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gpu_device():
-    """The real GPU when one answers; otherwise CuPy is the stand-in and the kernels run on the emulator."""
-    if backend.gpu_available():
-        yield "gpu"
-        return
-    why = emu.available()
-    if why:
-        pytest.skip(f"no CUDA device answers and {why}")
-    with fakecupy.installed():
-        yield "emulated"
+# the real GPU when one answers; otherwise CuPy is the stand-in and the kernels run on the emulator
+gpu_device = pytest.fixture(scope="module", autouse=True)(fakecupy.device_or_emulated)
 
 
 NAMES = sorted(REGISTRY)

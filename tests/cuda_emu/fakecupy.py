@@ -655,3 +655,20 @@ def installed():
         _backend._cupy = saved_cupy  # noqa: SLF001
         _backend._modules.clear()  # noqa: SLF001
         _backend._modules.update(saved_modules)  # noqa: SLF001
+
+
+def device_or_emulated():
+    """The body of a module-scoped autouse fixture (tests/test_gpu.py, tests/test_multi_tensor.py): the real GPU
+    when one answers; otherwise CuPy is this stand-in and the kernels run on the emulator."""
+    import pytest  # noqa: PLC0415 - test-only helper
+
+    from flatopt.core import backend as _backend  # noqa: PLC0415
+
+    if _backend.gpu_available():
+        yield "gpu"
+        return
+    why = emu.available()
+    if why:
+        pytest.skip(f"no CUDA device answers and {why}")
+    with installed():
+        yield "emulated"
