@@ -90,6 +90,13 @@ def cases(quick: bool) -> list[Case]:
         Case(SUITE, w1, "flatopt Muon default", _flatopt_muon(mats, None),
              note="fp32 NS, workers=min(cores, 8), BLAS capped at 1"),
     ]
+    one = [(512, 512)] if quick else [(1024, 1024)]
+    w0 = f"one {one[0][0]}x{one[0][1]} matrix stepped alone"
+    out += [
+        Case(SUITE, w0, "torch.optim.Muon", _torch_muon(one), baseline=True, note="bf16 NS, 2 threads"),
+        Case(SUITE, w0, "flatopt Muon", _flatopt_muon(one, None),
+             note="fp32 NS; A·A and B·X in row blocks on flatopt's threads, BLAS at 1 thread"),
+    ]
     shapes = model_shapes(layers, vocab=2048 if quick else 8192)
     n = sum(math.prod(s) for s in shapes.values())
     w2 = f"transformer-like, {len(shapes)} tensors, {n / 1e6:.1f}M"

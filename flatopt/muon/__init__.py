@@ -43,8 +43,10 @@ thread).  Without ``threadpoolctl`` nothing can hold the BLAS: every mode then r
 own threads (the same calls), and the results may change with ``OPENBLAS_NUM_THREADS``.  So that a matrix stepped
 alone still uses the cores, A·A and B·X are cut into row blocks fixed by the shape (``_row_blocks``) that run on
 flatopt's threads (inside a ``workers`` thread: one after another); the Gram matrix stays one syrk call.  Measured on
-2 vCPUs (AMD EPYC, OpenBLAS 0.3.31), against the earlier multi-threaded-BLAS serial path: one 1024² matrix 1.17×
-the time, 2048×512 1.27×, 512² 1.2×; a ``step_batch`` of six matrices on the workers unchanged (1.00×).  ``step_batch`` with
+2 vCPUs (AMD EPYC, OpenBLAS 0.3.31) in an A/B against the earlier code, whose serial path ran the BLAS on both
+threads (a scratch script, not in the repository): one 1024² matrix 1.17× the time, 2048×512 1.27×, 512² 1.2×; a
+``step_batch`` of six matrices on the workers unchanged (1.00×); the plain one-thread cap had cost 1.8×.
+``benchmarks/bench_muon.py`` times a matrix stepped alone against torch.optim.Muon.  ``step_batch`` with
 ``workers=K`` runs the matrices on K persistent threads with a fixed, cost-balanced matrix → thread assignment.
 Measured on 2 busy cores (``benchmarks/bench_muon.py``): K = 2 beats K = 1 by 2.8x (many mid-size matrices).  So
 the default ``workers=None`` means ``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can hold the
