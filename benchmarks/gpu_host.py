@@ -41,19 +41,41 @@ from .bench_adamw import transformer_shapes  # noqa: E402
 LAUNCH_US = 5.0  # CuPy's Python plus the driver, per launch (estimate)
 MIN_KERNEL_US = 2.0
 BANDWIDTH = 4.8e12  # bytes/s
-# bytes moved per element, float32: AdamW reads p, g, m, v and writes p, m, v; SGD with momentum p, g, buf / p, buf
-BYTES_PER_ELEMENT = {"adamw": 7 * 4, "sgd": 5 * 4}
+GEMM_FLOPS = 60e12  # FP32 GEMM, FLOP/s (an H200 without TF32; gpu-audit.md §2.1)
 
 
-def workloads(quick: bool):
+def _factories():
+    """name -> (optimizer factory, bytes moved per element (float32), GEMM FLOP for the workload's shapes)."""
+    f = flatopt
+    big = 1024 * 1024
+    ns_flop = 5 * (2 * 1024 ** 3 * 3)  # Muon: 5 Newton-Schulz iterations, three 1024^3 GEMMs each (2 FLOP/MAC)
+    return {
+        "adamw": (lambda: f.AdamW(lr=1e-3, weight_decay=1e-2), 7 * 4, 0),
+        "sgd": (lambda: f.SGD(lr=1e-2, momentum=0.9, weight_decay=1e-4), 5 * 4, 0),
+        "adafactor": (lambda: f.Adafactor(), 3 * 4 + 4, 0),
+        "af8": (lambda: f.Adafactor8Bit(lr=1e-2), 3 * 4 + 1, 0),
+        "af8m": (lambda: f.Adafactor8Bit(lr=1e-2, beta1=0.9), 3 * 4 + 2 + 1, 0),
+        "came": (lambda: f.Adafactor8Bit(lr=1e-2, beta1=0.9, beta3=0.9999), 3 * 4 + 2 + 2, 0),
+        "apollo": (lambda: f.Adafactor8Bit(lr=1e-2, beta1=0.9, apollo_rank=256), 3 * 4 + 2, 2 * 2 * 256 * big),
+        "muon": (lambda: f.Muon(lr=2e-2), 3 * 4 + 5 * 6 * 4, ns_flop),
+        "kron": (lambda: f.KronPsgd(lr=1e-3, update_probability=1.0), 3 * 4 + 20 * 4, 14 * 2 * 1024 ** 3),
+    }
+
+
+def workloads(kind: str, quick: bool):
     b = transformer_shapes(d=128, layers=6, vocab=1024, ctx=256) if quick else transformer_shapes()
-    return [("76 tensors" + (" (small)" if quick else " (24.2M)"), b), ("500 x 64", [(64,)] * 500)]
+    tag = " (small)" if quick else " (24.2M)"
+    if kind in ("adamw", "sgd"):
+        return [("76 tensors" + tag, b), ("500 x 64", [(64,)] * 500)]
+    if kind == "adafactor":
+        return [("76 tensors" + tag, b), ("4096 x 4096", [(1024, 1024)] if quick else [(4096, 4096)])]
+    if kind in ("af8", "af8m", "came", "apollo"):
+        return [("2048 x 1024", [(2048, 1024)])]
+    return [("1024 x 1024", [(1024, 1024)])]
 
 
 def make_opt(kind: str):
-    if kind == "adamw":
-        return flatopt.AdamW(lr=1e-3, weight_decay=1e-2)
-    return flatopt.SGD(lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    return _factories()[kind][0]()
 
 
 def _noop_kernels(emu):
@@ -96,7 +118,8 @@ def run_gpu(kind, shapes, repeats):
         host = statistics.median(times) * 1e6
     n = sum(math.prod(s) for s in shapes)
     total = launches + other
-    gpu = max(MIN_KERNEL_US * total, n * BYTES_PER_ELEMENT[kind] / BANDWIDTH * 1e6)
+    _, nbytes, flop = _factories()[kind]
+    gpu = max(MIN_KERNEL_US * total, n * nbytes / BANDWIDTH * 1e6 + flop / GEMM_FLOPS * 1e6)
     est = max(host + LAUNCH_US * total, gpu)
     return dict(launches=f"{total} ({launches}+{other})", syncs=syncs, allocs=allocs, host_us=host, est_us=est)
 
@@ -124,10 +147,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a smaller 76-tensor set")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--numpy", action="store_true", help="time the NumPy path instead")
-    ap.add_argument("--only", default="adamw,sgd")
+    ap.add_argument("--only", default="adamw,sgd,adafactor,af8,af8m,came,apollo,muon,kron",
+                    help="comma-separated: " + ",".join(_factories()))
     args = ap.parse_args(argv)
     for kind in args.only.split(","):
-        for label, shapes in workloads(args.quick):
+        for label, shapes in workloads(kind, args.quick):
             fn = run_numpy if args.numpy else run_gpu
             r = fn(kind, shapes, args.repeats)
             print(f"{kind:6s} {label:22s} " + "  ".join(
