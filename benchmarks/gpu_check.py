@@ -10,9 +10,10 @@ one GPU, it writes a Markdown report with:
    (``FLATOPT_FORCE_TWIN=1``) bit for bit (Adafactor's within rounding: its sums add in another order than the
    twin's), and CuPy against NumPy (max relative difference), on buffers of training
    size: AdamW and SGD on 16M elements, Adafactor on 4096×4096, Adafactor8Bit on 2048×1024;
-3. **timings** (a real device only) — median step time by CUDA events after warm-up, flatopt against
-   ``torch.optim.AdamW(fused=True)`` on one 16M buffer and on 76 tensors of a transformer (24M parameters), with the
-   achieved bandwidth as a fraction of the device's (``--peak-gbs``, H200: 4800 GB/s).
+3. **timings** (a real device only) — the GPU benchmark suite, ``benchmarks.gpu_suite``: median step time by CUDA
+   events after warm-up, flatopt against torch fused AdamW / SGD, torch Adafactor, adafactor8bit's CUDA kernels, torch
+   Muon and kron_torch on the workloads of issue #19, with the achieved bandwidth as a fraction of the device's
+   (``--peak-gbs``, H200: 4800 GB/s).
 
 Each section is time-boxed; a section that cannot run (no device, no torch) says why in the report instead.
 """
@@ -122,39 +123,15 @@ def _time_cuda(step, repeats: int = 20, warmup: int = 5) -> float:
     return float(np.median(times))
 
 
-def _transformer_shapes() -> list[tuple[int, ...]]:
-    from benchmarks.bench_muon import model_shapes
-
-    return list(model_shapes(6, vocab=8192).values())
-
-
 def _timings(peak_gbs: float) -> list[str]:
-    import flatopt
-    from flatopt.core import backend
-
-    cp = backend.cupy()
+    """The GPU benchmark suite (``benchmarks.gpu_suite``): flatopt vs the PyTorch references on every workload."""
     try:
-        import torch
+        import torch  # noqa: F401
     except ImportError:
         return ["torch is not importable: no reference timings"]
-    rows = ["| workload | flatopt ms | torch fused AdamW ms | speed vs torch | flatopt bandwidth (of peak) |",
-            "|---|---:|---:|---:|---:|"]
-    for label, shapes in (("one 16M buffer", [(1 << 24,)]), ("76 tensors, transformer-like", _transformer_shapes())):
-        rng = np.random.default_rng(0)
-        data = [(rng.standard_normal(int(np.prod(s)), dtype=np.float32), s) for s in shapes]
-        opt = flatopt.AdamW(lr=1e-3)
-        items = [flatopt.OptItem(f"p{i}", s, cp.asarray(a), cp.asarray(a)) for i, (a, s) in enumerate(data)]
-        ms = _time_cuda(lambda: opt.step_batch(items))
-        ps = [torch.nn.Parameter(torch.from_numpy(a.copy()).cuda()) for a, _ in data]
-        for p in ps:
-            p.grad = p.detach().clone()
-        topt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
-        tms = _time_cuda(topt.step)
-        n = sum(a.size for a, _ in data)
-        gbs = n * 4 * 7 / (ms * 1e-3) / 1e9  # read p, g, m, v; write p, m, v
-        rows.append(f"| {label} ({n / 1e6:.1f}M) | {ms:.3f} | {tms:.3f} | {tms / ms:.2f}× | {gbs:.0f} GB/s "
-                    f"({gbs / peak_gbs:.0%}) |")
-    return rows
+    from benchmarks import gpu_suite
+
+    return gpu_suite.table(gpu_suite.KINDS, dry=False, quick=False, repeats=20, warmup=5, peak_gbs=peak_gbs)
 
 
 def main(argv=None) -> int:

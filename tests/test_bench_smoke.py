@@ -80,3 +80,20 @@ def test_threads_probe_sizes_runs(capsys):
     threads_probe.sizes(repeats=1)
     out = capsys.readouterr().out
     assert out.count("sizes: ") == 3 and "adafactor8bit.apollo_lowrank.TASK" in out, out
+
+
+def test_gpu_suite_runs_on_the_stand_in():
+    """``benchmarks.gpu_suite --dry``: every row's code path (flatopt on the CuPy stand-in, the torch reference on the
+    CPU) runs and prints a row; a reference that cannot run says why instead of a time."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_suite", "--dry", "--quick", "--only", "adamw,sgd,muon",
+         "--repeats", "1", "--warmup", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
+    assert len(rows) == 3 + 3 + 1, proc.stdout
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert float(cells[2]) > 0 and cells[5].endswith("×"), r  # flatopt ms; a ratio (the reference ran)
