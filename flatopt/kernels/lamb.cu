@@ -9,6 +9,8 @@
 //                p <- p + u * scal[0]
 // Every kernel must be launched with blockDim.x == SQ_THREADS.
 #include "sq_sum.cuh"
+
+template <typename T>
 __device__ __forceinline__ T lamb_u(const T mi, const T vi, const T pi, const T bc1, const T bc2, const T eps,
                                     const T wd, const int has_wd) {
   const T den = sqrt(vi / bc2) + eps;

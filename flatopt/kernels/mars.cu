@@ -8,6 +8,8 @@
 //                   step; g_prev <- g
 // Every kernel must be launched with blockDim.x == SQ_THREADS.
 #include "sq_sum.cuh"
+
+template <typename T>
 __device__ __forceinline__ T mars_c(const T gi, const T gpi, const T coef) {
   return gi + (gi - gpi) * coef;
 }

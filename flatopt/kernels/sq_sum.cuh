@@ -39,5 +39,3 @@ __device__ __forceinline__ long long sq_column(const long long nb) {
   const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;
   return (i * nb + blockIdx.x) * SQ_LANES + j;
 }
-
-template <typename T>
