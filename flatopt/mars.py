@@ -37,6 +37,7 @@ import numpy as np
 from .adam import bias_corrections, check_bool, check_common, moments
 from .core import backend, blocks, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, LrScale
 from .core.validate import check_range
 
@@ -173,6 +174,21 @@ def kernel_update(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int,
     return True
 
 
+def _multi_args(cfg: MarsConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``mars_multi``'s arguments after ``base_lr``: the float64 operands of each tensor's decay and step size (as
+    ``_scalars`` derives them), then the rest rounded to the dtype."""
+    coef, omb1, b2, omb2, _, bc2_sqrt, eps, _ = _scalars(cfg, t, 0.0)
+    return (float(cfg.weight_decay), bias_corrections(cfg.betas, t)[0], dt(coef), dt(omb1), dt(b2), dt(omb2),
+            dt(bc2_sqrt), dt(eps), np.int32(cfg.weight_decay != 0), np.int32(cfg.clip_c))
+
+
+# A group of tensors in three launches on CuPy, one without clip_c (core/multi_tensor.py): the partials of ‖c‖² of
+# every tensor, the per-tensor folds into the clip divisor, the step.
+MULTI = MultiTensor("mars.cu", "mars_multi", lambda st, p: (st.g_prev, st.m, st.v), _multi_args,
+                    norms=Norms(1, "mars_partials_multi", "mars_clip_multi",
+                                lambda cfg, t, dt: (dt(_scalars(cfg, t, 0.0)[0]),), lambda cfg: cfg.clip_c))
+
+
 class Mars(PerParamOptimizer):
     """``Mars(lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, gamma=0.025, clip_c=True)``: see the
     module doc."""
@@ -183,6 +199,7 @@ class Mars(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MULTI
 
     def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
                  weight_decay: float = 0.0, gamma: float = 0.025, clip_c: bool = True, *,
