@@ -19,7 +19,8 @@ would be NaN and poison the whole tensor; here only the non-finite elements are)
 correction, decay outside the ratio, ‖θ‖ clamped at 10, ε on ψ).  The conformance tests compare with a float64
 transcription of optax's chain (optax/jax are not installed in CI).  GPU: ``kernels/lamb.cu``, three launches per tensor (moments and
 the per-block partials of ‖θ‖² and ‖u‖², the fold into r·(−η), the update; no atomics, no host synchronisation), bit-
-identical to the twin.  The whole tensor is one task
+identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in the same three launches
+(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  The whole tensor is one task
 (the norms need all of it): ``step_batch`` spreads tensors, not chunks, over threads.  ``end_iteration`` only
 counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """

@@ -21,7 +21,8 @@ rule at ε = 1e-8 (so the conformance test runs it at ε = 1e-12, and checks ε 
 transcription of the official ``update_fn``).  mars-lion, mars-shampoo and the exact two-gradient mode are not
 offered.  GPU: ``kernels/mars.cu``, three launches per tensor with clip_c (the per-block
 partials of ‖c‖², the fold into max(‖c‖, 1), the step), one without; no atomics, no host synchronisation;
-bit-identical to the twin.  Each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
+bit-identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in as many launches
+(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  Each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
 ``g_prev`` (12 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 

@@ -161,17 +161,17 @@ class Group:
             if self.spec.norms is None:
                 self.fn((self.nblocks,), (BLOCK,), args)
             else:
-                self._launch_norms(config, t, args)
+                self._launch_norms(config, t, base_lr, args)
 
-    def _launch_norms(self, config, t: int, args: tuple) -> None:
+    def _launch_norms(self, config, t: int, base_lr: float, args: tuple) -> None:
         """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``)."""
         norms, dt = self.spec.norms, self.dtype.type
         if norms.active(config):
             threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
             self.partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
                                                       *norms.partial_args(config, t, dt)))
-            self.fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, args[4], self.parts,
-                                                     self.scal))
+            self.fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr),
+                                                     self.parts, self.scal))
         self.fn((self.nblocks,), (BLOCK,), (*args, self.scal))
 
 
