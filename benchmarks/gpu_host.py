@@ -52,6 +52,14 @@ def _factories():
     return {
         "adamw": (lambda: f.AdamW(lr=1e-3, weight_decay=1e-2), 7 * 4, 0),
         "sgd": (lambda: f.SGD(lr=1e-2, momentum=0.9, weight_decay=1e-4), 5 * 4, 0),
+        "adam": (lambda: f.Adam(lr=1e-3, weight_decay=1e-2), 7 * 4, 0),
+        "nadamw": (lambda: f.NAdamW(lr=1e-3), 7 * 4, 0),
+        "radam": (lambda: f.RAdam(lr=1e-3), 7 * 4, 0),
+        "qhadamw": (lambda: f.QHAdamW(lr=1e-3), 7 * 4, 0),
+        "lion": (lambda: f.Lion(lr=1e-4, weight_decay=1e-2), 5 * 4, 0),
+        "sophia": (lambda: f.Sophia(lr=1e-4), 6 * 4, 0),
+        "lamb": (lambda: f.Lamb(lr=1e-3), (6 + 4) * 4, 0),  # moments + partials (p g m v), then the apply (p m v)
+        "mars": (lambda: f.Mars(lr=3e-3), (2 + 9) * 4, 0),  # the partials of ||c||² (g g_prev), then the step
         "adafactor": (lambda: f.Adafactor(), 3 * 4 + 4, 0),
         "af8": (lambda: f.Adafactor8Bit(lr=1e-2), 3 * 4 + 1, 0),
         "af8m": (lambda: f.Adafactor8Bit(lr=1e-2, beta1=0.9), 3 * 4 + 2 + 1, 0),
@@ -65,7 +73,7 @@ def _factories():
 def workloads(kind: str, quick: bool):
     b = transformer_shapes(d=128, layers=6, vocab=1024, ctx=256) if quick else transformer_shapes()
     tag = " (small)" if quick else " (24.2M)"
-    if kind in ("adamw", "sgd"):
+    if kind in ("adamw", "sgd", "adam", "nadamw", "radam", "qhadamw", "lion", "sophia", "lamb", "mars"):
         return [("76 tensors" + tag, b), ("500 x 64", [(64,)] * 500)]
     if kind == "adafactor":
         return [("76 tensors" + tag, b), ("4096 x 4096", [(1024, 1024)] if quick else [(4096, 4096)])]

@@ -30,6 +30,7 @@ import numpy as np
 
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
 from .core.validate import check_lr, check_range
 
@@ -139,6 +140,13 @@ def kernel_update(cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int,
     return True
 
 
+def _multi_args(cfg: AdamConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``adam_multi``'s arguments after ``base_lr`` (each tensor's step size is derived in the kernel)."""
+    wd, omb1, b2, omb2, bc2_sqrt, eps, _ = _scalars(cfg, t, 0.0)
+    return (bias_corrections(cfg.betas, t)[0], dt(wd), dt(omb1), dt(b2), dt(omb2), dt(bc2_sqrt), dt(eps),
+            np.int32(cfg.amsgrad))
+
+
 class Adam(PerParamOptimizer):
     """``Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False)``: see the module doc."""
 
@@ -148,6 +156,8 @@ class Adam(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MultiTensor("adam.cu", "adam_multi",  # one launch for many tensors on CuPy (core/multi_tensor.py)
+                               lambda st, p: (st.m, st.v, st.vmax if st.vmax is not None else st.v), _multi_args)
     elementwise = True
     scratch_buffers = 2
     matters = ("amsgrad",)

@@ -19,7 +19,8 @@ would be NaN and poison the whole tensor; here only the non-finite elements are)
 correction, decay outside the ratio, ‖θ‖ clamped at 10, ε on ψ).  The conformance tests compare with a float64
 transcription of optax's chain (optax/jax are not installed in CI).  GPU: ``kernels/lamb.cu``, three launches per tensor (moments and
 the per-block partials of ‖θ‖² and ‖u‖², the fold into r·(−η), the update; no atomics, no host synchronisation), bit-
-identical to the twin.  The whole tensor is one task
+identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in the same three launches
+(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  The whole tensor is one task
 (the norms need all of it): ``step_batch`` spreads tensors, not chunks, over threads.  ``end_iteration`` only
 counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
@@ -36,6 +37,7 @@ import numpy as np
 from .adam import bias_corrections, check_common, moments
 from .core import backend, blocks, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, LrScale
 
 _SCRATCH = {"persist": False}
@@ -173,6 +175,23 @@ def kernel_update(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int,
     return True
 
 
+def _partial_args(cfg: LambConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``lamb_partials_multi``'s arguments after the partials (``lamb_moments``' scalars)."""
+    return (*(dt(x) for x in _scalars(cfg, t)), dt(cfg.weight_decay), np.int32(cfg.weight_decay != 0))
+
+
+def _apply_args(cfg: LambConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``lamb_apply_multi``'s arguments after ``base_lr`` (``lamb_apply``'s scalars; r·(−lr) comes from the fold)."""
+    bc1, bc2, eps = _scalars(cfg, t)[3:]
+    return dt(bc1), dt(bc2), dt(eps), dt(cfg.weight_decay), np.int32(cfg.weight_decay != 0)
+
+
+# A group of tensors in three launches on CuPy (core/multi_tensor.py): the partials of ‖θ‖² and ‖u‖² of every
+# tensor, the per-tensor folds into r·(−lr), the update.
+MULTI = MultiTensor("lamb.cu", "lamb_apply_multi", lambda st, p: (st.m, st.v), _apply_args,
+                    norms=Norms(2, "lamb_partials_multi", "lamb_ratio_multi", _partial_args))
+
+
 class Lamb(PerParamOptimizer):
     """``Lamb(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2)``: see the module doc."""
 
@@ -182,6 +201,7 @@ class Lamb(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MULTI
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 1e-2, *, lr_scale: LrScale = None) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from .adam import check_common
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
 
 
@@ -101,6 +102,12 @@ def kernel_update(cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int,
     return True
 
 
+def _multi_args(cfg: LionConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``lion_multi``'s arguments after ``base_lr`` (each tensor's decay and −lr are derived in the kernel)."""
+    _, *scal, _ = _scalars(cfg, 0.0)
+    return (float(cfg.weight_decay), *(dt(x) for x in scal), np.int32(cfg.weight_decay != 0))
+
+
 class Lion(PerParamOptimizer):
     """``Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)``: see the module doc."""
 
@@ -110,6 +117,8 @@ class Lion(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MultiTensor("lion.cu", "lion_multi",  # one launch for many tensors on CuPy
+                               lambda st, p: (st.m,), _multi_args)  # (core/multi_tensor.py)
     elementwise = True
     scratch_buffers = 2
 

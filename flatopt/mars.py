@@ -21,7 +21,8 @@ rule at ε = 1e-8 (so the conformance test runs it at ε = 1e-12, and checks ε 
 transcription of the official ``update_fn``).  mars-lion, mars-shampoo and the exact two-gradient mode are not
 offered.  GPU: ``kernels/mars.cu``, three launches per tensor with clip_c (the per-block
 partials of ‖c‖², the fold into max(‖c‖, 1), the step), one without; no atomics, no host synchronisation;
-bit-identical to the twin.  Each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
+bit-identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in as many launches
+(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  Each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
 ``g_prev`` (12 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
@@ -37,6 +38,7 @@ import numpy as np
 from .adam import bias_corrections, check_bool, check_common, moments
 from .core import backend, blocks, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, LrScale
 from .core.validate import check_range
 
@@ -173,6 +175,21 @@ def kernel_update(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int,
     return True
 
 
+def _multi_args(cfg: MarsConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``mars_multi``'s arguments after ``base_lr``: the float64 operands of each tensor's decay and step size (as
+    ``_scalars`` derives them), then the rest rounded to the dtype."""
+    coef, omb1, b2, omb2, _, bc2_sqrt, eps, _ = _scalars(cfg, t, 0.0)
+    return (float(cfg.weight_decay), bias_corrections(cfg.betas, t)[0], dt(coef), dt(omb1), dt(b2), dt(omb2),
+            dt(bc2_sqrt), dt(eps), np.int32(cfg.weight_decay != 0), np.int32(cfg.clip_c))
+
+
+# A group of tensors in three launches on CuPy, one without clip_c (core/multi_tensor.py): the partials of ‖c‖² of
+# every tensor, the per-tensor folds into the clip divisor, the step.
+MULTI = MultiTensor("mars.cu", "mars_multi", lambda st, p: (st.g_prev, st.m, st.v), _multi_args,
+                    norms=Norms(1, "mars_partials_multi", "mars_clip_multi",
+                                lambda cfg, t, dt: (dt(_scalars(cfg, t, 0.0)[0]),), lambda cfg: cfg.clip_c))
+
+
 class Mars(PerParamOptimizer):
     """``Mars(lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, gamma=0.025, clip_c=True)``: see the
     module doc."""
@@ -183,6 +200,7 @@ class Mars(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MULTI
 
     def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
                  weight_decay: float = 0.0, gamma: float = 0.025, clip_c: bool = True, *,

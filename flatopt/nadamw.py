@@ -32,6 +32,7 @@ import numpy as np
 from .adam import bias_corrections, check_common, moments, zeros_state
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
 
 
@@ -93,6 +94,18 @@ def kernel_update(cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: 
     return True
 
 
+def _multi_args(cfg: NAdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``nadamw_multi``'s arguments after ``base_lr``: the float64 operands from which the kernel derives each
+    tensor's decay, c_g and c_m as ``_scalars`` does, then the rest rounded to the dtype."""
+    b1 = cfg.betas[0]
+    _, omb1, b2, omb2, bc2, eps, _, _ = _scalars(cfg, t, 0.0)
+    return (float(cfg.weight_decay), b1, omb1, bias_corrections(cfg.betas, t)[0], 1.0 - b1 ** (t + 1), dt(omb1),
+            dt(b2), dt(omb2), dt(bc2), dt(eps), np.int32(cfg.weight_decay != 0))
+
+
+MULTI = MultiTensor("nadamw.cu", "nadamw_multi", lambda st, p: (st.m, st.v), _multi_args)
+
+
 class NAdamW(PerParamOptimizer):
     """``NAdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)``: see the module doc."""
 
@@ -102,6 +115,7 @@ class NAdamW(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
     scratch_buffers = 2
 

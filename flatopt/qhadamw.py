@@ -29,6 +29,7 @@ import numpy as np
 from .adam import bias_corrections, check_common, moments, zeros_state
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
 from .core.validate import check_range
 
@@ -103,6 +104,13 @@ def kernel_update(cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t
     return True
 
 
+def _multi_args(cfg: QHAdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``qhadamw_multi``'s arguments after ``base_lr`` (each tensor's decay and −lr are derived in the kernel)."""
+    _, *scal, eps, _ = _scalars(cfg, t, 0.0)
+    flags = (cfg.weight_decay != 0) | (cfg.nus[0] != 1.0) << 1 | (cfg.nus[1] != 1.0) << 2
+    return (float(cfg.weight_decay), *(dt(x) for x in scal), dt(eps), np.int32(flags))
+
+
 class QHAdamW(PerParamOptimizer):
     """``QHAdamW(lr=1e-3, betas=(0.995, 0.999), nus=(0.7, 1.0), eps=1e-8, weight_decay=1e-2)``: see the module
     doc."""
@@ -113,6 +121,8 @@ class QHAdamW(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MultiTensor("qhadamw.cu", "qhadamw_multi",  # one launch for many tensors on CuPy
+                               lambda st, p: (st.m, st.v), _multi_args)  # (core/multi_tensor.py)
     elementwise = True
     scratch_buffers = 3
 

@@ -33,6 +33,7 @@ import numpy as np
 from .adam import bias_corrections, check_bool, check_common, moments, zeros_state
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
 from .core.validate import check_range
 
@@ -63,15 +64,25 @@ def init(xp: Any, cfg: RAdamConfig, shape: tuple[int, ...], dtype: Any) -> RAdam
 
 
 @functools.lru_cache(maxsize=16)
-def _scalars(cfg: RAdamConfig, t: int, lr: float) -> tuple[Any, ...]:
-    """(wd, decay, 1 − β1, β2, 1 − β2, ε, rectified, step factor)."""
-    b1, b2 = cfg.betas
-    bc1, bc2 = bias_corrections(cfg.betas, t)
+def _rectification(cfg: RAdamConfig, t: int) -> tuple[bool, float]:
+    """(ρ_t > threshold, r) in float64 (r = 0 when not rectified)."""
+    b2 = cfg.betas[1]
+    bc2 = bias_corrections(cfg.betas, t)[1]
     rho_inf = 2.0 / (1.0 - b2) - 1.0
     rho_t = rho_inf - 2.0 * t * (b2 ** t) / bc2
-    rect = rho_t > cfg.threshold
+    if rho_t > cfg.threshold:
+        return True, math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+    return False, 0.0
+
+
+@functools.lru_cache(maxsize=16)
+def _scalars(cfg: RAdamConfig, t: int, lr: float) -> tuple[Any, ...]:
+    """(wd, decay, 1 − β1, β2, 1 − β2, ε, rectified, step factor); ``kernels/radam.cu``'s ``radam_multi`` derives
+    the decay and the factor from ``lr`` with these operations, in double."""
+    b1, b2 = cfg.betas
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    rect, r = _rectification(cfg, t)
     if rect:
-        r = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
         factor = -lr * r * math.sqrt(bc2) / bc1
     else:
         factor = -lr / bc1
@@ -114,6 +125,20 @@ def kernel_update(cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: in
     return True
 
 
+def _multi_args(cfg: RAdamConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``radam_multi``'s arguments after ``base_lr``: the float64 operands of each tensor's decay and factor, then
+    the rest rounded to the dtype."""
+    wd, _, omb1, b2, omb2, eps, _, _ = _scalars(cfg, t, 0.0)
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    rect, r = _rectification(cfg, t)
+    mode = 0 if cfg.weight_decay == 0 else (2 if cfg.decoupled_weight_decay else 1)
+    return (float(cfg.weight_decay), r, math.sqrt(bc2), bc1, dt(wd), dt(omb1), dt(b2), dt(omb2), dt(eps),
+            np.int32(mode), np.int32(rect))
+
+
+MULTI = MultiTensor("radam.cu", "radam_multi", lambda st, p: (st.m, st.v), _multi_args)
+
+
 class RAdam(PerParamOptimizer):
     """``RAdam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
     threshold=5.0)``: see the module doc."""
@@ -124,6 +149,7 @@ class RAdam(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
     scratch_buffers = 2
 

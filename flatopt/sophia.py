@@ -38,6 +38,7 @@ import numpy as np
 from .adam import check_common
 from .core import backend, kernels
 from .core.driver import PerParamOptimizer
+from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
 from .core.slots import Slot
 from .core.validate import check_array, check_range, check_shape
@@ -103,6 +104,15 @@ def kernel_update(cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: 
     return True
 
 
+def _multi_args(cfg: SophiaConfig, t: int, dt: Any) -> tuple[Any, ...]:
+    """``sophia_multi``'s arguments after ``base_lr`` (each tensor's decay and −lr are derived in the kernel)."""
+    _, *scal, _ = _scalars(cfg, 0.0)
+    return (float(cfg.weight_decay), *(dt(x) for x in scal), np.int32(cfg.weight_decay != 0))
+
+
+MULTI = MultiTensor("sophia.cu", "sophia_multi", lambda st, p: (st.m, st.h), _multi_args)
+
+
 class Sophia(PerParamOptimizer):
     """``Sophia(lr=1e-4, betas=(0.965, 0.99), rho=0.04, weight_decay=1e-1, eps=1e-15)`` plus
     ``update_hessian(name, shape, h_hat)``: see the module doc."""
@@ -113,6 +123,7 @@ class Sophia(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
+    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py); h updated in place
     elementwise = True
     scratch_buffers = 2
 

@@ -1,13 +1,16 @@
-"""Multi-tensor AdamW/SGD kernels (``core/multi_tensor.py``) on the GPU path: on a real GPU when one answers, else on
-the emulated device (``tests/cuda_emu``), as ``tests/test_gpu.py``.
+"""Multi-tensor kernels (``core/multi_tensor.py``) of SGD, AdamW and the catalogue's elementwise algorithms (Adam,
+NAdamW, RAdam, QHAdamW, Lion, Sophia; Lamb and Mars with their per-tensor norms) on the GPU path: on a real GPU
+when one answers, else on the emulated device (``tests/cuda_emu``), as ``tests/test_gpu.py``.
 
 * ``step_batch`` (one multi-tensor launch per (dtype, t) group) is bit-identical to ``step`` per item (the
   per-tensor kernel) and to the twin (``FLATOPT_FORCE_TWIN=1``): params and every state array, over mixed sizes
   (0 and 1 element, sizes on and across chunk boundaries), float32 and float64 in one batch, different lr_scales,
-  items at different step counts; the tensors are views into one buffer with sentinel gaps, so a write outside a
-  tensor's range through the table's addresses shows up;
-* a steady-state step of the issue's workloads (76 tensors; 500 x 64) costs at most 4 launches, no host
-  synchronisation and no device allocation (counted by the stand-in).
+  items at different step counts, weight decay and non-default betas, RAdam across its rectification threshold,
+  Sophia with Hessian estimates set between steps, Lamb and Mars over tensors of one and of many norm blocks; the
+  tensors are views into one buffer with sentinel gaps, so a write outside a tensor's range through the table's
+  addresses shows up;
+* a steady-state step of the issue's workloads (76 tensors; 500 x 64) costs at most 4 launches (one per group, three
+  for Lamb and Mars), no host synchronisation and no device allocation (counted by the stand-in).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from flatopt.core import multi_tensor as mt
 
 from .cuda_emu import emu, fakecupy
 
+LAUNCHES = {"lamb": 3, "lamb_nowd": 3, "mars": 3}  # multi-tensor launches per group (default 1)
+STEPS = {"radam_l2": 5}  # batch steps (default 3): RAdam's rectification starts within them
+SCALES = {"t1": 0.5, "t3": 3.0, "t5": 1.5, "d2": 0.25, "d4": 0.7}
 GAP = 7  # sentinel elements between two tensors of the shared buffer
 SENTINEL = 12345.0
 
@@ -37,6 +43,24 @@ MAKERS = {
                                            lr_scale=lambda n: 2.0 if n.endswith("0") else 1.0),
     "sgd_dampening": lambda: flatopt.SGD(lr=0.05, momentum=0.8, dampening=0.3),
     "sgd_plain": lambda: flatopt.SGD(lr=0.1),
+    # the catalogue's elementwise algorithms: weight decay, non-default betas, per-tensor lr_scale
+    "adam_l2": lambda: flatopt.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2, lr_scale=SCALES),
+    "adam_amsgrad": lambda: flatopt.Adam(lr=3e-3, betas=(0.85, 0.95), amsgrad=True, weight_decay=0.1),
+    "nadamw": lambda: flatopt.NAdamW(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05, lr_scale=SCALES),
+    "radam_l2": lambda: flatopt.RAdam(lr=1e-2, betas=(0.8, 0.9), weight_decay=1e-2, threshold=4.0,
+                                      lr_scale=SCALES),  # rectified from t = 5 on (STEPS)
+    "radam_decoupled": lambda: flatopt.RAdam(lr=1e-2, betas=(0.9, 0.7), weight_decay=0.1,
+                                             decoupled_weight_decay=True, lr_scale=SCALES),
+    "qhadamw": lambda: flatopt.QHAdamW(lr=1e-2, betas=(0.9, 0.99), nus=(0.6, 0.8), weight_decay=0.05,
+                                       lr_scale=SCALES),
+    "qhadamw_nu1": lambda: flatopt.QHAdamW(lr=1e-2, nus=(1.0, 1.0), weight_decay=0.0),
+    "lion": lambda: flatopt.Lion(lr=1e-3, betas=(0.8, 0.95), weight_decay=0.5, lr_scale=SCALES),
+    "sophia": lambda: flatopt.Sophia(lr=1e-3, betas=(0.9, 0.95), rho=0.5, weight_decay=0.2, lr_scale=SCALES),
+    # per-tensor norms (core/multi_tensor.py `Norms`): partials, per-tensor folds, the elementwise kernel
+    "lamb": lambda: flatopt.Lamb(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05, lr_scale=SCALES),
+    "lamb_nowd": lambda: flatopt.Lamb(lr=1e-2, eps=1e-8, weight_decay=0.0),
+    "mars": lambda: flatopt.Mars(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, gamma=0.05, lr_scale=SCALES),
+    "mars_noclip": lambda: flatopt.Mars(lr=1e-2, clip_c=False, lr_scale=SCALES),
 }
 
 
@@ -77,7 +101,7 @@ def _gaps_intact(whole):
         assert np.all(host[mask] == SENTINEL), "a write outside a tensor's range"
 
 
-def _run(cp, kind, mode, chunk, monkeypatch, steps=3):
+def _run(cp, kind, mode, chunk, monkeypatch, steps):
     monkeypatch.setattr(mt, "CHUNK", chunk)
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1" if mode == "twin" else "0")
     layout = _layout(chunk)
@@ -96,6 +120,10 @@ def _run(cp, kind, mode, chunk, monkeypatch, steps=3):
         else:
             opt.step_batch(items)
         _gaps_intact(gwhole)
+        if hasattr(opt, "update_hessian"):  # Sophia: a new Hessian estimate between steps (h updated in place)
+            hess, _ = _buffers(cp, layout, 200 + k)
+            for n, size, _ in layout:
+                opt.update_hessian(n, (size,), hess[n] * hess[n])
     _gaps_intact(pwhole)
     st = opt.state_dict()
     return {n: backend.to_numpy(p) for n, p in params.items()}, st
@@ -107,10 +135,12 @@ def test_multi_tensor_bit_identical_to_per_tensor_kernel_and_twin(kind, chunk, m
     cp = backend.cupy()
     if gpu_device == "emulated":
         emu.stats.by_kernel.clear()
-    got = {mode: _run(cp, kind, mode, chunk, monkeypatch) for mode in ("single", "batch", "twin")}
+    steps = STEPS.get(kind, 3)
+    got = {mode: _run(cp, kind, mode, chunk, monkeypatch, steps) for mode in ("single", "batch", "twin")}
     if gpu_device == "emulated":
         multi = sum(v for k, v in emu.stats.by_kernel.items() if "_multi<" in k)
-        assert multi == 3 * 4, emu.stats.by_kernel  # 3 batch steps x (2 dtypes x 2 step counts)
+        # batch steps x (2 dtypes x 2 step counts) x the launches of a group
+        assert multi == steps * 4 * LAUNCHES.get(kind, 1), emu.stats.by_kernel
     ref_p, ref_s = got["single"]
     for mode in ("batch", "twin"):
         p, s = got[mode]
@@ -138,7 +168,8 @@ def _small_transformer():
     return shapes + [(d,), (d,)]
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd_nesterov_wd"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd_nesterov_wd", "adam_l2", "nadamw", "radam_l2", "qhadamw", "lion",
+                                  "sophia", "lamb", "mars", "mars_noclip"])
 @pytest.mark.parametrize("shapes", [_small_transformer(), [(64,)] * 500], ids=["76_tensors", "500x64"])
 def test_steady_state_launches_syncs_allocations(kind, shapes, gpu_device):
     if gpu_device != "emulated":
@@ -155,6 +186,6 @@ def test_steady_state_launches_syncs_allocations(kind, shapes, gpu_device):
         opt.step_batch(items)
     launches = fakecupy.stats.launches + fakecupy.stats.ops - ops
     assert launches <= 4, launches
-    assert fakecupy.stats.launches == 1  # one dtype, one step count: one multi-tensor launch
+    assert fakecupy.stats.launches == LAUNCHES.get(kind, 1)  # one dtype, one step count: one group
     assert fakecupy.stats.syncs == 0
     assert fakecupy.stats.allocs == 0

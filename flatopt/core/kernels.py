@@ -23,16 +23,17 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 KERNELS: dict[str, tuple[str, ...]] = {
     "adafactor.cu": ("af_row_sumsq", "af_col_sumsq", "af_ema", "af_factors", "af_v_update", "af_sumsq_partials", "af_u_partials", "af_scalars", "af_apply"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
-    "adam.cu": ("adam_step",),
+    "adam.cu": ("adam_step", "adam_multi"),
     "adamw.cu": ("adamw_step", "adamw_multi"),
-    "lamb.cu": ("lamb_moments", "lamb_ratio", "lamb_apply"),
-    "lion.cu": ("lion_step",),
-    "mars.cu": ("mars_c_partials", "mars_clip", "mars_step"),
-    "nadamw.cu": ("nadamw_step",),
-    "qhadamw.cu": ("qhadamw_step",),
-    "radam.cu": ("radam_step",),
+    "lamb.cu": ("lamb_moments", "lamb_ratio", "lamb_apply", "lamb_partials_multi", "lamb_ratio_multi",
+                "lamb_apply_multi"),
+    "lion.cu": ("lion_step", "lion_multi"),
+    "mars.cu": ("mars_c_partials", "mars_clip", "mars_step", "mars_partials_multi", "mars_clip_multi", "mars_multi"),
+    "nadamw.cu": ("nadamw_step", "nadamw_multi"),
+    "qhadamw.cu": ("qhadamw_step", "qhadamw_multi"),
+    "radam.cu": ("radam_step", "radam_multi"),
     "sgd.cu": ("sgd_step", "sgd_multi"),
-    "sophia.cu": ("sophia_step",),
+    "sophia.cu": ("sophia_step", "sophia_multi"),
 }
 
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}

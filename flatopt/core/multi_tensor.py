@@ -32,6 +32,21 @@ long* blocks, const double* scales, long long chunk, double base_lr, <args>)``, 
 stand-in address such as ``p`` for an absent one the kernel does not touch) and ``args(config, t, dtype)`` the
 launch's arguments after ``base_lr``.  The algorithm's learning rate must be the driver's ``base_lr * lr_scale``
 (``_effective_lr`` not overridden) and its state updated in place.
+
+**Per-tensor norms** (Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a :class:`Norms` in ``MultiTensor(..., norms=...)`` runs two
+passes before the elementwise kernel, so a group costs three launches whatever its number of tensors.  The per-tensor
+kernels sum squares in ``core.blocks``' blocked order: a first pass of ``sq_blocks(n)`` blocks writes one partial per
+block, a one-block fold adds them (``kernels/sq_sum.cuh``).  The group's table then also holds
+
+* ``segs``: one (tensor index, c) pair per block c of each tensor's first pass (``norms.partials`` runs launch block
+  b as that tensor's block c, with the tensor's own block count, so each partial is the per-tensor kernel's);
+* ``spans``: one (offset, nb) pair per tensor: its nb partials of sum k are ``parts[k * nparts + offset ...]``;
+
+and a device buffer of ``sums * nparts`` partials plus one scalar per tensor (``scal``), allocated with the plan.
+``norms.fold`` runs one block per tensor, folds its partials in the per-tensor fold's order and writes ``scal[ti]``;
+the elementwise kernel reads it.  Signatures: ``partials(tensors, segs, spans, nparts, parts, <partial_args>)``,
+``fold(spans, scales, nparts, base_lr, parts, scal)``, the elementwise kernel's as above with ``scal`` last.  When
+``norms.active(config)`` is false (Mars without clip_c) only the elementwise kernel runs (``scal`` unread).
 """
 
 from __future__ import annotations
@@ -41,11 +56,26 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import backend, kernels
+from . import backend, blocks as sq, kernels
 
 # Elements per chunk (one block each); 256 threads per block: 128 elements per thread.
 CHUNK = 1 << 15
 BLOCK = 256
+
+
+def _always(config: Any) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Norms:
+    """The per-tensor sums of squares a multi-tensor kernel needs first (see the module docstring)."""
+
+    sums: int  # sums of squares per tensor
+    partials: str  # kernel: one block per (tensor, c) segment, the per-tensor first pass's block c
+    fold: str  # kernel: one block per tensor, folds its partials into scal[ti]
+    partial_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after parts
+    active: Callable[[Any], bool] = _always  # (config) -> whether the passes run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +86,7 @@ class MultiTensor:
     kernel: str  # the template kernel's name (registered in core.kernels.KERNELS)
     arrays: Callable[[Any, Any], tuple]  # (state, p) -> the state arrays of a table row, after p and g
     args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after base_lr
+    norms: Norms | None = None  # per-tensor sums of squares before the elementwise kernel (Lamb, Mars)
 
 
 def _ptr(a) -> int:
@@ -82,10 +113,13 @@ class Group:
             blocks.extend((r, lo) for lo in range(0, p.size, chunk))
         self.nblocks = len(blocks)
         nt, nb = rows.size, 2 * len(blocks)
-        host = np.empty(nt + nb + len(members), np.int64)
+        norm_tables = _norm_tables(members) if spec.norms is not None else np.empty(0, np.int64)
+        ns = nt + nb + len(members)
+        host = np.empty(ns + norm_tables.size, np.int64)
         host[:nt] = rows.reshape(-1)
         host[nt:nt + nb] = np.asarray(blocks, np.int64).reshape(-1) if blocks else 0
-        host[nt + nb:] = np.asarray([float(m[3]) for m in members], np.float64).view(np.int64)
+        host[nt + nb:ns] = np.asarray([float(m[3]) for m in members], np.float64).view(np.int64)
+        host[ns:] = norm_tables
         with self.device:
             stream = cp.cuda.get_current_stream()
             table = cp.asarray(host)  # async, through CuPy's pinned staging (see the module docstring)
@@ -93,11 +127,24 @@ class Group:
             self.streams = {stream.ptr}
             self.tensors = table[:nt]
             self.blocks = table[nt:nt + nb]
-            self.scales = table[nt + nb:].view(cp.float64)
+            self.scales = table[nt + nb:ns].view(cp.float64)
             self.fn = kernels.get(spec.source, spec.kernel, self.dtype)
+            if spec.norms is not None:
+                self._norms_init(cp, spec, table[ns:], len(members))
         self.table = table
         self.keep = keep
         self.chunk_arg = np.int64(chunk)
+
+    def _norms_init(self, cp, spec: MultiTensor, tables, ntensors: int) -> None:
+        """The segment and span tables (views of the uploaded table), the partials' buffer and the two kernels."""
+        nsegs = (tables.size - 2 * ntensors) // 2
+        self.ntensors, self.nsegs = ntensors, nsegs
+        self.segs, self.spans = tables[:2 * nsegs], tables[2 * nsegs:]
+        self.nparts = np.int64(nsegs)
+        parts = cp.empty(spec.norms.sums * nsegs + ntensors, self.dtype)  # once per plan, never per step
+        self.parts, self.scal = parts[:spec.norms.sums * nsegs], parts[spec.norms.sums * nsegs:]
+        self.partials_fn = kernels.get(spec.source, spec.norms.partials, self.dtype)
+        self.fold_fn = kernels.get(spec.source, spec.norms.fold, self.dtype)
 
     def launch(self, config, t: int, base_lr: float) -> None:
         """One launch for every tensor of the group (no host synchronisation, nothing allocated)."""
@@ -111,4 +158,31 @@ class Group:
             if stream.ptr not in self.streams:  # the table was uploaded on another stream: order after it
                 stream.wait_event(self.uploaded)
                 self.streams.add(stream.ptr)
-            self.fn((self.nblocks,), (BLOCK,), args)
+            if self.spec.norms is None:
+                self.fn((self.nblocks,), (BLOCK,), args)
+            else:
+                self._launch_norms(config, t, base_lr, args)
+
+    def _launch_norms(self, config, t: int, base_lr: float, args: tuple) -> None:
+        """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``)."""
+        norms, dt = self.spec.norms, self.dtype.type
+        if norms.active(config):
+            threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
+            self.partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
+                                                      *norms.partial_args(config, t, dt)))
+            self.fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr),
+                                                     self.parts, self.scal))
+        self.fn((self.nblocks,), (BLOCK,), (*args, self.scal))
+
+
+def _norm_tables(members: list) -> np.ndarray:
+    """``segs`` then ``spans`` (see the module docstring): the blocks of each tensor's first pass, ``core.blocks``'
+    ``sq_blocks(n)`` of them (none for an empty tensor)."""
+    segs, spans, off = [], [], 0
+    for r, m in enumerate(members):
+        n = m[0].size
+        nb = sq.sq_blocks(n) if n else 0
+        spans.append((off, nb))
+        segs.extend((r, c) for c in range(nb))
+        off += nb
+    return np.asarray(segs + spans, np.int64).reshape(-1)

@@ -35,9 +35,10 @@ __device__ T sq_fold(const T* __restrict__ parts, const long long nb, T* sh) {
 }
 
 // The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/blocks.py): i * nb * L + c * L + j.
-__device__ __forceinline__ long long sq_column(const long long nb) {
+// (A multi-tensor pass, core/multi_tensor.py `Norms`, runs block c of a tensor as block b of its launch.)
+__device__ __forceinline__ long long sq_column(const long long nb, const long long c) {
   const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;
-  return (i * nb + blockIdx.x) * SQ_LANES + j;
+  return (i * nb + c) * SQ_LANES + j;
 }
 
-template <typename T>
+__device__ __forceinline__ long long sq_column(const long long nb) { return sq_column(nb, blockIdx.x); }
