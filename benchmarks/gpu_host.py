@@ -155,7 +155,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a smaller 76-tensor set")
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--numpy", action="store_true", help="time the NumPy path instead")
-    ap.add_argument("--only", default="adamw,sgd,adafactor,af8,af8m,came,apollo,muon,kron",
+    ap.add_argument("--only", default=",".join(_factories()),
                     help="comma-separated: " + ",".join(_factories()))
     args = ap.parse_args(argv)
     for kind in args.only.split(","):
