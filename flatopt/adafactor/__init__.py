@@ -44,7 +44,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import numerics as fm
+from . import gpu as fused, numerics as fm
 from .numerics import st_shape, step_sizes  # noqa: F401 - part of the module's API
 from ..core import blocks
 from ..core import gpu_run, shards
@@ -141,12 +141,6 @@ def phases(xp: Any, cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array
         yield from fm.unfactored_phases(xp, st, p, g, **kw)
 
 
-def kernel_update(cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    from .gpu import kernel_step  # noqa: PLC0415 - CuPy-only code
-
-    return kernel_step(cfg, st, p, g, t=t, lr=lr)
-
-
 class Adafactor(PerParamOptimizer):
     """``Adafactor(lr=None, beta2_decay=-0.8, eps1=1e-30, eps2=1e-3, clip_threshold=1.0, weight_decay=0.0, *,
     beta1=None, beta2=None, scale_parameter=None, warmup_init=False, factored=True, lr_scale=None)``.
@@ -159,7 +153,6 @@ class Adafactor(PerParamOptimizer):
     state_cls = AdafactorState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
     elementwise = False
     matters = ("factored",)
 
@@ -227,5 +220,11 @@ class Adafactor(PerParamOptimizer):
                 scratch: list[Array]) -> None:
         update(xp, self._step_cfg, state, param, grad, t=t, lr=lr, scratch=scratch)
 
-    def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int, lr: float) -> bool:
-        return kernel_update(self._step_cfg, state, param, grad, t=t, lr=lr)
+    def _kernel_batch(self, gpu: list[Any]) -> bool:
+        """The fused path of ``core.gpu_run.run_gpu``: every CuPy item of the step by segmented kernels (``gpu``)."""
+        fused.run(self, self._step_cfg, gpu)
+        return True
+
+    def _forget_plans(self) -> None:
+        super()._forget_plans()
+        fused.forget(self)
