@@ -25,8 +25,8 @@ step is replaced; parameter scaling keeps the setting resolved at construction, 
 iterations: t is per name and advances in ``step`` (a name without a gradient keeps its t, as HF and torch).
 
 Deviations from HF ``transformers.Adafactor`` (same rule; rounding-level differences only): ε₁ is added to the row and
-column means rather than to each G² (equal in exact arithmetic); Ũ is formed as (G·row factor)·(column factor·s)
-with the one scalar s = α/max(1, RMS(U)/d) (the CUDA kernel: ((G·row factor)·column factor)·s); state and
+column means rather than to each G² (equal in exact arithmetic); Ũ is formed as (G·(column factor·s))·row factor
+with the one scalar s = α/max(1, RMS(U)/d) (the CUDA kernels too); state and
 arithmetic are in the parameter's dtype (HF: an fp32 copy of fp16 params).  From ``torch.optim.Adafactor``: ε₁ is added to G² (torch floors mean(R) at ε₁ and V̂ at ε₁² instead), lr is not a
 cap of the relative step, weight decay is α·λ (torch: lr·λ), an optional first moment.  Non-finite gradients are
 not guarded (as in all references): a NaN enters the state and the parameter, identically on NumPy and CuPy.
@@ -34,6 +34,9 @@ not guarded (as in all references): a NaN enters the state and the parameter, id
 State per name: ``exp_avg_sq_row`` (prod(s[:-1])) and ``exp_avg_sq_col`` (prod(s[:-2])·s[-1]) when factored, else
 ``exp_avg_sq`` (n); ``exp_avg`` (n) with beta1; all flat, in the parameter's dtype.  About 4(r + c)/(r·c) bytes
 per float32 parameter for a factored matrix.  Use Adafactor where optimizer memory matters (large matrices).
+
+On CuPy every tensor of a step is stepped by one set of segmented kernels (``adafactor.gpu``: six launches per
+dtype and step count, whatever the number of tensors; ``step_batch`` ≡ serial bits).
 """
 
 from __future__ import annotations

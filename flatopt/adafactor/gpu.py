@@ -19,8 +19,13 @@ it each step: one upload, still far fewer launches than a launch per pass per te
 references to the params and grads (a freed array kills it: an ``id`` cannot be re-used while it lives) and strong
 ones to the state arrays it addresses.
 
+Workspace per factored (B, r, c) tensor: B·r + 2·B·c + 2·B·c·⌈r/32⌉ + B + 2 elements (≈ n/16 for a large matrix:
+the column sums' tile partials), plus 2·⌈n/4096⌉ with parameter scaling; per unfactored tensor 2·⌈n/4096⌉ + 2.
+
 Each tensor's reductions are cut and ordered by its shape alone (``kernels/adafactor.cu``), so a tensor's bits do not
-depend on the rest of its batch: ``step_batch`` ≡ serial ``step`` calls, bit for bit.
+depend on the rest of its batch: ``step_batch`` ≡ serial ``step`` calls, bit for bit.  Shapes the kernels serve less
+well (correct, only slower): a few very long rows (one warp sums a row, e.g. a (2, 10⁷) tensor) and narrow matrices
+(c < 256 leaves threads of the column-sum tiles idle).
 """
 
 from __future__ import annotations
