@@ -40,6 +40,7 @@ CONFIGS = {
     "manual_beta1_wd": dict(lr=1e-2, beta1=0.9, weight_decay=0.1),  # no scaling: decay 1 − ρλ from the host's double
     "scaled_beta1_wd": dict(beta1=0.8, weight_decay=0.05, clip_threshold=0.5),
     "unfactored": dict(lr=1e-2, beta2=0.99, factored=False, scale_parameter=True),
+    "unfactored_manual_wd": dict(lr=1e-2, factored=False, weight_decay=0.01),  # no Σθ² partials
 }
 TILE, CH = af_gpu.TILE_ROWS, af_gpu.CHUNK
 F32 = [(10 * TILE - 20, af_gpu.THREADS + 1), (TILE + 1, 70), (2 * TILE, af_gpu.THREADS), (0,), (1,), (CH + 1,),
@@ -157,8 +158,8 @@ def _bits(result, names):
 @pytest.mark.parametrize("config", ["relative", "scaled_beta1_wd", "unfactored"])
 def test_bits_do_not_depend_on_the_batch(config, monkeypatch):
     """A tensor's reductions are cut and ordered by its shape alone: its bits are the same stepped alone, in one
-    batch, in a reversed batch with other tensors of both dtypes, in two batches, and with a different step count
-    from the rest of its batch."""
+    batch, in a reversed batch with other tensors of both dtypes, and in two batches.  (The emulator also runs each
+    launch's blocks and threads in a rotating order: forward, reverse, seeded random; tests/cuda_emu/emu.py.)"""
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "0")
     cp = backend.cupy()
     core = [x for x in LAYOUT if x[0] in ("f0", "f1", "f4", "f5", "f6", "f10", "d0", "d1", "d4")]
