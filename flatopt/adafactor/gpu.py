@@ -17,7 +17,7 @@ same step-count offsets between its items and the same ``lr_scale``s (checked ag
 and the optimizer the same config; otherwise a new one is built (a batch of fresh gradient arrays each step rebuilds
 it each step: one upload, still far fewer launches than a launch per pass per tensor).  The plan holds weak
 references to the params and grads (a freed array kills it: an ``id`` cannot be re-used while it lives) and strong
-ones to the state arrays it addresses.
+ones to the states and the state arrays it addresses.
 
 Workspace per factored (B, r, c) tensor: B·r + 2·B·c + 2·B·c·⌈r/32⌉ + B + 2 elements (≈ n/16 for a large matrix:
 the column sums' tile partials), plus 2·⌈n/4096⌉ with parameter scaling; per unfactored tensor 2·⌈n/4096⌉ + 2.
@@ -177,6 +177,8 @@ class Plan:
         its, slots = list(map(_ITEM, items)), list(map(_SLOT, items))
         self.refs = step_plan.watch(self, (a for it in its for a in (it.param, it.grad)))
         self.ids = self._ids(its, slots)
+        self.states = [s.state for s in slots]  # held: their ids stay theirs (the driver never swaps a pinned
+        # state's arrays; an unpinned one, after load_state_dict, moves before its plan is built: plans are dropped)
         self.t0 = slots[0].t
         self.dt = [s.t - self.t0 for s in slots]
         lrs = list(map(_LR, items))
