@@ -173,9 +173,10 @@ def _steady_state_counts(opt, shapes, steps=3):
     (lambda: flatopt.AdamW(lr=1e-3), [(300,)], 1),
     (lambda: flatopt.AdamW(lr=1e-3), [(300,), (40, 30), (7,)], 1),  # one multi-tensor launch (core/multi_tensor.py)
     (lambda: flatopt.SGD(lr=1e-2, momentum=0.9), [(64, 32)], 1),
-    (lambda: flatopt.Adafactor(), [(64, 32)], 8),  # row, ema (1/R), col (+ W), ema, factors (+ ΣU²), θ partials,
-    # scalars, apply
-    (lambda: flatopt.Adafactor(), [(100,)], 5),  # v update, U partials, θ partials, scalars, apply
+    (lambda: flatopt.Adafactor(), [(64, 32)], 6),  # rows (R, 1/R) + θ partials, column tiles (+ W), column fold
+    # (C, factors), row factors (+ ΣU²), scalars, apply (adafactor/gpu.py)
+    (lambda: flatopt.Adafactor(), [(100,)], 3),  # V update + U and θ partials, scalars, apply
+    (lambda: flatopt.Adafactor(), [(64, 32), (100,), (3, 5, 7)], 6),  # the same passes for every tensor at once
 ])
 def test_launches_and_no_host_sync_per_step(make, shapes, launches):
     got, ops, syncs = _steady_state_counts(make(), shapes)

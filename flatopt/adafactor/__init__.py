@@ -25,8 +25,8 @@ step is replaced; parameter scaling keeps the setting resolved at construction, 
 iterations: t is per name and advances in ``step`` (a name without a gradient keeps its t, as HF and torch).
 
 Deviations from HF ``transformers.Adafactor`` (same rule; rounding-level differences only): ε₁ is added to the row and
-column means rather than to each G² (equal in exact arithmetic); Ũ is formed as (G·row factor)·(column factor·s)
-with the one scalar s = α/max(1, RMS(U)/d) (the CUDA kernel: ((G·row factor)·column factor)·s); state and
+column means rather than to each G² (equal in exact arithmetic); Ũ is formed as (G·(column factor·s))·row factor
+with the one scalar s = α/max(1, RMS(U)/d) (the CUDA kernels too); state and
 arithmetic are in the parameter's dtype (HF: an fp32 copy of fp16 params).  From ``torch.optim.Adafactor``: ε₁ is added to G² (torch floors mean(R) at ε₁ and V̂ at ε₁² instead), lr is not a
 cap of the relative step, weight decay is α·λ (torch: lr·λ), an optional first moment.  Non-finite gradients are
 not guarded (as in all references): a NaN enters the state and the parameter, identically on NumPy and CuPy.
@@ -34,6 +34,9 @@ not guarded (as in all references): a NaN enters the state and the parameter, id
 State per name: ``exp_avg_sq_row`` (prod(s[:-1])) and ``exp_avg_sq_col`` (prod(s[:-2])·s[-1]) when factored, else
 ``exp_avg_sq`` (n); ``exp_avg`` (n) with beta1; all flat, in the parameter's dtype.  About 4(r + c)/(r·c) bytes
 per float32 parameter for a factored matrix.  Use Adafactor where optimizer memory matters (large matrices).
+
+On CuPy every tensor of a step is stepped by one set of segmented kernels (``adafactor.gpu``: six launches per
+dtype and step count, whatever the number of tensors; ``step_batch`` ≡ serial bits).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import numerics as fm
+from . import gpu as fused, numerics as fm
 from .numerics import st_shape, step_sizes  # noqa: F401 - part of the module's API
 from ..core import blocks
 from ..core import gpu_run, shards
@@ -141,12 +144,6 @@ def phases(xp: Any, cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array
         yield from fm.unfactored_phases(xp, st, p, g, **kw)
 
 
-def kernel_update(cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    from .gpu import kernel_step  # noqa: PLC0415 - CuPy-only code
-
-    return kernel_step(cfg, st, p, g, t=t, lr=lr)
-
-
 class Adafactor(PerParamOptimizer):
     """``Adafactor(lr=None, beta2_decay=-0.8, eps1=1e-30, eps2=1e-3, clip_threshold=1.0, weight_decay=0.0, *,
     beta1=None, beta2=None, scale_parameter=None, warmup_init=False, factored=True, lr_scale=None)``.
@@ -159,7 +156,6 @@ class Adafactor(PerParamOptimizer):
     state_cls = AdafactorState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
     elementwise = False
     matters = ("factored",)
 
@@ -227,5 +223,11 @@ class Adafactor(PerParamOptimizer):
                 scratch: list[Array]) -> None:
         update(xp, self._step_cfg, state, param, grad, t=t, lr=lr, scratch=scratch)
 
-    def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int, lr: float) -> bool:
-        return kernel_update(self._step_cfg, state, param, grad, t=t, lr=lr)
+    def _kernel_batch(self, gpu: list[Any]) -> bool:
+        """The fused path of ``core.gpu_run.run_gpu``: every CuPy item of the step by segmented kernels (``gpu``)."""
+        fused.run(self, self._step_cfg, gpu)
+        return True
+
+    def _forget_plans(self) -> None:
+        super()._forget_plans()
+        fused.forget(self)

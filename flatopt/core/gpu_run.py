@@ -16,9 +16,14 @@ from . import backend, parallel
 
 
 def run_gpu(opt, gpu: list) -> None:
-    """Step ``[(item, slot, lr)]`` of CuPy items (``slot.t`` already advanced)."""
+    """Step ``[(item, slot, lr)]`` of CuPy items (``slot.t`` already advanced).  An optimizer whose
+    ``_kernel_batch(gpu)`` returns True has stepped them all itself (segmented kernels over every item of the step, on
+    the caller's current stream); otherwise each item runs its fused kernel or its twin."""
     cp = backend.cupy()
     twin = backend.force_twin()
+    batch = getattr(opt, "_kernel_batch", None)
+    if batch is not None and not twin and batch(gpu):
+        return
 
     def one(it, slot, lr):
         if twin or not opt._kernel_update(slot.state, it.param, it.grad, t=slot.t, lr=lr):

@@ -21,7 +21,8 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 
 # file -> template kernels it defines
 KERNELS: dict[str, tuple[str, ...]] = {
-    "adafactor.cu": ("af_row_sumsq", "af_col_sumsq", "af_ema", "af_factors", "af_v_update", "af_sumsq_partials", "af_u_partials", "af_scalars", "af_apply"),
+    "adafactor.cu": ("af_stats_multi", "af_cols_multi", "af_colfold_multi", "af_factors_multi", "af_scalars_multi",
+                     "af_apply_multi"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
     "adam.cu": ("adam_step", "adam_multi"),
     "adamw.cu": ("adamw_step", "adamw_multi"),

@@ -81,15 +81,7 @@ class StepPlan:
         self.shape_objs = list(map(_SHAPE, items))
         self.shape_ids = list(map(id, self.shape_objs)) if _exact_shapes(self.shape_objs) else None
         params, grads = [it.param for it in items], [it.grad for it in items]
-        self.dead = False
-        ref = weakref.ref(self)
-
-        def died(_, ref=ref):
-            plan = ref()
-            if plan is not None:
-                plan.dead = True
-
-        self.refs = [weakref.ref(a, died) for a in itertools.chain(params, grads)]
+        self.refs = watch(self, itertools.chain(params, grads))
         self.pids, self.gids = list(map(id, params)), list(map(id, grads))
         self.numpy = [i for i, c in enumerate(checked) if c[2] == "numpy"]
         self.all_numpy = len(self.numpy) == self.n
@@ -220,6 +212,20 @@ class StepPlan:
             if rest:
                 gpu_run.run_gpu(opt, [(_as_item(items[i]), slots[i], opt._effective_lr(self.scales[i]))  # noqa: SLF001
                                       for i in rest])
+
+
+def watch(plan, arrays) -> list:
+    """Weak references to ``arrays`` that set ``plan.dead`` when one of them is freed (so that an ``id`` cannot be
+    re-used by another array while the plan is alive); ``plan.dead`` starts False.  Keep the returned list."""
+    plan.dead = False
+    ref = weakref.ref(plan)
+
+    def died(_, ref=ref):
+        p = ref()
+        if p is not None:
+            p.dead = True
+
+    return [weakref.ref(a, died) for a in arrays]
 
 
 def _as_item(it):
