@@ -619,6 +619,19 @@ cupyx.scipy = types.ModuleType("cupyx.scipy")
 cupyx.scipy.linalg = types.ModuleType("cupyx.scipy.linalg")
 cupyx.scipy.linalg.solve_triangular = _solve_triangular
 
+
+@contextlib.contextmanager
+def _allow_synchronize(allow):
+    """cupyx.allow_synchronize(allow): inside ``allow_synchronize(False)`` a host synchronisation raises."""
+    if allow:
+        yield
+    else:
+        with forbid_sync():
+            yield
+
+
+cupyx.allow_synchronize = _allow_synchronize
+
 _MODULES = {"cupy": module, "cupy.cuda": cuda, "cupy.random": random, "cupy.linalg": linalg, "cupyx": cupyx,
             "cupyx.scipy": cupyx.scipy,
             "cupyx.scipy.linalg": cupyx.scipy.linalg}
