@@ -28,6 +28,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "lamb.cu": ("lamb_moments", "lamb_ratio", "lamb_apply"),
     "lion.cu": ("lion_step",),
     "mars.cu": ("mars_c_partials", "mars_clip", "mars_step"),
+    "muon.cu": ("muon_momentum", "muon_normalize", "muon_ns_b", "muon_ns_combine", "muon_ns_final"),
     "nadamw.cu": ("nadamw_step",),
     "qhadamw.cu": ("qhadamw_step",),
     "radam.cu": ("radam_step",),
