@@ -26,13 +26,20 @@ VARIANTS = {
 }
 
 
-def _run(cfg, shapes, dtype, steps, *, twin, monkeypatch, batch=False):
+def run_twin_or_fused(make, shapes, dtype, steps, *, twin, monkeypatch, batch=False):
+    """(params, optimizer) after ``steps`` iterations of ``make()`` on CuPy copies of ``make_params(shapes, dtype)``,
+    on the twin or the fused path."""
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1" if twin else "0")
     cp = backend.cupy()
     params = {n: (s, cp.asarray(p)) for n, (s, p) in make_params(shapes, dtype).items()}
-    opt = flatopt.Muon(lr=0.02, **cfg)
+    opt = make()
     run_steps(opt, params, steps, batch=batch)
-    return [p for _, p in params.values()], opt.state_dict()
+    return [p for _, p in params.values()], opt
+
+
+def _run(cfg, shapes, dtype, steps, **kw):
+    params, opt = run_twin_or_fused(lambda: flatopt.Muon(lr=0.02, **cfg), shapes, dtype, steps, **kw)
+    return params, opt.state_dict()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -81,19 +88,26 @@ def test_launches_syncs_allocations(gpu_device, ns_steps, monkeypatch):
     host synchronisation, no allocation after the first step (the count does not depend on the size)."""
     if gpu_device != "emulated":
         pytest.skip("counted on the CuPy stand-in")
+    fused, other, syncs, allocs = count_steady_step(
+        lambda: flatopt.Muon(lr=0.02, weight_decay=0.01, ns_steps=ns_steps), (48, 80), 1, monkeypatch)
+    assert fused + other == 3 + 5 * ns_steps <= 30, (fused, other)
+    assert fused == 2 + 2 * ns_steps  # the rest: 3 GEMMs per NS step and the sum of squares
+    assert syncs == 0 and allocs == 0
+
+
+def count_steady_step(make, shape, warmup, monkeypatch):
+    """(fused launches, other CuPy operations, host synchronisations, allocations) of the step after ``warmup`` steps
+    of one parameter of ``shape`` on the fused path (a synchronisation raises: ``forbid_sync``)."""
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "0")
     cp = backend.cupy()
-    shape = (48, 80)
-    opt = flatopt.Muon(lr=0.02, weight_decay=0.01, ns_steps=ns_steps)
+    opt = make()
     p = cp.asarray(rng_arrays(0, shape))
     g = cp.asarray(rng_arrays(1, shape))
-    opt.step("w", shape, p, g)
+    for _ in range(warmup):
+        opt.step("w", shape, p, g)
     st = fakecupy.stats
     st.reset()
     ops = st.ops
     with fakecupy.forbid_sync():
         opt.step_batch([OptItem("w", shape, p, g)])
-    fused, other = st.launches, st.ops - ops
-    assert fused + other == 3 + 5 * ns_steps <= 30, (fused, other)
-    assert fused == 2 + 2 * ns_steps  # the rest: 3 GEMMs per NS step and the sum of squares
-    assert st.syncs == 0 and st.allocs == 0
+    return st.launches, st.ops - ops, st.syncs, st.allocs

@@ -25,6 +25,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
     "adam.cu": ("adam_step",),
     "adamw.cu": ("adamw_step", "adamw_multi"),
+    "kron.cu": ("kron_momentum", "kron_probe", "kron_ds", "kron_slb_m", "kron_slb_y", "kron_dense_div",
+                "kron_dense_new", "kron_diag_new", "kron_commit", "kron_final"),
     "lamb.cu": ("lamb_moments", "lamb_ratio", "lamb_apply"),
     "lion.cu": ("lion_step",),
     "mars.cu": ("mars_c_partials", "mars_clip", "mars_step"),
