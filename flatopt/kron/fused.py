@@ -127,12 +127,13 @@ def kernel_update(cfg: Any, st: Any, param: Array, grad: Array, *, t: int, lr: f
     return True
 
 
-def _fit_and_update(xp: Any, cfg: Any, st: Any, lay: Any, fv: list[tuple[bool, Any, Any]], fit: Any, fabs: Any, launch: Any) -> None:
+def _fit_and_update(xp: Any, cfg: Any, st: Any, lay: Any, fv: list[tuple[bool, Any, Any]], fit: Any, fabs: Any,
+                    launch: Any) -> None:
     """The probe and the damping of ``fit``, then one Lie-group step of every factor (``numerics.update_precond``)."""
     pdt = st.q.dtype
     p = pdt.type
     shape, n = lay.merged, lay.numel
-    name, key, hook = st.ctx
+    _, key, hook = st.ctx
     mean = _buf(xp, "mean", (), pdt)
     xp.mean(fabs, out=mean)
     if hook is None:
