@@ -31,7 +31,9 @@ float64 reference in float64.  No silent cast, no master copy.  The Frobenius no
 route biases, norm gains, embeddings and output heads to AdamW with :class:`flatopt.MuonAdamW` or a
 :class:`flatopt.routing.Router`.
 
-On CuPy the same code runs with cuBLAS matmuls; the norm, its clamp and the division stay on the device (no host
+On CuPy the same GEMMs run on cuBLAS, and the elementwise work between them runs in the fused kernels of
+``kernels/muon.cu`` (``muon/fused.py``: 28 launches a step at ns_steps = 5, the twin's bits; ``FLATOPT_FORCE_TWIN=1``
+runs this module's code instead); the norm, its clamp and the division stay on the device (no host
 synchronisation).  ``end_iteration`` only counts iterations (Muon has no schedule).  State per name:
 ``momentum_buffer`` (parameter dtype).  Work buffers (2·r·c + 2·min(r, c)² elements) are allocated at the first step
 of a name and never saved.  **BLAS threads.** On NumPy every Newton–Schulz GEMM runs with the BLAS held at **one thread** (through
@@ -64,10 +66,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..core import backend as _backend, parallel, shards
+from ..core import parallel, shards
 from ..core.driver import PerParamOptimizer
 from ..core.types import Array, LrScale
 from ..core.validate import check_lr, check_range
+from . import fused as _fused
+from .numerics import Work, gram, shape_scale, work
 
 CONVENTIONS = ("ema", "sgd")
 ADJUST_RULES = ("original", "match_rms_adamw", None)
@@ -117,22 +121,11 @@ class MuonConfig:
             raise ValueError(f"Muon: layout must be 'out_in' or 'in_out', got {self.layout!r}")
 
 
-def shape_scale(cfg: MuonConfig, shape: tuple[int, ...]) -> float:
-    """The lr-adjust factor s of ``cfg.adjust_lr`` for a stored (rows, cols) shape."""
-    r, c = shape
-    if cfg.adjust_lr == "original":
-        fan_out, fan_in = (r, c) if cfg.layout == "out_in" else (c, r)
-        return math.sqrt(max(1.0, fan_out / fan_in))
-    if cfg.adjust_lr == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(r, c))
-    return 1.0
-
-
 @dataclasses.dataclass
 class MuonState:
     momentum_buffer: Array
     shape: tuple[int, ...] = dataclasses.field(default=(), metadata={"persist": False})
-    work: tuple[Array, Array, Array, Array] | None = dataclasses.field(default=None, metadata={"persist": False})  # X, Y, A, B
+    work: Work | None = dataclasses.field(default=None, metadata={"persist": False})
 
 
 def init(xp: Any, cfg: MuonConfig, shape: tuple[int, ...], dtype: Any) -> MuonState:
@@ -165,11 +158,11 @@ def _mm(xp: Any, left: Array, right: Array, out: Array) -> None:
     parallel.run_tasks(tasks, serial=getattr(_local, "serial", False) or not shards.can_cap())
 
 
-def newton_schulz(xp: Any, cfg: MuonConfig, x: Array, y: Array, a_buf: Array, b_buf: Array,
-                  shape: tuple[int, ...]) -> Array:
-    """Orthogonalise the (r, c) matrix held flat in ``x`` (overwritten); return the flat buffer holding the result
-    (``x`` or ``y``).  ``a_buf``/``b_buf`` are min(r, c)² work matrices."""
+def newton_schulz(xp: Any, cfg: MuonConfig, w: Work, shape: tuple[int, ...]) -> Array:
+    """Orthogonalise the (r, c) matrix held flat in ``w.x`` (overwritten); return the flat buffer holding the result
+    (``w.x`` or ``w.y``; the other one, ``w.a`` and ``w.b`` are clobbered)."""
     r, c = shape
+    x, y, xm, ym, a_buf, b_buf = w.x, w.y, w.xm, w.ym, w.a, w.b
     dt = x.dtype.type
     xp.multiply(x, x, out=y)
     norm = xp.sqrt(y.sum())  # pairwise sum: deterministic, and a device scalar on CuPy (no host sync)
@@ -178,12 +171,7 @@ def newton_schulz(xp: Any, cfg: MuonConfig, x: Array, y: Array, a_buf: Array, b_
     a, b, cc = cfg.ns_coefficients
     wide = r <= c
     for _ in range(cfg.ns_steps):
-        xm, ym = x.reshape(r, c), y.reshape(r, c)
-        # the Gram matrix in one call: NumPy's BLAS computes X·Xᵀ by syrk (half the work; 1.7x the row blocks)
-        if wide:
-            xp.matmul(xm, xm.T, out=a_buf)
-        else:
-            xp.matmul(xm.T, xm, out=a_buf)
+        gram(xp, xm, a_buf, wide)
         _mm(xp, a_buf, a_buf, b_buf)
         b_buf *= dt(cc)
         a_buf *= dt(b)
@@ -194,7 +182,7 @@ def newton_schulz(xp: Any, cfg: MuonConfig, x: Array, y: Array, a_buf: Array, b_
             _mm(xp, xm, b_buf, ym)
         x *= dt(a)
         y += x  # a·X + B·X
-        x, y = y, x
+        x, y, xm, ym = y, x, ym, xm
     return x
 
 
@@ -202,10 +190,8 @@ def update(xp: Any, cfg: MuonConfig, st: MuonState, p: Array, g: Array, *, t: in
            scratch: list[Array]) -> None:
     """One Muon step on a whole flat matrix buffer (``scratch`` is unused: work buffers live in the state)."""
     shape = st.shape
-    k = min(shape)
-    if st.work is None or _backend.backend_name(st.work[0]) != _backend.backend_name(p):
-        st.work = (xp.empty_like(p), xp.empty_like(p), xp.empty((k, k), p.dtype), xp.empty((k, k), p.dtype))
-    x, y, a_buf, b_buf = st.work
+    w = work(xp, st, p)
+    x, y = w.x, w.y
     dt = p.dtype.type
     buf, mu = st.momentum_buffer, dt(cfg.momentum)
     if cfg.momentum_convention == "ema":
@@ -225,11 +211,12 @@ def update(xp: Any, cfg: MuonConfig, st: MuonState, p: Array, g: Array, *, t: in
             x += g  # G + μ·B
         else:
             xp.copyto(x, buf)
-    out = newton_schulz(xp, cfg, x, y, a_buf, b_buf, shape)
+    out = newton_schulz(xp, cfg, w, shape)
     if cfg.weight_decay != 0:
         p *= dt(1.0 - lr * cfg.weight_decay)
     out *= dt(-lr * shape_scale(cfg, shape))
     p += out
+
 
 
 class Muon(PerParamOptimizer):
@@ -242,6 +229,7 @@ class Muon(PerParamOptimizer):
     state_cls = MuonState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
+    kernel_fn = staticmethod(_fused.kernel_update)
     elementwise = False
     matters = ("momentum_convention",)
     threaded = False  # the driver's pool over multi-threaded BLAS oversubscribes; ``workers`` shards instead

@@ -512,6 +512,12 @@ CUDA_EMU_API void emu_devmath(int fn, const void* x, void* out, long long n) {
       case 1: ((double*)out)[i] = exp2(((const double*)x)[i]); break;
       case 2: ((float*)out)[i] = log2f(((const float*)x)[i]); break;
       case 3: ((double*)out)[i] = log2(((const double*)x)[i]); break;
+      case 4: ((float*)out)[i] = logf(((const float*)x)[i]); break;
+      case 5: ((double*)out)[i] = log(((const double*)x)[i]); break;
+      case 6: ((float*)out)[i] = cosf(((const float*)x)[i]); break;
+      case 7: ((double*)out)[i] = cos(((const double*)x)[i]); break;
+      case 8: ((float*)out)[i] = sinf(((const float*)x)[i]); break;
+      case 9: ((double*)out)[i] = sin(((const double*)x)[i]); break;
     }
   }
 }

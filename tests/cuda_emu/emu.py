@@ -393,7 +393,9 @@ def get(filename: str, expr: str) -> Kernel:
     return kern
 
 
-_DEVMATH = {("exp2", "float32"): 0, ("exp2", "float64"): 1, ("log2", "float32"): 2, ("log2", "float64"): 3}
+_DEVMATH = {("exp2", "float32"): 0, ("exp2", "float64"): 1, ("log2", "float32"): 2, ("log2", "float64"): 3,
+            ("log", "float32"): 4, ("log", "float64"): 5, ("cos", "float32"): 6, ("cos", "float64"): 7,
+            ("sin", "float32"): 8, ("sin", "float64"): 9}
 
 
 def devmath(name: str, x: np.ndarray, out: np.ndarray) -> bool:

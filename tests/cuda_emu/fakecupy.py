@@ -14,9 +14,10 @@ Strictness (what real CuPy rejects, this rejects):
 * ``empty`` / ``empty_like`` memory is poisoned (all bytes 0xff: NaN for floats), so a read of uninitialised memory
   shows up.
 
-``exp2`` and ``log2`` compute with the emulated kernels' math library (the C library's ``exp2f``/``log2``): on a
-GPU, CuPy's ufuncs and the kernels share CUDA's, whereas NumPy's SIMD ``exp2`` differs from glibc's in the last
-bit for about 20% of float32 inputs, which would make a kernel-vs-twin comparison fail for the emulator's sake.
+``exp2``, ``log2``, ``log``, ``cos`` and ``sin`` compute with the emulated kernels' math library (the C library's
+``exp2f``/``log2``/``logf``/``cosf``/``sinf`` and their double versions): on a GPU, CuPy's ufuncs and the kernels
+share CUDA's, whereas NumPy's SIMD ``exp2`` differs from glibc's in the last bit for about 20% of float32 inputs, which
+would make a kernel-vs-twin comparison fail for the emulator's sake.
 
 Counting (:data:`stats`): operations (one per CuPy call that computes on the device: ufunc, reduction, copy, fill,
 operator...), fused kernel launches (``emu.stats``), host synchronisations (``get``, ``asnumpy``, ``item``, ``float``,
@@ -463,6 +464,9 @@ class ndarray:  # noqa: N801 - CuPy's name
 # ------------------------------------------------------------------------------------------------------------
 
 
+_DEVICE_MATH = ("exp2", "log2", "log", "cos", "sin")  # computed with the emulated kernels' math library
+
+
 class _Ufunc:
     def __init__(self, name):
         self.__name__ = self.name = name
@@ -470,7 +474,7 @@ class _Ufunc:
         self.nin, self.nout = self._np.nin, self._np.nout
 
     def __call__(self, *args, **kwargs):
-        if self.name in ("exp2", "log2") and args and isinstance(args[0], ndarray):
+        if self.name in _DEVICE_MATH and args and isinstance(args[0], ndarray):
             x = np.array(args[0]._a)  # before an out= that aliases it is written
             r = _call(self.name, self._np, args, kwargs)
             if isinstance(r, ndarray):
