@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from . import state as S
-from . import apollo_lowrank, fira
+from . import apollo_fused, apollo_lowrank, fira
 from ..core import blocks, parallel, shards, workspace
 from .apollo_lowrank import row_tasks
 from .apollo_proj import ApolloProjector
@@ -55,7 +55,11 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, 
     """See ``_update``; with ``threads`` on NumPy the BLAS is capped at one thread for the step (``threadpoolctl``
     when installed, as for Muon): the projection GEMM is cut into row ranges on our threads instead, and no idle
     BLAS worker spins against the elementwise passes (measured: they ran no faster on two threads than on one
-    after a threaded GEMM; with the cap the low-rank passes went 13.0 -> 7.6 ms)."""
+    after a threaded GEMM; with the cap the low-rank passes went 13.0 -> 7.6 ms).  On a device with
+    ``use_cuda_kernel`` (unless ``FLATOPT_FORCE_TWIN``) the step is ``apollo_fused.update`` (the fused kernels)."""
+    if apollo_fused.enabled(xp, cfg):
+        apollo_fused.update(xp, cfg, st, p, g, t=t, lr=lr, shape=shape, projector=projector)
+        return
     with shards.blas_capped(xp is np) as capped:
         _update(xp, cfg, st, p, g, t=t, lr=lr, shape=shape, projector=projector, threads=threads, capped=capped)
 

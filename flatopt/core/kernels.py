@@ -24,6 +24,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "adafactor.cu": ("af_row_sumsq", "af_col_sumsq", "af_ema", "af_factors", "af_v_update", "af_sumsq_partials", "af_u_partials", "af_scalars", "af_apply"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
     "adam.cu": ("adam_step",),
+    "apollo8bit.cu": ("ap_draw", "ap_grad", "ap_lowrank", "ap_scalars", "ap_apply"),
     "adamw.cu": ("adamw_step", "adamw_multi"),
     "lamb.cu": ("lamb_moments", "lamb_ratio", "lamb_apply"),
     "lion.cu": ("lion_step",),
