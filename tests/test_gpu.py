@@ -34,6 +34,9 @@ NAMES = sorted(REGISTRY)
 STEPS = 4
 # Algorithms whose kernel sums in another order than its twin (see the module documentation).
 SUMS_DIFFER = ("adafactor",)
+# Registry entries whose fused path sums in another order than its twin: APOLLO's norms and scalars
+# (kernels/apollo8bit.cu); its state is float32, so the tolerance is float32's for a float64 parameter too.
+SUMS_DIFFER_ENTRIES = ("adafactor8bit_apollo_came",)
 
 # Known defects (../shared/reference/gpu-audit.md §1.4, §3), each a strict xfail: the fix flips it to a failure
 # (XPASS), which is the signal to delete the entry.  The audit's D1-D6 are fixed (the Adafactor kernel in its twin's
@@ -77,10 +80,11 @@ def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
         run_steps(opt, params, STEPS)
         outs.append(params)
     for n in base:
-        if opt.algorithm in SUMS_DIFFER:
+        if opt.algorithm in SUMS_DIFFER or name in SUMS_DIFFER_ENTRIES:
             want = backend.to_numpy(outs[0][n][1])
-            np.testing.assert_allclose(backend.to_numpy(outs[1][n][1]), want, rtol=0, atol=_tol(dtype, want),
-                                       err_msg=n)
+            state = opt.state_dict() if name in SUMS_DIFFER_ENTRIES else None
+            np.testing.assert_allclose(backend.to_numpy(outs[1][n][1]), want, rtol=0,
+                                       atol=_tol(dtype, want, state), err_msg=n)
         else:
             assert_bits_equal(outs[0][n][1], outs[1][n][1], n)
 

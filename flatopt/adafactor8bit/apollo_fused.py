@@ -27,7 +27,8 @@ from ..core import backend, kernels, workspace
 from .apollo_proj import shaped_ws
 from .common import F32, rho_of, ws
 
-# kernels/apollo8bit.cu: AP_THREADS, AP_CHUNK (ROW layout: columns per block), AP_TILE (COL layout: rows per block)
+# kernels/apollo8bit.cu's AP_THREADS (threads of every launch), and the span of its sums' layouts: CHUNK columns per
+# block (ROW layout), TILE rows per block (COL layout).  The order of every sum is a function of the shape and these.
 THREADS, CHUNK, TILE = 256, 4096, 64
 _FILE = "apollo8bit.cu"
 # flags of ap_scalars
@@ -49,6 +50,10 @@ def _layout(rows: int, cols: int, col: bool) -> tuple[int, int]:
         return tiles * _cdiv(cols, THREADS), tiles * cols
     nch = _cdiv(cols, CHUNK)
     return rows * nch, rows * nch
+
+
+def _span(col: bool):
+    return np.int64(TILE if col else CHUNK)
 
 
 def _parts(xp, key: str, n: int, want: bool):
@@ -75,7 +80,7 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector) -> None:
     part_g = _parts(xp, "a8.ap_part_g", npart, need_norm)
     part_p = _parts(xp, "a8.ap_part_p", npart, cfg.scale_parameter)
     k = kernels.get(_FILE, "ap_grad", g.dtype)
-    k((nb,), (THREADS,), (g, g32, p, part_g, part_p, np.int64(r_), np.int64(c_), np.int32(col),
+    k((nb,), (THREADS,), (g, g32, p, part_g, part_p, np.int64(r_), np.int64(c_), np.int32(col), _span(col),
                           np.int32(cfg.maximize)))
 
     lr_, lc_ = (r_, rank) if right else (rank, c_)
@@ -103,7 +108,7 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector) -> None:
                 m, m_mode = st.m_low, 2
     k = kernels.get(_FILE, "ap_lowrank", np.float32)
     k((lnb,), (THREADS,), (flat, v, m, u_in, part_u, part_l, np.int64(lr_), np.int64(lc_), np.int32(col),
-                           np.int32(v_ema), np.int32(m_mode), np.int32(t == 1), F32(b),
+                           _span(col), np.int32(v_ema), np.int32(m_mode), np.int32(t == 1), F32(b),
                            F32(0.0 if cfg.beta1 is None else 1.0 - cfg.beta1), F32(cfg.apollo_eps)))
 
     # the scalars (one block), then θ ← θ·decay + G·cs
@@ -119,7 +124,7 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector) -> None:
              | (SCALE_WD if cfg.scale_weight_decay else 0) | (CLIP if cfg.d > 0 else 0) | (BIAS if bias is not None else 0))
     k = kernels.get(_FILE, "ap_scalars", np.float32)
     k((1,), (THREADS,), (part_p, part_g, part_u, part_l, cs, st.fira_prev if fira else None, np.int64(r_),
-                         np.int64(c_), np.int64(lr_), np.int64(lc_), np.int32(chan), np.int32(flags), rho_of(cfg, t, lr),
+                         np.int64(c_), np.int64(lr_), np.int64(lc_), _span(col), np.int32(chan), np.int32(flags), rho_of(cfg, t, lr),
                          F32(math.sqrt(n)), F32(cfg.eps[1]), F32(math.sqrt(cfg.apollo_scale)),
                          F32(1.0 + cfg.fira_margin), F32(math.sqrt(n) * cfg.d), F32(cfg.weight_decay),
                          F32(1.0) if bias is None else bias))

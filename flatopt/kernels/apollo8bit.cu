@@ -23,11 +23,13 @@
 //
 // Reductions (deterministic, no atomics; independent of the grid size, which the shape alone fixes):
 //   ROW layout (the channels are rows: G's and G_low's rows on the "right", or the whole tensor): block b handles
-//     row i = b / nch, columns [c·AP_CHUNK, (c + 1)·AP_CHUNK) with c = b % nch, nch = ceil(cols / AP_CHUNK); thread t
-//     sums the columns t, t + AP_THREADS, ... in order, then the block's tree (ap_block_sum) gives partial b.
+//     row i = b / nch, columns [c·span, (c + 1)·span) with c = b % nch, nch = ceil(cols / span); thread t sums the
+//     columns t, t + AP_THREADS, ... of the chunk in order, then the block's tree (ap_block_sum) gives partial b.
 //   COL layout (the channels are columns: the "left" with channel scaling): block b handles the AP_THREADS columns
-//     of chunk b % ncc and the rows of tile b / ncc (AP_TILE rows); thread t sums its column over the tile's rows in
+//     of chunk b % ncc and the rows of tile b / ncc (span rows); thread t sums its column over the tile's rows in
 //     order: partial tile·cols + j.
+//   span: the Python side's apollo_fused.CHUNK (ROW) or TILE (COL), a constant (an argument so that tests can make
+//   small shapes cross several chunks and tiles).
 //   A channel's sum is its partials in order (ap_channel); a whole-tensor sum is every partial, strided over the
 //   threads of one block and folded by ap_block_sum.
 // Every kernel is launched with AP_THREADS threads (the Python side: apollo_fused.THREADS).
@@ -35,8 +37,6 @@
 #include "a8_codec.cuh"
 
 #define AP_THREADS 256
-#define AP_CHUNK 4096
-#define AP_TILE 64
 #define AP_PHI 0x9E3779B97F4A7C15ull
 
 // Sum over the block in a fixed order (warp shuffle tree, then warp 0 over the warp sums); every thread gets it.
@@ -60,14 +60,14 @@ __device__ __forceinline__ double ap_block_sum(double v, double* sh) {
 // Partials (see the header) of two sums over a rows×cols matrix: term(idx, a, b) adds element idx's terms to a and b;
 // pa / pb receive them (either may be null).  mode 0: ROW layout, 1: COL layout.
 template <class F>
-__device__ __forceinline__ void ap_partials(int mode, long long rows, long long cols, double* pa, double* pb,
-                                            double* sh, F term) {
+__device__ __forceinline__ void ap_partials(int mode, long long rows, long long cols, long long span, double* pa,
+                                            double* pb, double* sh, F term) {
     double a = 0.0, b = 0.0;
     if (mode == 0) {
-        const long long nch = (cols + AP_CHUNK - 1) / AP_CHUNK;
+        const long long nch = (cols + span - 1) / span;
         const long long i = blockIdx.x / nch, c = blockIdx.x % nch;
-        const long long j1 = min(cols, (c + 1) * AP_CHUNK);
-        for (long long j = c * AP_CHUNK + threadIdx.x; j < j1; j += AP_THREADS) term(i * cols + j, a, b);
+        const long long j1 = min(cols, (c + 1) * span);
+        for (long long j = c * span + threadIdx.x; j < j1; j += AP_THREADS) term(i * cols + j, a, b);
         a = ap_block_sum(a, sh);
         b = ap_block_sum(b, sh);
         if (threadIdx.x == 0) {
@@ -79,28 +79,28 @@ __device__ __forceinline__ void ap_partials(int mode, long long rows, long long 
     const long long ncc = (cols + AP_THREADS - 1) / AP_THREADS;
     const long long tile = blockIdx.x / ncc, j = (blockIdx.x % ncc) * AP_THREADS + threadIdx.x;
     if (j >= cols) return;
-    const long long i1 = min(rows, (tile + 1) * AP_TILE);
-    for (long long i = tile * AP_TILE; i < i1; ++i) term(i * cols + j, a, b);
+    const long long i1 = min(rows, (tile + 1) * span);
+    for (long long i = tile * span; i < i1; ++i) term(i * cols + j, a, b);
     if (pa) pa[tile * cols + j] = a;
     if (pb) pb[tile * cols + j] = b;
 }
 
 // Channel k's sum of its partials, in order (ROW: nch of them; COL: one per tile).
 __device__ __forceinline__ double ap_channel(const double* part, int mode, long long rows, long long cols,
-                                             long long k) {
+                                             long long span, long long k) {
     double s = 0.0;
     if (mode == 0) {
-        const long long nch = (cols + AP_CHUNK - 1) / AP_CHUNK;
+        const long long nch = (cols + span - 1) / span;
         for (long long c = 0; c < nch; ++c) s += part[k * nch + c];
     } else {
-        const long long nt = (rows + AP_TILE - 1) / AP_TILE;
+        const long long nt = (rows + span - 1) / span;
         for (long long c = 0; c < nt; ++c) s += part[c * cols + k];
     }
     return s;
 }
 
-__device__ __forceinline__ long long ap_nparts(int mode, long long rows, long long cols) {
-    return mode == 0 ? rows * ((cols + AP_CHUNK - 1) / AP_CHUNK) : ((rows + AP_TILE - 1) / AP_TILE) * cols;
+__device__ __forceinline__ long long ap_nparts(int mode, long long rows, long long cols, long long span) {
+    return mode == 0 ? rows * ((cols + span - 1) / span) : ((rows + span - 1) / span) * cols;
 }
 
 // Σ of every partial (strided over the block's threads, then the tree); every thread gets it.
@@ -133,9 +133,9 @@ __global__ void ap_draw(float* out, const unsigned long long* tab, long long n, 
 // and the partials of Σ g32² (part_g) and Σ θ² (part_p, products in T as the twin's dot); either may be null.
 template <typename T>
 __global__ void ap_grad(const T* g, float* g32, const T* p, double* part_g, double* part_p, long long rows,
-                        long long cols, int mode, int maximize) {
+                        long long cols, int mode, long long span, int maximize) {
     __shared__ double sh[33];
-    ap_partials(mode, rows, cols, part_g, part_p, sh, [&](long long idx, double& a, double& b) {
+    ap_partials(mode, rows, cols, span, part_g, part_p, sh, [&](long long idx, double& a, double& b) {
         float x = (float)(maximize ? -g[idx] : g[idx]);
         if (!isfinite(x)) x = 0.0f;
         g32[idx] = x;
@@ -157,10 +157,10 @@ __global__ void ap_grad(const T* g, float* g32, const T* p, double* part_g, doub
 // moment (1) or the float32 slot updated here (2: m ← lerp(m, x, wm)); U_low = src/(√v + ε) (apollo_lowrank).
 template <typename T>
 __global__ void ap_lowrank(const float* glow, float* v, float* m, const float* u_in, double* part_u, double* part_l,
-                           long long rows, long long cols, int mode, int v_ema, int m_mode, int first, float wv,
-                           float wm, float eps) {
+                           long long rows, long long cols, int mode, long long span, int v_ema, int m_mode,
+                           int first, float wv, float wm, float eps) {
     __shared__ double sh[33];
-    ap_partials(mode, rows, cols, part_u, part_l, sh, [&](long long idx, double& a, double& b) {
+    ap_partials(mode, rows, cols, span, part_u, part_l, sh, [&](long long idx, double& a, double& b) {
         const float x = glow[idx];
         float u;
         if (u_in) {
@@ -208,11 +208,11 @@ __global__ void ap_lowrank(const float* glow, float* v, float* m, const float* u
 //   norm = √Σ_k ΣG_k²·s_k² (channel) or √ΣG²·s (tensor);  Fira: f from norm and *fira_prev (fira.factor, which
 //   updates it); final = s·f (·√apollo_scale unless AP_FRONT);  coef = −α / max(norm/dden, 1) (AP_CLIP; dden =
 //   √n·d) · bias (AP_BIAS);  decay = 1 − (α or ρ)·wd (AP_DECAY).
-// g_rows × g_cols: G's 2-D view; l_rows × l_cols: G_low's.
+// g_rows × g_cols: G's 2-D view; l_rows × l_cols: G_low's; span: their layouts' (the header).
 template <typename T>
 __global__ void ap_scalars(const double* part_p, const double* part_g, const double* part_u, const double* part_l,
                            float* cs, float* fira_prev, long long g_rows, long long g_cols, long long l_rows,
-                           long long l_cols, int chan, int flags, float rho, float sqrt_n, float eps2, float sq,
+                           long long l_cols, long long span, int chan, int flags, float rho, float sqrt_n, float eps2, float sq,
                            float one_m, float dden, float wd, float bias) {
     __shared__ double sh[33];
     __shared__ float sc[2];
@@ -220,7 +220,7 @@ __global__ void ap_scalars(const double* part_p, const double* part_g, const dou
     const bool need_norm = flags & AP_NEED_NORM, front = flags & AP_FRONT, fira = flags & AP_FIRA;
     float alpha = rho;
     if (flags & AP_SCALE_PARAM) {
-        const float ssq = (float)ap_total(part_p, ap_nparts(lay, g_rows, g_cols), sh);
+        const float ssq = (float)ap_total(part_p, ap_nparts(lay, g_rows, g_cols, span), sh);
         float rms = sqrtf(ssq);
         rms = rms / sqrt_n;
         alpha = a8_max(rms, eps2) * rho;
@@ -228,7 +228,7 @@ __global__ void ap_scalars(const double* part_p, const double* part_g, const dou
     const long long nch = chan == 1 ? g_rows : g_cols;  // channels (chan 1 or 2)
     float s_t = 0.0f, nrm = 0.0f;
     if (chan == 0) {
-        const long long nl = ap_nparts(0, l_rows, l_cols);
+        const long long nl = ap_nparts(0, l_rows, l_cols, span);
         const float un2 = (float)ap_total(part_u, nl, sh), ln2 = (float)ap_total(part_l, nl, sh);
         const float a = sqrtf(un2);
         float b = sqrtf(ln2);
@@ -236,15 +236,15 @@ __global__ void ap_scalars(const double* part_p, const double* part_g, const dou
         s_t = a / b;
         if (front) s_t = s_t * sq;
         if (need_norm) {
-            const float ng2 = (float)ap_total(part_g, ap_nparts(0, g_rows, g_cols), sh);
+            const float ng2 = (float)ap_total(part_g, ap_nparts(0, g_rows, g_cols, span), sh);
             nrm = sqrtf(ng2);
             nrm = nrm * s_t;
         }
     } else {
         double acc = 0.0;
         for (long long k = threadIdx.x; k < nch; k += AP_THREADS) {
-            const float un2 = (float)ap_channel(part_u, lay, l_rows, l_cols, k);
-            const float ln2 = (float)ap_channel(part_l, lay, l_rows, l_cols, k);
+            const float un2 = (float)ap_channel(part_u, lay, l_rows, l_cols, span, k);
+            const float ln2 = (float)ap_channel(part_l, lay, l_rows, l_cols, span, k);
             const float a = sqrtf(un2);
             float b = sqrtf(ln2);
             b = b + 1e-8f;
@@ -252,7 +252,7 @@ __global__ void ap_scalars(const double* part_p, const double* part_g, const dou
             if (front) s = s * sq;
             cs[k] = s;
             if (need_norm) {
-                const float ng2 = (float)ap_channel(part_g, lay, g_rows, g_cols, k);
+                const float ng2 = (float)ap_channel(part_g, lay, g_rows, g_cols, span, k);
                 const float s2 = s * s;
                 const float term = ng2 * s2;
                 acc += (double)term;
