@@ -100,6 +100,8 @@ OPTIONS = {
     "came": dict(relative_step=False, beta2=0.999, beta3=0.999, lr=0.05),
     "factorize": dict(apollo_factorize=True),
     "cached_proj": dict(apollo_cache_proj=True, apollo_update_proj_gap=3),
+    "injected_proj": dict(apollo_proj_fn=lambda seed, shape: np.random.default_rng(seed).standard_normal(shape),
+                          apollo_next_seed=lambda seed: seed + 1),
 }
 
 

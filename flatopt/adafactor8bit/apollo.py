@@ -8,7 +8,9 @@ parameters are first stepped.  Refresh when t − last_proj_step ≥ gap (steps 
 apollo_seed, apollo_seed := next_seed(current_proj_seed).  Moments are not reset on refresh.
 
 The projector (seeds, the default draw, the ``apollo_proj_fn`` hook) is ``flatopt.adafactor8bit.apollo_proj``; the low-rank
-moments and direction U_low are ``flatopt.adafactor8bit.apollo_lowrank``.
+moments and direction U_low are ``flatopt.adafactor8bit.apollo_lowrank``.  This module is the twin (NumPy, and CuPy
+under ``use_cuda_kernel=False`` or ``FLATOPT_FORCE_TWIN=1``); on a device the step is ``apollo_fused`` (the kernels
+of ``kernels/apollo8bit.cu`` around the same GEMM: the same elementwise bits, its sums in another fixed order).
 """
 
 from __future__ import annotations

@@ -119,13 +119,13 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector) -> None:
     if cfg.beta1 is not None and not cfg.relative_step and cfg.bias_correction is not False:
         bc1 = 1.0 - cfg.beta1**t
         bias = F32(math.sqrt(1.0 - cfg.beta2**t) / bc1 if cfg.beta2 is not None else 1.0 / bc1)
-    flags = ((SCALE_PARAM if cfg.scale_parameter else 0) | (NEED_NORM if need_norm else 0) | (FIRA if fira else 0)
-             | (FRONT if cfg.apollo_scale_front else 0) | (DECAY if cfg.weight_decay != 0 else 0)
-             | (SCALE_WD if cfg.scale_weight_decay else 0) | (CLIP if cfg.d > 0 else 0) | (BIAS if bias is not None else 0))
+    flags = sum(f for f, on in ((SCALE_PARAM, cfg.scale_parameter), (NEED_NORM, need_norm), (FIRA, fira),
+                                (FRONT, cfg.apollo_scale_front), (DECAY, cfg.weight_decay != 0),
+                                (SCALE_WD, cfg.scale_weight_decay), (CLIP, cfg.d > 0), (BIAS, bias is not None)) if on)
     k = kernels.get(_FILE, "ap_scalars", np.float32)
     k((1,), (THREADS,), (part_p, part_g, part_u, part_l, cs, st.fira_prev if fira else None, np.int64(r_),
-                         np.int64(c_), np.int64(lr_), np.int64(lc_), _span(col), np.int32(chan), np.int32(flags), rho_of(cfg, t, lr),
-                         F32(math.sqrt(n)), F32(cfg.eps[1]), F32(math.sqrt(cfg.apollo_scale)),
+                         np.int64(c_), np.int64(lr_), np.int64(lc_), _span(col), np.int32(chan), np.int32(flags),
+                         rho_of(cfg, t, lr), F32(math.sqrt(n)), F32(cfg.eps[1]), F32(math.sqrt(cfg.apollo_scale)),
                          F32(1.0 + cfg.fira_margin), F32(math.sqrt(n) * cfg.d), F32(cfg.weight_decay),
                          F32(1.0) if bias is None else bias))
     k = kernels.get(_FILE, "ap_apply", p.dtype)

@@ -24,7 +24,9 @@ generators; tests inject torch-generated P and the original's ``next_seed``.  A 
 continues with the new P for its seed, as after a refresh (moments are not reset on a refresh either).
 
 P is regenerated every step (into per-thread scratch) unless ``apollo_cache_proj`` (then it is kept in memory,
-never in the checkpoint, and rebuilt from the seed after a load).
+never in the checkpoint, and rebuilt from the seed after a load).  On a device the fused APOLLO step draws it in one
+kernel launch (``draw_kernel``: the same bits, no generator object, no host synchronisation); the twin with CuPy
+operations.
 """
 
 from __future__ import annotations

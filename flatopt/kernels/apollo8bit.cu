@@ -212,8 +212,8 @@ __global__ void ap_lowrank(const float* glow, float* v, float* m, const float* u
 template <typename T>
 __global__ void ap_scalars(const double* part_p, const double* part_g, const double* part_u, const double* part_l,
                            float* cs, float* fira_prev, long long g_rows, long long g_cols, long long l_rows,
-                           long long l_cols, long long span, int chan, int flags, float rho, float sqrt_n, float eps2, float sq,
-                           float one_m, float dden, float wd, float bias) {
+                           long long l_cols, long long span, int chan, int flags, float rho, float sqrt_n,
+                           float eps2, float sq, float one_m, float dden, float wd, float bias) {
     __shared__ double sh[33];
     __shared__ float sc[2];
     const int lay = chan == 2 ? 1 : 0;
