@@ -2,9 +2,10 @@
 stand-in as strict as CuPy 14 whose fused kernels run on the CPU CUDA emulator; skipped only where the emulator
 cannot run, i.e. not Linux x86-64 with g++).
 
-* fused kernel vs its array-agnostic twin (FLATOPT_FORCE_TWIN=1) on CuPy: bit-identical, except Adafactor's, whose
-  sums add in another order than the twin's (its elementwise operations are the twin's: kernels/adafactor.cu), held
-  to the CuPy-vs-NumPy tolerance;
+* fused kernel vs its array-agnostic twin (FLATOPT_FORCE_TWIN=1) on CuPy: bit-identical, except Adafactor's and
+  Adafactor8Bit's APOLLO step, whose sums add in another order than the twin's (their elementwise operations are the
+  twin's: kernels/adafactor.cu, kernels/apollo8bit.cu; tests/test_apollo_fused.py), held to the CuPy-vs-NumPy
+  tolerance;
 * CuPy vs NumPy: within 4 ulps per step of the largest parameter, the ulp of the coarser of the parameter's dtype and
   the optimizer state's float dtype (both round each operation to its dtype);
 * step_batch on worker streams vs the serial loop: bit-identical;
