@@ -27,9 +27,10 @@ from ..core import backend, kernels, workspace
 from .apollo_proj import shaped_ws
 from .common import F32, rho_of, ws
 
-# kernels/apollo8bit.cu's AP_THREADS (threads of every launch), and the span of its sums' layouts: CHUNK columns per
-# block (ROW layout), TILE rows per block (COL layout).  The order of every sum is a function of the shape and these.
-THREADS, CHUNK, TILE = 256, 4096, 64
+# kernels/apollo8bit.cu's AP_THREADS (threads of the launches with partial sums) and AP_SCALAR_THREADS (ap_scalars,
+# one block), and the span of its sums' layouts: CHUNK columns per block (ROW layout), TILE rows per block (COL
+# layout).  The order of every sum is a function of the shape and these constants.
+THREADS, SCALAR_THREADS, CHUNK, TILE = 256, 1024, 4096, 64
 _FILE = "apollo8bit.cu"
 # flags of ap_scalars
 SCALE_PARAM, NEED_NORM, FIRA, FRONT, DECAY, SCALE_WD, CLIP, BIAS = (1 << i for i in range(8))
@@ -123,11 +124,11 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector) -> None:
                                 (FRONT, cfg.apollo_scale_front), (DECAY, cfg.weight_decay != 0),
                                 (SCALE_WD, cfg.scale_weight_decay), (CLIP, cfg.d > 0), (BIAS, bias is not None)) if on)
     k = kernels.get(_FILE, "ap_scalars", np.float32)
-    k((1,), (THREADS,), (part_p, part_g, part_u, part_l, cs, st.fira_prev if fira else None, np.int64(r_),
-                         np.int64(c_), np.int64(lr_), np.int64(lc_), _span(col), np.int32(chan), np.int32(flags),
-                         rho_of(cfg, t, lr), F32(math.sqrt(n)), F32(cfg.eps[1]), F32(math.sqrt(cfg.apollo_scale)),
-                         F32(1.0 + cfg.fira_margin), F32(math.sqrt(n) * cfg.d), F32(cfg.weight_decay),
-                         F32(1.0) if bias is None else bias))
+    k((1,), (SCALAR_THREADS,), (part_p, part_g, part_u, part_l, cs, st.fira_prev if fira else None, np.int64(r_),
+                                np.int64(c_), np.int64(lr_), np.int64(lc_), _span(col), np.int32(chan),
+                                np.int32(flags), rho_of(cfg, t, lr), F32(math.sqrt(n)), F32(cfg.eps[1]),
+                                F32(math.sqrt(cfg.apollo_scale)), F32(1.0 + cfg.fira_margin),
+                                F32(math.sqrt(n) * cfg.d), F32(cfg.weight_decay), F32(1.0) if bias is None else bias))
     k = kernels.get(_FILE, "ap_apply", p.dtype)
     backend.launch(k, n, (p, g32, cs, np.int64(n), np.int64(c_), np.int64(nk), np.int32(chan),
                           np.int32(cfg.weight_decay != 0)))

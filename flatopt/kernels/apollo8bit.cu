@@ -32,22 +32,25 @@
 //   small shapes cross several chunks and tiles).
 //   A channel's sum is its partials in order (ap_channel); a whole-tensor sum is every partial, strided over the
 //   threads of one block and folded by ap_block_sum.
-// Every kernel is launched with AP_THREADS threads (the Python side: apollo_fused.THREADS).
+// The kernels with partials are launched with AP_THREADS threads, ap_scalars with AP_SCALAR_THREADS (the Python
+// side: apollo_fused.THREADS, SCALAR_THREADS); ap_draw and ap_apply with any (grid-stride loops, no sums).
 
 #include "a8_codec.cuh"
 
 #define AP_THREADS 256
+#define AP_SCALAR_THREADS 1024
 #define AP_PHI 0x9E3779B97F4A7C15ull
 
 // Sum over the block in a fixed order (warp shuffle tree, then warp 0 over the warp sums); every thread gets it.
-// sh: 33 doubles of shared memory.
+// blockDim.x a multiple of 32 (the order depends on it: each kernel has its constant); sh: 33 doubles of shared
+// memory.
 __device__ __forceinline__ double ap_block_sum(double v, double* sh) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) sh[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        v = lane < (AP_THREADS >> 5) ? sh[lane] : 0.0;
+        v = lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.0;
         for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
         if (lane == 0) sh[32] = v;
     }
@@ -106,7 +109,7 @@ __device__ __forceinline__ long long ap_nparts(int mode, long long rows, long lo
 // Σ of every partial (strided over the block's threads, then the tree); every thread gets it.
 __device__ __forceinline__ double ap_total(const double* part, long long nparts, double* sh) {
     double s = 0.0;
-    for (long long k = threadIdx.x; k < nparts; k += AP_THREADS) s += part[k];
+    for (long long k = threadIdx.x; k < nparts; k += blockDim.x) s += part[k];
     return ap_block_sum(s, sh);
 }
 
@@ -201,7 +204,7 @@ __global__ void ap_lowrank(const float* glow, float* v, float* m, const float* u
 #define AP_CLIP 64
 #define AP_BIAS 128
 
-// One block of AP_THREADS threads: the step's scalars (apollo._update) into cs: per channel (chan = 1: the rows of G
+// One block of AP_SCALAR_THREADS threads: the step's scalars (apollo._update) into cs: per channel (chan = 1: the rows of G
 // and of G_low, ROW layout; chan = 2: their columns, COL layout) cs[k] = coef·final_k and cs[K] = decay (K the
 // number of channels), or for the tensor (chan = 0, ROW layouts) cs[0] = coef·final and cs[1] = decay.
 //   α = ρ·max(√Σθ² / √n, eps2) (AP_SCALE_PARAM, else ρ);  s = √ΣU² / (√ΣG_low² + 1e-8) (·√apollo_scale: AP_FRONT);
@@ -242,7 +245,7 @@ __global__ void ap_scalars(const double* part_p, const double* part_g, const dou
         }
     } else {
         double acc = 0.0;
-        for (long long k = threadIdx.x; k < nch; k += AP_THREADS) {
+        for (long long k = threadIdx.x; k < nch; k += blockDim.x) {
             const float un2 = (float)ap_channel(part_u, lay, l_rows, l_cols, span, k);
             const float ln2 = (float)ap_channel(part_l, lay, l_rows, l_cols, span, k);
             const float a = sqrtf(un2);
@@ -291,7 +294,7 @@ __global__ void ap_scalars(const double* part_p, const double* part_g, const dou
     __syncthreads();
     if (chan != 0) {
         const float f = sc[0], coef = sc[1];
-        for (long long k = threadIdx.x; k < nch; k += AP_THREADS) {  // the entries this thread wrote above
+        for (long long k = threadIdx.x; k < nch; k += blockDim.x) {  // the entries this thread wrote above
             float fin = fira ? cs[k] * f : cs[k];
             if (!front) fin = fin * sq;
             cs[k] = coef * fin;
