@@ -8,7 +8,9 @@ parameters are first stepped.  Refresh when t − last_proj_step ≥ gap (steps 
 apollo_seed, apollo_seed := next_seed(current_proj_seed).  Moments are not reset on refresh.
 
 The projector (seeds, the default draw, the ``apollo_proj_fn`` hook) is ``flatopt.adafactor8bit.apollo_proj``; the low-rank
-moments and direction U_low are ``flatopt.adafactor8bit.apollo_lowrank``.
+moments and direction U_low are ``flatopt.adafactor8bit.apollo_lowrank``.  This module is the twin (NumPy, and CuPy
+under ``use_cuda_kernel=False`` or ``FLATOPT_FORCE_TWIN=1``); on a device the step is ``apollo_fused`` (the kernels
+of ``kernels/apollo8bit.cu`` around the same GEMM: the same elementwise bits, its sums in another fixed order).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import numpy as np
 
 from . import state as S
-from . import apollo_lowrank, fira
+from . import apollo_fused, apollo_lowrank, fira
 from ..core import blocks, parallel, shards, workspace
 from .apollo_lowrank import row_tasks
 from .apollo_proj import ApolloProjector
@@ -55,7 +57,11 @@ def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, 
     """See ``_update``; with ``threads`` on NumPy the BLAS is capped at one thread for the step (``threadpoolctl``
     when installed, as for Muon): the projection GEMM is cut into row ranges on our threads instead, and no idle
     BLAS worker spins against the elementwise passes (measured: they ran no faster on two threads than on one
-    after a threaded GEMM; with the cap the low-rank passes went 13.0 -> 7.6 ms)."""
+    after a threaded GEMM; with the cap the low-rank passes went 13.0 -> 7.6 ms).  On a device with
+    ``use_cuda_kernel`` (unless ``FLATOPT_FORCE_TWIN``) the step is ``apollo_fused.update`` (the fused kernels)."""
+    if apollo_fused.enabled(xp, cfg):
+        apollo_fused.update(xp, cfg, st, p, g, t=t, lr=lr, shape=shape, projector=projector)
+        return
     with shards.blas_capped(xp is np) as capped:
         _update(xp, cfg, st, p, g, t=t, lr=lr, shape=shape, projector=projector, threads=threads, capped=capped)
 

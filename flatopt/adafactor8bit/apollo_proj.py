@@ -24,7 +24,9 @@ generators; tests inject torch-generated P and the original's ``next_seed``.  A 
 continues with the new P for its seed, as after a refresh (moments are not reset on a refresh either).
 
 P is regenerated every step (into per-thread scratch) unless ``apollo_cache_proj`` (then it is kept in memory,
-never in the checkpoint, and rebuilt from the seed after a load).
+never in the checkpoint, and rebuilt from the seed after a load).  On a device the fused APOLLO step draws it in one
+kernel launch (``draw_kernel``: the same bits, no generator object, no host synchronisation); the twin with CuPy
+operations.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from ..core import backend, workspace
+from ..core import backend, kernels, workspace
 
 F32 = np.float32
 
@@ -117,6 +119,41 @@ def draw(xp, seed: int, lo: int, out, scale: float) -> None:
     xp.add(td[:, 0], f, out=out)
 
 
+_shaped = threading.local()
+
+
+def shaped_ws(xp, key: str, shape: tuple[int, int]):
+    """(flat, 2-D view) of ``shape`` of the calling thread's float32 workspace ``key`` (``core.workspace``), the view
+    made once per buffer and shape (a device's reshape is a call per step otherwise); the views of a buffer the
+    workspace has replaced are dropped."""
+    flat = workspace.get(xp, key, shape[0] * shape[1], np.float32)
+    cache = getattr(_shaped, "views", None)
+    if cache is None:
+        cache = _shaped.views = {}
+    ptr = flat.data.ptr if xp is not np else flat.__array_interface__["data"][0]
+    k = (key, id(xp), 0 if xp is np else xp.cuda.Device().id)
+    hit = cache.get(k)
+    if hit is None or hit[0] != ptr:
+        hit = cache[k] = (ptr, {})
+    view = hit[1].get(shape)
+    if view is None:
+        view = hit[1][shape] = flat.reshape(shape)
+    return flat, view
+
+
+def draw_kernel(xp, seed: int, out, scale: float) -> None:
+    """The whole default projection of ``seed`` into the float32 device array ``out`` in one launch of
+    ``kernels/apollo8bit.cu`` ``ap_draw`` (the bits of ``draw``: the same integer operations, gather, multiply and
+    add; no generator object, no host synchronisation)."""
+    n = out.size
+    if n == 0:
+        return
+    tab = backend.device_constant(xp, ("flatopt.apollo_normal", scale), lambda: _host_table(scale))
+    base = np.uint64((_mix64(int(seed) & _MASK) + _PHI) & _MASK)
+    k = kernels.get("apollo8bit.cu", "ap_draw", np.float32)
+    backend.launch(k, n, (out, tab, np.int64(n), base))
+
+
 def _default_next_seed(seed: int) -> int:
     return int(np.random.default_rng(seed).integers(0, 2**63 - 1))
 
@@ -137,20 +174,26 @@ class ApolloProjector:
             return True
         return False
 
-    def prepare(self, xp, st, rank: int, r_: int, c_: int, right: bool, cache: bool):
+    def prepare(self, xp, st, rank: int, r_: int, c_: int, right: bool, cache: bool, *, fused: bool = False):
         """``(pt, jobs)``: Pᵀ (C×r for "right", r×R for "left"; float32, a transposed view of P/√r) and the
         callables that fill it — independent of each other, to run on any threads before ``pt`` is read (none
-        when the cached P is current).  Call ``keep`` after they ran."""
+        when the cached P is current).  Call ``keep`` after they ran.  ``fused`` (a device): the default draw is
+        one kernel launch (``draw_kernel``, the same bits)."""
         if st.proj is not None and st.proj[0] == st.current_proj_seed:
             return st.proj[1], []
         shape = (rank, c_) if right else (r_, rank)
         n = shape[0] * shape[1]
+        mat = None
         if cache:  # kept in the state: its own memory
             buf = xp.empty(n, np.float32)
-        else:  # the caller's scratch, drawn every step
+        elif fused:  # the caller's scratch, drawn every step (its 2-D view made once)
+            buf, mat = shaped_ws(xp, "a8.apollo_p", shape)
+        else:
             buf = workspace.get(xp, "a8.apollo_p", n, np.float32)
         seed, scale = st.current_proj_seed, 1.0 / math.sqrt(rank)
-        if self.proj_fn is None:  # the default draw: NumPy in blocks (on any threads), a device in one
+        if self.proj_fn is None and fused:
+            jobs = [functools.partial(draw_kernel, xp, seed, buf, scale)]
+        elif self.proj_fn is None:  # the default draw: NumPy in blocks (on any threads), a device in one
             step = PROJ_BLOCK if xp is np else max(n, 1)
             jobs = [functools.partial(draw, xp, seed, lo, buf[lo:lo + step], scale) for lo in range(0, n, step)]
         else:
@@ -163,7 +206,7 @@ class ApolloProjector:
                 xp.divide(m, F32(math.sqrt(rank)), out=m)
 
             jobs = [draw_injected]
-        return buf.reshape(shape).T, jobs
+        return (buf.reshape(shape) if mat is None else mat).T, jobs
 
     @staticmethod
     def keep(st, pt, cache: bool) -> None:

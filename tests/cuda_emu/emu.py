@@ -301,7 +301,7 @@ class Kernel:
             if a is None:
                 if not code.startswith("p"):
                     raise EmulatorError(f"{where}: None (a null pointer) passed for a scalar parameter")
-                packed.append(ctypes.c_uint64(0))
+                packed.append(ctypes.create_string_buffer(8))  # a zero pointer value (passed by address)
                 continue
             if isinstance(a, np.generic):
                 val = np.asarray(a)
