@@ -24,12 +24,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "adafactor.cu": ("af_stats_multi", "af_cols_multi", "af_colfold_multi", "af_factors_multi", "af_scalars_multi",
                      "af_apply_multi"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema"),
-<<<<<<< HEAD
     "adam.cu": ("adam_step", "adam_multi"),
-=======
-    "adam.cu": ("adam_step",),
     "apollo8bit.cu": ("ap_draw", "ap_grad", "ap_lowrank", "ap_scalars", "ap_apply"),
->>>>>>> gpu-apollo
     "adamw.cu": ("adamw_step", "adamw_multi"),
     "kron.cu": ("kron_momentum", "kron_probe", "kron_ds", "kron_slb_m", "kron_slb_y", "kron_dense_div",
                 "kron_dense_new", "kron_diag_new", "kron_commit", "kron_final"),
