@@ -32,6 +32,7 @@ import contextlib
 import re
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -54,6 +55,9 @@ class Stats:
         self.allocs = 0
         self.stream_calls = 0
         self.launches_at_reset = emu.stats.launches
+        # seconds spent in the NumPy arithmetic that stands in for device work (GEMMs, ufuncs, reductions, solves):
+        # benchmarks.gpu_host subtracts it to time the host side alone
+        self.device_s = 0.0
 
     @property
     def launches(self):
@@ -124,7 +128,10 @@ def _call(qualname, fn, args, kwargs, *, host_ok=False):
         a = _unwrap(tuple(args), outs, f"cupy.{qualname}")
         k = {n: _unwrap(v, outs, f"cupy.{qualname}") for n, v in kwargs.items()}
     stats.ops += 1
-    return _wrap(fn(*a, **k), outs)
+    t0 = time.perf_counter()
+    r = fn(*a, **k)
+    stats.device_s += time.perf_counter() - t0
+    return _wrap(r, outs)
 
 
 def _poison(a: np.ndarray) -> np.ndarray:
@@ -284,11 +291,13 @@ def _binop(ufunc_name, reflected=False, inplace=False):
             return NotImplemented
         o = other._a if isinstance(other, ndarray) else other
         stats.ops += 1
+        t0 = time.perf_counter()
         if inplace:
             uf(self._a, o, out=self._a)
-            return self
-        r = uf(o, self._a) if reflected else uf(self._a, o)
-        return ndarray._of(np.asarray(r))
+        else:
+            r = uf(o, self._a) if reflected else uf(self._a, o)
+        stats.device_s += time.perf_counter() - t0
+        return self if inplace else ndarray._of(np.asarray(r))
 
     return op
 
@@ -598,7 +607,10 @@ def _solve_triangular(a, b, trans=0, lower=False, unit_diagonal=False, overwrite
     if trans in ("T", 1, "C", 2):
         a_ = a_.T
     stats.ops += 1
-    return ndarray._of(np.linalg.solve(a_.astype(np.float64), b_.astype(np.float64)).astype(b_.dtype))
+    t0 = time.perf_counter()
+    r = np.linalg.solve(a_.astype(np.float64), b_.astype(np.float64)).astype(b_.dtype)
+    stats.device_s += time.perf_counter() - t0
+    return ndarray._of(r)
 
 
 # cupy.linalg: the functions flatopt calls (SOAP's eigenbasis, Stiefel's and SOAP's QR), held to CuPy's signatures;
