@@ -11,9 +11,9 @@ steady-state step (the 3rd and later):
 * ``syncs``: host synchronisations (``fakecupy`` counts every device-to-host read, ``synchronize`` and
   ``Event.done``);
 * ``allocs``: device allocations;
-* ``host_us``: the median wall time of one ``step_batch`` call (no-op kernels), in µs, less the time the stand-in
-  spends in the NumPy arithmetic that stands for device work (its GEMMs, ufuncs, reductions and solves, which a GPU
-  runs asynchronously): flatopt's Python plus the stand-in's own bookkeeping;
+* ``host_us``: the median wall time of one ``step_batch`` call (no-op kernels), in µs, less the time spent inside
+  the stand-in's CuPy calls (its checks and the NumPy arithmetic standing for device work: GEMMs, ufuncs,
+  reductions, solves): flatopt's own Python, without CuPy's per-call cost, which the estimate adds per launch;
 * ``est_us``: an **estimate**, not a measurement: max(host_us + 5 µs × launches, GPU time), GPU time = Σ over
   launches of max(2 µs, bytes / 4.8 TB/s) (an H200's HBM bandwidth; ../shared/reference/gpu-audit.md §2.1).
 
@@ -122,10 +122,10 @@ def run_gpu(kind, shapes, repeats):
         syncs, allocs = st.syncs, st.allocs
         times = []
         for _ in range(repeats):
-            d0 = st.device_s
+            c0 = st.call_s
             t0 = time.perf_counter()
             opt.step_batch(items)
-            times.append(time.perf_counter() - t0 - (st.device_s - d0))  # less the stand-in's NumPy arithmetic
+            times.append(time.perf_counter() - t0 - (st.call_s - c0))  # less the time inside the stand-in's calls
         host = statistics.median(times) * 1e6
     n = sum(math.prod(s) for s in shapes)
     total = launches + other
