@@ -33,7 +33,11 @@ gpu_device = pytest.fixture(scope="module", autouse=True)(fakecupy.device_or_emu
 NAMES = sorted(REGISTRY)
 STEPS = 4
 # Algorithms whose kernel sums in another order than its twin (see the module documentation).
-SUMS_DIFFER = ("adafactor",)
+SUMS_DIFFER = ("adafactor", "adafactor8bit")
+# ... and whose quantized states may then flip a code lying within those ulps of a rounding boundary (the elements it
+# scales move by up to a quantization level of their update): most elements within the tolerance, none far off
+# (flatopt/adafactor8bit/fused.py; tests/test_adafactor8bit_fused.py checks the exact cases bit for bit).
+CODES_MAY_FLIP = ("adafactor8bit",)
 
 # Known defects (../shared/reference/gpu-audit.md §1.4, §3), each a strict xfail: the fix flips it to a failure
 # (XPASS), which is the signal to delete the entry.  The audit's D1-D6 are fixed (the Adafactor kernel in its twin's
@@ -77,7 +81,11 @@ def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
         run_steps(opt, params, STEPS)
         outs.append(params)
     for n in base:
-        if opt.algorithm in SUMS_DIFFER:
+        if opt.algorithm in CODES_MAY_FLIP:
+            want, got = backend.to_numpy(outs[0][n][1]), backend.to_numpy(outs[1][n][1])
+            diff, tol = np.abs(got - want), _tol(dtype, want)
+            assert np.mean(diff <= tol) >= 0.999 and diff.max() <= 1e-3 * max(1.0, np.abs(want).max()), n
+        elif opt.algorithm in SUMS_DIFFER:
             want = backend.to_numpy(outs[0][n][1])
             np.testing.assert_allclose(backend.to_numpy(outs[1][n][1]), want, rtol=0, atol=_tol(dtype, want),
                                        err_msg=n)

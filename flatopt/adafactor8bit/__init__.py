@@ -63,7 +63,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, TypeAlias, Union
 
 import numpy as np
 
-from . import paths, apollo
+from . import apollo, fused, paths
 from ..core import blocks, gpu_run, parallel, shards
 from ..adafactor import factored_passes
 from . import state as S
@@ -290,6 +290,11 @@ class Adafactor8Bit(PerParamOptimizer):
 
     def _step_whole(self, it: OptItem, slot: Any, lr: tuple[float, float], blas: bool = False) -> None:
         self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[], blas=blas)
+
+    def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
+                       lr: tuple[float, float]) -> bool:
+        """The fused CUDA step of the non-APOLLO paths (``adafactor8bit.fused``); False: the twin runs."""
+        return fused.kernel_step(state.cfg, state, param, grad, t=t, lr=lr)
 
     def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
                 lr: tuple[float, float], scratch: list[Array], blas: bool = False) -> None:

@@ -1,0 +1,233 @@
+"""The fused CUDA steps of ``Adafactor8Bit``'s non-APOLLO paths (private; kernels ``a8f_*`` of
+``kernels/adafactor8bit.cu``).  The twin — the array-agnostic code of ``adafactor8bit.paths`` / ``flat`` run with
+CuPy arrays — defines what is correct; ``use_cuda_kernel=False`` or ``FLATOPT_FORCE_TWIN=1`` runs it instead.
+
+Launches per step, on the current stream, no host synchronisation (every data-dependent scalar — Σθ², α, ΣU², the
+clip — is made by ``a8f_scalars`` into a 4-float device array that the later kernels read):
+
+* factored (Adafactor, optionally with the first moment): ``a8f_rows`` (row sums of G², the row EMA, 1/R, Σθ² per
+  row) → [``a8f_m_step``: m ← lerp(m, G, 1 − β1), requantized] → ``a8f_col_parts`` (column sums of G² and
+  W = Σ_i G²/R_i, or Σ_i m²/R_i, over 64 rows at a time) → ``a8f_col_fin`` (the partials folded in order, the column
+  EMA) → ``a8f_al_encode`` (R and C requantized; none when both are float32) → ``a8f_scalars`` (r̄, the factors,
+  ΣU², α, the step scale, the decay) → ``a8f_apply``: 6–7 launches;
+* CAME: the same statistics and factors (mode 1: the RMS clip of U instead of a step scale), ``a8f_m_step`` (U
+  formed, m ← lerp(m, U, 1 − β1) requantized, U − m kept), ``a8f_rows``, ``a8f_col_parts``, ``a8f_col_fin`` over
+  (U − m)² with the confidence EMAs, ``a8f_al_encode``, ``a8f_scalars`` (mode 2: the confidence factors),
+  ``a8f_apply`` on m: 12 launches;
+* elementwise (Adam-style, or Adafactor-style without the momentum-only rule): the second moment (``a8_al_ema``,
+  or the float32 state updated inside the next kernel), [``a8f_m_step``], ``a8f_flat_u`` (U and the partials of
+  ΣU² and Σθ² per 4096 elements), ``a8f_scalars``, ``a8f_flat_apply``: 4–5 launches.
+
+Not fused (the twin runs): APOLLO (``adafactor8bit.apollo``), SGD mode, ``maximize``, ``enable_fira_for_adafactor``,
+``lag_norm``, the unfactored momentum-only rule, and ``use_cuda_kernel=False``.
+
+Bits.  Every elementwise operation is the twin's in the twin's order and precision (float32 state with float32
+or float64 operands promoted as NumPy/CuPy promote them; compiled with ``--fmad=false``), and the codecs are the
+twin's (``a8_codec.cuh``).  The sums are not in the twin's order (its CuPy reductions add in CUB's or NumPy's
+order; the kernels use fixed per-thread strides, a shared-memory tree and partials folded in a fixed order, all
+chosen from the sizes only, so the same inputs give the same bits whatever else is in the batch): the row and
+column sums of G² (and of (U − m)² for CAME), W, r̄, Σθ² and ΣU².  Each differs from the twin's by a few ulps of
+the sum; through the EMAs, factors, α and the clip that can move a state's value by a few ulps, flip an 8-bit code
+whose value lies within those ulps of a rounding boundary, and change θ by a few ulps per step.  When those sums are
+exact (e.g. dyadic inputs) and no data-dependent scalar is needed (``d = 0``, ``scale_parameter=False``) the fused
+step gives the twin's bits and codes exactly; ``tests/test_adafactor8bit_fused.py`` checks both cases.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import quant
+from . import state as S
+from .common import Scalars, eps1_of
+from ..core import backend, blocks, kernels, workspace
+
+THREADS = 256  # A8F_THREADS in the .cu file
+ROWS = 64  # A8F_ROWS
+CHUNK = 4096  # A8F_CHUNK
+MAX_GRID = 1 << 16
+
+_i32, _i64, _f32 = np.int32, np.int64, np.float32
+
+
+def supported(cfg, st, shape) -> bool:
+    """Whether this parameter's step has a fused path (see the module doc)."""
+    if (not cfg.use_cuda_kernel or cfg.maximize or cfg.enable_fira_for_adafactor or cfg.lag_norm
+            or st.apollo_seed is not None or S.is_sgd(cfg)):
+        return False
+    if len(shape) >= 2 and cfg.factored:
+        return True
+    adam = (not cfg.factored) and cfg.beta2 is not None and cfg.beta3 is None
+    mo1d = (not adam) if cfg.momentum_only_1d is None else cfg.momentum_only_1d
+    return not (mo1d and cfg.beta1 is not None)
+
+
+def kernel_step(cfg, st, p, g, *, t: int, lr) -> bool:
+    """One fused step of ``p`` (in place); False when this configuration has no fused path (the twin runs)."""
+    shape = st.sizes["shape"]
+    if not supported(cfg, st, shape):
+        return False
+    if p.size == 0:
+        return True
+    b = 1.0 - cfg.beta2 if cfg.beta2 is not None else math.pow(t, cfg.beta2_decay)
+    if len(shape) >= 2 and cfg.factored:
+        _factored(cfg, st, p, g, shape, t, lr, b)
+    else:
+        _flat(cfg, st, p, g, t, lr, b)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def _k(name, dtype):
+    return kernels.get("adafactor8bit.cu", name, dtype)
+
+
+def _ws(cp, key, n, dtype=np.float32):
+    return workspace.get(cp, "a8k." + key, n, dtype)
+
+
+def _lo(w: float) -> _i32:
+    return _i32(abs(w) < 0.5)  # state.lerp_'s branch
+
+
+def _slot(cp, st, slot):
+    """(codes, bits, scale, min_log, block, exact values, quantized) of a non-negative slot: the exact values are
+    the float32 state itself (updated in place) or scratch that ``a8f_al_encode`` requantizes."""
+    arr = getattr(st, slot)
+    if arr is not None:
+        return (arr, _i32(8), arr, arr, _i32(st.cfg.block_size), arr, _i32(0))
+    q = getattr(st, f"{slot}_q")
+    return (q, _i32(q.dtype.itemsize * 8), getattr(st, f"{slot}_scale"), getattr(st, f"{slot}_min_log"),
+            _i32(st.cfg.block_size), _ws(cp, "x." + slot, st.sizes[slot]), _i32(1))
+
+
+def _encode(cp, st, slots, floor: float) -> None:
+    """Requantize the quantized ones of two slots (one launch; none when both are float32)."""
+    qs = [(s, _slot(cp, st, s)) for s in slots if getattr(st, s) is None]
+    if not qs:
+        return
+    bs = st.cfg.block_size
+
+    def args(slot, a):
+        n = st.sizes[slot]
+        return (a[0], a[2], a[3], a[5], _i64(n), _i64(quant.nblocks(n, bs)))
+
+    a1 = args(*qs[0])
+    a2 = args(*qs[-1])
+    nb2 = a2[5] if len(qs) == 2 else 0
+    _k("a8f_al_encode", np.float32)((int(a1[5] + nb2),), (THREADS,),
+                                     a1 + a2[:5] + (qs[0][1][1], _i32(bs), _f32(floor)))
+
+
+def _m_step(cp, cfg, st, g, mode, rf, cf, r, c, scal, clip, res):
+    """m ← lerp(m, u, 1 − β1) (u: G, or CAME's U), requantized; returns the exact values."""
+    n = g.size
+    mb = cfg.m_block_size
+    w = 1.0 - cfg.beta1
+    if st.m is not None:
+        q, am, quantized, mx, fmt = _ws(cp, "noq", 1, np.uint8), st.m, 0, st.m, 0
+    else:
+        q, am, quantized = st.m_q, st.m_scale, 1
+        mx = _ws(cp, "m", n)
+        fmt = ("uf8", "uf4", "d8", "d4").index(cfg.m_quant_type)
+    mp = quant._qmap(cp, quant.m_bits(cfg.m_quant_type))  # noqa: SLF001
+    _k("a8f_m_step", g.dtype)((quant.nblocks(n, mb),), (THREADS,),
+                              (g, _i32(mode), rf, cf, _i64(r), _i64(c), scal, _i32(clip), q, am, _i32(quantized),
+                               mx, res, _i64(n), _i32(mb), _i32(fmt), _f32(w), _lo(w), mp, _i32(mp.size)))
+    return mx
+
+
+def _scalars(cfg, sc, n, mode, dt, *, R, C, wsum, use_w, bdim, r, c, rf, cf, pparts, npp, uparts, use_u, scal):
+    mult_kind, mult = (0, 1.0) if sc.mult is None else ((1 if sc.mult[0] == "mul" else 2), sc.mult[1])
+    d = cfg.d
+    _k("a8f_scalars", dt)((1,), (THREADS,),
+                          (_i32(mode), R, C, wsum, _i32(use_w), _i64(bdim), _i64(r), _i64(c), _f32(eps1_of(cfg)), rf,
+                           cf, pparts, _i64(npp), uparts, _i32(use_u), _i64(npp),
+                           _f32(sc.rho), _i32(cfg.scale_parameter), _f32(cfg.eps[1]), _i32(mult_kind), _f32(mult),
+                           _f32(math.sqrt(n)), _f32(math.sqrt(n) * d), _f32(d), _i32(d > 0),
+                           _i32(cfg.weight_decay != 0), _f32(cfg.weight_decay), _i32(cfg.scale_weight_decay), scal))
+
+
+# ------------------------------------------------------------------------------------------------- factored
+def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
+    cp = backend.cupy()
+    dt = p.dtype
+    bdim, r, c = blocks.factor_dims(shape)
+    n, nr, nc = p.size, bdim * r, bdim * c
+    came = cfg.beta3 is not None and cfg.beta1 is not None
+    momentum = cfg.beta1 is not None and not came
+    eps1 = eps1_of(cfg)
+    floor = quant.al_floor(eps1)
+    sc = Scalars(cp, cfg, st, n, t, lr, adam=False, sgd=False)
+    parts = -(-r // ROWS)
+    inv, prow = _ws(cp, "inv", nr, dt), _ws(cp, "prow", nr, dt)
+    rf, cf = _ws(cp, "rf", nr, dt), _ws(cp, "cf", nc, dt)
+    cparts, wparts, wsum = _ws(cp, "cparts", parts * nc, dt), _ws(cp, "wparts", parts * nc, dt), _ws(cp, "wsum", nc, dt)
+    scal = _ws(cp, "scal", 4)
+    need_p = bool(cfg.scale_parameter)
+    rows, cols, fin = _k("a8f_rows", dt), _k("a8f_col_parts", dt), _k("a8f_col_fin", dt)
+    tiles = -(-c // 128)
+
+    def statistics(x, mode, rslot, cslot, w, add, m=None):
+        """Row and column statistics of x² (mode 0: G, fused with W; mode 1: U − m) and the two EMAs."""
+        ra, ca = _slot(cp, st, rslot), _slot(cp, st, cslot)
+        rows((min(nr, MAX_GRID),), (THREADS,), (x, _i32(mode), _i64(nr), _i64(c)) + ra
+             + (_f32(w), _lo(w), _f32(add), inv, p, prow, _i32(need_p and mode == 0)))
+        if momentum and mode == 0:
+            m = _m_step(cp, cfg, st, g, 0, rf, cf, r, c, scal, 0, scal)
+        fused = _i32(mode == 0)
+        cols((min(tiles * parts * bdim, MAX_GRID),), (128,),
+             (x, _i32(mode), m if m is not None else scal, _i32(m is not None), inv, fused, _i64(bdim), _i64(r),
+              _i64(c), cparts, wparts))
+        backend.launch(fin, nc, (cparts, wparts, fused, _i64(parts), _i64(nc), _i64(r)) + ca
+                       + (_f32(w), _lo(w), _f32(add), wsum))
+        _encode(cp, st, (rslot, cslot), floor)
+        return ra[5], ca[5], m
+
+    R, C, m = statistics(g, 0, "row_var", "col_var", b, eps1)
+    kw = dict(wsum=wsum, use_w=1, bdim=bdim, r=r, c=c, rf=rf, cf=cf, pparts=prow, npp=nr, uparts=scal, use_u=0,
+              scal=scal)
+    _scalars(cfg, sc, n, 1 if came else 0, dt, R=R, C=C, **kw)
+    x = g
+    if came:
+        res = _ws(cp, "res", n)
+        m = _m_step(cp, cfg, st, g, 1, rf, cf, r, c, scal, cfg.d > 0, res)
+        CR, CC, _ = statistics(res, 1, "conf_row", "conf_col", 1.0 - cfg.beta3, cfg.eps_came)
+        _scalars(cfg, sc, n, 2, dt, R=CR, C=CC, **kw)
+    if m is not None:
+        x = m
+    backend.launch(_k("a8f_apply", dt), n, (p, x, _i32(m is not None), rf, cf, _i64(n),
+                                             _i64(r), _i64(c), scal, _i32(cfg.weight_decay != 0)))
+
+
+# ------------------------------------------------------------------------------------------------- elementwise
+def _flat(cfg, st, p, g, t, lr, b) -> None:
+    cp = backend.cupy()
+    dt = p.dtype
+    n = p.size
+    adam = (not cfg.factored) and cfg.beta2 is not None and cfg.beta3 is None
+    eps1 = eps1_of(cfg)
+    eps_g2 = 0.0 if adam else eps1
+    sc = Scalars(cp, cfg, st, n, t, lr, adam=adam, sgd=False)
+    scal = _ws(cp, "scal", 4)
+    if st.variance is None:
+        v, q, scale = _ws(cp, "v", n), st.variance_q, st.variance_scale  # the EMA of state.ema_range's kernel
+        _k("a8_al_ema", dt)((scale.size,), (THREADS,),
+                            (q, _i32(q.dtype.itemsize * 8), scale, st.variance_min_log, g, v, _i64(n),
+                             _i32(cfg.block_size), _f32(b), _i32(1), _f32(eps_g2), _f32(quant.al_floor(eps1)), _i32(0)))
+    else:
+        v = st.variance
+    nparts = -(-n // CHUNK)
+    u, pparts, uparts = _ws(cp, "u", n), _ws(cp, "pparts", nparts, dt), _ws(cp, "uparts", nparts)
+    m = _m_step(cp, cfg, st, g, 0, pparts, pparts, 1, 1, scal, 0, scal) if cfg.beta1 is not None else None
+    need_u, need_p = cfg.d > 0, bool(cfg.scale_parameter)
+    _k("a8f_flat_u", dt)((nparts,), (THREADS,),
+                         (g, v, _i32(st.variance is None), _f32(b), _f32(1.0 - b), _f32(b * eps_g2),
+                          m if m is not None else scal, _i32(m is not None), _i32(adam), _f32(sc.eps_denom),
+                          _f32(max(eps1 * eps1, quant.FLT_MIN)), u, p, pparts, uparts, _i64(n), _i32(need_u),
+                          _i32(need_p)))
+    _scalars(cfg, sc, n, 0, dt, R=scal, C=scal, wsum=pparts, use_w=0, bdim=0, r=1, c=1, rf=pparts, cf=pparts,
+             pparts=pparts, npp=nparts, uparts=uparts, use_u=int(need_u), scal=scal)
+    backend.launch(_k("a8f_flat_apply", dt), n, (p, u, _i64(n), scal, _i32(cfg.weight_decay != 0)))
