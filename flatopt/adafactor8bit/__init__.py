@@ -44,10 +44,14 @@ Deviations from the original (all deliberate):
   allocator priming trick) are accepted and validated but have no effect: flatopt's parameters are float32/float64,
   whose write-back is exact, and it allocates nothing per step.
 
-GPU (CuPy arrays): the same array-agnostic code with every data-dependent scalar (α, norms, clip and Fira factors)
-a 0-d device array — no host synchronisation; each quantized state update (dequantize, EMA, block min/max or absmax
-reduction by warp shuffles, requantize) is one fused launch of ``kernels/adafactor8bit.cu`` (deterministic, no
-atomics); ``use_cuda_kernel=False`` (per group) or ``FLATOPT_FORCE_TWIN=1`` runs the twin instead.
+GPU (CuPy arrays): the factored, CAME and elementwise (Adam- and Adafactor-style) steps are fused CUDA kernels
+(``flatopt.adafactor8bit.fused``, ``kernels/adafactor8bit.cu``): decode, EMA, statistics, update and re-encode in
+registers, 4–12 launches per parameter, no host synchronisation, no allocation per step, deterministic reductions
+(no atomics), the twin's bits wherever its sums are exact (otherwise the sums' rounding differs: see ``fused``).
+The other paths (APOLLO, SGD, Fira, ``lag_norm``, ``maximize``, the momentum-only rule) run the same
+array-agnostic code as NumPy with every data-dependent scalar (α, norms, clip and Fira factors) a 0-d device array,
+each quantized state update one fused launch.  ``use_cuda_kernel=False`` (per group) or ``FLATOPT_FORCE_TWIN=1``
+runs the twin (the array-agnostic code, without the state kernels for the former).
 
 ``end_iteration`` only counts iterations; the per-name step t drives b, ρ, bias correction and APOLLO refreshes.
 Use it to save optimizer memory: the factored path costs ≈ 0.002 B/param, AdamW-style AL8 + uf8 ≈ 2.02 B/param.

@@ -1,5 +1,6 @@
-// Fused state kernels of Adafactor8Bit: dequantize -> float32 EMA -> write the exact value -> block reduction ->
-// requantize, one CUDA block per quantization block, in one launch per state.  Twin: flatopt/adafactor8bit/state.py
+// Fused state kernels of Adafactor8Bit (a8_al_ema, a8_m_ema): dequantize -> float32 EMA -> write the exact value ->
+// block reduction -> requantize, one CUDA block per quantization block, in one launch per state; below them the
+// fused steps (a8f_*, see their section).  Twin: flatopt/adafactor8bit/state.py
 // (``ema``) with flatopt/adafactor8bit/quant.py; the arithmetic is float32 in the twin's order (compiled with --fmad=false), the
 // AL log2 is evaluated in double and rounded to float like the twin, reductions are min / max (exact, so the tree
 // order cannot change them) through warp shuffles and shared memory: deterministic, no atomics.
