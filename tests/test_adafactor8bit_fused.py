@@ -184,3 +184,30 @@ def test_step_batch_equals_serial(mode, monkeypatch):
         outs.append(ps)
     for a, b in zip(*outs):
         assert_bits_equal(a, b, mode)
+
+
+@pytest.mark.parametrize("mode", ["al8", "m_uf8", "came", "adamw"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_gradients_as_the_twin(mode, bad, monkeypatch):
+    """A NaN or an infinity in the gradient of step 2: the same NaN entries of θ and the same codes (the twin's
+    non-finite policy, kernels/adafactor8bit.cu's header)."""
+    cp = backend.cupy()
+    kw = dict(SMALL, **MODES[mode])
+    outs = []
+    for twin in (True, False):
+        monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1" if twin else "0")
+        rng = np.random.default_rng(0)
+        p = cp.asarray(rng.standard_normal(1200).astype(np.float32))
+        opt = flatopt.Adafactor8Bit(**kw)
+        for s in range(3):
+            g = rng.standard_normal(1200).astype(np.float32)
+            if s == 1:
+                g[5] = bad
+            with np.errstate(invalid="ignore"):
+                opt.step("w", (40, 30), p, cp.asarray(g))
+        outs.append((backend.to_numpy(p), {k: backend.to_numpy(v) for k, v in opt.state_dict().buffers.items()}))
+    (pt, st), (pf, sf) = outs
+    assert np.array_equal(np.isnan(pt), np.isnan(pf))
+    for k in st:
+        if st[k].dtype.kind == "u":
+            assert_bits_equal(sf[k], st[k], k)
