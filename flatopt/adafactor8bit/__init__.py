@@ -46,7 +46,7 @@ Deviations from the original (all deliberate):
 
 GPU (CuPy arrays): the factored, CAME and elementwise (Adam- and Adafactor-style) steps are fused CUDA kernels
 (``flatopt.adafactor8bit.fused``, ``kernels/adafactor8bit.cu``): decode, EMA, statistics, update and re-encode in
-registers, 4–12 launches per parameter, no host synchronisation, no allocation per step, deterministic reductions
+registers, 4–13 launches per parameter, no host synchronisation, no allocation per step, deterministic reductions
 (no atomics), the twin's bits wherever its sums are exact (otherwise the sums' rounding differs: see ``fused``).
 The other paths (APOLLO, SGD, Fira, ``lag_norm``, ``maximize``, the momentum-only rule) run the same
 array-agnostic code as NumPy with every data-dependent scalar (α, norms, clip and Fira factors) a 0-d device array,

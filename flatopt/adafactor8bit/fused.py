@@ -8,12 +8,12 @@ clip — is made by ``a8f_scalars`` into a 4-float device array that the later k
 * factored (Adafactor, optionally with the first moment): ``a8f_rows`` (row sums of G², the row EMA, 1/R, Σθ² per
   row) → [``a8f_m_step``: m ← lerp(m, G, 1 − β1), requantized] → ``a8f_col_parts`` (column sums of G² and
   W = Σ_i G²/R_i, or Σ_i m²/R_i, over 64 rows at a time) → ``a8f_col_fin`` (the partials folded in order, the column
-  EMA) → ``a8f_al_encode`` (R and C requantized; none when both are float32) → ``a8f_scalars`` (r̄, the factors,
-  ΣU², α, the step scale, the decay) → ``a8f_apply``: 6–7 launches;
-* CAME: the same statistics and factors (mode 1: the RMS clip of U instead of a step scale), ``a8f_m_step`` (U
-  formed, m ← lerp(m, U, 1 − β1) requantized, U − m kept), ``a8f_rows``, ``a8f_col_parts``, ``a8f_col_fin`` over
-  (U − m)² with the confidence EMAs, ``a8f_al_encode``, ``a8f_scalars`` (mode 2: the confidence factors),
-  ``a8f_apply`` on m: 12 launches;
+  EMA) → ``a8f_al_encode`` (R and C requantized; none when both are float32) → ``a8f_factors`` (per matrix: r̄, the
+  factors, its share of ΣU²) → ``a8f_scalars`` (ΣU², α, the step scale, the decay) → ``a8f_apply``: 7–8 launches;
+* CAME: the same statistics, factors and scalars (mode 1: the RMS clip of U instead of a step scale),
+  ``a8f_m_step`` (U formed, m ← lerp(m, U, 1 − β1) requantized, U − m kept), ``a8f_rows``, ``a8f_col_parts``,
+  ``a8f_col_fin`` over (U − m)² with the confidence EMAs, ``a8f_al_encode``, ``a8f_factors`` (the confidence
+  factors), ``a8f_apply`` on m: 13 launches;
 * elementwise (Adam-style, or Adafactor-style without the momentum-only rule): the second moment (``a8_al_ema``,
   or the float32 state updated inside the next kernel), [``a8f_m_step``], ``a8f_flat_u`` (U and the partials of
   ΣU² and Σθ² per 4096 elements), ``a8f_scalars``, ``a8f_flat_apply``: 4–5 launches.
@@ -139,13 +139,17 @@ def _m_step(cp, cfg, st, g, mode, rf, cf, r, c, scal, clip, res):
     return mx
 
 
-def _scalars(cfg, sc, n, mode, dt, *, R, C, wsum, use_w, bdim, r, c, rf, cf, pparts, npp, uparts, use_u, scal):
+def _factors(dt, R, C, wsum, use_w, bdim, r, c, eps1, rf, cf, ub):
+    _k("a8f_factors", dt)((min(bdim, MAX_GRID),), (THREADS,),
+                          (R, C, wsum, _i32(use_w), _i64(bdim), _i64(r), _i64(c), _f32(eps1), rf, cf, ub))
+
+
+def _scalars(cfg, sc, n, mode, dt, *, ub, uparts, use_u, nu, pparts, npp, scal):
     mult_kind, mult = (0, 1.0) if sc.mult is None else ((1 if sc.mult[0] == "mul" else 2), sc.mult[1])
     d = cfg.d
     _k("a8f_scalars", dt)((1,), (THREADS,),
-                          (_i32(mode), R, C, wsum, _i32(use_w), _i64(bdim), _i64(r), _i64(c), _f32(eps1_of(cfg)), rf,
-                           cf, pparts, _i64(npp), uparts, _i32(use_u), _i64(npp),
-                           _f32(sc.rho), _i32(cfg.scale_parameter), _f32(cfg.eps[1]), _i32(mult_kind), _f32(mult),
+                          (_i32(mode), ub, uparts, _i32(use_u), _i64(nu), pparts, _i64(npp), _f32(sc.rho),
+                           _i32(cfg.scale_parameter), _f32(cfg.eps[1]), _i32(mult_kind), _f32(mult),
                            _f32(math.sqrt(n)), _f32(math.sqrt(n) * d), _f32(d), _i32(d > 0),
                            _i32(cfg.weight_decay != 0), _f32(cfg.weight_decay), _i32(cfg.scale_weight_decay), scal))
 
@@ -165,7 +169,7 @@ def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
     inv, prow = _ws(cp, "inv", nr, dt), _ws(cp, "prow", nr, dt)
     rf, cf = _ws(cp, "rf", nr, dt), _ws(cp, "cf", nc, dt)
     cparts, wparts, wsum = _ws(cp, "cparts", parts * nc, dt), _ws(cp, "wparts", parts * nc, dt), _ws(cp, "wsum", nc, dt)
-    scal = _ws(cp, "scal", 4)
+    scal, ub = _ws(cp, "scal", 4), _ws(cp, "ub", bdim, dt)
     need_p = bool(cfg.scale_parameter)
     rows, cols, fin = _k("a8f_rows", dt), _k("a8f_col_parts", dt), _k("a8f_col_fin", dt)
     tiles = -(-c // 128)
@@ -187,15 +191,16 @@ def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
         return ra[5], ca[5], m
 
     R, C, m = statistics(g, 0, "row_var", "col_var", b, eps1)
-    kw = dict(wsum=wsum, use_w=1, bdim=bdim, r=r, c=c, rf=rf, cf=cf, pparts=prow, npp=nr, uparts=scal, use_u=0,
-              scal=scal)
-    _scalars(cfg, sc, n, 1 if came else 0, dt, R=R, C=C, **kw)
+    clip = cfg.d > 0
+    _factors(dt, R, C, wsum, clip, bdim, r, c, eps1, rf, cf, ub)
+    _scalars(cfg, sc, n, 1 if came else 0, dt, ub=ub, uparts=scal, use_u=1 if clip else 0, nu=bdim, pparts=prow,
+             npp=nr, scal=scal)
     x = g
     if came:
         res = _ws(cp, "res", n)
-        m = _m_step(cp, cfg, st, g, 1, rf, cf, r, c, scal, cfg.d > 0, res)
+        m = _m_step(cp, cfg, st, g, 1, rf, cf, r, c, scal, clip, res)
         CR, CC, _ = statistics(res, 1, "conf_row", "conf_col", 1.0 - cfg.beta3, cfg.eps_came)
-        _scalars(cfg, sc, n, 2, dt, R=CR, C=CC, **kw)
+        _factors(dt, CR, CC, wsum, 0, bdim, r, c, eps1, rf, cf, ub)
     if m is not None:
         x = m
     backend.launch(_k("a8f_apply", dt), n, (p, x, _i32(m is not None), rf, cf, _i64(n),
@@ -228,6 +233,6 @@ def _flat(cfg, st, p, g, t, lr, b) -> None:
                           m if m is not None else scal, _i32(m is not None), _i32(adam), _f32(sc.eps_denom),
                           _f32(max(eps1 * eps1, quant.FLT_MIN)), u, p, pparts, uparts, _i64(n), _i32(need_u),
                           _i32(need_p)))
-    _scalars(cfg, sc, n, 0, dt, R=scal, C=scal, wsum=pparts, use_w=0, bdim=0, r=1, c=1, rf=pparts, cf=pparts,
-             pparts=pparts, npp=nparts, uparts=uparts, use_u=int(need_u), scal=scal)
+    _scalars(cfg, sc, n, 0, dt, ub=pparts, uparts=uparts, use_u=2 if need_u else 0, nu=nparts, pparts=pparts,
+             npp=nparts, scal=scal)
     backend.launch(_k("a8f_flat_apply", dt), n, (p, u, _i64(n), scal, _i32(cfg.weight_decay != 0)))

@@ -234,25 +234,15 @@ __global__ void a8f_al_encode(void* q1, float* sc1, float* ml1, const float* v1,
     if (threadIdx.x == 0) { scale[blk] = sc; min_log[blk] = mn; }
 }
 
-// The step's scalars (one block).  scal[0] = the step scale s, scal[1] = the decay factor, scal[2] = alpha,
-// scal[3] = CAME's clip divisor.  Factors (B > 0): per matrix b, rbar = max(sum_i R_bi / r, floor) (in T),
-// rf = 1/sqrt(R/rbar), cf = 1/sqrt(float sqrt(C)) (in T; as FactoredPasses.factors).
-//   mode 0 (factored): sum U^2 = sum_b rbar_b * sum_j cf^2 * W  (FactoredPasses.fused_ssq), or from the float
-//           partials uparts (nu of them, the elementwise step); s = alpha / max(1, |U| / (sqrt(n) d)) when clip.
-//   mode 1 (CAME, first factors): scal[3] = max(RMS(U)/d, 1) when clip; s = alpha.
-//   mode 2 (CAME, confidence factors): the factors only (scal as mode 1 left it).
-// alpha = rho (or max(RMS(theta), eps2)*rho from the T partials pparts, np of them) then * or / mult (mult_kind 1 / 2).
+// The factors, one block per matrix b (FactoredPasses.factors): rbar = max(sum_i R_bi / r, floor) (in T),
+// rf = 1/sqrt(R/rbar), cf = 1/sqrt(float sqrt(C)) (in T); use_w: ub[b] = (sum_j cf^2 * W) * rbar, the matrix's
+// share of sum U^2 (FactoredPasses.fused_ssq).
 template <typename T>
-__global__ void a8f_scalars(int mode, const float* R, const float* C, const T* wsum, int use_w, long long B, long long r,
-                            long long c, float rfloor, T* rf, T* cf, const T* pparts, long long np_,
-                            const float* uparts, int use_u, long long nu, float rho, int scale_p, float eps2, int mult_kind,
-                            float mult, float sqrt_n, float sqrt_nd, float d, int clip, int has_decay, float wd,
-                            int swd, float* scal) {
+__global__ void a8f_factors(const float* R, const float* C, const T* wsum, int use_w, long long B, long long r,
+                            long long c, float rfloor, T* rf, T* cf, T* ub) {
     __shared__ T sh[A8F_THREADS];
-    __shared__ float shf[A8F_THREADS];
     const int tid = threadIdx.x;
-    T ssq_u = 0;
-    for (long long b = 0; b < B; ++b) {
+    for (long long b = blockIdx.x; b < B; b += gridDim.x) {
         T acc = 0;
         for (long long i = tid; i < r; i += A8F_THREADS) acc += (T)R[b * r + i];
         T rbar = sq_block(acc, sh);  // valid in thread 0: broadcast
@@ -265,15 +255,33 @@ __global__ void a8f_scalars(int mode, const float* R, const float* C, const T* w
         for (long long j = tid; j < c; j += A8F_THREADS) {
             const T f = (T)1.0 / (T)sqrtf(C[b * c + j]);
             cf[b * c + j] = f;
-            if (mode <= 1 && clip && use_w) pu += (f * f) * wsum[b * c + j];
+            if (use_w) pu += (f * f) * wsum[b * c + j];
         }
-        if (mode <= 1 && clip && use_w) {
+        if (use_w) {
             pu = sq_block(pu, sh);
-            ssq_u = ssq_u + pu * rbar;
+            if (tid == 0) ub[b] = pu * rbar;
         }
     }
-    if (mode == 2) return;
-    if (use_u) {
+}
+
+// The step's scalars (one block): scal[0] = the step scale s, scal[1] = the decay factor, scal[2] = alpha,
+// scal[3] = CAME's clip divisor.  sum U^2 from the nu partials (use_u 1: ub, T, a8f_factors; 2: uparts, float,
+// a8f_flat_u); alpha = rho (or max(RMS(theta), eps2)*rho from the T partials pparts, np_ of them), then * or / mult
+// (mult_kind 1 / 2);  mode 0: s = alpha / max(1, |U| / (sqrt(n) d)) when clip;  mode 1 (CAME): scal[3] =
+// max(RMS(U)/d, 1) when clip, s = alpha.
+template <typename T>
+__global__ void a8f_scalars(int mode, const T* ub, const float* uparts, int use_u, long long nu, const T* pparts,
+                            long long np_, float rho, int scale_p, float eps2, int mult_kind, float mult, float sqrt_n,
+                            float sqrt_nd, float d, int clip, int has_decay, float wd, int swd, float* scal) {
+    __shared__ T sh[A8F_THREADS];
+    __shared__ float shf[A8F_THREADS];
+    const int tid = threadIdx.x;
+    T ssq_u = 0;
+    if (use_u == 1) {
+        T a = 0;
+        for (long long k = tid; k < nu; k += A8F_THREADS) a += ub[k];
+        ssq_u = sq_block(a, sh);
+    } else if (use_u == 2) {
         float a = 0.0f;
         for (long long k = tid; k < nu; k += A8F_THREADS) a += uparts[k];
         ssq_u = (T)sq_block(a, shf);
