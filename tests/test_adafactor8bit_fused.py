@@ -45,6 +45,20 @@ MODES = {
     "adamw_fp32": dict(factored=False, beta1=0.9, beta2=0.999, quantize=False),
     "adafactor_flat": dict(factored=False),
     "fp32_fallback": dict(beta1=0.9, min_8bit_size=1 << 30),
+    "maximize": dict(maximize=True),
+    "m_maximize": dict(beta1=0.9, maximize=True, weight_decay=0.1),
+    "came_maximize": dict(beta1=0.9, beta3=0.999, maximize=True),
+    "adamw_maximize": dict(factored=False, beta1=0.9, beta2=0.999, maximize=True),
+    "adafactor_flat_maximize": dict(factored=False, maximize=True),
+}
+# the update norm's modes (Fira, lag_norm): ΣU² is needed, so never exact
+NORM_MODES = {
+    "fira": dict(enable_fira_for_adafactor=True),
+    "m_fira_lag_wd": dict(beta1=0.9, enable_fira_for_adafactor=True, lag_norm=True, weight_decay=0.01),
+    "lag": dict(lag_norm=True, beta1=0.9, m_quant_type="d8"),
+    "adamw_fira": dict(factored=False, beta1=0.9, beta2=0.999, enable_fira_for_adafactor=True),
+    "adamw_fira_lag_max": dict(factored=False, beta1=0.9, beta2=0.999, enable_fira_for_adafactor=True, lag_norm=True,
+                               maximize=True),
 }
 
 
@@ -88,10 +102,11 @@ def test_fused_gives_the_twins_bits_when_the_sums_are_exact(mode, dtype, monkeyp
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("mode", ["al8", "m_uf8", "m_d4_wd", "came", "adamw", "adamw_fp32", "adafactor_flat"])
+@pytest.mark.parametrize("mode", ["al8", "m_uf8", "m_d4_wd", "came", "adamw", "adamw_fp32", "adafactor_flat",
+                                  "m_maximize", "came_maximize", *NORM_MODES])
 def test_fused_is_close_to_the_twin_on_random_data(mode, dtype, monkeypatch):
     """Default clip and parameter scaling: ΣU² and Σθ² in the kernels' order."""
-    kw = dict(SMALL, **MODES[mode])
+    kw = dict(SMALL, **{**MODES, **NORM_MODES}[mode])
     flat = kw.get("factored") is False
     shapes = [(5000,), (129,), (1,)] if flat else [(300, 200), (7, 33, 65), (3, 5), (1, 300), (300, 1)]
     steps = 3

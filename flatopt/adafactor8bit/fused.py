@@ -18,8 +18,9 @@ clip — is made by ``a8f_scalars`` into a 4-float device array that the later k
   or the float32 state updated inside the next kernel), [``a8f_m_step``], ``a8f_flat_u`` (U and the partials of
   ΣU² and Σθ² per 4096 elements), ``a8f_scalars``, ``a8f_flat_apply``: 4–5 launches.
 
-Not fused (the twin runs): APOLLO (``adafactor8bit.apollo``), SGD mode, ``maximize``, ``enable_fira_for_adafactor``,
-``lag_norm``, the unfactored momentum-only rule, and ``use_cuda_kernel=False``.
+Not fused (the twin runs): APOLLO (``adafactor8bit.apollo``), SGD mode, CAME with ``enable_fira_for_adafactor``,
+the unfactored momentum-only rule, and ``use_cuda_kernel=False``.  ``maximize``, ``lag_norm`` and the Fira limiter
+(state ``fira_prev``, ``prev_update_norm``, ``lag_fira_scale`` updated on the device by ``a8f_scalars``) are fused.
 
 Bits.  Every elementwise operation is the twin's in the twin's order and precision (float32 state with float32
 or float64 operands promoted as NumPy/CuPy promote them; compiled with ``--fmad=false``), and the codecs are the
@@ -54,11 +55,10 @@ _i32, _i64, _f32 = np.int32, np.int64, np.float32
 
 def supported(cfg, st, shape) -> bool:
     """Whether this parameter's step has a fused path (see the module doc)."""
-    if (not cfg.use_cuda_kernel or cfg.maximize or cfg.enable_fira_for_adafactor or cfg.lag_norm
-            or st.apollo_seed is not None or S.is_sgd(cfg)):
+    if not cfg.use_cuda_kernel or st.apollo_seed is not None or S.is_sgd(cfg):
         return False
-    if len(shape) >= 2 and cfg.factored:
-        return True
+    if len(shape) >= 2 and cfg.factored:  # (CAME with Fira needs ΣU² of its step: the twin)
+        return not (cfg.beta3 is not None and cfg.enable_fira_for_adafactor)
     adam = (not cfg.factored) and cfg.beta2 is not None and cfg.beta3 is None
     mo1d = (not adam) if cfg.momentum_only_1d is None else cfg.momentum_only_1d
     return not (mo1d and cfg.beta1 is not None)
@@ -135,7 +135,8 @@ def _m_step(cp, cfg, st, g, mode, rf, cf, r, c, scal, clip, res):
     mp = quant._qmap(cp, quant.m_bits(cfg.m_quant_type))  # noqa: SLF001
     _k("a8f_m_step", g.dtype)((quant.nblocks(n, mb),), (THREADS,),
                               (g, _i32(mode), rf, cf, _i64(r), _i64(c), scal, _i32(clip), q, am, _i32(quantized),
-                               mx, res, _i64(n), _i32(mb), _i32(fmt), _f32(w), _lo(w), mp, _i32(mp.size)))
+                               mx, res, _i64(n), _i32(mb), _i32(fmt), _f32(w), _lo(w), mp, _i32(mp.size),
+                               _i32(cfg.maximize)))
     return mx
 
 
@@ -144,14 +145,21 @@ def _factors(dt, R, C, wsum, use_w, bdim, r, c, eps1, rf, cf, ub):
                           (R, C, wsum, _i32(use_w), _i64(bdim), _i64(r), _i64(c), _f32(eps1), rf, cf, ub))
 
 
-def _scalars(cfg, sc, n, mode, dt, *, ub, uparts, use_u, nu, pparts, npp, scal):
+def _scalars(cfg, st, sc, n, mode, dt, *, ub, uparts, use_u, nu, pparts, npp, scal, negate=False):
+    """α, the step scale (``Scalars.step_scale``: clip, Fira, ``lag_norm``, ``negate``) and the decay into scal."""
     mult_kind, mult = (0, 1.0) if sc.mult is None else ((1 if sc.mult[0] == "mul" else 2), sc.mult[1])
     d = cfg.d
+    fira = cfg.enable_fira_for_adafactor
+    prev = st.prev_update_norm if cfg.lag_norm else scal
+    fprev = st.fira_prev if fira else scal
+    lagf = st.lag_fira_scale if fira and cfg.lag_norm else scal
     _k("a8f_scalars", dt)((1,), (THREADS,),
                           (_i32(mode), ub, uparts, _i32(use_u), _i64(nu), pparts, _i64(npp), _f32(sc.rho),
                            _i32(cfg.scale_parameter), _f32(cfg.eps[1]), _i32(mult_kind), _f32(mult),
                            _f32(math.sqrt(n)), _f32(math.sqrt(n) * d), _f32(d), _i32(d > 0),
-                           _i32(cfg.weight_decay != 0), _f32(cfg.weight_decay), _i32(cfg.scale_weight_decay), scal))
+                           _i32(cfg.weight_decay != 0), _f32(cfg.weight_decay), _i32(cfg.scale_weight_decay), prev,
+                           _i32(cfg.lag_norm), fprev, lagf, _i32(fira), _f32(1.0 + cfg.fira_margin), _i32(negate),
+                           scal))
 
 
 # ------------------------------------------------------------------------------------------------- factored
@@ -192,9 +200,10 @@ def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
 
     R, C, m = statistics(g, 0, "row_var", "col_var", b, eps1)
     clip = cfg.d > 0
-    _factors(dt, R, C, wsum, clip, bdim, r, c, eps1, rf, cf, ub)
-    _scalars(cfg, sc, n, 1 if came else 0, dt, ub=ub, uparts=scal, use_u=1 if clip else 0, nu=bdim, pparts=prow,
-             npp=nr, scal=scal)
+    need_u = clip or cfg.enable_fira_for_adafactor
+    _factors(dt, R, C, wsum, need_u, bdim, r, c, eps1, rf, cf, ub)
+    _scalars(cfg, st, sc, n, 1 if came else 0, dt, ub=ub, uparts=scal, use_u=1 if need_u else 0, nu=bdim,
+             pparts=prow, npp=nr, scal=scal, negate=cfg.maximize and cfg.beta1 is None)
     x = g
     if came:
         res = _ws(cp, "res", n)
@@ -204,7 +213,8 @@ def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
     if m is not None:
         x = m
     backend.launch(_k("a8f_apply", dt), n, (p, x, _i32(m is not None), rf, cf, _i64(n),
-                                             _i64(r), _i64(c), scal, _i32(cfg.weight_decay != 0)))
+                                             _i64(r), _i64(c), scal, _i32(cfg.weight_decay != 0),
+                                             _i32(cfg.enable_fira_for_adafactor)))
 
 
 # ------------------------------------------------------------------------------------------------- elementwise
@@ -227,12 +237,13 @@ def _flat(cfg, st, p, g, t, lr, b) -> None:
     nparts = -(-n // CHUNK)
     u, pparts, uparts = _ws(cp, "u", n), _ws(cp, "pparts", nparts, dt), _ws(cp, "uparts", nparts)
     m = _m_step(cp, cfg, st, g, 0, pparts, pparts, 1, 1, scal, 0, scal) if cfg.beta1 is not None else None
-    need_u, need_p = cfg.d > 0, bool(cfg.scale_parameter)
+    need_u, need_p = cfg.d > 0 or cfg.enable_fira_for_adafactor, bool(cfg.scale_parameter)
     _k("a8f_flat_u", dt)((nparts,), (THREADS,),
                          (g, v, _i32(st.variance is None), _f32(b), _f32(1.0 - b), _f32(b * eps_g2),
                           m if m is not None else scal, _i32(m is not None), _i32(adam), _f32(sc.eps_denom),
                           _f32(max(eps1 * eps1, quant.FLT_MIN)), u, p, pparts, uparts, _i64(n), _i32(need_u),
-                          _i32(need_p)))
-    _scalars(cfg, sc, n, 0, dt, ub=pparts, uparts=uparts, use_u=2 if need_u else 0, nu=nparts, pparts=pparts,
+                          _i32(need_p), _i32(cfg.maximize)))
+    _scalars(cfg, st, sc, n, 0, dt, ub=pparts, uparts=uparts, use_u=2 if need_u else 0, nu=nparts, pparts=pparts,
              npp=nparts, scal=scal)
-    backend.launch(_k("a8f_flat_apply", dt), n, (p, u, _i64(n), scal, _i32(cfg.weight_decay != 0)))
+    backend.launch(_k("a8f_flat_apply", dt), n, (p, u, _i64(n), scal, _i32(cfg.weight_decay != 0),
+                                                  _i32(cfg.enable_fira_for_adafactor)))

@@ -264,15 +264,28 @@ __global__ void a8f_factors(const float* R, const float* C, const T* wsum, int u
     }
 }
 
+// The Fira limiter (adafactor8bit/fira.py ``factor``): the factor for the update norm nrm; updates prev in place.
+__device__ __forceinline__ float a8_fira(float* prev, float nrm, float one_m) {
+    const float norm = isfinite(nrm) ? nrm : 0.0f, p = prev[0];
+    const bool reset = p < 1e-6f;
+    const float lim = a8_max(norm / (p + 1e-8f), one_m) / one_m;
+    const float f = reset ? 1.0f : 1.0f / lim;
+    prev[0] = reset ? norm : norm * f;
+    return f;
+}
+
 // The step's scalars (one block): scal[0] = the step scale s, scal[1] = the decay factor, scal[2] = alpha,
 // scal[3] = CAME's clip divisor.  sum U^2 from the nu partials (use_u 1: ub, T, a8f_factors; 2: uparts, float,
 // a8f_flat_u); alpha = rho (or max(RMS(theta), eps2)*rho from the T partials pparts, np_ of them), then * or / mult
 // (mult_kind 1 / 2);  mode 0: s = alpha / max(1, |U| / (sqrt(n) d)) when clip;  mode 1 (CAME): scal[3] =
-// max(RMS(U)/d, 1) when clip, s = alpha.
+// max(RMS(U)/d, 1) when clip, s = alpha.  Mode 0 with fira / lag (lag_norm) / negate (maximize) as
+// Scalars.step_scale: the Fira factor, the previous step's norm, -s.
 template <typename T>
 __global__ void a8f_scalars(int mode, const T* ub, const float* uparts, int use_u, long long nu, const T* pparts,
                             long long np_, float rho, int scale_p, float eps2, int mult_kind, float mult, float sqrt_n,
-                            float sqrt_nd, float d, int clip, int has_decay, float wd, int swd, float* scal) {
+                            float sqrt_nd, float d, int clip, int has_decay, float wd, int swd, float* prev_norm,
+                            int lag, float* fira_prev, float* lag_fira, int fira, float one_m, int negate,
+                            float* scal) {
     __shared__ T sh[A8F_THREADS];
     __shared__ float shf[A8F_THREADS];
     const int tid = threadIdx.x;
@@ -295,13 +308,29 @@ __global__ void a8f_scalars(int mode, const T* ub, const float* uparts, int use_
     }
     if (mult_kind == 1) alpha = alpha * mult;
     else if (mult_kind == 2) alpha = alpha / mult;
+    if (tid != 0) return;
     float s = alpha, cl = 1.0f;
-    if (clip) {
-        const float nrm = sqrtf((float)ssq_u);
-        if (mode == 0) s = alpha / a8_max(nrm / sqrt_nd, 1.0f);
-        else cl = a8_max((nrm / sqrt_n) / d, 1.0f);
+    if (mode == 0 && (clip || fira)) {  // Scalars.step_scale
+        float nrm = sqrtf((float)ssq_u);
+        const bool bad = !isfinite(nrm);
+        if (fira && bad) nrm = 0.0f;
+        float f = 1.0f;
+        if (lag) {  // the previous step's norm and Fira factor; this step's are kept for the next
+            const float used = prev_norm[0];
+            prev_norm[0] = bad ? 0.0f : nrm;
+            if (fira) { f = lag_fira[0]; lag_fira[0] = a8_fira(fira_prev, nrm, one_m); }
+            nrm = used;
+        } else if (fira) {
+            f = a8_fira(fira_prev, nrm, one_m);
+        }
+        if (fira) s = alpha * f;
+        if (clip) s = s / a8_max(nrm / sqrt_nd, 1.0f);
+        if (fira && bad) s = 0.0f;
+    } else if (mode == 1 && clip) {
+        cl = a8_max((sqrtf((float)ssq_u) / sqrt_n) / d, 1.0f);
     }
-    if (tid == 0) {
+    if (negate) s = -s;
+    {
         scal[0] = s;
         scal[1] = has_decay ? 1.0f - (swd ? alpha : rho) * wd : 1.0f;
         scal[2] = alpha;
@@ -313,12 +342,13 @@ __global__ void a8f_scalars(int mode, const T* ub, const float* uparts, int use_
 // gradient) or float (the exact first moment, xf32).
 template <typename T>
 __global__ void a8f_apply(T* p, const void* x, int xf32, const T* rf, const T* cf, long long n, long long r,
-                          long long c, const float* scal, int has_decay) {
+                          long long c, const float* scal, int has_decay, int zero_nf) {
     const T s = (T)scal[0], dec = (T)scal[1];
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const long long row = i / c, k = (row / r) * c + (i - row * c);
         const T xv = xf32 ? (T)((const float*)x)[i] : ((const T*)x)[i];
-        const T u = (xv * (cf[k] * s)) * rf[row];
+        T u = (xv * (cf[k] * s)) * rf[row];
+        if (zero_nf && !isfinite(u)) u = 0;  // Fira: a non-finite entry of the update is dropped
         T pv = p[i];
         if (has_decay) pv = pv * dec;
         p[i] = pv - u;
@@ -332,7 +362,7 @@ template <typename T>
 __global__ void a8f_m_step(const T* g, int mode, const T* rf, const T* cf, long long r, long long c,
                            const float* scal, int clip, unsigned char* q, float* absmax, int quant, float* mout,
                            float* res, long long n, int mblock, int fmt, float w, int lo, const float* qmap,
-                           int qmap_size) {
+                           int qmap_size, int neg) {
     __shared__ float sh[64];
     __shared__ float mp[256];
     a8_map_to_shared(mp, qmap, qmap_size);
@@ -347,10 +377,12 @@ __global__ void a8f_m_step(const T* g, int mode, const T* rf, const T* cf, long 
             float u;
             if (mode == 0) {
                 u = (float)g[idx];
+                if (neg) u = -u;  // maximize: the negated gradient (rounded to float), as common.src_chunk
             } else {
                 const long long row = idx / c, k = (row / r) * c + (idx - row * c);
                 T f = cf[k];
                 if (clip) f = f / cl;
+                if (neg) f = -f;  // maximize: the column factor negated after the clip
                 u = (float)((T)(float)(g[idx] * f) * rf[row]);
             }
             float old;
@@ -377,7 +409,7 @@ __global__ void a8f_m_step(const T* g, int mode, const T* rf, const T* cf, long 
 template <typename T>
 __global__ void a8f_flat_u(const T* g, float* v, int vquant, float b, float b1m, float beps, const float* m, int use_m, int adam,
                            float eps_d, float eps_sq, float* u, const T* p, T* pparts, float* uparts, long long n,
-                           int need_u, int need_p) {
+                           int need_u, int need_p, int neg) {
     __shared__ T sh[A8F_THREADS];
     __shared__ float shf[A8F_THREADS];
     const long long base = (long long)blockIdx.x * A8F_CHUNK;
@@ -386,7 +418,9 @@ __global__ void a8f_flat_u(const T* g, float* v, int vquant, float b, float b1m,
     for (int i = threadIdx.x; i < A8F_CHUNK; i += A8F_THREADS) {
         const long long idx = base + i;
         if (idx >= n) break;
-        const T gv = g[idx];
+        // maximize: the negated gradient rounded to float (common.src_chunk); T's products and quotients of floats
+        // rounded to float are the float operations' results
+        const T gv = neg ? (T)(-(float)g[idx]) : g[idx];
         float vv = v[idx];
         if (!vquant) {
             const float t = (float)((T)(float)(gv * (T)b) * gv);
@@ -417,12 +451,14 @@ __global__ void a8f_flat_u(const T* g, float* v, int vquant, float b, float b1m,
 
 // theta <- theta*decay - u*s (flat.apply_tasks).
 template <typename T>
-__global__ void a8f_flat_apply(T* p, const float* u, long long n, const float* scal, int has_decay) {
+__global__ void a8f_flat_apply(T* p, const float* u, long long n, const float* scal, int has_decay, int zero_nf) {
     const float s = scal[0];
     const T dec = (T)scal[1];
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         T pv = p[i];
         if (has_decay) pv = pv * dec;
-        p[i] = pv - (T)(u[i] * s);
+        float ui = u[i] * s;
+        if (zero_nf && !isfinite(ui)) ui = 0.0f;
+        p[i] = pv - (T)ui;
     }
 }
