@@ -50,6 +50,9 @@ MODES = {
     "came_maximize": dict(beta1=0.9, beta3=0.999, maximize=True),
     "adamw_maximize": dict(factored=False, beta1=0.9, beta2=0.999, maximize=True),
     "adafactor_flat_maximize": dict(factored=False, maximize=True),
+    "momentum_only_1d": dict(factored=False, beta1=0.9),
+    "momentum_only_adam_uf4": dict(factored=False, beta1=0.9, beta2=0.999, momentum_only_1d=True, m_quant_type="uf4"),
+    "momentum_only_max_fp32": dict(factored=False, beta1=0.9, maximize=True, quantize=False),
 }
 # the update norm's modes (Fira, lag_norm): ΣU² is needed, so never exact
 NORM_MODES = {
@@ -57,6 +60,9 @@ NORM_MODES = {
     "m_fira_lag_wd": dict(beta1=0.9, enable_fira_for_adafactor=True, lag_norm=True, weight_decay=0.01),
     "lag": dict(lag_norm=True, beta1=0.9, m_quant_type="d8"),
     "adamw_fira": dict(factored=False, beta1=0.9, beta2=0.999, enable_fira_for_adafactor=True),
+    "momentum_only_fira": dict(factored=False, beta1=0.9, enable_fira_for_adafactor=True),
+    "momentum_only_fira_lag_d8": dict(factored=False, beta1=0.9, enable_fira_for_adafactor=True, lag_norm=True,
+                                      m_quant_type="d8"),
     "adamw_fira_lag_max": dict(factored=False, beta1=0.9, beta2=0.999, enable_fira_for_adafactor=True, lag_norm=True,
                                maximize=True),
 }
@@ -103,7 +109,8 @@ def test_fused_gives_the_twins_bits_when_the_sums_are_exact(mode, dtype, monkeyp
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mode", ["al8", "m_uf8", "m_d4_wd", "came", "adamw", "adamw_fp32", "adafactor_flat",
-                                  "m_maximize", "came_maximize", *NORM_MODES])
+                                  "m_maximize", "came_maximize", "momentum_only_1d", "momentum_only_adam_uf4",
+                                  *NORM_MODES])
 def test_fused_is_close_to_the_twin_on_random_data(mode, dtype, monkeypatch):
     """Default clip and parameter scaling: ΣU² and Σθ² in the kernels' order."""
     kw = dict(SMALL, **{**MODES, **NORM_MODES}[mode])
@@ -144,10 +151,11 @@ def _count(opt, items):
 
 
 @pytest.mark.parametrize("kind, target, kw", [
-    ("af8", 12, dict()),
+    ("af8", 12, dict()),  # the issue's targets
     ("af8m", 12, dict(beta1=0.9)),
     ("came", 16, dict(beta1=0.9, beta3=0.9999)),
-    ("adamw_style", 5, dict(factored=False, beta1=0.9, beta2=0.999)),
+    ("adamw_style", 5, dict(factored=False, beta1=0.9, beta2=0.999)),  # "a few kernels" (28 before)
+    ("af8m_1d", 6, dict(beta1=0.9)),  # a 1-D parameter: the momentum-only rule
 ])
 def test_launch_counts(kind, target, kw, monkeypatch, gpu_device):
     if gpu_device != "emulated":
@@ -155,7 +163,8 @@ def test_launch_counts(kind, target, kw, monkeypatch, gpu_device):
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "0")
     cp = backend.cupy()
     rng = np.random.default_rng(0)
-    items = [OptItem("w", (96, 80), cp.asarray(rng.standard_normal(96 * 80, dtype=np.float32)),
+    shape = (7680,) if kind.endswith("_1d") else (96, 80)
+    items = [OptItem("w", shape, cp.asarray(rng.standard_normal(96 * 80, dtype=np.float32)),
                      cp.asarray(rng.standard_normal(96 * 80, dtype=np.float32)))]
     launches, syncs, allocs, kinds = _count(flatopt.Adafactor8Bit(lr=1e-2, **dict(SMALL, **kw)), items)
     assert launches <= target, (kind, launches, kinds)

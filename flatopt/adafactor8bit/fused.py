@@ -14,12 +14,14 @@ clip — is made by ``a8f_scalars`` into a 4-float device array that the later k
   ``a8f_m_step`` (U formed, m ← lerp(m, U, 1 − β1) requantized, U − m kept), ``a8f_rows``, ``a8f_col_parts``,
   ``a8f_col_fin`` over (U − m)² with the confidence EMAs, ``a8f_al_encode``, ``a8f_factors`` (the confidence
   factors), ``a8f_apply`` on m: 13 launches;
-* elementwise (Adam-style, or Adafactor-style without the momentum-only rule): the second moment (``a8_al_ema``,
-  or the float32 state updated inside the next kernel), [``a8f_m_step``], ``a8f_flat_u`` (U and the partials of
-  ΣU² and Σθ² per 4096 elements), ``a8f_scalars``, ``a8f_flat_apply``: 4–5 launches.
+* elementwise (Adam- or Adafactor-style): the second moment (``a8_al_ema``, or the float32 state updated inside the
+  next kernel), [``a8f_m_step``], ``a8f_flat_u`` (U and the partials of ΣU² and Σθ² per 4096 elements),
+  ``a8f_scalars``, ``a8f_flat_apply``: 4–5 launches; the momentum-only rule (1-D with ``beta1``, by default) adds
+  ``a8f_scalars`` (the clip) and ``a8f_m_step`` (m ← lerp(m, U/clip, 1 − β1), the step is m) after ``a8f_flat_u``:
+  5–6 launches.
 
 Not fused (the twin runs): APOLLO (``adafactor8bit.apollo``), SGD mode, CAME with ``enable_fira_for_adafactor``,
-the unfactored momentum-only rule, and ``use_cuda_kernel=False``.  ``maximize``, ``lag_norm`` and the Fira limiter
+and ``use_cuda_kernel=False``.  ``maximize``, ``lag_norm`` and the Fira limiter
 (state ``fira_prev``, ``prev_update_norm``, ``lag_fira_scale`` updated on the device by ``a8f_scalars``) are fused.
 
 Bits.  Every elementwise operation is the twin's in the twin's order and precision (float32 state with float32
@@ -57,11 +59,8 @@ def supported(cfg, st, shape) -> bool:
     """Whether this parameter's step has a fused path (see the module doc)."""
     if not cfg.use_cuda_kernel or st.apollo_seed is not None or S.is_sgd(cfg):
         return False
-    if len(shape) >= 2 and cfg.factored:  # (CAME with Fira needs ΣU² of its step: the twin)
-        return not (cfg.beta3 is not None and cfg.enable_fira_for_adafactor)
-    adam = (not cfg.factored) and cfg.beta2 is not None and cfg.beta3 is None
-    mo1d = (not adam) if cfg.momentum_only_1d is None else cfg.momentum_only_1d
-    return not (mo1d and cfg.beta1 is not None)
+    # (CAME with Fira needs ΣU² of its step: the twin)
+    return not (len(shape) >= 2 and cfg.factored and cfg.beta3 is not None and cfg.enable_fira_for_adafactor)
 
 
 def kernel_step(cfg, st, p, g, *, t: int, lr) -> bool:
@@ -121,8 +120,9 @@ def _encode(cp, st, slots, floor: float) -> None:
                                      a1 + a2[:5] + (qs[0][1][1], _i32(bs), _f32(floor)))
 
 
-def _m_step(cp, cfg, st, g, mode, rf, cf, r, c, scal, clip, res):
-    """m ← lerp(m, u, 1 − β1) (u: G, or CAME's U), requantized; returns the exact values."""
+def _m_step(cp, cfg, st, g, mode, rf, cf, r, c, scal, clip, res, m2parts=None):
+    """m ← lerp(m, u, 1 − β1) (u: G, CAME's U, or the momentum-only rule's clipped U), requantized; returns the exact
+    values; ``m2parts``: Σm² per block there."""
     n = g.size
     mb = cfg.m_block_size
     w = 1.0 - cfg.beta1
@@ -136,7 +136,8 @@ def _m_step(cp, cfg, st, g, mode, rf, cf, r, c, scal, clip, res):
     _k("a8f_m_step", g.dtype)((quant.nblocks(n, mb),), (THREADS,),
                               (g, _i32(mode), rf, cf, _i64(r), _i64(c), scal, _i32(clip), q, am, _i32(quantized),
                                mx, res, _i64(n), _i32(mb), _i32(fmt), _f32(w), _lo(w), mp, _i32(mp.size),
-                               _i32(cfg.maximize)))
+                               _i32(cfg.maximize and mode != 2), scal if m2parts is None else m2parts,
+                               _i32(m2parts is not None)))
     return mx
 
 
@@ -145,10 +146,10 @@ def _factors(dt, R, C, wsum, use_w, bdim, r, c, eps1, rf, cf, ub):
                           (R, C, wsum, _i32(use_w), _i64(bdim), _i64(r), _i64(c), _f32(eps1), rf, cf, ub))
 
 
-def _scalars(cfg, st, sc, n, mode, dt, *, ub, uparts, use_u, nu, pparts, npp, scal, negate=False):
+def _scalars(cfg, st, sc, n, mode, dt, *, ub, uparts, use_u, nu, pparts, npp, scal, negate=False, d=None):
     """α, the step scale (``Scalars.step_scale``: clip, Fira, ``lag_norm``, ``negate``) and the decay into scal."""
     mult_kind, mult = (0, 1.0) if sc.mult is None else ((1 if sc.mult[0] == "mul" else 2), sc.mult[1])
-    d = cfg.d
+    d = cfg.d if d is None else d
     fira = cfg.enable_fira_for_adafactor
     prev = st.prev_update_norm if cfg.lag_norm else scal
     fprev = st.fira_prev if fira else scal
@@ -236,14 +237,22 @@ def _flat(cfg, st, p, g, t, lr, b) -> None:
         v = st.variance
     nparts = -(-n // CHUNK)
     u, pparts, uparts = _ws(cp, "u", n), _ws(cp, "pparts", nparts, dt), _ws(cp, "uparts", nparts)
-    m = _m_step(cp, cfg, st, g, 0, pparts, pparts, 1, 1, scal, 0, scal) if cfg.beta1 is not None else None
-    need_u, need_p = cfg.d > 0 or cfg.enable_fira_for_adafactor, bool(cfg.scale_parameter)
+    mo1d = (not adam) if cfg.momentum_only_1d is None else cfg.momentum_only_1d
+    mo1d = mo1d and cfg.beta1 is not None  # the momentum-only rule: m <- EMA of the clipped U, the step is m
+    m = _m_step(cp, cfg, st, g, 0, pparts, pparts, 1, 1, scal, 0, scal) if cfg.beta1 is not None and not mo1d else None
+    fira = cfg.enable_fira_for_adafactor
+    need_u, need_p = cfg.d > 0 or (fira and not mo1d), bool(cfg.scale_parameter)
     _k("a8f_flat_u", dt)((nparts,), (THREADS,),
                          (g, v, _i32(st.variance is None), _f32(b), _f32(1.0 - b), _f32(b * eps_g2),
                           m if m is not None else scal, _i32(m is not None), _i32(adam), _f32(sc.eps_denom),
                           _f32(max(eps1 * eps1, quant.FLT_MIN)), u, p, pparts, uparts, _i64(n), _i32(need_u),
                           _i32(need_p), _i32(cfg.maximize)))
-    _scalars(cfg, st, sc, n, 0, dt, ub=pparts, uparts=uparts, use_u=2 if need_u else 0, nu=nparts, pparts=pparts,
-             npp=nparts, scal=scal)
-    backend.launch(_k("a8f_flat_apply", dt), n, (p, u, _i64(n), scal, _i32(cfg.weight_decay != 0),
-                                                  _i32(cfg.enable_fira_for_adafactor)))
+    parts = dict(ub=pparts, uparts=uparts, use_u=2 if need_u else 0, nu=nparts, pparts=pparts, npp=nparts, scal=scal)
+    if mo1d:  # the clip divisor (scal[3]), m from U/clip (with Σm² per block for Fira), then the step's scalars
+        _scalars(cfg, st, sc, n, 1, dt, **parts)
+        nb = quant.nblocks(n, cfg.m_block_size)
+        m2 = _ws(cp, "m2parts", nb) if fira else None
+        u = _m_step(cp, cfg, st, g, 2, pparts, pparts, 1, 1, scal, cfg.d > 0, u, m2)
+        parts.update(uparts=scal if m2 is None else m2, use_u=2 if fira else 0, nu=nb)
+    _scalars(cfg, st, sc, n, 0, dt, d=0.0 if mo1d else None, **parts)
+    backend.launch(_k("a8f_flat_apply", dt), n, (p, u, _i64(n), scal, _i32(cfg.weight_decay != 0), _i32(fira)))

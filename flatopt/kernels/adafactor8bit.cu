@@ -357,19 +357,22 @@ __global__ void a8f_apply(T* p, const void* x, int xf32, const T* rf, const T* c
 
 // The first moment, one block per block of mblock values: u = float(g) (mode 0) or CAME's U = float(T(float(g *
 // (cf_j / clip))) * rf_i) (mode 1, FactoredPasses.write); m = lerp(m_old, u, w); mout[i] = m (exact: the float32
-// state itself, or scratch); quant: requantize the block (as a8_m_ema); mode 1: res[i] = u - m.
+// state itself, or scratch); quant: requantize the block (as a8_m_ema); mode 1: res[i] = u - m.  Mode 2 (the
+// momentum-only rule, flat.flat_phases pass 2): u = res[i] / clip (res: the elementwise step's U), and with m2
+// the block's sum of m^2 (float) into m2parts[block].
 template <typename T>
 __global__ void a8f_m_step(const T* g, int mode, const T* rf, const T* cf, long long r, long long c,
                            const float* scal, int clip, unsigned char* q, float* absmax, int quant, float* mout,
                            float* res, long long n, int mblock, int fmt, float w, int lo, const float* qmap,
-                           int qmap_size, int neg) {
+                           int qmap_size, int neg, float* m2parts, int m2) {
     __shared__ float sh[64];
+    __shared__ float shs[A8F_THREADS];
     __shared__ float mp[256];
     a8_map_to_shared(mp, qmap, qmap_size);
     const long long base = (long long)blockIdx.x * mblock;
     const float am_old = quant ? absmax[blockIdx.x] : 0.0f;
     const T cl = clip ? (T)scal[3] : (T)1;
-    float lo_ = 0.0f, hi = 0.0f;
+    float lo_ = 0.0f, hi = 0.0f, sm = 0.0f;
     for (int i = threadIdx.x; i < mblock; i += blockDim.x) {
         const long long idx = base + i;
         float v = 0.0f;
@@ -378,6 +381,9 @@ __global__ void a8f_m_step(const T* g, int mode, const T* rf, const T* cf, long 
             if (mode == 0) {
                 u = (float)g[idx];
                 if (neg) u = -u;  // maximize: the negated gradient (rounded to float), as common.src_chunk
+            } else if (mode == 2) {
+                u = res[idx];
+                if (clip) u = u / scal[3];
             } else {
                 const long long row = idx / c, k = (row / r) * c + (idx - row * c);
                 T f = cf[k];
@@ -394,9 +400,11 @@ __global__ void a8f_m_step(const T* g, int mode, const T* rf, const T* cf, long 
             v = a8_lerp_t<float>(old, u, w, lo);
             mout[idx] = v;
             if (mode == 1) res[idx] = u - v;
+            sm += v * v;
         }
         hi = a8_max(hi, fabsf(v));
     }
+    if (m2) { sm = sq_block(sm, shs); if (threadIdx.x == 0) m2parts[blockIdx.x] = sm; }
     if (!quant) return;
     __syncthreads();  // every thread has read its old codes before any is overwritten
     a8_m_encode(q, absmax, mout, base, n, mblock, fmt, lo_, hi, mp, qmap_size, sh);
