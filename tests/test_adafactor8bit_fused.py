@@ -53,6 +53,8 @@ MODES = {
     "momentum_only_1d": dict(factored=False, beta1=0.9),
     "momentum_only_adam_uf4": dict(factored=False, beta1=0.9, beta2=0.999, momentum_only_1d=True, m_quant_type="uf4"),
     "momentum_only_max_fp32": dict(factored=False, beta1=0.9, maximize=True, quantize=False),
+    "sgd_momentum": dict(beta2=None, beta2_decay=None, relative_step=False, beta1=0.9, m_quant_type="d4"),
+    "sgd_plain_maximize_wd": dict(beta2=None, beta2_decay=None, relative_step=False, maximize=True, weight_decay=0.1),
 }
 # the update norm's modes (Fira, lag_norm): ΣU² is needed, so never exact
 NORM_MODES = {
@@ -63,6 +65,9 @@ NORM_MODES = {
     "momentum_only_fira": dict(factored=False, beta1=0.9, enable_fira_for_adafactor=True),
     "momentum_only_fira_lag_d8": dict(factored=False, beta1=0.9, enable_fira_for_adafactor=True, lag_norm=True,
                                       m_quant_type="d8"),
+    "came_fira": dict(beta1=0.9, beta3=0.999, enable_fira_for_adafactor=True),
+    "came_fira_lag_max": dict(beta1=0.9, beta3=0.999, enable_fira_for_adafactor=True, lag_norm=True, maximize=True,
+                              weight_decay=0.01),
     "adamw_fira_lag_max": dict(factored=False, beta1=0.9, beta2=0.999, enable_fira_for_adafactor=True, lag_norm=True,
                                maximize=True),
 }
@@ -110,6 +115,7 @@ def test_fused_gives_the_twins_bits_when_the_sums_are_exact(mode, dtype, monkeyp
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mode", ["al8", "m_uf8", "m_d4_wd", "came", "adamw", "adamw_fp32", "adafactor_flat",
                                   "m_maximize", "came_maximize", "momentum_only_1d", "momentum_only_adam_uf4",
+                                  "sgd_momentum", "sgd_plain_maximize_wd",
                                   *NORM_MODES])
 def test_fused_is_close_to_the_twin_on_random_data(mode, dtype, monkeypatch):
     """Default clip and parameter scaling: ΣU² and Σθ² in the kernels' order."""
@@ -133,7 +139,8 @@ def test_fused_is_close_to_the_twin_on_random_data(mode, dtype, monkeypatch):
             if st[k].dtype.kind in "ui":
                 d = np.abs(st[k].astype(np.int64) - sf[k].astype(np.int64))
                 if k.startswith("m_q") and sf[k].dtype == np.uint8 and kw.get("m_quant_type") in ("uf4", "d4"):
-                    d = np.abs((st[k] >> 4).astype(int) - (sf[k] >> 4)) + np.abs((st[k] & 15).astype(int) - (sf[k] & 15))
+                    hi, lo = (st[k] >> 4).astype(int) - (sf[k] >> 4), (st[k] & 15).astype(int) - (sf[k] & 15)
+                    d = np.abs(hi) + np.abs(lo)
                 assert d.max(initial=0) <= 1 and np.mean(d != 0) <= 0.01, (mode, shape, k)
             else:
                 np.testing.assert_allclose(sf[k], st[k], rtol=1e-4, atol=1e-6, err_msg=f"{mode} {shape} {k}")

@@ -13,27 +13,33 @@ clip — is made by ``a8f_scalars`` into a 4-float device array that the later k
 * CAME: the same statistics, factors and scalars (mode 1: the RMS clip of U instead of a step scale),
   ``a8f_m_step`` (U formed, m ← lerp(m, U, 1 − β1) requantized, U − m kept), ``a8f_rows``, ``a8f_col_parts``,
   ``a8f_col_fin`` over (U − m)² with the confidence EMAs, ``a8f_al_encode``, ``a8f_factors`` (the confidence
-  factors), ``a8f_apply`` on m: 13 launches;
+  factors), ``a8f_apply`` on m: 13 launches (with Fira 15: ``a8f_usq_rows``, the rows' shares of ΣU² of the step,
+  and ``a8f_scalars`` for the limiter);
 * elementwise (Adam- or Adafactor-style): the second moment (``a8_al_ema``, or the float32 state updated inside the
   next kernel), [``a8f_m_step``], ``a8f_flat_u`` (U and the partials of ΣU² and Σθ² per 4096 elements),
   ``a8f_scalars``, ``a8f_flat_apply``: 4–5 launches; the momentum-only rule (1-D with ``beta1``, by default) adds
   ``a8f_scalars`` (the clip) and ``a8f_m_step`` (m ← lerp(m, U/clip, 1 − β1), the step is m) after ``a8f_flat_u``:
-  5–6 launches.
+  5–6 launches; SGD mode (no second moment) likewise: 3–4 launches.
 
-Not fused (the twin runs): APOLLO (``adafactor8bit.apollo``), SGD mode, CAME with ``enable_fira_for_adafactor``,
-and ``use_cuda_kernel=False``.  ``maximize``, ``lag_norm`` and the Fira limiter
-(state ``fira_prev``, ``prev_update_norm``, ``lag_fira_scale`` updated on the device by ``a8f_scalars``) are fused.
+Not fused (the twin runs): APOLLO (``adafactor8bit.apollo``) and ``use_cuda_kernel=False``.  ``maximize``,
+``lag_norm`` and the Fira limiter (its state ``fira_prev``, ``prev_update_norm``, ``lag_fira_scale`` updated on the
+device by ``a8f_scalars``) are fused.  Scratch is the calling thread's workspace (``core.workspace``, keys
+``a8k.*``): nothing is allocated per step once it has grown.
 
-Bits.  Every elementwise operation is the twin's in the twin's order and precision (float32 state with float32
-or float64 operands promoted as NumPy/CuPy promote them; compiled with ``--fmad=false``), and the codecs are the
+Bits.  Every elementwise operation is the twin's in the twin's order and precision (a float32 state combined with
+float32 or float64 operands as NumPy/CuPy promote them; compiled with ``--fmad=false``), and the codecs are the
 twin's (``a8_codec.cuh``).  The sums are not in the twin's order (its CuPy reductions add in CUB's or NumPy's
 order; the kernels use fixed per-thread strides, a shared-memory tree and partials folded in a fixed order, all
 chosen from the sizes only, so the same inputs give the same bits whatever else is in the batch): the row and
-column sums of G² (and of (U − m)² for CAME), W, r̄, Σθ² and ΣU².  Each differs from the twin's by a few ulps of
-the sum; through the EMAs, factors, α and the clip that can move a state's value by a few ulps, flip an 8-bit code
-whose value lies within those ulps of a rounding boundary, and change θ by a few ulps per step.  When those sums are
-exact (e.g. dyadic inputs) and no data-dependent scalar is needed (``d = 0``, ``scale_parameter=False``) the fused
-step gives the twin's bits and codes exactly; ``tests/test_adafactor8bit_fused.py`` checks both cases.
+column sums of G² (and of (U − m)² for CAME), W, r̄, Σθ², ΣU² and Σm².  Each differs from the twin's by a few ulps
+of the sum; through the EMAs, factors, α and the clip that moves a state's value by a few ulps, which can flip an
+8-bit code whose value lies within those ulps of a rounding boundary (the elements that code scales then move by up
+to one quantization level of their update), and θ by a few ulps per step.  When those sums are exact (e.g. dyadic
+inputs on shapes whose rows and columns have at most two entries) and no data-dependent scalar is needed (``d = 0``,
+``scale_parameter=False``) the fused step gives the twin's bits and codes exactly; ``tests/test_adafactor8bit_fused.py``
+checks both cases.  One more, theoretical, difference: the twin's state kernels choose torch.lerp's branch on
+|float32(w)| < 0.5 and its array code on |w| < 0.5; the fused kernels use the latter (they differ for w within 3e-8
+below 0.5 only).
 """
 
 from __future__ import annotations
@@ -55,26 +61,24 @@ MAX_GRID = 1 << 16
 _i32, _i64, _f32 = np.int32, np.int64, np.float32
 
 
-def supported(cfg, st, shape) -> bool:
-    """Whether this parameter's step has a fused path (see the module doc)."""
-    if not cfg.use_cuda_kernel or st.apollo_seed is not None or S.is_sgd(cfg):
-        return False
-    # (CAME with Fira needs ΣU² of its step: the twin)
-    return not (len(shape) >= 2 and cfg.factored and cfg.beta3 is not None and cfg.enable_fira_for_adafactor)
+def supported(cfg, st) -> bool:
+    """Whether this parameter's step has a fused path: every non-APOLLO one, unless ``use_cuda_kernel=False``."""
+    return cfg.use_cuda_kernel and st.apollo_seed is None
 
 
 def kernel_step(cfg, st, p, g, *, t: int, lr) -> bool:
     """One fused step of ``p`` (in place); False when this configuration has no fused path (the twin runs)."""
     shape = st.sizes["shape"]
-    if not supported(cfg, st, shape):
+    if not supported(cfg, st):
         return False
     if p.size == 0:
         return True
-    b = 1.0 - cfg.beta2 if cfg.beta2 is not None else math.pow(t, cfg.beta2_decay)
-    if len(shape) >= 2 and cfg.factored:
+    sgd = S.is_sgd(cfg)
+    b = 0.0 if sgd else (1.0 - cfg.beta2 if cfg.beta2 is not None else math.pow(t, cfg.beta2_decay))
+    if len(shape) >= 2 and cfg.factored and not sgd:
         _factored(cfg, st, p, g, shape, t, lr, b)
     else:
-        _flat(cfg, st, p, g, t, lr, b)
+        _flat(cfg, st, p, g, t, lr, b, sgd)
     return True
 
 
@@ -211,6 +215,10 @@ def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
         m = _m_step(cp, cfg, st, g, 1, rf, cf, r, c, scal, clip, res)
         CR, CC, _ = statistics(res, 1, "conf_row", "conf_col", 1.0 - cfg.beta3, cfg.eps_came)
         _factors(dt, CR, CC, wsum, 0, bdim, r, c, eps1, rf, cf, ub)
+        if cfg.enable_fira_for_adafactor:  # ΣU² of the step m·factors per row (into inv), then the Fira factor
+            _k("a8f_usq_rows", dt)((min(nr, MAX_GRID),), (THREADS,), (m, rf, cf, _i64(nr), _i64(r), _i64(c), inv))
+            _scalars(cfg, st, sc, n, 0, dt, ub=inv, uparts=scal, use_u=1, nu=nr, pparts=prow, npp=nr, scal=scal,
+                     d=0.0)
     if m is not None:
         x = m
     backend.launch(_k("a8f_apply", dt), n, (p, x, _i32(m is not None), rf, cf, _i64(n),
@@ -219,16 +227,18 @@ def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- elementwise
-def _flat(cfg, st, p, g, t, lr, b) -> None:
+def _flat(cfg, st, p, g, t, lr, b, sgd) -> None:
     cp = backend.cupy()
     dt = p.dtype
     n = p.size
     adam = (not cfg.factored) and cfg.beta2 is not None and cfg.beta3 is None
     eps1 = eps1_of(cfg)
     eps_g2 = 0.0 if adam else eps1
-    sc = Scalars(cp, cfg, st, n, t, lr, adam=adam, sgd=False)
+    sc = Scalars(cp, cfg, st, n, t, lr, adam=adam, sgd=sgd)
     scal = _ws(cp, "scal", 4)
-    if st.variance is None:
+    if sgd:
+        v = scal  # (no second moment)
+    elif st.variance is None:
         v, q, scale = _ws(cp, "v", n), st.variance_q, st.variance_scale  # the EMA of state.ema_range's kernel
         _k("a8_al_ema", dt)((scale.size,), (THREADS,),
                             (q, _i32(q.dtype.itemsize * 8), scale, st.variance_min_log, g, v, _i64(n),
@@ -238,7 +248,8 @@ def _flat(cfg, st, p, g, t, lr, b) -> None:
     nparts = -(-n // CHUNK)
     u, pparts, uparts = _ws(cp, "u", n), _ws(cp, "pparts", nparts, dt), _ws(cp, "uparts", nparts)
     mo1d = (not adam) if cfg.momentum_only_1d is None else cfg.momentum_only_1d
-    mo1d = mo1d and cfg.beta1 is not None  # the momentum-only rule: m <- EMA of the clipped U, the step is m
+    # the momentum-only rule: m <- EMA of the clipped U, the step is m
+    mo1d = mo1d and cfg.beta1 is not None and not sgd
     m = _m_step(cp, cfg, st, g, 0, pparts, pparts, 1, 1, scal, 0, scal) if cfg.beta1 is not None and not mo1d else None
     fira = cfg.enable_fira_for_adafactor
     need_u, need_p = cfg.d > 0 or (fira and not mo1d), bool(cfg.scale_parameter)
@@ -246,7 +257,8 @@ def _flat(cfg, st, p, g, t, lr, b) -> None:
                          (g, v, _i32(st.variance is None), _f32(b), _f32(1.0 - b), _f32(b * eps_g2),
                           m if m is not None else scal, _i32(m is not None), _i32(adam), _f32(sc.eps_denom),
                           _f32(max(eps1 * eps1, quant.FLT_MIN)), u, p, pparts, uparts, _i64(n), _i32(need_u),
-                          _i32(need_p), _i32(cfg.maximize)))
+                          _i32(need_p), _i32(cfg.maximize), _i32(sgd),
+                          _f32(1.0 - cfg.beta1 if cfg.beta1 is not None else 1.0)))
     parts = dict(ub=pparts, uparts=uparts, use_u=2 if need_u else 0, nu=nparts, pparts=pparts, npp=nparts, scal=scal)
     if mo1d:  # the clip divisor (scal[3]), m from U/clip (with Σm² per block for Fira), then the step's scalars
         _scalars(cfg, st, sc, n, 1, dt, **parts)

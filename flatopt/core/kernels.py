@@ -23,7 +23,8 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 KERNELS: dict[str, tuple[str, ...]] = {
     "adafactor.cu": ("af_row_sumsq", "af_col_sumsq", "af_ema", "af_factors", "af_v_update", "af_sumsq_partials", "af_u_partials", "af_scalars", "af_apply"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema", "a8f_rows", "a8f_col_parts", "a8f_col_fin", "a8f_al_encode",
-                         "a8f_factors", "a8f_scalars", "a8f_apply", "a8f_m_step", "a8f_flat_u", "a8f_flat_apply"),
+                         "a8f_factors", "a8f_scalars", "a8f_usq_rows", "a8f_apply", "a8f_m_step", "a8f_flat_u",
+                         "a8f_flat_apply"),
     "adam.cu": ("adam_step",),
     "adamw.cu": ("adamw_step", "adamw_multi"),
     "lamb.cu": ("lamb_moments", "lamb_ratio", "lamb_apply"),

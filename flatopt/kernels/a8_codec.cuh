@@ -74,7 +74,8 @@ __device__ __forceinline__ float a8_m_value(int code, int fmt, float am, const f
 }
 
 // torch.lerp(a, x, w) as the twin's ``state.lerp_`` computes it when x is of type T and the state a is float32:
-// d = float(x - a) (in T), then a + w*d (float) when `lo` (|w| < 0.5, decided on the host), else float(x - T(d*(1 - w))).
+// d = float(x - a) (in T), then a + w*d (float) when `lo` (|w| < 0.5, decided on the host), else
+// float(x - T(d*(1 - w))).
 // For T = float this is a8_lerp.
 template <typename T>
 __device__ __forceinline__ float a8_lerp_t(float a, T x, float w, int lo) {
@@ -88,7 +89,8 @@ __device__ __forceinline__ float a8_al_value(unsigned int code, float sc, float 
 }
 
 __device__ __forceinline__ unsigned int a8_al_code_at(const void* codes, int bits, long long idx) {
-    return bits == 8 ? (unsigned int)((const unsigned char*)codes)[idx] : (unsigned int)((const unsigned short*)codes)[idx];
+    return bits == 8 ? (unsigned int)((const unsigned char*)codes)[idx]
+                     : (unsigned int)((const unsigned short*)codes)[idx];
 }
 
 // The AL statistics of one block from the block-wide min (over non-zero values) and max of the log2 values:
@@ -139,7 +141,10 @@ __device__ __forceinline__ void a8_m_encode(unsigned char* q, float* absmax, con
 // The old value idx of a quantized signed state (block absmax am; 4-bit codes: even index in the high nibble).
 __device__ __forceinline__ float a8_m_old(const unsigned char* q, long long idx, int fmt, float am, const float* mp) {
     int code;
-    if (fmt == 1 || fmt == 3) { const unsigned int b = q[idx >> 1]; code = (idx & 1) ? (int)(b & 0x0Fu) : (int)(b >> 4); }
+    if (fmt == 1 || fmt == 3) {
+        const unsigned int b = q[idx >> 1];
+        code = (idx & 1) ? (int)(b & 0x0Fu) : (int)(b >> 4);
+    }
     else code = q[idx];
     return a8_m_value(code, fmt, am, mp);
 }

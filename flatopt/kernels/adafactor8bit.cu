@@ -152,6 +152,24 @@ __global__ void a8f_rows(const void* x, int mode, long long nrows, long long c, 
     }
 }
 
+// CAME with Fira: the rows' shares of sum U^2 of its step U = (m * cf_j) * rf_i (FactoredPasses.sums): one block per
+// row, urow[row] = (sum_j (T(m) * cf_j)^2) * rf_row^2.
+template <typename T>
+__global__ void a8f_usq_rows(const float* m, const T* rf, const T* cf, long long nrows, long long r, long long c,
+                             T* urow) {
+    __shared__ T sh[A8F_THREADS];
+    for (long long row = blockIdx.x; row < nrows; row += gridDim.x) {
+        const T* cfb = cf + (row / r) * c;
+        T s = 0;
+        for (long long j = threadIdx.x; j < c; j += A8F_THREADS) {
+            const T v = (T)m[row * c + j] * cfb[j];
+            s += v * v;
+        }
+        s = sq_block(s, sh);
+        if (threadIdx.x == 0) urow[row] = s * (rf[row] * rf[row]);
+    }
+}
+
 // Column partials over A8F_ROWS rows at a time (one thread per column; block (tile, part, b) of a 1-D grid):
 //   cparts[part][b*c + j] = sum over the part's rows of S_ij, S = x^2 (mode 0, x: T) or T(x^2) (mode 1, x: float);
 //   fused: wparts[...] = sum of S'_ij * inv_i, S' = S, or T(m^2) when m (the exact first moment, float) is given.
@@ -188,7 +206,8 @@ template <typename T>
 __global__ void a8f_col_fin(const T* cparts, const T* wparts, int fused, long long parts, long long bc, long long r,
                             const void* codes, int bits, const float* scale, const float* min_log, int block,
                             float* out, int quant, float w, int lo, float add, T* wsum) {
-    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < bc; k += (long long)gridDim.x * blockDim.x) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < bc; k += stride) {
         T s = 0, ws = 0;
         for (long long y = 0; y < parts; ++y) {
             s += cparts[y * bc + k];
@@ -229,7 +248,8 @@ __global__ void a8f_al_encode(void* q1, float* sc1, float* ml1, const float* v1,
     for (int i = threadIdx.x; i < block; i += blockDim.x) {
         const long long idx = base + i;
         const unsigned int code = a8_al_code(idx < n ? v[idx] : 0.0f, mn, sc, L);
-        if (bits == 8) ((unsigned char*)q)[idx] = (unsigned char)code; else ((unsigned short*)q)[idx] = (unsigned short)code;
+        if (bits == 8) ((unsigned char*)q)[idx] = (unsigned char)code;
+        else ((unsigned short*)q)[idx] = (unsigned short)code;
     }
     if (threadIdx.x == 0) { scale[blk] = sc; min_log[blk] = mn; }
 }
@@ -344,7 +364,8 @@ template <typename T>
 __global__ void a8f_apply(T* p, const void* x, int xf32, const T* rf, const T* cf, long long n, long long r,
                           long long c, const float* scal, int has_decay, int zero_nf) {
     const T s = (T)scal[0], dec = (T)scal[1];
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const long long row = i / c, k = (row / r) * c + (i - row * c);
         const T xv = xf32 ? (T)((const float*)x)[i] : ((const T*)x)[i];
         T u = (xv * (cf[k] * s)) * rf[row];
@@ -415,9 +436,10 @@ __global__ void a8f_m_step(const T* g, int mode, const T* rf, const T* cf, long 
 // u = src/(sqrt(v) + eps) (adam: src*(1/(...)) with a first moment) or src*(1/sqrt(max(v, eps^2))), src the exact
 // first moment m (float) or g; u[i] (float); partials: uparts = sum u^2 (float), pparts = sum p^2 (T).
 template <typename T>
-__global__ void a8f_flat_u(const T* g, float* v, int vquant, float b, float b1m, float beps, const float* m, int use_m, int adam,
+__global__ void a8f_flat_u(const T* g, float* v, int vquant, float b, float b1m, float beps, const float* m, int use_m,
+                           int adam,
                            float eps_d, float eps_sq, float* u, const T* p, T* pparts, float* uparts, long long n,
-                           int need_u, int need_p, int neg) {
+                           int need_u, int need_p, int neg, int sgd, float b1c) {
     __shared__ T sh[A8F_THREADS];
     __shared__ float shf[A8F_THREADS];
     const long long base = (long long)blockIdx.x * A8F_CHUNK;
@@ -429,6 +451,14 @@ __global__ void a8f_flat_u(const T* g, float* v, int vquant, float b, float b1m,
         // maximize: the negated gradient rounded to float (common.src_chunk); T's products and quotients of floats
         // rounded to float are the float operations' results
         const T gv = neg ? (T)(-(float)g[idx]) : g[idx];
+        float o;
+        if (sgd) {  // SGD mode: u = m / (1 - beta1), or g
+            o = use_m ? m[idx] / b1c : (float)gv;
+            u[idx] = o;
+            su += o * o;
+            if (need_p) { const T pv = p[idx]; sp += pv * pv; }
+            continue;
+        }
         float vv = v[idx];
         if (!vquant) {
             const float t = (float)((T)(float)(gv * (T)b) * gv);
@@ -437,7 +467,6 @@ __global__ void a8f_flat_u(const T* g, float* v, int vquant, float b, float b1m,
             if (beps != 0.0f) vv = vv + beps;
             v[idx] = vv;
         }
-        float o;
         if (adam) {
             o = sqrtf(vv);
             o = o + eps_d;
@@ -462,7 +491,8 @@ template <typename T>
 __global__ void a8f_flat_apply(T* p, const float* u, long long n, const float* scal, int has_decay, int zero_nf) {
     const float s = scal[0];
     const T dec = (T)scal[1];
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         T pv = p[i];
         if (has_decay) pv = pv * dec;
         float ui = u[i] * s;
