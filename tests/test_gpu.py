@@ -34,10 +34,14 @@ gpu_device = pytest.fixture(scope="module", autouse=True)(fakecupy.device_or_emu
 NAMES = sorted(REGISTRY)
 STEPS = 4
 # Algorithms whose kernel sums in another order than its twin (see the module documentation).
-SUMS_DIFFER = ("adafactor",)
+SUMS_DIFFER = ("adafactor", "adafactor8bit")
 # Registry entries whose fused path sums in another order than its twin: APOLLO's norms and scalars
 # (kernels/apollo8bit.cu); its state is float32, so the tolerance is float32's for a float64 parameter too.
 SUMS_DIFFER_ENTRIES = ("adafactor8bit_apollo_came",)
+# ... and whose quantized states may then flip a code lying within those ulps of a rounding boundary (the elements it
+# scales move by up to a quantization level of their update): most elements within the tolerance, none far off
+# (flatopt/adafactor8bit/fused.py; tests/test_adafactor8bit_fused.py checks the exact cases bit for bit).
+CODES_MAY_FLIP = ("adafactor8bit",)
 
 # Known defects (../shared/reference/gpu-audit.md §1.4, §3), each a strict xfail: the fix flips it to a failure
 # (XPASS), which is the signal to delete the entry.  The audit's D1-D6 are fixed (the Adafactor kernel in its twin's
@@ -81,7 +85,11 @@ def test_kernel_matches_twin_bitwise(name, dtype, monkeypatch):
         run_steps(opt, params, STEPS)
         outs.append(params)
     for n in base:
-        if opt.algorithm in SUMS_DIFFER or name in SUMS_DIFFER_ENTRIES:
+        if opt.algorithm in CODES_MAY_FLIP and name not in SUMS_DIFFER_ENTRIES:
+            want, got = backend.to_numpy(outs[0][n][1]), backend.to_numpy(outs[1][n][1])
+            diff, tol = np.abs(got - want), _tol(np.float32, want)  # its step scalars are float32
+            assert np.mean(diff <= tol) >= 0.999 and diff.max() <= 1e-3 * max(1.0, np.abs(want).max()), n
+        elif opt.algorithm in SUMS_DIFFER or name in SUMS_DIFFER_ENTRIES:
             want = backend.to_numpy(outs[0][n][1])
             state = opt.state_dict() if name in SUMS_DIFFER_ENTRIES else None
             np.testing.assert_allclose(backend.to_numpy(outs[1][n][1]), want, rtol=0,

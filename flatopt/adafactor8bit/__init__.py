@@ -44,10 +44,14 @@ Deviations from the original (all deliberate):
   allocator priming trick) are accepted and validated but have no effect: flatopt's parameters are float32/float64,
   whose write-back is exact, and it allocates nothing per step.
 
-GPU (CuPy arrays): the same array-agnostic code with every data-dependent scalar (α, norms, clip and Fira factors)
-a 0-d device array — no host synchronisation; each quantized state update (dequantize, EMA, block min/max or absmax
-reduction by warp shuffles, requantize) is one fused launch of ``kernels/adafactor8bit.cu`` (deterministic, no
-atomics); ``use_cuda_kernel=False`` (per group) or ``FLATOPT_FORCE_TWIN=1`` runs the twin instead.
+GPU (CuPy arrays): the factored, CAME and elementwise (Adam- and Adafactor-style) steps are fused CUDA kernels
+(``flatopt.adafactor8bit.fused``, ``kernels/adafactor8bit.cu``): decode, EMA, statistics, update and re-encode in
+registers, 4–13 launches per parameter, no host synchronisation, no allocation per step, deterministic reductions
+(no atomics), the twin's bits wherever its sums are exact (otherwise the sums' rounding differs: see ``fused``).
+The other paths (APOLLO, SGD, Fira, ``lag_norm``, ``maximize``, the momentum-only rule) run the same
+array-agnostic code as NumPy with every data-dependent scalar (α, norms, clip and Fira factors) a 0-d device array,
+each quantized state update one fused launch.  ``use_cuda_kernel=False`` (per group) or ``FLATOPT_FORCE_TWIN=1``
+runs the twin (the array-agnostic code, without the state kernels for the former).
 
 ``end_iteration`` only counts iterations; the per-name step t drives b, ρ, bias correction and APOLLO refreshes.
 Use it to save optimizer memory: the factored path costs ≈ 0.002 B/param, AdamW-style AL8 + uf8 ≈ 2.02 B/param.
@@ -63,7 +67,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, TypeAlias, Union
 
 import numpy as np
 
-from . import paths, apollo
+from . import apollo, fused, paths
 from ..core import blocks, gpu_run, parallel, shards
 from ..adafactor import factored_passes
 from . import state as S
@@ -290,6 +294,11 @@ class Adafactor8Bit(PerParamOptimizer):
 
     def _step_whole(self, it: OptItem, slot: Any, lr: tuple[float, float], blas: bool = False) -> None:
         self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[], blas=blas)
+
+    def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
+                       lr: tuple[float, float]) -> bool:
+        """The fused CUDA step of the non-APOLLO paths (``adafactor8bit.fused``); False: the twin runs."""
+        return fused.kernel_step(state.cfg, state, param, grad, t=t, lr=lr)
 
     def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
                 lr: tuple[float, float], scratch: list[Array], blas: bool = False) -> None:

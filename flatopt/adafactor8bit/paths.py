@@ -19,6 +19,7 @@ honoured on every backend for the non-APOLLO paths: the clip and the Fira factor
 
 Data-dependent scalars (α, norms, clip denominators, the Fira factor) are 0-d arrays of the parameter's array
 module, so on CuPy they stay on the device (no host synchronisation); on CuPy a path is one range / one block.
+This is the twin of the fused CUDA steps (``adafactor8bit.fused``), which replace it on CuPy where they apply.
 """
 
 from __future__ import annotations

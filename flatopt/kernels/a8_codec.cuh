@@ -72,3 +72,85 @@ __device__ __forceinline__ float a8_m_value(int code, int fmt, float am, const f
     }
     return mp[code] * am;
 }
+
+// torch.lerp(a, x, w) as the twin's ``state.lerp_`` computes it when x is of type T and the state a is float32:
+// d = float(x - a) (in T), then a + w*d (float) when `lo` (|w| < 0.5, decided on the host), else
+// float(x - T(d*(1 - w))).
+// For T = float this is a8_lerp.
+template <typename T>
+__device__ __forceinline__ float a8_lerp_t(float a, T x, float w, int lo) {
+    const float d = (float)(x - (T)a);
+    return lo ? a + w * d : (float)(x - (T)(d * (1.0f - w)));
+}
+
+// AL decode of one code (0 -> 0) with its block's scale and min_log; levels L = 254 (AL8) or 65534 (AL16).
+__device__ __forceinline__ float a8_al_value(unsigned int code, float sc, float ml, float L) {
+    return code == 0u ? 0.0f : exp2f((((float)code - 1.0f) * sc) / L + ml);
+}
+
+__device__ __forceinline__ unsigned int a8_al_code_at(const void* codes, int bits, long long idx) {
+    return bits == 8 ? (unsigned int)((const unsigned char*)codes)[idx]
+                     : (unsigned int)((const unsigned short*)codes)[idx];
+}
+
+// The AL statistics of one block from the block-wide min (over non-zero values) and max of the log2 values:
+// min_log (floored, below max_log), scale; then the code of one value.
+__device__ __forceinline__ void a8_al_stats(float lo, float hi, float floor_, float& mn, float& sc) {
+    const float mx = a8_min(hi, 126.0f);
+    mn = a8_max(lo, floor_);
+    if (mn >= mx) mn = mx - 1.0f;
+    sc = a8_max(mx - mn, 1e-12f);
+}
+
+__device__ __forceinline__ unsigned int a8_al_code(float v, float mn, float sc, float L) {
+    float c = 0.0f;
+    if (v != 0.0f) {
+        c = rintf(((a8_log2(v) - mn) / sc) * L) + 1.0f;
+        c = fminf(fmaxf(c, 1.0f), L + 1.0f);  // a NaN c (a NaN block) becomes 1: fmaxf drops the NaN
+    }
+    return (unsigned int)c;
+}
+
+// Requantize one block of mblock signed values (exact values vals[base ...], n in all) whose per-thread |max| is
+// hi (lo: scratch for the block reduction): absmax = max(max |v|, 1e-12); codes (4-bit: two per byte, even index in
+// the high nibble).  A block whose absmax is not finite is encoded as zeros.  The caller has read its old codes.
+__device__ __forceinline__ void a8_m_encode(unsigned char* q, float* absmax, const float* vals, long long base,
+                                            long long n, int mblock, int fmt, float lo, float hi, const float* mp,
+                                            int qmap_size, float* sh) {
+    a8_block_minmax(lo, hi, sh);
+    const float am = a8_max(hi, 1e-12f);
+    const bool finite = isfinite(am);
+    if (fmt == 1 || fmt == 3) {
+        for (int j = threadIdx.x; j < mblock / 2; j += blockDim.x) {
+            const long long i0 = base + 2 * j;
+            const float v0 = i0 < n ? vals[i0] : 0.0f, v1 = i0 + 1 < n ? vals[i0 + 1] : 0.0f;
+            const int c0 = a8_m_code(finite ? v0 / am : 0.0f, fmt, mp, qmap_size);
+            const int c1 = a8_m_code(finite ? v1 / am : 0.0f, fmt, mp, qmap_size);
+            q[i0 >> 1] = (unsigned char)((c0 << 4) | c1);
+        }
+    } else {
+        for (int i = threadIdx.x; i < mblock; i += blockDim.x) {
+            const long long idx = base + i;
+            const float v = idx < n ? vals[idx] : 0.0f;
+            q[idx] = (unsigned char)a8_m_code(finite ? v / am : 0.0f, fmt, mp, qmap_size);
+        }
+    }
+    if (threadIdx.x == 0) absmax[blockIdx.x] = am;
+}
+
+// The old value idx of a quantized signed state (block absmax am; 4-bit codes: even index in the high nibble).
+__device__ __forceinline__ float a8_m_old(const unsigned char* q, long long idx, int fmt, float am, const float* mp) {
+    int code;
+    if (fmt == 1 || fmt == 3) {
+        const unsigned int b = q[idx >> 1];
+        code = (idx & 1) ? (int)(b & 0x0Fu) : (int)(b >> 4);
+    }
+    else code = q[idx];
+    return a8_m_value(code, fmt, am, mp);
+}
+
+// The quantization map into shared memory (every thread of the block; synchronises).
+__device__ __forceinline__ void a8_map_to_shared(float* mp, const float* qmap, int size) {
+    for (int i = threadIdx.x; i < size; i += blockDim.x) mp[i] = qmap[i];
+    __syncthreads();
+}
