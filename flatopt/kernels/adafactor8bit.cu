@@ -95,8 +95,10 @@ __global__ void a8_m_ema(unsigned char* q, float* absmax, const T* x, float* out
 #define A8F_ROWS 64      // rows per column partial (a8f_col_parts)
 #define A8F_CHUNK 4096   // elements per partial of the elementwise step (a8f_flat_u)
 
-// sq_block (the header ends by opening the template of the function that follows it, as in lamb.cu)
+// sq_block
 #include "sq_sum.cuh"
+
+template <typename T>
 __device__ __forceinline__ T a8f_maxT(T a, T b) { return (isnan(a) || a >= b) ? a : b; }
 
 // Old value i of a non-negative slot: decoded from its AL codes (quant) or the float32 state itself.
