@@ -15,6 +15,7 @@ from flatopt.adafactor8bit import Adafactor8BitConfig, hybrid_groups
 from flatopt.routing import Select
 
 from .helpers import assert_bits_equal, assert_states_equal, rng_arrays
+from .cuda_emu import fakecupy
 
 R, C = 64, 48
 SMALL = dict(min_8bit_size=0, block_size=128, m_block_size=32)  # quantize the small check problem, same layout
@@ -446,7 +447,17 @@ def test_state_bytes_never_exceed_the_original(name):
 
 
 # --------------------------------------------------------------------------------------------- GPU
-@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
+@pytest.fixture
+def _gpu_or_emulated():
+    # the real GPU when one answers; otherwise CuPy is the stand-in of tests/cuda_emu and the kernels run on its
+    # emulator (so CI executes these tests too)
+    yield from fakecupy.device_or_emulated()
+
+
+gpu = pytest.mark.usefixtures("_gpu_or_emulated")
+
+
+@gpu
 @pytest.mark.parametrize("name", ["factored_beta1_wd_fira", "adam_style", "came", "apollo_preset_gap3"])
 def test_cupy_twin_matches_numpy(name):
     cp = backend.cupy()
@@ -466,7 +477,7 @@ def _torch_free_proj(seed, shape):
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 
 
-@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
+@gpu
 @pytest.mark.parametrize("name", sorted(QUANTIZED))
 def test_fused_kernels_match_the_twin(name, monkeypatch):
     """kernels/adafactor8bit.cu against the array-agnostic twin on CuPy: the same float32 operations in the same
@@ -489,7 +500,7 @@ def test_fused_kernels_match_the_twin(name, monkeypatch):
             assert np.max(np.abs(a.astype(np.int64) - b.astype(np.int64))) <= 1, key
 
 
-@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
+@gpu
 @pytest.mark.parametrize("name", ["factored_beta1_wd_fira", "adam_style", "came", "apollo_preset_gap3"])
 def test_no_host_synchronisation_inside_a_step(name):
     cp = backend.cupy()
