@@ -386,7 +386,7 @@ def test_training_continues_after_migration(target):
     assert new.state_dict().params["w"]["t"] == 80
 
 
-@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
+@pytest.mark.usefixtures("gpu_or_emulated")
 def test_cupy_snapshot_migrates_on_the_device():
     cp = backend.cupy()
     a = flatopt.Adafactor8Bit(**BASE, factored=False)

@@ -21,7 +21,6 @@ import flatopt
 from flatopt.core import backend, blocks
 
 from .helpers import assert_bits_equal, rng_arrays
-from .cuda_emu import fakecupy
 
 STEPS = 6
 SHAPES = [(), (1,), (7,), (16, 12), (40, 3), (3, 40), (1, 9), (9, 1), (2, 5, 6), (2, 1, 3, 4)]
@@ -436,14 +435,7 @@ def test_conforms_to_adafactor8bit_pytorch_path(case, shape, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
-@pytest.fixture
-def _gpu_or_emulated():
-    # the real GPU when one answers; otherwise CuPy is the stand-in of tests/cuda_emu and the kernels run on its
-    # emulator (so CI executes these tests too)
-    yield from fakecupy.device_or_emulated()
-
-
-gpu = pytest.mark.usefixtures("_gpu_or_emulated")
+gpu = pytest.mark.usefixtures("gpu_or_emulated")  # the GPU, else the emulated device (tests/conftest.py)
 
 
 def _gpu_run(shape, kw, theta, grads, twin, monkeypatch):

@@ -15,7 +15,6 @@ from flatopt.adafactor8bit import Adafactor8BitConfig, hybrid_groups
 from flatopt.routing import Select
 
 from .helpers import assert_bits_equal, assert_states_equal, rng_arrays
-from .cuda_emu import fakecupy
 
 R, C = 64, 48
 SMALL = dict(min_8bit_size=0, block_size=128, m_block_size=32)  # quantize the small check problem, same layout
@@ -447,14 +446,7 @@ def test_state_bytes_never_exceed_the_original(name):
 
 
 # --------------------------------------------------------------------------------------------- GPU
-@pytest.fixture
-def _gpu_or_emulated():
-    # the real GPU when one answers; otherwise CuPy is the stand-in of tests/cuda_emu and the kernels run on its
-    # emulator (so CI executes these tests too)
-    yield from fakecupy.device_or_emulated()
-
-
-gpu = pytest.mark.usefixtures("_gpu_or_emulated")
+gpu = pytest.mark.usefixtures("gpu_or_emulated")  # the GPU, else the emulated device (tests/conftest.py)
 
 
 @gpu

@@ -204,7 +204,7 @@ def test_dynamic_maps_equal_the_original(oracle):
     assert np.array_equal(quant.dynamic_map(4), oracle._create_dynamic_map(True, 3, 4).numpy())
 
 
-@pytest.mark.skipif(not backend.gpu_available(), reason="needs a GPU")
+@pytest.mark.usefixtures("gpu_or_emulated")
 def test_cupy_codec_matches_numpy():
     cp = backend.cupy()
     r = np.random.default_rng(0)

@@ -36,9 +36,8 @@ def test_array_module_and_errors():
         backend.array_module([1.0, 2.0])
 
 
+@pytest.mark.usefixtures("gpu_or_emulated")
 def test_mixed_numpy_cupy_refused():
-    if not backend.gpu_available():
-        pytest.skip("no GPU")
     cp = backend.cupy()
     with pytest.raises(TypeError, match="param is a numpy array but grad is a cupy array"):
         flatopt.AdamW().step("w", (3,), np.zeros(3, np.float32), cp.zeros(3, np.float32))

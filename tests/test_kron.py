@@ -548,7 +548,7 @@ def test_step_batch_with_hook_equals_serial():
 
 
 # ----------------------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not backend.gpu_available(), reason="no GPU answers")
+gpu = pytest.mark.usefixtures("gpu_or_emulated")  # the GPU, else the emulated device (tests/conftest.py)
 
 
 @gpu

@@ -335,7 +335,7 @@ def test_keller_muon_conformance_bf16(shape):
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
-@pytest.mark.skipif(not backend.gpu_available(), reason="no GPU")
+@pytest.mark.usefixtures("gpu_or_emulated")
 def test_gpu_matches_numpy_without_host_sync():
     cp = backend.cupy()
     import cupyx

@@ -408,7 +408,7 @@ def test_adamw_half_matches_torch_adamw():
 
 
 # ------------------------------------------------------------------------------------------------- GPU
-@pytest.mark.skipif(not flatopt.core.backend.gpu_available(), reason="no GPU")  # noqa: SLF001
+@pytest.mark.usefixtures("gpu_or_emulated")
 def test_gpu_matches_numpy_without_host_sync():
     cp = flatopt.core.backend.cupy()  # noqa: SLF001
     import cupyx
