@@ -19,8 +19,9 @@ would be NaN and poison the whole tensor; here only the non-finite elements are)
 correction, decay outside the ratio, ‖θ‖ clamped at 10, ε on ψ).  The conformance tests compare with a float64
 transcription of optax's chain (optax/jax are not installed in CI).  GPU: ``kernels/lamb.cu``, three launches per tensor (moments and
 the per-block partials of ‖θ‖² and ‖u‖², the fold into r·(−η), the update; no atomics, no host synchronisation), bit-
-identical to the twin.  The whole tensor is one task
-(the norms need all of it): ``step_batch`` spreads tensors, not chunks, over threads.  ``end_iteration`` only
+identical to the twin.  NumPy (``core/cpu_tensors.py``): a tensor's
+sweeps run on the threads in two phases around the norms, small tensors of one size are updated together as rows;
+the same bits (the sums keep the blocked order, ``core/norms.py``).  ``end_iteration`` only
 counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 

@@ -21,7 +21,9 @@ rule at ε = 1e-8 (so the conformance test runs it at ε = 1e-12, and checks ε 
 transcription of the official ``update_fn``).  mars-lion, mars-shampoo and the exact two-gradient mode are not
 offered.  GPU: ``kernels/mars.cu``, three launches per tensor with clip_c (the per-block
 partials of ‖c‖², the fold into max(‖c‖, 1), the step), one without; no atomics, no host synchronisation;
-bit-identical to the twin.  Each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
+bit-identical to the twin.  NumPy (``core/cpu_tensors.py``): a tensor's sweeps run on the threads (with clip_c
+in two phases around the norm), small tensors of one size are updated together as rows; the same bits.
+``end_iteration`` only counts iterations.  State: ``m``, ``v``,
 ``g_prev`` (12 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
