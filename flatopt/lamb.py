@@ -108,29 +108,17 @@ def _direction(m: Array, v: Array, p: Array, g: Array, u: Array, s: Array, scal:
         np.add(u, s, u)
 
 
-def _columns(body: list[Any], acc_p: Array, acc_u: Array, scal: tuple[Any, ...], wd: float, chunk: int, c0: int,
-             c1: int) -> None:
-    """Columns [c0, c1) of the column layout (``core.norms``), row after row in contiguous chunks: u, and the column
-    sums of p² and u² (each column's terms added in row order)."""
-    (p2, pt), (g2, gt), (m2, mt), (v2, vt), (u2, ut) = body
-    rows = p2.shape[0]
-    buf = cpu_plan.scratch(pt.dtype, 1, chunk)[0]
-    for k in range(rows + 1):
-        if k < rows:
-            pr, gr, mr, vr, ur, hi = p2[k], g2[k], m2[k], v2[k], u2[k], c1
-        else:
-            pr, gr, mr, vr, ur, hi = pt, gt, mt, vt, ut, min(c1, pt.size)
-        for a in range(c0, hi, chunk):
-            b = min(a + chunk, hi)
-            s = buf[:b - a]
-            pc, uc = pr[a:b], ur[a:b]
-            _direction(mr[a:b], vr[a:b], pc, gr[a:b], uc, s, scal, wd)
-            for x, acc in ((pc, acc_p[a:b]), (uc, acc_u[a:b])):
-                if k:
-                    np.multiply(x, x, s)
-                    np.add(acc, s, acc)
-                else:
-                    np.multiply(x, x, acc)
+def _columns(arrays: tuple[Array, ...], lay: norms.Columns, acc_p: Array, acc_u: Array, scal: tuple[Any, ...],
+             wd: float, chunk: int, c0: int, c1: int) -> None:
+    """Columns [c0, c1) of the column layout (``core.norms``), in row order: u, and the column sums of p² and u²."""
+    p, g, m, v, u = arrays
+    s = cpu_plan.scratch(p.dtype, 1, chunk)[0]
+    for start, rows, w, col, first in norms.blocks(lay, c0, c1, chunk):
+        a, b = start, start + rows * w
+        pc, uc = p[a:b], u[a:b]
+        _direction(m[a:b], v[a:b], pc, g[a:b], uc, s[:b - a], scal, wd)
+        norms.add_squares(acc_p[col:col + w], pc, rows, first, s)
+        norms.add_squares(acc_u[col:col + w], uc, rows, first, s)
 
 
 def _apply(u: Array, p: Array, step: Any, chunk: int, lo: int, hi: int) -> None:
@@ -157,9 +145,9 @@ def np_phases(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr:
     if st.parts is None or st.parts.size != need:
         st.parts = np.zeros(need, p.dtype)  # columns without a term stay 0
     acc_p, acc_u, work = st.parts[:cols], st.parts[cols:2 * cols], st.parts[2 * cols:]
-    body = [norms.split(x, lay) for x in (p, g, st.m, st.v, st.u)]
+    arrays = (p, g, st.m, st.v, st.u)
     wd = cfg.weight_decay
-    yield [(cost, functools.partial(_columns, body, acc_p, acc_u, scal, wd, chunk, c0, c1))
+    yield [(cost, functools.partial(_columns, arrays, lay, acc_p, acc_u, scal, wd, chunk, c0, c1))
            for cost, c0, c1 in norms.column_ranges(lay, chunk)]
     phi = np.sqrt(norms.sq_fold(acc_p, lay.nb, work)[0])  # NumPy scalars of the dtype: the arrays' roundings
     psi = np.sqrt(norms.sq_fold(acc_u, lay.nb, work)[0])

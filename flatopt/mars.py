@@ -108,27 +108,16 @@ def _c(g: Array, gp: Array, c: Array, coef: float) -> None:
     np.add(g, c, c)
 
 
-def _columns(body: list[Any], acc: Array, coef: float, chunk: int, c0: int, c1: int) -> None:
-    """Columns [c0, c1) of the column layout (``core.norms``), row after row in contiguous chunks: c, and the column
-    sums of c² (each column's terms added in row order)."""
-    (g2, gt), (q2, qt), (c2, ct) = body
-    rows = g2.shape[0]
-    buf = cpu_plan.scratch(gt.dtype, 1, chunk)[0]
-    for k in range(rows + 1):
-        if k < rows:
-            gr, qr, cr, hi = g2[k], q2[k], c2[k], c1
-        else:
-            gr, qr, cr, hi = gt, qt, ct, min(c1, gt.size)
-        for a in range(c0, hi, chunk):
-            b = min(a + chunk, hi)
-            cc = cr[a:b]
-            _c(gr[a:b], qr[a:b], cc, coef)
-            if k:
-                s = buf[:b - a]
-                np.multiply(cc, cc, s)
-                np.add(acc[a:b], s, acc[a:b])
-            else:
-                np.multiply(cc, cc, acc[a:b])
+def _columns(arrays: tuple[Array, ...], lay: norms.Columns, acc: Array, coef: float, chunk: int, c0: int,
+             c1: int) -> None:
+    """Columns [c0, c1) of the column layout (``core.norms``), in row order: c, and the column sums of c²."""
+    g, gp, c = arrays
+    s = cpu_plan.scratch(g.dtype, 1, chunk)[0]
+    for start, rows, w, col, first in norms.blocks(lay, c0, c1, chunk):
+        a, b = start, start + rows * w
+        cc = c[a:b]
+        _c(g[a:b], gp[a:b], cc, coef)
+        norms.add_squares(acc[col:col + w], cc, rows, first, s)
 
 
 def _steps(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple[Any, ...], den: Any, chunk: int, lo: int,
@@ -168,8 +157,8 @@ def np_phases(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr:
         if st.parts is None or st.parts.size != need:
             st.parts = np.zeros(need, p.dtype)  # columns without a term stay 0
         acc, work = st.parts[:lay.cols], st.parts[lay.cols:]
-        body = [norms.split(x, lay) for x in (g, st.g_prev, st.c)]
-        yield [(cost, functools.partial(_columns, body, acc, scal[0], chunk, c0, c1))
+        arrays = (g, st.g_prev, st.c)
+        yield [(cost, functools.partial(_columns, arrays, lay, acc, scal[0], chunk, c0, c1))
                for cost, c0, c1 in norms.column_ranges(lay, chunk)]
         nrm = np.sqrt(norms.sq_fold(acc, lay.nb, work)[0])  # a NumPy scalar of the dtype: the arrays' roundings
         den = nrm if nrm >= 1 or nrm != nrm else nrm.dtype.type(1)  # = maximum(nrm, 1), NaN kept

@@ -46,16 +46,25 @@ def _grad(i, it, n, dtype):
 def test_column_and_row_sums_are_sq_sum(dtype):
     rng = np.random.default_rng(3)
     for n in (1, 17, 256, 257, 4095, 4096, 4097, 8192, 9000, 5 * 4096 + 77, 257 * 4096 + 3):
-        x = (rng.standard_normal(n) ** 2).astype(dtype)
+        root = rng.standard_normal(n).astype(dtype)
+        x = root * root  # the terms
         buf = blocks.sq_scratch(np, n, dtype)
         buf[:n] = x
         want = blocks.sq_sum(np, buf, n)[0].tobytes()
         lay = norms.columns(n)
-        body, tail = norms.split(x, lay)
         a = np.zeros(lay.cols, dtype)
         for k in range(lay.full):  # rows in order, as a column-range task adds them
-            a += body[k]
-        a[:lay.tail] += tail
+            a += x[k * lay.cols:(k + 1) * lay.cols]
+        a[:lay.tail] += x[lay.full * lay.cols:]
+        for chunk in (100, 1000, 1 << 16):  # the sweeps of column-range tasks (several rows to a piece, or parts of
+            got = np.full(lay.cols, np.nan, dtype)  # rows): the squares of ``root`` added to the columns
+            for _, c0, c1 in norms.column_ranges(lay, chunk):
+                for start, rows, w, col, first in norms.blocks(lay, c0, c1, chunk):
+                    norms.add_squares(got[col:col + w], root[start:start + rows * w], rows, first,
+                                      np.empty(chunk + w, dtype))
+            if lay.full == 0:
+                got[lay.tail:] = 0
+            assert got.tobytes() == (a if lay.full else np.where(np.arange(lay.cols) < lay.tail, a, 0)).tobytes()
         work = np.full(norms.fold_len(lay.nb), np.nan, dtype)  # the work area need not be clean
         assert norms.sq_fold(a, lay.nb, work)[0].tobytes() == want, n
         if n <= blocks.SQ_ROWS * blocks.SQ_THREADS * 2:
@@ -90,9 +99,10 @@ def test_phases_and_row_buckets_are_the_twin_on_any_thread_count(algo, dtype, mo
     names = [f"w{i:02d}" for i in range(len(SIZES))]
     steps = [names, names, names[::2], names[1:], names]
     want, want_states = _twin_run(mod, cls, kw, dtype, steps)
-    monkeypatch.setattr(driver, "CHUNK", 1000)  # many column ranges and step ranges per large tensor
     monkeypatch.setattr(parallel, "PARALLEL_MIN_COST", 0)
-    for threads in ("1", "2", "3"):
+    # 1000: many column ranges and step ranges per large tensor; the default: several rows to a piece
+    for threads, chunk in (("1", 1000), ("2", 1000), ("3", 1000), ("2", driver.CHUNK)):
+        monkeypatch.setattr(driver, "CHUNK", chunk)
         monkeypatch.setenv("FLATOPT_NUM_THREADS", threads)
         opt = cls(**kw)
         params = {f"w{i:02d}": rng_arrays(i, (n,), dtype) for i, n in enumerate(SIZES)}

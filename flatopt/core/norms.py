@@ -6,8 +6,8 @@ bucket of small ones).
 sums every column in row order: ``a[g] = x[0, g] + x[1, g] + ... + x[K-1, g]``.  Here that matrix is the *column
 layout* of the flat buffer: ``full`` = n // G complete rows, then a ``tail`` row of n − full·G terms (the padding is
 +0, and adding +0 to a sum of squares changes nothing, so absent terms are skipped).  A task that owns the columns
-[c0, c1) makes the squares of rows 0..full−1 as a (full, c1 − c0) block, sums them with ``add.reduce`` over axis 0
-(row order) and then adds the tail row's: exactly ``a[c0:c1]``, whichever thread runs it.  :func:`sq_fold` finishes
+[c0, c1) sweeps rows 0, 1, ..., full − 1 and then the tail row (:func:`blocks`) and adds each row's squares to its
+columns in row order (:func:`add_squares`): exactly ``a[c0:c1]``, whichever thread runs it.  :func:`sq_fold` finishes
 the sum from ``a`` (the lane sums and the fold of the partials, ``blocks._sq_np``'s steps).  :func:`sq_rows` is
 ``sq_sum`` on every row of a (T, K·G) matrix of T tensors' padded squares, with a leading axis added to each step
 (sequential sums only: ``add.reduce`` over a non-contiguous axis or ``add.accumulate``; never a pairwise inner loop).
@@ -41,10 +41,44 @@ def columns(n: int) -> Columns:
     return Columns(nb, cols, n // cols, n - (n // cols) * cols)
 
 
-def split(x: np.ndarray, lay: Columns) -> tuple[np.ndarray, np.ndarray]:
-    """A flat buffer of n elements as its (full, cols) complete rows and its tail row (views)."""
-    body = lay.full * lay.cols
-    return x[:body].reshape(lay.full, lay.cols), x[body:]
+def blocks(lay: Columns, c0: int, c1: int, chunk: int) -> list[tuple[int, int, int, int, bool]]:
+    """The pieces of the flat buffer a task over columns [c0, c1) sweeps, in row order: ``(start, rows, width, col,
+    first)`` = ``rows`` consecutive rows of ``width`` terms from column ``col``, starting at flat offset ``start``
+    (contiguous: several rows only when the range is every column), ``first`` when they begin with row 0.  Rows
+    shorter than half a chunk go several to a piece (fewer, longer NumPy calls)."""
+    out = []
+    cols, full = lay.cols, lay.full
+    per = chunk // cols - 1 if c0 == 0 and c1 == cols else 0
+    if per >= 1:
+        for k in range(0, full, per):
+            out.append((k * cols, min(per, full - k), cols, 0, k == 0))
+    else:
+        for k in range(full):
+            out.extend((k * cols + a, 1, min(chunk, c1 - a), a, k == 0) for a in range(c0, c1, chunk))
+    hi = min(c1, lay.tail)
+    out.extend((full * cols + a, 1, min(chunk, hi - a), a, full == 0) for a in range(c0, hi, chunk))
+    return out
+
+
+def add_squares(acc: np.ndarray, x: np.ndarray, rows: int, first: bool, s: np.ndarray) -> None:
+    """acc ← acc + x[0]² + x[1]² + ... (x: ``rows`` contiguous rows of ``acc.size`` terms), added in row order (with
+    ``first``, acc ← x[0]² + x[1]² + ...); ``s``: scratch of at least (rows + 1)·acc.size elements (acc.size when
+    rows is 1)."""
+    w = acc.size
+    if rows == 1:
+        if first:
+            np.multiply(x, x, acc)
+        else:
+            np.multiply(x, x, s[:w])
+            np.add(acc, s[:w], acc)
+        return
+    sq = s[:(rows + 1) * w].reshape(rows + 1, w)
+    if first:
+        sq = sq[1:]
+    else:
+        sq[0] = acc
+    np.multiply(x, x, sq[-rows:].reshape(-1))
+    np.add.reduce(sq, axis=0, out=acc)  # over the leading axis: row order
 
 
 def _finish(a: np.ndarray, nb: int, w: np.ndarray) -> np.ndarray:
