@@ -234,13 +234,14 @@ def _tensor_tasks(opt, entries: list, chunk: int) -> list:
     algorithm has ``np_rows_fn``; every other item is a ``PhasedTask`` (with ``np_phases_fn``) or a whole task."""
     out = []
     rows = type(opt).np_rows_fn is not None and len(entries) > 1
+    total = sum(e[2].size for e in entries)
     groups: dict = {}
     for entry in entries:
         slot, n = entry[4], entry[2].size
         if rows and 0 < n <= SMALL and cpu_tensors.rows_key(slot) is not None:
             groups.setdefault((slot.bucket_key, n, slot.t, entry[6]), []).append(entry)
         else:
-            out.append(_whole_task(opt, entry, chunk))
+            out.append(_whole_task(opt, entry, chunk, split=4 * n > total))
     for members in groups.values():
         start, acc = 0, 0
         for k, entry in enumerate(members):
@@ -252,10 +253,10 @@ def _tensor_tasks(opt, entries: list, chunk: int) -> list:
     return out
 
 
-def _whole_task(opt, entry, chunk: int):
+def _whole_task(opt, entry, chunk: int, split: bool = False):
     i, name, p, g, slot, lr, grp = entry
     if type(opt).np_phases_fn is not None:
-        fn: Any = cpu_tensors.PhasedTask(opt, slot.state, p, g, slot.t, lr, chunk)
+        fn: Any = cpu_tensors.PhasedTask(opt, slot.state, p, g, slot.t, lr, chunk, split)
     else:
         fn = _WholeTask(opt, slot.state, p, g, slot.t, lr)
     return (p.size, name, fn, (i, slot, grp))
