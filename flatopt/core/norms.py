@@ -10,8 +10,8 @@ layout* of the flat buffer: ``full`` = n // G complete rows, then a ``tail`` row
 columns in row order (:func:`add_squares`): exactly ``a[c0:c1]``, whichever thread runs it.  :func:`sq_fold` finishes
 the sum from ``a`` (the lane sums and the fold of the partials, ``blocks._sq_np``'s steps).  :func:`sq_rows` is
 ``sq_sum`` on every row of a (T, K·G) matrix of T tensors' padded squares, with a leading axis added to each step
-(sequential sums only: ``add.reduce`` over a non-contiguous axis or ``add.accumulate``; never a pairwise inner loop).
-tests/test_cpu_paths.py checks both against ``blocks.sq_sum``.
+(sequential sums only: ``add.reduce`` over a leading axis or ``add.accumulate``; never a pairwise inner loop).
+tests/test_cpu_tensors.py checks them against ``blocks.sq_sum``.
 """
 
 from __future__ import annotations
