@@ -20,8 +20,9 @@ correction, decay outside the ratio, ‖θ‖ clamped at 10, ε on ψ).  The con
 transcription of optax's chain (optax/jax are not installed in CI).  GPU: ``kernels/lamb.cu``, three launches per tensor (moments and
 the per-block partials of ‖θ‖² and ‖u‖², the fold into r·(−η), the update; no atomics, no host synchronisation), bit-
 identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in the same three launches
-(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  The whole tensor is one task
-(the norms need all of it): ``step_batch`` spreads tensors, not chunks, over threads.  ``end_iteration`` only
+(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  NumPy (``core/cpu_tensors.py``): a
+large tensor's sweeps run on the threads in two phases around the norms, small tensors of one size are updated
+together as rows; the same bits (the sums keep the blocked order, ``core/norms.py``).  ``end_iteration`` only
 counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
@@ -30,18 +31,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from .adam import bias_corrections, check_common, moments
-from .core import backend, blocks, kernels
+from .core import backend, blocks, cpu_plan, driver, kernels, norms
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, LrScale
 
 _SCRATCH = {"persist": False}
-_CHUNK = 1 << 16  # elements per chunk of the NumPy sweeps (their operands stay in the L2 cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,52 +92,103 @@ def _ratio(xp: Any, phi: Array, psi: Array) -> Array:
     return xp.where(ok, phi / xp.where(ok, psi, 1), 1)
 
 
-def _update_np(cfg: LambConfig, st: LambState, p: Array, g: Array, lr: float, scal: tuple[Any, ...]) -> None:
-    """NumPy: ``update``'s operations on every element, cut into cache-sized chunks (one sweep for the moments, u
-    and p², one for u², one for the step instead of ~17 sweeps over the whole buffers); the sums of squares are
-    the same ``blocks.sq_sum`` calls over the same squares, so the bits are ``update``'s."""
+# ----------------------------------------------------------------------------------------------- NumPy paths
+# ``update``'s operations per element, in cache-sized blocks (a sweep for the moments, u, p² and u², a sweep for the
+# step, instead of ~17 sweeps over whole buffers), the sums of squares in ``blocks.sq_sum``'s order
+# (``core.norms``), the trust ratio on NumPy values of the dtype: the bits of ``update``.
+def _direction(m: Array, v: Array, p: Array, g: Array, u: Array, s: Array, scal: tuple[Any, ...], wd: float) -> None:
+    """The moments, then u = (m / bc1) / (sqrt(v / bc2) + eps) + p * wd (arrays of any one shape; ``s`` scratch)."""
     omb1, b2, omb2, bc1, bc2, eps = scal
-    n = p.size
-    wd = cfg.weight_decay
-    sq, u, m, v = st.s, st.u, st.m, st.v
-    for lo in range(0, n, _CHUNK):
-        hi = min(lo + _CHUNK, n)
-        sc, uc, mc, vc, pc = sq[lo:hi], u[lo:hi], m[lo:hi], v[lo:hi], p[lo:hi]
-        moments(np, mc, vc, g[lo:hi], omb1, b2, omb2, sc)
-        np.divide(vc, bc2, sc)  # u = (m / bc1) / (sqrt(v / bc2) + eps) + p * wd
-        np.sqrt(sc, sc)
-        np.add(sc, eps, sc)
-        np.divide(mc, bc1, uc)
-        np.divide(uc, sc, uc)
-        if wd != 0:
-            np.multiply(pc, wd, sc)
-            np.add(uc, sc, uc)
-        np.multiply(pc, pc, sc)
-    phi = np.sqrt(blocks.sq_sum(np, sq, n)[0])  # NumPy scalars of the dtype: the same roundings as the arrays
-    for lo in range(0, n, _CHUNK):
-        hi = min(lo + _CHUNK, n)
-        uc = u[lo:hi]
-        np.multiply(uc, uc, sq[lo:hi])
-    psi = np.sqrt(blocks.sq_sum(np, sq, n)[0])
-    r = phi / psi if phi > 0 and psi > 0 else p.dtype.type(1)
-    step = r * (-lr)  # p = p + u * (-lr * r)
-    for lo in range(0, n, _CHUNK):
-        hi = min(lo + _CHUNK, n)
-        uc, pc = u[lo:hi], p[lo:hi]
+    moments(np, m, v, g, omb1, b2, omb2, s)
+    np.divide(v, bc2, s)
+    np.sqrt(s, s)
+    np.add(s, eps, s)
+    np.divide(m, bc1, u)
+    np.divide(u, s, u)
+    if wd != 0:
+        np.multiply(p, wd, s)
+        np.add(u, s, u)
+
+
+def _columns(arrays: tuple[Array, ...], lay: norms.Columns, acc_p: Array, acc_u: Array, scal: tuple[Any, ...],
+             wd: float, chunk: int, c0: int, c1: int) -> None:
+    """Columns [c0, c1) of the column layout (``core.norms``), in row order: u, and the column sums of p² and u²."""
+    p, g, m, v, u = arrays
+    s = cpu_plan.scratch(p.dtype, 1, chunk)[0]
+    for start, rows, w, col, first in norms.blocks(lay, c0, c1, chunk):
+        a, b = start, start + rows * w
+        pc, uc = p[a:b], u[a:b]
+        _direction(m[a:b], v[a:b], pc, g[a:b], uc, s[:b - a], scal, wd)
+        norms.add_squares(acc_p[col:col + w], pc, rows, first, s)
+        norms.add_squares(acc_u[col:col + w], uc, rows, first, s)
+
+
+def _apply(u: Array, p: Array, step: Any, chunk: int, lo: int, hi: int) -> None:
+    for a in range(lo, hi, chunk):  # p = p + u * (-lr * r)
+        b = min(a + chunk, hi)
+        uc = u[a:b]
         np.multiply(uc, step, uc)
-        np.add(pc, uc, pc)
+        np.add(p[a:b], uc, p[a:b])
+
+
+def np_phases(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float, chunk: int) -> Iterator[Any]:
+    """NumPy: ``update`` as two phases of tasks (``core.cpu_tensors``): column ranges making u and the column sums
+    of p² and u², then (after the fold into r) ranges of the step.  Scratch: ``u`` and, on NumPy, ``parts`` (the
+    column sums and the fold's work area)."""
+    n = p.size
+    if n == 0:
+        return
+    scal = _scalars(cfg, t)
+    lay = norms.columns(n)
+    cols = lay.cols
+    if st.u is None or st.u.size != n:
+        st.u = np.empty_like(p)
+    need = 2 * cols + norms.fold_len(lay.nb)
+    if st.parts is None or st.parts.size != need:
+        st.parts = np.zeros(need, p.dtype)  # columns without a term stay 0
+    acc_p, acc_u, work = st.parts[:cols], st.parts[cols:2 * cols], st.parts[2 * cols:]
+    arrays = (p, g, st.m, st.v, st.u)
+    wd = cfg.weight_decay
+    yield [(cost, functools.partial(_columns, arrays, lay, acc_p, acc_u, scal, wd, chunk, c0, c1))
+           for cost, c0, c1 in norms.column_ranges(lay, chunk)]
+    phi = np.sqrt(norms.sq_fold(acc_p, lay.nb, work)[0])  # NumPy scalars of the dtype: the arrays' roundings
+    psi = np.sqrt(norms.sq_fold(acc_u, lay.nb, work)[0])
+    r = phi / psi if phi > 0 and psi > 0 else p.dtype.type(1)
+    step = r * (-lr)
+    yield [(hi - lo, functools.partial(_apply, st.u, p, step, chunk, lo, hi))
+           for lo, hi in cpu_plan.ranges(n, chunk)]
+
+
+def np_rows(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float, work: dict[str, Any]) -> None:
+    """NumPy: ``update`` on the T rows of (T, n) arrays at once (a bucket of small tensors, ``core.cpu_tensors``);
+    the norms per row (``core.norms.sq_rows``)."""
+    rows, n = p.shape
+    bufs = work.get("lamb")
+    if bufs is None:
+        bufs = work["lamb"] = (np.empty_like(p), np.empty_like(p), np.zeros((rows, blocks.sq_layout(n)[2]), p.dtype),
+                               np.empty(norms.rows_len(rows, n), p.dtype), np.empty((2, rows), p.dtype))
+    u, s, x, w, nrm = bufs
+    _direction(st.m, st.v, p, g, u, s, _scalars(cfg, t), cfg.weight_decay)
+    np.multiply(p, p, x[:, :n])
+    phi = np.sqrt(norms.sq_rows(x, n, w), out=nrm[0])
+    np.multiply(u, u, x[:, :n])
+    psi = np.sqrt(norms.sq_rows(x, n, w), out=nrm[1])
+    ok = (phi > 0) & (psi > 0)
+    step = np.where(ok, phi / np.where(ok, psi, 1), 1) * (-lr)  # r * (-lr), per row
+    np.multiply(u, step[:, None], u)
+    np.add(p, u, p)
 
 
 def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the norms need all of it)."""
+    if xp is np:
+        blocks.run_serial(np_phases(cfg, st, p, g, t=t, lr=lr, chunk=driver.CHUNK))
+        return
     omb1, b2, omb2, bc1, bc2, eps = _scalars(cfg, t)
     n = p.size
     if st.u is None or st.u.size != n:
         st.s, st.u = blocks.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
-    if xp is np:
-        _update_np(cfg, st, p, g, lr, (omb1, b2, omb2, bc1, bc2, eps))
-        return
     s, u = st.s[:n], st.u
     moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
     xp.divide(st.v, bc2, s)  # u = (m / bc1) / (sqrt(v / bc2) + eps) + p * wd
@@ -202,6 +253,8 @@ class Lamb(PerParamOptimizer):
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
     multi_tensor = MULTI
+    np_phases_fn = staticmethod(np_phases)
+    np_rows_fn = staticmethod(np_rows)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 1e-2, *, lr_scale: LrScale = None) -> None:

@@ -62,8 +62,8 @@ def _signed_step(c: np.ndarray, s: np.ndarray, neg_lr: float) -> bool:
     n = c.size
     b = s.view(np.int8)
     pos, neg = b[:n].view(np.bool_), b[n:2 * n].view(np.bool_)
-    np.not_equal(c, c, out=pos)
-    if pos.any():
+    lo = np.minimum.reduce(c) if n else c.dtype.type(0)  # NaN exactly when c holds one (minimum propagates NaN)
+    if lo != lo:
         return False
     np.greater(c, 0, out=pos)
     np.less(c, 0, out=neg)

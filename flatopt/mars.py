@@ -22,7 +22,9 @@ transcription of the official ``update_fn``).  mars-lion, mars-shampoo and the e
 offered.  GPU: ``kernels/mars.cu``, three launches per tensor with clip_c (the per-block
 partials of ‖c‖², the fold into max(‖c‖, 1), the step), one without; no atomics, no host synchronisation;
 bit-identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in as many launches
-(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  Each tensor is one task.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
+(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  NumPy (``core/cpu_tensors.py``): a
+tensor's sweeps run on the threads (with clip_c in two phases around the norm), small tensors of one size are updated
+together as rows; the same bits.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
 ``g_prev`` (12 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
@@ -31,19 +33,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from .adam import bias_corrections, check_bool, check_common, moments
-from .core import backend, blocks, kernels
+from .core import backend, blocks, cpu_plan, driver, kernels, norms
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, LrScale
 from .core.validate import check_range
 
 _SCRATCH = {"persist": False}
-_CHUNK = 1 << 16  # elements per chunk of the NumPy sweeps (their operands stay in the L2 cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,55 +85,120 @@ def _scalars(cfg: MarsConfig, t: int, lr: float) -> tuple[Any, ...]:
     return coef, 1.0 - b1, b2, 1.0 - b2, 1.0 - lr * cfg.weight_decay, bc2 ** 0.5, cfg.eps, -(lr / bc1)
 
 
-def _update_np(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple[Any, ...]) -> None:
-    """NumPy: ``update``'s operations on every element, cut into cache-sized chunks (a sweep for c and c², the
-    sum, a sweep for the rest, instead of ~20 sweeps over whole buffers); the same ``blocks.sq_sum`` call over the
-    same squares, so the bits are ``update``'s."""
-    coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step = scal
-    n = p.size
-    sq, c, m, v, gp = st.s, st.c, st.m, st.v, st.g_prev
-    clip = cfg.clip_c
-    if clip:  # c = c / max(||c||, 1), ||c||² in the blocked order of kernels/mars.cu
-        for lo in range(0, n, _CHUNK):
-            hi = min(lo + _CHUNK, n)
-            cc, gc = c[lo:hi], g[lo:hi]
-            np.subtract(gc, gp[lo:hi], cc)  # c = g + (g - g_prev) * coef
-            np.multiply(cc, coef, cc)
-            np.add(gc, cc, cc)
-            np.multiply(cc, cc, sq[lo:hi])
-        nrm = np.sqrt(blocks.sq_sum(np, sq, n)[0])  # a NumPy scalar of the dtype: the arrays' roundings
-        den = nrm if nrm >= 1 or nrm != nrm else nrm.dtype.type(1)  # = maximum(nrm, 1), NaN kept
-    for lo in range(0, n, _CHUNK):
-        hi = min(lo + _CHUNK, n)
-        sc, mc, vc, pc, gc, cc = sq[lo:hi], m[lo:hi], v[lo:hi], p[lo:hi], g[lo:hi], c[lo:hi]
-        if clip:
+def _adam_part(xp: Any, cfg: MarsConfig, m: Array, v: Array, p: Array, c: Array, s: Array,
+               scal: tuple[Any, ...]) -> None:
+    """The moments of c, the decay and the step (``s``: scratch): the same operations on every path."""
+    _, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step = scal
+    moments(xp, m, v, c, omb1, b2, omb2, s)
+    if cfg.weight_decay != 0:
+        xp.multiply(p, decay, p)
+    xp.sqrt(v, s)  # p = p + (m / (sqrt(v) / bc2_sqrt + eps)) * neg_step
+    xp.divide(s, bc2_sqrt, s)
+    xp.add(s, eps, s)
+    xp.divide(m, s, s)
+    xp.multiply(s, neg_step, s)
+    xp.add(p, s, p)
+
+
+# ----------------------------------------------------------------------------------------------- NumPy paths
+# ``update``'s operations per element, in cache-sized blocks (with clip_c a sweep for c and c², the norm, a sweep for
+# the rest; without, one sweep), ‖c‖² in ``blocks.sq_sum``'s order (``core.norms``), max(‖c‖, 1) on NumPy values of
+# the dtype: the bits of ``update``.
+def _c(g: Array, gp: Array, c: Array, coef: float) -> None:
+    np.subtract(g, gp, c)  # c = g + (g - g_prev) * coef
+    np.multiply(c, coef, c)
+    np.add(g, c, c)
+
+
+def _columns(arrays: tuple[Array, ...], lay: norms.Columns, acc: Array, coef: float, chunk: int, c0: int,
+             c1: int) -> None:
+    """Columns [c0, c1) of the column layout (``core.norms``), in row order: c, and the column sums of c²."""
+    g, gp, c = arrays
+    s = cpu_plan.scratch(g.dtype, 1, chunk)[0]
+    for start, rows, w, col, first in norms.blocks(lay, c0, c1, chunk):
+        a, b = start, start + rows * w
+        cc = c[a:b]
+        _c(g[a:b], gp[a:b], cc, coef)
+        norms.add_squares(acc[col:col + w], cc, rows, first, s)
+
+
+def _steps(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple[Any, ...], den: Any, chunk: int, lo: int,
+           hi: int) -> None:
+    """Elements [lo, hi): c (divided by ``den``, or made here without clip_c), the moments, the step, g_prev."""
+    coef = scal[0]
+    m, v, gp = st.m, st.v, st.g_prev
+    s, cs = cpu_plan.scratch(p.dtype, 2, chunk)
+    for a in range(lo, hi, chunk):
+        b = min(a + chunk, hi)
+        k = b - a
+        sc, mc, vc, pc, gc = s[:k], m[a:b], v[a:b], p[a:b], g[a:b]
+        if den is not None:
+            cc = st.c[a:b]
             np.divide(cc, den, cc)
         else:
-            np.subtract(gc, gp[lo:hi], cc)  # c = g + (g - g_prev) * coef
-            np.multiply(cc, coef, cc)
-            np.add(gc, cc, cc)
-        moments(np, mc, vc, cc, omb1, b2, omb2, sc)
-        if cfg.weight_decay != 0:
-            np.multiply(pc, decay, pc)
-        np.sqrt(vc, sc)  # p = p + (m / (sqrt(v) / bc2_sqrt + eps)) * neg_step
-        np.divide(sc, bc2_sqrt, sc)
-        np.add(sc, eps, sc)
-        np.divide(mc, sc, sc)
-        np.multiply(sc, neg_step, sc)
-        np.add(pc, sc, pc)
-        gp[lo:hi] = gc
+            cc = cs[:k]
+            _c(gc, gp[a:b], cc, coef)
+        _adam_part(np, cfg, mc, vc, pc, cc, sc, scal)
+        gp[a:b] = gc
+
+
+def np_phases(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float, chunk: int) -> Iterator[Any]:
+    """NumPy: ``update`` as phases of tasks (``core.cpu_tensors``): with clip_c, column ranges making c and the
+    column sums of c², then (after the fold into max(‖c‖, 1)) ranges of the rest; without, the ranges alone.
+    Scratch: with clip_c, ``c`` and, on NumPy, ``parts`` (the column sums and the fold's work area)."""
+    n = p.size
+    if n == 0:
+        return
+    scal = _scalars(cfg, t, lr)
+    den = None
+    if cfg.clip_c:  # c = c / max(||c||, 1), ||c||² in the blocked order of kernels/mars.cu
+        lay = norms.columns(n)
+        if st.c is None or st.c.size != n:
+            st.c = np.empty_like(p)
+        need = lay.cols + norms.fold_len(lay.nb)
+        if st.parts is None or st.parts.size != need:
+            st.parts = np.zeros(need, p.dtype)  # columns without a term stay 0
+        acc, work = st.parts[:lay.cols], st.parts[lay.cols:]
+        arrays = (g, st.g_prev, st.c)
+        yield [(cost, functools.partial(_columns, arrays, lay, acc, scal[0], chunk, c0, c1))
+               for cost, c0, c1 in norms.column_ranges(lay, chunk)]
+        nrm = np.sqrt(norms.sq_fold(acc, lay.nb, work)[0])  # a NumPy scalar of the dtype: the arrays' roundings
+        den = nrm if nrm >= 1 or nrm != nrm else nrm.dtype.type(1)  # = maximum(nrm, 1), NaN kept
+    yield [(hi - lo, functools.partial(_steps, cfg, st, p, g, scal, den, chunk, lo, hi))
+           for lo, hi in cpu_plan.ranges(n, chunk)]
+
+
+def np_rows(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float, work: dict[str, Any]) -> None:
+    """NumPy: ``update`` on the T rows of (T, n) arrays at once (a bucket of small tensors, ``core.cpu_tensors``);
+    ‖c‖ per row (``core.norms.sq_rows``)."""
+    scal = _scalars(cfg, t, lr)
+    coef = scal[0]
+    rows, n = p.shape
+    bufs = work.get("mars")
+    if bufs is None:
+        bufs = work["mars"] = (np.empty_like(p), np.empty_like(p), np.zeros((rows, blocks.sq_layout(n)[2]), p.dtype),
+                               np.empty(norms.rows_len(rows, n), p.dtype), np.empty(rows, p.dtype))
+    c, s, x, w, nrm = bufs
+    _c(g, st.g_prev, c, coef)
+    if cfg.clip_c:
+        np.multiply(c, c, x[:, :n])
+        np.sqrt(norms.sq_rows(x, n, w), out=nrm)
+        den = np.where((nrm >= 1) | (nrm != nrm), nrm, 1)  # = maximum(nrm, 1), NaN kept
+        np.divide(c, den[:, None], c)
+    _adam_part(np, cfg, st.m, st.v, p, c, s, scal)
+    np.copyto(st.g_prev, g)
 
 
 def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the clip needs ‖c‖)."""
-    coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
+    if xp is np:
+        blocks.run_serial(np_phases(cfg, st, p, g, t=t, lr=lr, chunk=driver.CHUNK))
+        return
+    coef = _scalars(cfg, t, lr)[0]
     n = p.size
     if st.c is None or st.c.size != n:
         st.s, st.c = blocks.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
-    if xp is np:
-        _update_np(cfg, st, p, g, (coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step))
-        return
     s, c = st.s[:n], st.c
     xp.subtract(g, st.g_prev, c)  # c = g + (g - g_prev) * coef
     xp.multiply(c, coef, c)
@@ -140,15 +206,7 @@ def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: in
     if cfg.clip_c:  # c = c / max(||c||, 1), ||c||² in the blocked order of kernels/mars.cu
         xp.multiply(c, c, s)
         xp.divide(c, xp.maximum(xp.sqrt(blocks.sq_sum(xp, st.s, n)), 1), c)
-    moments(xp, st.m, st.v, c, omb1, b2, omb2, s)
-    if cfg.weight_decay != 0:
-        xp.multiply(p, decay, p)
-    xp.sqrt(st.v, s)  # p = p + (m / (sqrt(v) / bc2_sqrt + eps)) * neg_step
-    xp.divide(s, bc2_sqrt, s)
-    xp.add(s, eps, s)
-    xp.divide(st.m, s, s)
-    xp.multiply(s, neg_step, s)
-    xp.add(p, s, p)
+    _adam_part(xp, cfg, st.m, st.v, p, c, s, _scalars(cfg, t, lr))
     st.g_prev[...] = g
 
 
@@ -201,6 +259,8 @@ class Mars(PerParamOptimizer):
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
     multi_tensor = MULTI
+    np_phases_fn = staticmethod(np_phases)
+    np_rows_fn = staticmethod(np_rows)
 
     def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
                  weight_decay: float = 0.0, gamma: float = 0.025, clip_c: bool = True, *,

@@ -72,10 +72,11 @@ def _scalars(cfg: QHAdamWConfig, t: int, lr: float) -> tuple[Any, ...]:
 
 def update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds three buffers the size of ``p``, in the operation
-    order of ``kernels/qhadamw.cu``."""
+    """One step on (chunks of) flat buffers; ``scratch`` holds three buffers the size of ``p`` (the third only read
+    when ν2 != 1, so that a chunk's operands are six arrays, not seven), in the operation order of
+    ``kernels/qhadamw.cu``."""
     decay, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, neg_lr = _scalars(cfg, t, lr)
-    s, num, den = scratch
+    s, num = scratch[0], scratch[1]
     if cfg.weight_decay != 0:
         xp.multiply(p, decay, p)
     moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
@@ -83,16 +84,18 @@ def update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *,
     if cfg.nus[0] != 1.0:
         xp.multiply(g, c_g, s)
         xp.add(num, s, num)
-    xp.multiply(st.v, c_v, den)  # den = sqrt(v * c_v + (g * c_gg) * g) + eps
+    den = s  # den = sqrt(v * c_v + (g * c_gg) * g) + eps
+    xp.multiply(st.v, c_v, den)
     if cfg.nus[1] != 1.0:
-        xp.multiply(g, c_gg, s)
-        xp.multiply(s, g, s)
-        xp.add(den, s, den)
+        gg = scratch[2]
+        xp.multiply(g, c_gg, gg)
+        xp.multiply(gg, g, gg)
+        xp.add(den, gg, den)
     xp.sqrt(den, den)
     xp.add(den, eps, den)
-    xp.divide(num, den, s)  # p = p + (num / den) * (-lr)
-    xp.multiply(s, neg_lr, s)
-    xp.add(p, s, p)
+    xp.divide(num, den, num)  # p = p + (num / den) * (-lr)
+    xp.multiply(num, neg_lr, num)
+    xp.add(p, num, p)
 
 
 def kernel_update(cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:

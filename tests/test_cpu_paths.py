@@ -1,6 +1,7 @@
-"""The NumPy execution paths of the driver (flatopt/core/cpu_plan.py): chunked large items and bucketed small items give the
-bits of the plain serial loop, survive resets, checkpoints and changing batch compositions, and allocate nothing
-per step once a batch composition has been seen."""
+"""The NumPy execution paths of the driver (flatopt/core/cpu_plan.py, cpu_tensors.py): chunked large items, bucketed
+small items and the phases of the per-tensor algorithms (Lamb, Mars) give the bits of the plain serial loop, survive
+resets, checkpoints and changing batch compositions, and allocate nothing per step once a batch composition has been
+seen."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ MAKERS = {
     "adamw_amsgrad": lambda **kw: flatopt.AdamW(lr=1e-2, amsgrad=True, **kw),
     "sgd_dampened": lambda **kw: flatopt.SGD(lr=1e-2, momentum=0.9, dampening=0.2, weight_decay=1e-3, **kw),
     "sgd_nesterov": lambda **kw: flatopt.SGD(lr=1e-2, momentum=0.9, nesterov=True, **kw),
+    # per-tensor norms: small items bucketed as rows, large ones in phases (core/cpu_tensors.py)
+    "lamb": lambda **kw: flatopt.Lamb(lr=1e-2, **kw),
+    "mars": lambda **kw: flatopt.Mars(lr=1e-2, weight_decay=1e-2, **kw),
+    "mars_noclip": lambda **kw: flatopt.Mars(lr=1e-2, clip_c=False, **kw),
 }
 
 

@@ -172,12 +172,14 @@ def run_serial(phases) -> None:
             fn()
 
 
-def run_phased(steps: list, *, serial: bool = False) -> None:
+def run_phased(steps: list, *, serial: bool = False, first: list | None = None) -> None:
     """Run the phases of many independent steps (``(name, phase generator)``) together: phase k of every step is
-    one ``core.parallel.run_tasks`` call (a barrier), the serial work between phases runs on the caller."""
+    one ``core.parallel.run_tasks`` call (a barrier), the serial work between phases runs on the caller; ``first``:
+    other ``(cost, name, fn)`` tasks, run with the first phase."""
     active = steps
-    while active:
-        tasks, nxt = [], []
+    tasks = list(first or ())
+    while active or tasks:
+        nxt = []
         for name, gen in active:
             try:
                 phase = next(gen)
@@ -190,7 +192,7 @@ def run_phased(steps: list, *, serial: bool = False) -> None:
             nxt.append((name, gen))
         if tasks:
             parallel.run_tasks(tasks, serial=serial)
-        active = nxt
+        active, tasks = nxt, []
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@
   gathered with one ``numpy.concatenate(..., out=)`` each and the params scattered back with one copy each.  A
   bucket's plan (arena views, packed buffers) is built once for a given list of names and re-used while the batch
   keeps that composition; nothing is allocated per step after that.
-* **Other items** (non-elementwise algorithms) are one task each, the whole buffer.
+* **Per-tensor algorithms** (non-elementwise): with the NumPy hooks of ``core.cpu_tensors`` (Lamb, Mars) small
+  items of one size are bucketed as rows of (T, n) arenas and every other item runs its phases on the threads;
+  otherwise each item is one task, the whole buffer.
 
 Every path performs, per element, exactly the operations of ``update`` on that element with that item's
 scalars, so the bits equal the serial ``step`` loop and unchunked execution.
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 import numpy as np
 
-from . import parallel
+from . import cpu_tensors
 
 # Items of at most this many elements are bucketed (per-call overhead dominates below it).
 SMALL = 1 << 13
@@ -38,6 +41,12 @@ MAX_PLANS = 32
 
 def _is_np(x) -> bool:
     return isinstance(x, np.ndarray)
+
+
+def ranges(n: int, chunk: int) -> list:
+    """``[(lo, hi)]``: ``range(n)`` cut into tasks of about ``TASK`` elements (whole chunks)."""
+    per = max(1, TASK // chunk) * chunk
+    return [(lo, min(lo + per, n)) for lo in range(0, n, per)]
 
 
 def chunk_views(state, n: int, chunk: int) -> list:
@@ -93,34 +102,8 @@ class RangeTask:
 # ------------------------------------------------------------------------------------------------ buckets
 def bucket_key(slot):
     """What must agree for two small items to share a bucket (besides ``t`` and ``lr``), or ``None`` when the
-    state cannot be packed (an array that is not a 1-D NumPy array of the parameter's size, an unhashable
-    scalar)."""
-    key = slot.bucket_key
-    if key is None:
-        n = 1
-        for d in slot.shape:
-            n *= d
-        parts = [slot.dtype.str]
-        for f in dataclasses.fields(slot.state):
-            v = getattr(slot.state, f.name)
-            if _is_np(v):
-                if v.ndim != 1 or v.size != n or v.dtype != slot.dtype:
-                    key = False
-                    break
-                parts.append(f.name)
-            elif v is not None:
-                try:
-                    hash(v)
-                except TypeError:
-                    key = False
-                    break
-                parts.append((f.name, v))
-            else:
-                parts.append((f.name, None))
-        else:
-            key = tuple(parts)
-        slot.bucket_key = key
-    return key or None
+    state cannot be packed (every field: ``cpu_tensors.state_key``)."""
+    return cpu_tensors.state_key(slot)
 
 
 class BucketPlan:
@@ -185,7 +168,7 @@ class BucketTask:
             copyto(dst, src)
 
 
-def _plan_for(opt, slots: list, sizes: list, chunk: int) -> BucketPlan:
+def _plan_for(opt, slots: list, sizes: list, chunk: int, factory=BucketPlan):
     plans = opt.__dict__.get("_bucket_plans")
     if plans is None:
         plans = opt.__dict__["_bucket_plans"] = {}
@@ -195,7 +178,7 @@ def _plan_for(opt, slots: list, sizes: list, chunk: int) -> BucketPlan:
         plans.pop(key, None)
         while len(plans) >= MAX_PLANS:
             plans.pop(next(iter(plans)))
-        plan = plans[key] = BucketPlan(slots, sizes, chunk)
+        plan = plans[key] = factory(slots, sizes, chunk)
         opt.__dict__["_bucket_epoch"] = opt.__dict__.get("_bucket_epoch", 0) + 1  # (StaticPlan.valid)
     return plan
 
@@ -206,6 +189,10 @@ def forget_plans(opt) -> None:
 
 
 # --------------------------------------------------------------------------------------------- the tasks
+# Runs ``tasks``' list: the phases of the per-tensor algorithms' large items on the threads too (core.cpu_tensors).
+run_tasks = cpu_tensors.run
+
+
 def tasks(opt, items: list, chunk: int) -> list:
     """``(cost, name, fn)`` tasks for the NumPy ``(item, slot, lr)`` triples of one batch (state already created,
     ``t`` already advanced)."""
@@ -218,11 +205,9 @@ def _make(opt, entries: list, chunk: int) -> list:
     one ``group`` value (and bucket key and ``t``) may share a bucket (``group`` is the lr, or the lr_scale when
     the tasks are kept for later steps, see :class:`StaticPlan`).  ``refill`` = ``(index or indices, slot,
     group)`` says where a kept task finds its arrays, ``t`` and lr in a later step."""
-    out = []
     if not opt.elementwise:
-        for i, name, p, g, slot, lr, grp in entries:
-            out.append((p.size, name, _WholeTask(opt, slot.state, p, g, slot.t, lr), (i, slot, grp)))
-        return out
+        return _tensor_tasks(opt, entries, chunk)
+    out = []
     groups: dict = {}
     for entry in entries:
         i, name, p, g, slot, lr, grp = entry
@@ -242,6 +227,48 @@ def _make(opt, entries: list, chunk: int) -> list:
                 out.append(_bucket_task(opt, members[start:k + 1], chunk))
                 start, acc = k + 1, 0
     return out
+
+
+def _tensor_tasks(opt, entries: list, chunk: int) -> list:
+    """``_make`` for a per-tensor algorithm: small items of one size share a ``cpu_tensors.RowsPlan`` when the
+    algorithm has ``np_rows_fn``; every other item is a ``PhasedTask`` (with ``np_phases_fn``) or a whole task."""
+    out = []
+    rows = type(opt).np_rows_fn is not None and len(entries) > 1
+    total = sum(e[2].size for e in entries)
+    groups: dict = {}
+    for entry in entries:
+        slot, n = entry[4], entry[2].size
+        if rows and 0 < n <= SMALL and cpu_tensors.rows_key(slot) is not None:
+            groups.setdefault((slot.bucket_key, n, slot.t, entry[6]), []).append(entry)
+        else:
+            out.append(_whole_task(opt, entry, chunk, split=4 * n > total))
+    for members in groups.values():
+        start, acc = 0, 0
+        for k, entry in enumerate(members):
+            acc += entry[2].size
+            if acc >= BUCKET or k == len(members) - 1:
+                part = members[start:k + 1]
+                out.append(_rows_task(opt, part, chunk) if len(part) > 1 else _whole_task(opt, part[0], chunk))
+                start, acc = k + 1, 0
+    return out
+
+
+def _whole_task(opt, entry, chunk: int, split: bool = False):
+    i, name, p, g, slot, lr, grp = entry
+    if type(opt).np_phases_fn is not None:
+        fn: Any = cpu_tensors.PhasedTask(opt, slot.state, p, g, slot.t, lr, chunk, split)
+    else:
+        fn = _WholeTask(opt, slot.state, p, g, slot.t, lr)
+    return (p.size, name, fn, (i, slot, grp))
+
+
+def _rows_task(opt, part: list, chunk: int):
+    _, _, _, _, slot0, lr, grp = part[0]
+    params = [e[2] for e in part]
+    plan = _plan_for(opt, [e[4] for e in part], [p.size for p in params], chunk, cpu_tensors.RowsPlan)
+    name = f"{part[0][1]} .. {part[-1][1]} (a bucket of {len(part)} small parameters)"
+    task = cpu_tensors.RowsTask(opt, plan, params, [e[3] for e in part], slot0.t, lr)
+    return (plan.size, name, task, ([e[0] for e in part], slot0, grp))
 
 
 def _bucket_task(opt, part: list, chunk: int):
@@ -309,18 +336,18 @@ class StaticPlan:
                 if type(idx) is list:
                     fn.params = [params[i] for i in idx]
                     fn.grads = [grads[i] for i in idx]
-                elif type(fn) is _WholeTask:
+                elif type(fn) is _WholeTask or type(fn) is cpu_tensors.PhasedTask:
                     fn.st, fn.p, fn.g = slot.state, params[idx], grads[idx]
                 else:
                     fn.p, fn.g = params[idx], grads[idx]
-            parallel.run_tasks(self.run_list, serial=not opt.threaded)
+            run_tasks(self.run_list, serial=not opt.threaded)
         finally:
             for fn, _ in self.fill:  # hold no reference to the caller's arrays between steps
                 _clear(fn)
 
 
 def _clear(fn) -> None:
-    if type(fn) is BucketTask:
+    if type(fn) is BucketTask or type(fn) is cpu_tensors.RowsTask:
         fn.params = fn.grads = None
     else:
         fn.p = fn.g = None

@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import numpy as np
 
 from ..errors import IncompatibleStateError
-from . import backend as _backend, cpu_plan, gpu_run, parallel, step_plan
+from . import backend as _backend, cpu_plan, gpu_run, step_plan
 from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
 from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
@@ -59,6 +59,9 @@ class PerParamOptimizer:
     matters: ClassVar[tuple[str, ...]] = ()
     threaded: ClassVar[bool] = True  # False: step_batch runs items serially (e.g. BLAS already uses the cores)
     multi_tensor: ClassVar[Any] = None  # core.multi_tensor.MultiTensor: one CuPy launch for many tensors
+    # NumPy forms of a per-tensor update (core/cpu_tensors.py): phases for the threads, rows for buckets of small items
+    np_phases_fn: ClassVar[Callable[..., Any] | None] = None
+    np_rows_fn: ClassVar[Callable[..., None] | None] = None
 
     def __init__(self, config: Any, *, lr_scale: LrScale = None) -> None:
         self.config = config
@@ -325,7 +328,7 @@ class PerParamOptimizer:
                 cpu.append((it, slot, lr))
         if cpu:
             # chunked large items, bucketed small ones: see core/cpu_plan.py
-            parallel.run_tasks(cpu_plan.tasks(self, cpu, CHUNK), serial=not self.threaded)
+            cpu_plan.run_tasks(cpu_plan.tasks(self, cpu, CHUNK), serial=not self.threaded)
         if gpu:
             gpu_run.run_gpu(self, gpu)
 
