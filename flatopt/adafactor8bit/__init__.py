@@ -47,11 +47,13 @@ Deviations from the original (all deliberate):
 GPU (CuPy arrays): the factored, CAME and elementwise (Adam- and Adafactor-style) steps are fused CUDA kernels
 (``flatopt.adafactor8bit.fused``, ``kernels/adafactor8bit.cu``): decode, EMA, statistics, update and re-encode in
 registers, 4–13 launches per parameter, no host synchronisation, no allocation per step, deterministic reductions
-(no atomics), the twin's bits wherever its sums are exact (otherwise the sums' rounding differs: see ``fused``).
-The other paths (APOLLO, SGD, Fira, ``lag_norm``, ``maximize``, the momentum-only rule) run the same
-array-agnostic code as NumPy with every data-dependent scalar (α, norms, clip and Fira factors) a 0-d device array,
-each quantized state update one fused launch.  ``use_cuda_kernel=False`` (per group) or ``FLATOPT_FORCE_TWIN=1``
-runs the twin (the array-agnostic code, without the state kernels for the former).
+(no atomics), the twin's bits wherever its sums are exact (otherwise the sums' rounding differs: see ``fused``);
+SGD mode, Fira, ``lag_norm``, ``maximize`` and the momentum-only rule included.  APOLLO's step is 7 kernels around
+its projection GEMM (``flatopt.adafactor8bit.apollo_fused``, ``kernels/apollo8bit.cu``; P drawn on the device from
+its seed, no generator object, no synchronisation); APOLLO with CAME or ``apollo_factorize`` forms its low-rank
+update with the twin's CuPy code (≈ 35 launches).  The twin is the same array-agnostic code as NumPy, every
+data-dependent scalar (α, norms, clip and Fira factors) a 0-d device array.  ``use_cuda_kernel=False`` (per group)
+or ``FLATOPT_FORCE_TWIN=1`` runs the twin (the array-agnostic code, without the state kernels for the former).
 
 ``end_iteration`` only counts iterations; the per-name step t drives b, ρ, bias correction and APOLLO refreshes.
 Use it to save optimizer memory: the factored path costs ≈ 0.002 B/param, AdamW-style AL8 + uf8 ≈ 2.02 B/param.
