@@ -106,7 +106,7 @@ def bucket_key(slot):
     return cpu_tensors.state_key(slot)
 
 
-class BucketPlan:
+class BucketPlan(cpu_tensors.PackedPlan):
     """Packed storage for one list of small items: state arenas (the slots' state arrays become views into
     them), packed param/grad buffers, and chunk views of the packed state."""
 
@@ -143,20 +143,11 @@ class BucketPlan:
         self.views = chunk_views(dataclasses.replace(st0, **arenas), n, chunk)
         self.chunk = chunk
 
-    def valid(self) -> bool:
-        for s in self.slots:
-            if s.home is not self:
-                return False
-        return True
 
-
-class BucketTask:
+class BucketTask(cpu_tensors.PackedTask):
     """Gather the params and grads of a bucket, update the packed buffers, scatter the params back."""
 
-    __slots__ = ("opt", "plan", "params", "grads", "t", "lr")
-
-    def __init__(self, opt, plan, params, grads, t, lr):
-        self.opt, self.plan, self.params, self.grads, self.t, self.lr = opt, plan, params, grads, t, lr
+    __slots__ = ()
 
     def __call__(self) -> None:
         plan = self.plan

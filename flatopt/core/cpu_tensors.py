@@ -69,7 +69,27 @@ def rows_key(slot: Any) -> Any:
     return state_key(slot, persistent_fields)
 
 
-class RowsPlan:
+class PackedPlan:
+    """What every packed plan shares (this module's rows, ``cpu_plan.BucketPlan``): its slots point back at it
+    (``slot.home``) while it is the storage of their state."""
+
+    slots: list
+
+    def valid(self) -> bool:
+        return all(s.home is self for s in self.slots)
+
+
+class PackedTask:
+    """A task over a packed plan: gather the params and grads, update the packed buffers, scatter the params back
+    (``__call__`` in the subclasses)."""
+
+    __slots__ = ("opt", "plan", "params", "grads", "t", "lr")
+
+    def __init__(self, opt, plan, params, grads, t, lr):
+        self.opt, self.plan, self.params, self.grads, self.t, self.lr = opt, plan, params, grads, t, lr
+
+
+class RowsPlan(PackedPlan):
     """Packed storage for T small items of n elements: (T, n) arenas of the persistent state arrays (each slot's
     arrays become rows of them), packed (T, n) param and grad buffers, and the algorithm's scratch (``work``)."""
 
@@ -100,20 +120,11 @@ class RowsPlan:
         self.size = t * n
         self.work: dict = {}
 
-    def valid(self) -> bool:
-        for s in self.slots:
-            if s.home is not self:
-                return False
-        return True
 
-
-class RowsTask:
+class RowsTask(PackedTask):
     """Gather the params and grads of a :class:`RowsPlan`, update the rows, scatter the params back."""
 
-    __slots__ = ("opt", "plan", "params", "grads", "t", "lr")
-
-    def __init__(self, opt, plan, params, grads, t, lr):
-        self.opt, self.plan, self.params, self.grads, self.t, self.lr = opt, plan, params, grads, t, lr
+    __slots__ = ()
 
     def __call__(self) -> None:
         plan = self.plan
