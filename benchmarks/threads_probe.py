@@ -20,7 +20,9 @@
    whether the row-sum GEMV releases the GIL as ``np.matmul`` and as ``np.dot``;
 6. **sizes** — settled in-process A/B of the task sizes: ``core.blocks.BLOCK``/``TASK`` at 128K/256K against
    256K/512K elements (Adafactor's transformer-like set, Adafactor8Bit's factored fp32 step), and
-   ``adafactor8bit.apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights.
+   ``adafactor8bit.apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights,
+   and the elementwise chunk ``core.driver.CHUNK`` at 64K against 128K elements (AdamW, Lion, QHAdamW on one 16M buffer
+   and on the transformer-like set).
 """
 
 from __future__ import annotations
@@ -328,6 +330,7 @@ def sizes(repeats: int = 15) -> None:
     import flatopt
     from flatopt.adafactor8bit import apollo_lowrank
     from flatopt.core import blocks as _blocks
+    from flatopt.core import driver as _driver
 
     from .bench_adamw import make_data, transformer_shapes
 
@@ -355,6 +358,21 @@ def sizes(repeats: int = 15) -> None:
         apollo_rank=256, beta1=0.9, beta2=0.999, relative_step=False, lr=1e-3, scale_parameter=False, d=0.0,
         quantize=False), {"128K": {(apollo_lowrank, "TASK"): 1 << 17}, "256K": {(apollo_lowrank, "TASK"): 1 << 18}},
         repeats)
+
+    def elementwise(make_opt, shapes_):
+        def make():
+            data = make_data(shapes_)
+            items = [flatopt.OptItem(f"p{i}", s, p, g) for i, (s, (p, g)) in enumerate(zip(shapes_, data))]
+            opt = make_opt()  # its step plan, built at its first step, takes the chunk of its variant
+            return lambda: opt.step_batch(items)
+        return make
+
+    chunks = {"64K": {(_driver, "CHUNK"): 1 << 16}, "128K": {(_driver, "CHUNK"): 1 << 17}}
+    for label, make_opt in (("AdamW", lambda: flatopt.AdamW(lr=1e-3, weight_decay=1e-2)),
+                            ("Lion", lambda: flatopt.Lion(lr=1e-4, weight_decay=0.1)),
+                            ("QHAdamW", lambda: flatopt.QHAdamW(lr=1e-3))):
+        _ab(f"{label} one 16M buffer, core.driver.CHUNK", elementwise(make_opt, [(1 << 24,)]), chunks, repeats)
+        _ab(f"{label} transformer-like set, core.driver.CHUNK", elementwise(make_opt, shapes), chunks, repeats)
 
 
 if __name__ == "__main__":

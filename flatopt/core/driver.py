@@ -32,11 +32,12 @@ from .validate import check_batch_aliasing, check_item, check_lr, check_snapshot
 # one chunk stay near the core (and the chunks can be spread over threads).  Measured on a 2-core Xeon (2 MB L2
 # per core), AdamW on 16M float32, median ms/step, one thread: 16K 85, 32K 79, 64K 80, 128K 91; two threads:
 # 16K 117, 32K 64, 64K 47, 128K 46, 256K 51, 512K 59 (shorter ufunc calls make the two threads hand the GIL to each
-# other too often).  On a 2-vCPU AMD EPYC (Zen 5), two threads, medians of five interleaved runs, 64K -> 128K:
-# 16M float32 AdamW 22.6 -> 16.3 ms, Lion 21.1 -> 15.5, QHAdamW 26.1 -> 19.4, Lamb 37.3 -> 25.3; the 76 tensors
-# of a transformer (24.1M) AdamW 22.3 -> 21.1, Lion 23.0 -> 17.7, QHAdamW 26.4 -> 24.3; 500 x 64 unchanged (its
-# buckets are smaller than a chunk).  128K: two threads are the default, where it is the better or an equal choice
-# on both.  The bits do not depend on it (elementwise passes; the norms' sums keep core.blocks' own order).
+# other too often).  On a 2-vCPU AMD EPYC (Zen 5), two threads, settled interleaved A/B (``python -m
+# benchmarks.threads_probe sizes``), 64K -> 128K: one 16M buffer AdamW 16.4 -> 15.3 ms, Lion 15.6 -> 12.8, QHAdamW
+# 19.0 -> 17.0; the 76 tensors of a transformer (24.1M) AdamW 24.5 -> 23.2, Lion 22.0 -> 18.4, QHAdamW 29.1 -> 25.4;
+# 500 x 64 is one bucket, smaller than either chunk.  128K: two threads are the default, where it is the
+# better or an equal choice on both machines.  The bits do not depend on it (elementwise passes; the norms' sums
+# keep core.blocks' own order).
 # core/cpu_plan.py turns a batch into tasks (chunked large items, bucketed small ones).
 CHUNK = 1 << 17
 
