@@ -132,9 +132,17 @@ def test_fused_is_close_to_the_twin_on_random_data(mode, dtype, monkeypatch):
         eps = float(np.finfo(np.float32).eps)  # the states are float32
         tol = 8 * steps * eps * max(1.0, float(np.abs(pt).max()))
         diff = np.abs(pf - pt)
-        # a code flipped by the sums' rounding moves its elements by up to one quantization level of the update
-        assert np.mean(diff <= tol) >= 0.99, (mode, shape, diff.max())
-        assert diff.max() <= 0.05 * np.abs(pt - p0).max() + tol, (mode, shape, diff.max())
+        if "came" not in mode:  # measured: no flipped code moves θ past float32 rounding here
+            assert diff.max() <= tol, (mode, shape, diff.max())
+        else:
+            # CAME divides by its confidence, whose small statistics amplify the sums' ulps: a code may flip.  One
+            # level of an AL8 code moves the value it decodes by the factor 2^(scale/254) (the block's log2 range
+            # over its 254 levels), of a uf8 code by absmax/128; the update is a product of such decoded values
+            # (to the powers ±1/2, ±1), so one flip moves it by at most the sum of those relative steps
+            levels = sum(float(np.max(2.0 ** (st[k] / 254.0) - 1.0)) for k in st if k.endswith("_scale/w")
+                         and "m_scale" not in k)
+            levels += 1 / 128 if "m_scale/w" in st else 0.0
+            assert diff.max() <= levels * np.abs(pt - p0).max() + tol, (mode, shape, diff.max(), levels)
         for k in st:
             if st[k].dtype.kind in "ui":
                 d = np.abs(st[k].astype(np.int64) - sf[k].astype(np.int64))
