@@ -73,13 +73,15 @@ def test_threads_probe_runs():
 
 
 def test_threads_probe_sizes_runs(capsys):
-    """``python -m benchmarks.threads_probe sizes`` (the A/B behind ``core.blocks.BLOCK`` and ``adafactor8bit.apollo_lowrank.TASK``)
-    runs one round and prints its three lines (timings are not asserted)."""
+    """``python -m benchmarks.threads_probe sizes`` (the A/B behind ``core.blocks.BLOCK``,
+    ``adafactor8bit.apollo_lowrank.TASK`` and ``core.driver.CHUNK``) runs one round and prints its nine lines (timings
+    are not asserted)."""
     from benchmarks import threads_probe
 
     threads_probe.sizes(repeats=1)
     out = capsys.readouterr().out
-    assert out.count("sizes: ") == 3 and "adafactor8bit.apollo_lowrank.TASK" in out, out
+    assert out.count("sizes: ") == 9 and "adafactor8bit.apollo_lowrank.TASK" in out, out
+    assert out.count("core.driver.CHUNK: 64K") == 6, out
 
 
 def test_gpu_suite_runs_on_the_stand_in():
