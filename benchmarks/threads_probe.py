@@ -22,7 +22,10 @@
    256K/512K elements (Adafactor's transformer-like set, Adafactor8Bit's factored fp32 step), and
    ``adafactor8bit.apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights,
    and the elementwise chunk ``core.driver.CHUNK`` at 64K against 128K elements (AdamW, Lion, QHAdamW on one 16M buffer
-   and on the transformer-like set).
+   and on the transformer-like set);
+7. **native** — settled in-process A/B of the compiled CPU passes (``core/native.py``) against the NumPy twins they
+   replace (the same bits): SGD, AdamW, Lion, QHAdamW, Sophia, Lamb and Mars on one 16M buffer and on the
+   transformer-like set.
 """
 
 from __future__ import annotations
@@ -299,7 +302,7 @@ def scaling(repeats: int = 21) -> None:
         f"{name} {ms:.2f} ms ({'releases' if ms > 1.0 else 'holds'} the GIL)" for name, ms in held.items()))
 
 
-def _ab(label: str, make_step, variants: dict, repeats: int) -> None:
+def _ab(label: str, make_step, variants: dict, repeats: int, prefix: str = "sizes") -> None:
     """Settled, interleaved in-process A/B: ``variants`` maps a name to {(module, attribute): value}; each variant
     steps its own optimizer and data (``make_step()`` -> step) with those constants set (restored afterwards)."""
     steps = {name: make_step() for name in variants}
@@ -322,7 +325,7 @@ def _ab(label: str, make_step, variants: dict, repeats: int) -> None:
                 for (m, a), v in saved.items():
                     setattr(m, a, v)
     meds = {n: statistics.median(times[n]) for n in names}
-    print(f"sizes: {label}: " + ", ".join(f"{n} {meds[n]:.2f} ms" for n in names)
+    print(f"{prefix}: {label}: " + ", ".join(f"{n} {meds[n]:.2f} ms" for n in names)
           + f" ({meds[names[0]] / meds[names[1]]:.2f}x)")
 
 
@@ -375,8 +378,42 @@ def sizes(repeats: int = 15) -> None:
         _ab(f"{label} transformer-like set, core.driver.CHUNK", elementwise(make_opt, shapes), chunks, repeats)
 
 
+def native(repeats: int = 11, quick: bool = False) -> None:
+    import flatopt
+    from flatopt.core import native as _native
+
+    from .bench_adamw import make_data, transformer_shapes
+
+    ok, where = _native.status()
+    print(f"native: {where}")
+    if not ok:
+        return
+    compiled = dict(_native._state)  # noqa: SLF001 - the loaded library
+    variants = {"compiled": {(_native, "_state"): compiled},
+                "NumPy twin": {(_native, "_state"): {"lib": None, "why": "the A/B's twin side"}}}
+    workloads = ([("one 256K buffer", [(1 << 18,)])] if quick else
+                 [("one 16M buffer", [(1 << 24,)]), ("transformer-like set", transformer_shapes())])
+
+    def make(make_opt, shapes):
+        def build():
+            items = [flatopt.OptItem(f"p{i}", s, p, g) for i, (s, (p, g)) in enumerate(zip(shapes, make_data(shapes)))]
+            opt = make_opt()
+            return lambda: opt.step_batch(items)
+        return build
+
+    for label, make_opt in (("SGD momentum", lambda: flatopt.SGD(lr=1e-2, momentum=0.9)),
+                            ("AdamW", lambda: flatopt.AdamW(lr=1e-3, weight_decay=1e-2)),
+                            ("Lion", lambda: flatopt.Lion(lr=1e-4, weight_decay=0.1)),
+                            ("QHAdamW", lambda: flatopt.QHAdamW(lr=1e-3)),
+                            ("Sophia", lambda: flatopt.Sophia(lr=1e-4)),
+                            ("Lamb", lambda: flatopt.Lamb(lr=1e-3)),
+                            ("Mars", lambda: flatopt.Mars(lr=3e-3))):
+        for wl, shapes in workloads:
+            _ab(f"{label} {wl}, compiled pass vs NumPy twin", make(make_opt, shapes), variants, repeats, "native")
+
+
 if __name__ == "__main__":
-    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "scaling", "sizes"]
+    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "scaling", "sizes", "native"]
     for name in wanted:
         {"spin": spin, "codec": codec, "adafactor": adafactor, "apollo": apollo, "scaling": scaling,
-         "sizes": sizes}[name]()
+         "sizes": sizes, "native": native}[name]()

@@ -11,10 +11,12 @@ Update rule, per element, with t the step count of this parameter (advanced insi
     p  = p − η/(1 − β1^t) · m / (√(v or v̂max)/√(1 − β2^t) + ε)
 
 Defaults lr 1e-3, betas (0.9, 0.999), eps 1e-8 (outside the square root), weight_decay 0, amsgrad False (torch's;
-rlx-optim requires lr).  This is torch's single-tensor operation order; torch's ``Adam(decoupled_weight_decay=True)``
-is ``flatopt.AdamW``.  Deviations: none from torch or the paper (``maximize``, ``capturable``, ``differentiable``
-are not offered); rlx-optim computes with f64 intermediates, flatopt in the parameter's dtype with float64 bias
-corrections.  ``end_iteration`` only counts iterations (bias correction uses the per-name t).  State: ``m``, ``v``
+rlx-optim requires lr).  This is torch's single-tensor operation order; torch's
+``Adam(decoupled_weight_decay=True)`` is ``flatopt.AdamW``.  Deviations: none from torch or the paper (``maximize``,
+``capturable``, ``differentiable`` are not offered); rlx-optim computes with f64 intermediates, flatopt in the
+parameter's dtype with float64 bias corrections.  On the CPU the twin's operations run fused in one compiled pass
+(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; amsgrad and machines without a C compiler run
+the twin).  ``end_iteration`` only counts iterations (bias correction uses the per-name t).  State: ``m``, ``v``
 (and ``vmax``): 8 B/param in float32 (12 with amsgrad).  Use it where a model was tuned with L2-coupled Adam;
 otherwise prefer AdamW.
 """
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .core import backend, kernels
+from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
@@ -112,7 +114,10 @@ def update(xp: Any, cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: in
            scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p`` (the decayed
     gradient and a temporary), in the operation order of ``kernels/adam.cu``."""
-    wd, omb1, b2, omb2, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
+    sc = _scalars(cfg, t, lr)
+    if xp is np and not cfg.amsgrad and native.step("adam", p, g, (st.m, st.v), sc, sc[0] != 0):
+        return  # the same operations fused in one compiled pass (core/native.py)
+    wd, omb1, b2, omb2, bc2_sqrt, eps, neg_step = sc
     s, gd = scratch
     if wd != 0:
         xp.multiply(p, wd, gd)  # g' = g + p * wd

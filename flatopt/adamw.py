@@ -12,7 +12,9 @@ Update rule, per element, with t the step count of this parameter (advanced insi
 Defaults lr 1e-3, betas (0.9, 0.999), eps 1e-8 (outside the square root), weight_decay 1e-2, amsgrad False.
 Arithmetic is in the parameter's dtype (as torch; rlx-optim uses f64 intermediates), in the operation order of
 torch's single-tensor path.  torch's vectorised CPU kernels may contract multiply-adds, so the two agree to a few
-ulps rather than bit for bit.  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
+ulps rather than bit for bit.  On the CPU the twin's operations run fused in one compiled pass
+(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; amsgrad and machines without a C compiler run
+the twin).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .core import backend, kernels
+from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
@@ -87,7 +89,10 @@ def update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: 
     Fourteen in-place ufunc passes (13 without weight decay, one more with amsgrad), each rounded to the dtype, in
     the operation order of ``kernels/adamw.cu``; one temporary, so that a cache-sized chunk of p, g, m, v and the
     temporary stays in the L2 cache from one pass to the next (the driver hands out such chunks)."""
-    decay, omb1, b2, omb2, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
+    sc = _scalars(cfg, t, lr)
+    if xp is np and not cfg.amsgrad and native.step("adamw", p, g, (st.m, st.v), sc, cfg.weight_decay != 0):
+        return  # the same operations fused in one compiled pass (core/native.py)
+    decay, omb1, b2, omb2, bc2_sqrt, eps, neg_step = sc
     s = scratch[0]
     m, v = st.m, st.v
     mul, add = xp.multiply, xp.add

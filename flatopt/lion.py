@@ -11,7 +11,9 @@ Defaults lr 1e-4 (lion-pytorch's), betas (0.9, 0.99), weight_decay 0 (rlx-optim'
 element: use an lr 3-10x smaller than AdamW's and a weight decay 3-10x larger.  No bias correction, so the step
 count t is unused.  Deviations: none from lion-pytorch with ``decoupled_weight_decay=False`` (its
 ``decoupled_weight_decay=True`` divides λ by the initial lr: not offered); optax ``lion`` computes the same rule
-with other roundings.  ``end_iteration`` only counts iterations.  State: ``m`` (4 B/param in float32).
+with other roundings.  On the CPU the twin's operations run fused in one compiled pass
+(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
+``end_iteration`` only counts iterations.  State: ``m`` (4 B/param in float32).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .adam import check_common
-from .core import backend, kernels
+from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
@@ -77,7 +79,10 @@ def update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: in
            scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/lion.cu``."""
-    decay, b1, omb1, b2, omb2, neg_lr = _scalars(cfg, lr)
+    sc = _scalars(cfg, lr)
+    if xp is np and native.step("lion", p, g, (st.m,), sc, cfg.weight_decay != 0):
+        return  # the same operations fused in one compiled pass (core/native.py)
+    decay, b1, omb1, b2, omb2, neg_lr = sc
     s, u = scratch
     m = st.m
     if cfg.weight_decay != 0:

@@ -16,16 +16,17 @@ Defaults lr 3e-3 (official), betas (0.95, 0.99), eps 1e-8, weight_decay 0, gamma
 
 Deviations: flatopt applies MARS to every tensor, as rlx-optim does; the official default ``optimize_1d=False``
 sends non-2-D tensors to a separate AdamW (betas (0.9, 0.95), λ 0.1): route those with ``flatopt.routing.Router``.
-pytorch-optimizer adds ε (and 1e-15 inside the root) before dividing by √(1 − β2^t): 1.2e-6 from the official
-rule at ε = 1e-8 (so the conformance test runs it at ε = 1e-12, and checks ε = 1e-8 against a float64
-transcription of the official ``update_fn``).  mars-lion, mars-shampoo and the exact two-gradient mode are not
-offered.  GPU: ``kernels/mars.cu``, three launches per tensor with clip_c (the per-block
-partials of ‖c‖², the fold into max(‖c‖, 1), the step), one without; no atomics, no host synchronisation;
-bit-identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in as many launches
-(``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  NumPy (``core/cpu_tensors.py``): a
-tensor's sweeps run on the threads (with clip_c in two phases around the norm), small tensors of one size are updated
-together as rows; the same bits.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``,
-``g_prev`` (12 B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
+pytorch-optimizer adds ε (and 1e-15 inside the root) before dividing by √(1 − β2^t): 1.2e-6 from the official rule
+at ε = 1e-8 (so the conformance test runs it at ε = 1e-12, and checks ε = 1e-8 against a float64 transcription of
+the official ``update_fn``).  mars-lion, mars-shampoo and the exact two-gradient mode are not offered.  GPU:
+``kernels/mars.cu``, three launches per tensor with clip_c (the per-block partials of ‖c‖², the fold into max(‖c‖,
+1), the step), one without; no atomics, no host synchronisation; bit-identical to the twin; ``step_batch`` runs
+every tensor of one dtype and step count in as many launches (``core/multi_tensor.py``, ``Norms``: the same
+partials, folds and elements).  NumPy (``core/cpu_tensors.py``): a tensor's sweeps run on the threads (with clip_c
+in two phases around the norm), small tensors of one size are updated together as rows; the same bits.  The phases'
+operations run fused in compiled passes where a C compiler exists (``kernels/cpu/elementwise.c`` via
+``core/native.py``; the same bits).  ``end_iteration`` only counts iterations.  State: ``m``, ``v``, ``g_prev`` (12
+B/param in float32) plus unsaved scratch buffers (the twin's, the kernel's partials).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .adam import bias_corrections, check_bool, check_common, moments
-from .core import backend, blocks, cpu_plan, driver, kernels, norms
+from .core import backend, blocks, cpu_plan, driver, kernels, native, norms
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, LrScale
@@ -101,9 +102,9 @@ def _adam_part(xp: Any, cfg: MarsConfig, m: Array, v: Array, p: Array, c: Array,
 
 
 # ----------------------------------------------------------------------------------------------- NumPy paths
-# ``update``'s operations per element, in cache-sized blocks (with clip_c a sweep for c and c², the norm, a sweep for
-# the rest; without, one sweep), ‖c‖² in ``blocks.sq_sum``'s order (``core.norms``), max(‖c‖, 1) on NumPy values of
-# the dtype: the bits of ``update``.
+# ``update``'s operations per element, in cache-sized blocks (with clip_c a sweep for c², the norm, a sweep that makes c
+# again and does the rest; without, one sweep), ‖c‖² in ``blocks.sq_sum``'s order (``core.norms``), max(‖c‖, 1) on
+# NumPy values of the dtype: the bits of ``update``.  c is never stored whole (it is made twice, the same way).
 def _c(g: Array, gp: Array, c: Array, coef: float) -> None:
     np.subtract(g, gp, c)  # c = g + (g - g_prev) * coef
     np.multiply(c, coef, c)
@@ -112,40 +113,44 @@ def _c(g: Array, gp: Array, c: Array, coef: float) -> None:
 
 def _columns(arrays: tuple[Array, ...], lay: norms.Columns, acc: Array, coef: float, chunk: int, c0: int,
              c1: int) -> None:
-    """Columns [c0, c1) of the column layout (``core.norms``), in row order: c, and the column sums of c²."""
-    g, gp, c = arrays
-    s = cpu_plan.scratch(g.dtype, 1, chunk)[0]
+    """Columns [c0, c1) of the column layout (``core.norms``), in row order: the column sums of c²."""
+    g, gp = arrays
+    s, c = cpu_plan.scratch(g.dtype, 2, chunk)
     for start, rows, w, col, first in norms.blocks(lay, c0, c1, chunk):
         a, b = start, start + rows * w
-        cc = c[a:b]
+        if native.columns("mars_columns", (g[a:b], gp[a:b]), (acc[col:col + w],), rows, w, (coef,), first):
+            continue  # the same operations in one compiled pass (core/native.py)
+        cc = c[:b - a]
         _c(g[a:b], gp[a:b], cc, coef)
         norms.add_squares(acc[col:col + w], cc, rows, first, s)
 
 
 def _steps(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple[Any, ...], den: Any, chunk: int, lo: int,
            hi: int) -> None:
-    """Elements [lo, hi): c (divided by ``den``, or made here without clip_c), the moments, the step, g_prev."""
+    """Elements [lo, hi): c (divided by ``den`` with clip_c), the moments, the step, g_prev."""
     coef = scal[0]
     m, v, gp = st.m, st.v, st.g_prev
     s, cs = cpu_plan.scratch(p.dtype, 2, chunk)
+    flags = (cfg.weight_decay != 0) | (den is not None) << 1
+    fused = scal + (1.0 if den is None else float(den),)  # den: a value of the dtype, exact in double
     for a in range(lo, hi, chunk):
         b = min(a + chunk, hi)
         k = b - a
         sc, mc, vc, pc, gc = s[:k], m[a:b], v[a:b], p[a:b], g[a:b]
+        if native.step("mars", pc, gc, (gp[a:b], mc, vc), fused, flags):
+            continue  # the same operations in one compiled pass (core/native.py)
+        cc = cs[:k]
+        _c(gc, gp[a:b], cc, coef)
         if den is not None:
-            cc = st.c[a:b]
             np.divide(cc, den, cc)
-        else:
-            cc = cs[:k]
-            _c(gc, gp[a:b], cc, coef)
         _adam_part(np, cfg, mc, vc, pc, cc, sc, scal)
         gp[a:b] = gc
 
 
 def np_phases(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float, chunk: int) -> Iterator[Any]:
-    """NumPy: ``update`` as phases of tasks (``core.cpu_tensors``): with clip_c, column ranges making c and the
-    column sums of c², then (after the fold into max(‖c‖, 1)) ranges of the rest; without, the ranges alone.
-    Scratch: with clip_c, ``c`` and, on NumPy, ``parts`` (the column sums and the fold's work area)."""
+    """NumPy: ``update`` as phases of tasks (``core.cpu_tensors``): with clip_c, column ranges making the column
+    sums of c², then (after the fold into max(‖c‖, 1)) ranges of the rest; without, the ranges alone.  Scratch:
+    with clip_c, ``parts`` (the column sums and the fold's work area)."""
     n = p.size
     if n == 0:
         return
@@ -153,13 +158,11 @@ def np_phases(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr:
     den = None
     if cfg.clip_c:  # c = c / max(||c||, 1), ||c||² in the blocked order of kernels/mars.cu
         lay = norms.columns(n)
-        if st.c is None or st.c.size != n:
-            st.c = np.empty_like(p)
         need = lay.cols + norms.fold_len(lay.nb)
         if st.parts is None or st.parts.size != need:
             st.parts = np.zeros(need, p.dtype)  # columns without a term stay 0
         acc, work = st.parts[:lay.cols], st.parts[lay.cols:]
-        arrays = (g, st.g_prev, st.c)
+        arrays = (g, st.g_prev)
         yield [(cost, functools.partial(_columns, arrays, lay, acc, scal[0], chunk, c0, c1))
                for cost, c0, c1 in norms.column_ranges(lay, chunk)]
         nrm = np.sqrt(norms.sq_fold(acc, lay.nb, work)[0])  # a NumPy scalar of the dtype: the arrays' roundings

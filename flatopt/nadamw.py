@@ -12,12 +12,13 @@ Update rule, per element, with t the step count of this parameter and η = lr ·
 i.e. p − η·m̄/(√v̂ + ε) with m̄ = β1·m/(1 − β1^(t+1)) + (1 − β1)·g/(1 − β1^t): the look-ahead momentum uses the
 bias correction of step t+1.  Operation order: torch's single-tensor NAdam (two ``addcdiv_``).
 
-Defaults lr 1e-3 and weight_decay 1e-2 (flatopt AdamW's), betas (0.9, 0.999), eps 1e-8 (rlx-optim's).
-Deviations: torch's default momentum schedule μ_t = β1(1 − ½·0.96^(t·ψ)), ψ = 4e-3 (Dozat's decaying schedule, a
-different optimizer: 0.44 apart after 10 steps) is not offered; flatopt is torch's NAdam at ψ = ∞.  torch keeps the
-product Π μ in float32; flatopt computes β1^t and β1^(t+1) in float64.  optax raises β to the power t in float32,
-which puts it ~7e-6 away at β2 = 0.999.  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param
-in float32).
+Defaults lr 1e-3 and weight_decay 1e-2 (flatopt AdamW's), betas (0.9, 0.999), eps 1e-8 (rlx-optim's). Deviations:
+torch's default momentum schedule μ_t = β1(1 − ½·0.96^(t·ψ)), ψ = 4e-3 (Dozat's decaying schedule, a different
+optimizer: 0.44 apart after 10 steps) is not offered; flatopt is torch's NAdam at ψ = ∞.  torch keeps the product Π
+μ in float32; flatopt computes β1^t and β1^(t+1) in float64.  optax raises β to the power t in float32, which puts
+it ~7e-6 away at β2 = 0.999.  On the CPU the twin's operations run fused in one compiled pass
+(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
+``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .adam import bias_corrections, check_common, moments, zeros_state
-from .core import backend, kernels
+from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
@@ -70,7 +71,10 @@ def update(xp: Any, cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t
            scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/nadamw.cu``."""
-    decay, omb1, b2, omb2, bc2, eps, c_g, c_m = _scalars(cfg, t, lr)
+    sc = _scalars(cfg, t, lr)
+    if xp is np and native.step("nadamw", p, g, (st.m, st.v), sc, cfg.weight_decay != 0):
+        return  # the same operations fused in one compiled pass (core/native.py)
+    decay, omb1, b2, omb2, bc2, eps, c_g, c_m = sc
     s, d = scratch
     if cfg.weight_decay != 0:
         xp.multiply(p, decay, p)

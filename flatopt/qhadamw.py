@@ -12,9 +12,10 @@ Defaults lr 1e-3 (qhoptim's), betas (0.995, 0.999) and nus (0.7, 1.0) (the paper
 rlx-optim's), eps 1e-8, weight_decay 1e-2.  ν = (1, 1) is AdamW; ν1 = 0 is RMSProp-like.
 
 Deviations: qhoptim stores already-debiased averages (its β_adj weights); flatopt stores the raw EMAs m, v and
-debiases with float64 β^t, identical in exact arithmetic (rlx-optim does the same).  qhoptim's defaults
-(β1 0.9, ν (1, 1)) differ from these.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``
-(8 B/param in float32).
+debiases with float64 β^t, identical in exact arithmetic (rlx-optim does the same).  qhoptim's defaults (β1 0.9, ν
+(1, 1)) differ from these.  On the CPU the twin's operations run fused in one compiled pass
+(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
+``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .adam import bias_corrections, check_common, moments, zeros_state
-from .core import backend, kernels
+from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
@@ -75,7 +76,11 @@ def update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *,
     """One step on (chunks of) flat buffers; ``scratch`` holds three buffers the size of ``p`` (the third only read
     when ν2 != 1, so that a chunk's operands are six arrays, not seven), in the operation order of
     ``kernels/qhadamw.cu``."""
-    decay, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, neg_lr = _scalars(cfg, t, lr)
+    sc = _scalars(cfg, t, lr)
+    flags = (cfg.weight_decay != 0) | (cfg.nus[0] != 1.0) << 1 | (cfg.nus[1] != 1.0) << 2
+    if xp is np and native.step("qhadamw", p, g, (st.m, st.v), sc, flags):
+        return  # the same operations fused in one compiled pass (core/native.py)
+    decay, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, neg_lr = sc
     s, num = scratch[0], scratch[1]
     if cfg.weight_decay != 0:
         xp.multiply(p, decay, p)

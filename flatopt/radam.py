@@ -16,9 +16,10 @@ Deviations: from rlx-optim, the threshold (rlx-optim rectifies when ρ_t > 4, th
 official code, torch, optax and pytorch-optimizer use 5, and flatopt does: ``threshold=4`` reproduces rlx-optim) and
 ε's placement (rlx-optim and optax put ε on √v̂, i.e. ε·√b2 here).  From torch: the step scalars −η·r·√b2/b1 are
 folded into one float64 factor (torch multiplies the arrays by lr, the adaptive factor and r in turn), a few ulps.
-From the official code: its default ``degenerated_to_sgd=False`` skips the whole update (decay included) while
-ρ_t < 5; flatopt (like torch) takes the SGD-momentum step.  ``end_iteration`` only counts iterations.  State: ``m``,
-``v`` (8 B/param in float32).
+From the official code: its default ``degenerated_to_sgd=False`` skips the whole update (decay included) while ρ_t <
+5; flatopt (like torch) takes the SGD-momentum step.  On the CPU the twin's operations run fused in one compiled
+pass (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
+``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .adam import bias_corrections, check_bool, check_common, moments, zeros_state
-from .core import backend, kernels
+from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
@@ -95,7 +96,11 @@ def update(xp: Any, cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: 
            scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/radam.cu``."""
-    wd, decay, omb1, b2, omb2, eps, rect, factor = _scalars(cfg, t, lr)
+    sc = _scalars(cfg, t, lr)
+    wd, decay, omb1, b2, omb2, eps, rect, factor = sc
+    flags = (cfg.weight_decay != 0) | cfg.decoupled_weight_decay << 1 | bool(rect) << 2
+    if xp is np and native.step("radam", p, g, (st.m, st.v), sc, flags):
+        return  # the same operations fused in one compiled pass (core/native.py)
     s, gd = scratch
     if cfg.weight_decay != 0:
         if cfg.decoupled_weight_decay:

@@ -10,8 +10,9 @@ Update rule, per element, with g' the decayed gradient and ``buf`` the momentum 
 
 Deviations: none from torch (``maximize`` and ``differentiable`` are not offered).  The rlx-optim seed folds the
 first step into ``momentum * 0 + g'``, which differs from torch when dampening != 0; flatopt follows torch.
-Arithmetic is in the parameter's dtype.  ``end_iteration`` only counts iterations (SGD has no schedule).
-State: ``buf`` (only when momentum != 0).
+Arithmetic is in the parameter's dtype.  On the CPU the twin's operations run fused in one compiled pass
+(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
+``end_iteration`` only counts iterations (SGD has no schedule). State: ``buf`` (only when momentum != 0).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .core import backend, kernels
+from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, JSONDict, LrScale
@@ -62,6 +63,11 @@ def init(xp: Any, cfg: SGDConfig, shape: tuple[int, ...], dtype: Any) -> SGDStat
 def update(xp: Any, cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``."""
+    flags = (cfg.weight_decay != 0) | (cfg.momentum != 0) << 1 | (t == 1) << 2 | (cfg.dampening != 0) << 3 \
+        | bool(cfg.nesterov) << 4
+    sc = (cfg.weight_decay, cfg.momentum, 1.0 - cfg.dampening, -lr)
+    if xp is np and native.step("sgd", p, g, (st.buf if st.buf is not None else p,), sc, flags):
+        return  # the same operations fused in one compiled pass (core/native.py); without momentum buf is unused
     s1, s2 = scratch
     d = g
     if cfg.weight_decay != 0:

@@ -18,12 +18,13 @@ official cadence is every 10 steps, after ``step``.  ``update_hessian`` validate
 backend, the shape of existing state; ĥ is never written), creates the state of a new name with t = 0 and never
 advances t.  Never called, h = 0 and every step is η·sign(m), as in the official code.
 
-Defaults lr 1e-4 (official), betas (0.965, 0.99), rho 0.04 (the official code's ρ, the paper's γ), weight_decay
-0.1 (official), eps 1e-15 (the official constant).  Deviations: rlx-optim computes clip(m/max(γh, ε), ±ρ) with
-γ = 0.01, ρ = 0.04 — a mix of the paper's earlier and final forms that caps every step at 0.04·η and stops ρ from
-scaling h — flatopt follows the official code.  The official ``bs`` argument of ``step`` is folded into ĥ.
-pytorch-optimizer's ``SophiaH`` follows the earlier form.  t is unused (no bias correction).
-``end_iteration`` only counts iterations.  State: ``m``, ``h`` (8 B/param in float32).
+Defaults lr 1e-4 (official), betas (0.965, 0.99), rho 0.04 (the official code's ρ, the paper's γ), weight_decay 0.1
+(official), eps 1e-15 (the official constant).  Deviations: rlx-optim computes clip(m/max(γh, ε), ±ρ) with γ = 0.01,
+ρ = 0.04 — a mix of the paper's earlier and final forms that caps every step at 0.04·η and stops ρ from scaling h —
+flatopt follows the official code.  The official ``bs`` argument of ``step`` is folded into ĥ. pytorch-optimizer's
+``SophiaH`` follows the earlier form.  t is unused (no bias correction). On the CPU the twin's operations run fused
+in one compiled pass (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the
+twin runs).  ``end_iteration`` only counts iterations.  State: ``m``, ``h`` (8 B/param in float32).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .adam import check_common
-from .core import backend, kernels
+from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, LrScale
@@ -77,7 +78,10 @@ def update(xp: Any, cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t
            scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/sophia.cu``."""
-    decay, b1, omb1, rho, eps, neg_lr = _scalars(cfg, lr)
+    sc = _scalars(cfg, lr)
+    if xp is np and native.step("sophia", p, g, (st.m, st.h), sc, cfg.weight_decay != 0):
+        return  # the same operations fused in one compiled pass (core/native.py)
+    decay, b1, omb1, rho, eps, neg_lr = sc
     s, d = scratch
     m = st.m
     if cfg.weight_decay != 0:

@@ -84,6 +84,19 @@ def test_threads_probe_sizes_runs(capsys):
     assert out.count("core.driver.CHUNK: 64K") == 6, out
 
 
+def test_threads_probe_native_runs(capsys):
+    """``python -m benchmarks.threads_probe native`` (the A/B behind the compiled CPU passes' figures) runs one round
+    at a small size and prints a line per algorithm (timings are not asserted)."""
+    from benchmarks import threads_probe
+    from flatopt.core import native
+
+    threads_probe.native(repeats=1, quick=True)
+    out = capsys.readouterr().out
+    if not native.status()[0]:
+        pytest.skip(f"no compiled passes here: {native.status()[1]}")
+    assert out.count("compiled pass vs NumPy twin: compiled") == 7, out
+
+
 def test_gpu_suite_runs_on_the_stand_in():
     """``benchmarks.gpu_suite --dry``: every row's code path (flatopt on the CuPy stand-in, the torch reference on the
     CPU) runs and prints a row; a reference that cannot run says why instead of a time."""

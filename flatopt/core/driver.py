@@ -37,7 +37,7 @@ from .validate import check_batch_aliasing, check_item, check_lr, check_snapshot
 # 19.0 -> 17.0; the 76 tensors of a transformer (24.1M) AdamW 24.5 -> 23.2, Lion 22.0 -> 18.4, QHAdamW 29.1 -> 25.4;
 # 500 x 64 is one bucket, smaller than either chunk.  128K: two threads are the default, where it is the
 # better or an equal choice on both machines.  The bits do not depend on it (elementwise passes; the norms' sums
-# keep core.blocks' own order).
+# keep core.blocks' own order).  The compiled CPU passes (core/native.py) take the same chunks, one call each.
 # core/cpu_plan.py turns a batch into tasks (chunked large items, bucketed small ones).
 CHUNK = 1 << 17
 
