@@ -4,14 +4,15 @@ Every algorithm with a compiled pass runs the same steps twice, once compiled an
 switched off), over flag combinations, both dtypes, sizes that straddle the driver's chunks and the norms' column
 layout, and gradients holding NaN, ±inf, ±0 and subnormals; parameters and every saved state array must agree bit for
 bit (NaN with NaN).  Also: the library is built where a compiler exists (CI), FLATOPT_NATIVE=0 and a missing or
-failing compiler fall back to the twins with a reason, and the compiled pass is really taken (a mutated library
-fails the comparison).
+failing compiler fall back to the twins with a reason, the compiled pass is really taken (a mutated library fails
+the comparison), and each instruction set the library may run on x86-64 (AVX2, the SSE2 baseline) gives the same bits.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -177,6 +178,35 @@ def test_a_mutated_library_is_caught(tmp_path, monkeypatch):
     pb, _ = _run(MAKERS["adamw"], SHAPES["chunked"], np.float32, compiled=False)
     with pytest.raises(AssertionError, match="elements differ"):
         _assert_same(pa, pb)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 instruction sets only")
+@pytest.mark.parametrize("isa", ["-mno-avx", "-mavx2"], ids=["sse2", "avx2"])
+@pytest.mark.parametrize("algo", ["adamw", "adam", "nadamw", "radam", "qhadamw", "lion", "sophia", "sgd_nesterov",
+                                  "lamb", "mars"])
+def test_every_instruction_set_gives_the_twins_bits(algo, isa, tmp_path, monkeypatch):
+    """The library runs whichever clone the CPU takes (``target_clones``: AVX2 or the baseline): each one, built
+    alone (``-DFLATOPT_NO_CLONES`` plus the instruction set), gives the twin's bits.  AVX2 is skipped on a CPU
+    without it."""
+    if isa == "-mavx2" and "avx2" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DFLATOPT_NO_CLONES", isa))
+    monkeypatch.setenv("FLATOPT_CACHE_DIR", str(tmp_path))
+    make, sh = MAKERS[algo], SHAPES["mixed"]
+    pa, sa = _run(make, sh, np.float32, compiled=True, special=True)
+    assert len(list(tmp_path.glob("*.so"))) == 1  # this build ran, not the cached default one
+    pb, sb = _run(make, sh, np.float32, compiled=False, special=True)
+    _assert_same(pa, pb)
+    _assert_same(_arrays(sa), _arrays(sb))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 @pytest.mark.parametrize("env, why", [

@@ -3,8 +3,9 @@
  * Each function is the NumPy twin of its algorithm module (flatopt/<algo>.py ``update``) with the same operations in
  * the same order, each rounded to the parameter dtype: compiled with -ffp-contract=off and without -ffast-math, an
  * IEEE multiply, add, divide or square root gives the same bits as NumPy's ufunc, on any instruction set (the AVX2
- * clone and the baseline SSE2 one agree), so the twin's bits are kept (tests/test_native.py).  The scalars arrive
- * in double and are rounded to the dtype once, as NumPy rounds a Python float against a float32 array.
+ * clone and the baseline SSE2 one agree: tests/test_native.py builds each alone with -DFLATOPT_NO_CLONES), so the
+ * twin's bits are kept.  The scalars arrive in double and are rounded to the dtype once, as NumPy rounds a Python
+ * float against a float32 array.
  *
  * Built and loaded by flatopt/core/native.py.  ``dt``: 0 float32, 1 float64.  ``flags``: bit 0 weight decay on,
  * further bits per algorithm.  A function returns 0 when it ran, -1 for an unknown dtype.
@@ -12,7 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(FLATOPT_NO_CLONES)
 #define CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define CLONES
