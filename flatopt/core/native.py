@@ -53,10 +53,14 @@ def _cache_dirs() -> list[Path]:
     env = os.environ.get("FLATOPT_CACHE_DIR")
     if env:
         return [Path(env)]
-    xdg = os.environ.get("XDG_CACHE_HOME")
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return [(Path(xdg) if xdg else Path.home() / ".cache") / "flatopt",
-            Path(tempfile.gettempdir()) / f"flatopt-{uid}"]
+    out = [Path(tempfile.gettempdir()) / f"flatopt-{uid}"]
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    try:
+        out.insert(0, (Path(xdg) if xdg else Path.home() / ".cache") / "flatopt")
+    except (RuntimeError, KeyError):  # no home directory (a bare service account): the temporary one alone
+        pass
+    return out
 
 
 def _private(d: Path) -> bool:
