@@ -23,9 +23,10 @@
    ``adafactor8bit.apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights,
    and the elementwise chunk ``core.driver.CHUNK`` at 64K against 128K elements (AdamW, Lion, QHAdamW on one 16M buffer
    and on the transformer-like set);
-7. **native** — settled in-process A/B of the compiled CPU passes (``core/native.py``) against the NumPy twins they
-   replace (the same bits): SGD, AdamW, Lion, QHAdamW, Sophia, Lamb and Mars on one 16M buffer and on the
-   transformer-like set.
+7. **native** — the compiled CPU passes (``core/native.py``): the time of their first-use build; the memory floor of
+   a Lion step (two NumPy adds per chunk that read p, g, m and write p, m once); settled in-process A/B against the
+   NumPy twins they replace (the same bits): SGD, AdamW, Lion, QHAdamW, Sophia, Lamb and Mars on one 16M buffer and
+   on the transformer-like set.
 """
 
 from __future__ import annotations
@@ -388,6 +389,15 @@ def native(repeats: int = 11, quick: bool = False) -> None:
     print(f"native: {where}")
     if not ok:
         return
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:  # the first-use build, timed (the README's "about 2 s")
+        t0 = time.perf_counter()
+        failed = _native._compile(shutil.which(os.environ.get("FLATOPT_CC", "cc")), Path(d) / "x.so")  # noqa: SLF001
+        print(f"native: build {time.perf_counter() - t0:.2f} s" + (f" ({failed})" if failed else ""))
     compiled = dict(_native._state)  # noqa: SLF001 - the loaded library
     variants = {"compiled": {(_native, "_state"): compiled},
                 "NumPy twin": {(_native, "_state"): {"lib": None, "why": "the A/B's twin side"}}}
@@ -401,6 +411,22 @@ def native(repeats: int = 11, quick: bool = False) -> None:
             return lambda: opt.step_batch(items)
         return build
 
+    # The memory floor of a Lion step: read p, g, m and write p, m once (two NumPy adds per chunk, on the threads, in
+    # the driver's chunks): no step with that state can be much faster on this machine.
+    from flatopt.core import driver as _driver, parallel as _parallel
+
+    n = (1 << 18) if quick else (1 << 24)
+    p_, g_, m_ = (np.ones(n, np.float32) for _ in range(3))
+
+    def chunk(a, b):
+        np.add(p_[a:b], g_[a:b], out=p_[a:b])
+        np.add(m_[a:b], g_[a:b], out=m_[a:b])
+
+    tasks = [(min(_driver.CHUNK, n - a), "floor", (lambda a=a: chunk(a, a + _driver.CHUNK)))
+             for a in range(0, n, _driver.CHUNK)]
+    _parallel.run_tasks(tasks)
+    print(f"native: memory floor of a Lion step, {n >> 20 or n / (1 << 20)}M buffer, two threads: "
+          f"{_median_ms(lambda: _parallel.run_tasks(tasks), repeats):.2f} ms")
     for label, make_opt in (("SGD momentum", lambda: flatopt.SGD(lr=1e-2, momentum=0.9)),
                             ("AdamW", lambda: flatopt.AdamW(lr=1e-3, weight_decay=1e-2)),
                             ("Lion", lambda: flatopt.Lion(lr=1e-4, weight_decay=0.1)),

@@ -115,8 +115,8 @@ def update(xp: Any, cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: in
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p`` (the decayed
     gradient and a temporary), in the operation order of ``kernels/adam.cu``."""
     sc = _scalars(cfg, t, lr)
-    if xp is np and not cfg.amsgrad and native.step("adam", p, g, (st.m, st.v), sc, sc[0] != 0):
-        return  # the same operations fused in one compiled pass (core/native.py)
+    if xp is np and not cfg.amsgrad and native.step("adam", (p, g, st.m, st.v), sc, (sc[0] != 0) | 2):
+        return  # the same operations fused in one compiled pass (core/native.py); flag 2: L2 decay, not AdamW's
     wd, omb1, b2, omb2, bc2_sqrt, eps, neg_step = sc
     s, gd = scratch
     if wd != 0:

@@ -90,7 +90,7 @@ def update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: 
     the operation order of ``kernels/adamw.cu``; one temporary, so that a cache-sized chunk of p, g, m, v and the
     temporary stays in the L2 cache from one pass to the next (the driver hands out such chunks)."""
     sc = _scalars(cfg, t, lr)
-    if xp is np and not cfg.amsgrad and native.step("adamw", p, g, (st.m, st.v), sc, cfg.weight_decay != 0):
+    if xp is np and not cfg.amsgrad and native.step("adam", (p, g, st.m, st.v), sc, cfg.weight_decay != 0):
         return  # the same operations fused in one compiled pass (core/native.py)
     decay, omb1, b2, omb2, bc2_sqrt, eps, neg_step = sc
     s = scratch[0]

@@ -19,7 +19,7 @@ float32 (~7e-6 away at β2 = 0.999); flatopt uses float64.  Not pytorch-optimize
 bias correction, decay outside the ratio, ‖θ‖ clamped at 10, ε on ψ).  The conformance tests compare with a float64
 transcription of optax's chain (optax/jax are not installed in CI).  GPU: ``kernels/lamb.cu``, three launches per
 tensor (moments and the per-block partials of ‖θ‖² and ‖u‖², the fold into r·(−η), the update; no atomics, no host
-synchronisation), bit- identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in the
+synchronisation), bit-identical to the twin; ``step_batch`` runs every tensor of one dtype and step count in the
 same three launches (``core/multi_tensor.py``, ``Norms``: the same partials, folds and elements).  NumPy
 (``core/cpu_tensors.py``): a large tensor's sweeps run on the threads in two phases around the norms, small tensors
 of one size are updated together as rows; the same bits (the sums keep the blocked order, ``core/norms.py``).  The
@@ -121,8 +121,9 @@ def _columns(arrays: tuple[Array, ...], lay: norms.Columns, acc_p: Array, acc_u:
     for start, rows, w, col, first in norms.blocks(lay, c0, c1, chunk):
         a, b = start, start + rows * w
         pc, uc = p[a:b], u[a:b]
-        if native.columns("lamb_columns", (pc, g[a:b], m[a:b], v[a:b], uc), (acc_p[col:col + w], acc_u[col:col + w]),
-                          rows, w, scal + (wd,), first | (wd != 0) << 1):
+        accs = (acc_p[col:col + w], acc_u[col:col + w])
+        if native.columns("lamb_columns", (pc, g[a:b], m[a:b], v[a:b], uc), accs, rows, w, scal + (wd,),
+                          first | (wd != 0) << 1):
             continue  # the same operations in one compiled pass (core/native.py)
         _direction(m[a:b], v[a:b], pc, g[a:b], uc, s[:b - a], scal, wd)
         norms.add_squares(acc_p[col:col + w], pc, rows, first, s)
@@ -133,7 +134,7 @@ def _apply(u: Array, p: Array, step: Any, chunk: int, lo: int, hi: int) -> None:
     for a in range(lo, hi, chunk):  # p = p + u * (-lr * r)
         b = min(a + chunk, hi)
         uc = u[a:b]
-        if native.step("lamb_apply", p[a:b], p[a:b], (uc,), (step,), 0):
+        if native.step("lamb_apply", (p[a:b], uc), (step,), 0):
             continue  # the same operations in one compiled pass (core/native.py), u left as it is
         np.multiply(uc, step, uc)
         np.add(p[a:b], uc, p[a:b])

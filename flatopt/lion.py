@@ -80,7 +80,7 @@ def update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: in
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/lion.cu``."""
     sc = _scalars(cfg, lr)
-    if xp is np and native.step("lion", p, g, (st.m,), sc, cfg.weight_decay != 0):
+    if xp is np and native.step("lion", (p, g, st.m), sc, cfg.weight_decay != 0):
         return  # the same operations fused in one compiled pass (core/native.py)
     decay, b1, omb1, b2, omb2, neg_lr = sc
     s, u = scratch

@@ -137,7 +137,7 @@ def _steps(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple[Any, 
         b = min(a + chunk, hi)
         k = b - a
         sc, mc, vc, pc, gc = s[:k], m[a:b], v[a:b], p[a:b], g[a:b]
-        if native.step("mars", pc, gc, (gp[a:b], mc, vc), fused, flags):
+        if native.step("mars", (pc, gc, gp[a:b], mc, vc), fused, flags):
             continue  # the same operations in one compiled pass (core/native.py)
         cc = cs[:k]
         _c(gc, gp[a:b], cc, coef)

@@ -72,7 +72,7 @@ def update(xp: Any, cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/nadamw.cu``."""
     sc = _scalars(cfg, t, lr)
-    if xp is np and native.step("nadamw", p, g, (st.m, st.v), sc, cfg.weight_decay != 0):
+    if xp is np and native.step("nadamw", (p, g, st.m, st.v), sc, cfg.weight_decay != 0):
         return  # the same operations fused in one compiled pass (core/native.py)
     decay, omb1, b2, omb2, bc2, eps, c_g, c_m = sc
     s, d = scratch

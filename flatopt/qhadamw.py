@@ -78,7 +78,7 @@ def update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *,
     ``kernels/qhadamw.cu``."""
     sc = _scalars(cfg, t, lr)
     flags = (cfg.weight_decay != 0) | (cfg.nus[0] != 1.0) << 1 | (cfg.nus[1] != 1.0) << 2
-    if xp is np and native.step("qhadamw", p, g, (st.m, st.v), sc, flags):
+    if xp is np and native.step("qhadamw", (p, g, st.m, st.v), sc, flags):
         return  # the same operations fused in one compiled pass (core/native.py)
     decay, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, neg_lr = sc
     s, num = scratch[0], scratch[1]

@@ -99,7 +99,7 @@ def update(xp: Any, cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: 
     sc = _scalars(cfg, t, lr)
     wd, decay, omb1, b2, omb2, eps, rect, factor = sc
     flags = (cfg.weight_decay != 0) | cfg.decoupled_weight_decay << 1 | bool(rect) << 2
-    if xp is np and native.step("radam", p, g, (st.m, st.v), sc, flags):
+    if xp is np and native.step("radam", (p, g, st.m, st.v), sc, flags):
         return  # the same operations fused in one compiled pass (core/native.py)
     s, gd = scratch
     if cfg.weight_decay != 0:

@@ -66,8 +66,9 @@ def update(xp: Any, cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int,
     flags = (cfg.weight_decay != 0) | (cfg.momentum != 0) << 1 | (t == 1) << 2 | (cfg.dampening != 0) << 3 \
         | bool(cfg.nesterov) << 4
     sc = (cfg.weight_decay, cfg.momentum, 1.0 - cfg.dampening, -lr)
-    if xp is np and native.step("sgd", p, g, (st.buf if st.buf is not None else p,), sc, flags):
-        return  # the same operations fused in one compiled pass (core/native.py); without momentum buf is unused
+    if xp is np and native.step("sgd", (p, g, p if st.buf is None else st.buf), sc, flags):
+        return  # the same operations fused in one compiled pass (core/native.py); without momentum p stands in
+        # for buf, which is then never read or written
     s1, s2 = scratch
     d = g
     if cfg.weight_decay != 0:

@@ -79,7 +79,7 @@ def update(xp: Any, cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/sophia.cu``."""
     sc = _scalars(cfg, lr)
-    if xp is np and native.step("sophia", p, g, (st.m, st.h), sc, cfg.weight_decay != 0):
+    if xp is np and native.step("sophia", (p, g, st.m, st.h), sc, cfg.weight_decay != 0):
         return  # the same operations fused in one compiled pass (core/native.py)
     decay, b1, omb1, rho, eps, neg_lr = sc
     s, d = scratch

@@ -94,7 +94,8 @@ def test_threads_probe_native_runs(capsys):
     out = capsys.readouterr().out
     if not native.status()[0]:
         pytest.skip(f"no compiled passes here: {native.status()[1]}")
-    assert out.count("compiled pass vs NumPy twin: compiled") == 7, out
+    assert out.count("compiled pass vs NumPy twin: compiled") == 7 and "native: build " in out, out
+    assert "native: memory floor of a Lion step" in out, out
 
 
 def test_gpu_suite_runs_on_the_stand_in():

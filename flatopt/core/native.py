@@ -5,15 +5,16 @@ operations per element in registers, so a step costs little more than reading an
 Measured on a 2-vCPU AMD EPYC, two threads, one 16M float32 buffer (``python -m benchmarks.threads_probe native``,
 settled in-process A/B): AdamW 14.9 -> 7.6 ms, Lion 14.1 -> 5.8 ms, QHAdamW 19.1 -> 7.7 ms, Sophia 18.2 -> 6.1 ms,
 Lamb 27.1 -> 15.8 ms, Mars 26.4 -> 13.3 ms; Lion's pass runs at the memory floor (two NumPy adds that read p, g, m
-and write p, m once: 5.8-6.5 ms).  ``kernels/cpu/elementwise.c`` keeps each twin's operations and their order, compiled without FMA
-contraction or fast-math, so every element gets the twin's bits (``tests/test_native.py``).
+and write p, m once: 5.8-6.5 ms).  ``kernels/cpu/elementwise.c`` keeps each twin's operations and their order,
+compiled without FMA contraction or fast-math, so every element gets the twin's bits (``tests/test_native.py``).
 
 The source is compiled on first use with the system's C compiler (``cc``, or ``FLATOPT_CC``) into a cache
-directory (``FLATOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/flatopt``, else ``~/.cache/flatopt``), keyed by the
-source, the flags and the compiler's version; about half a second, once per machine.  Without a compiler, when the
+directory (``FLATOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/flatopt``, else ``~/.cache/flatopt``, else a per-user
+temporary one; a directory others can write into is refused), keyed by the source, the flags and the compiler's
+version: 1.8 s with gcc 12 on 2 cores (the probe above prints it), once per machine.  Without a compiler, when the
 build fails, or with ``FLATOPT_NATIVE=0``, the NumPy twins run: the same bits, slower.  ``status()`` says which and
-why.  This module is the only one that knows the library; an algorithm calls ``step`` and falls back to its twin
-when it returns False.
+why.  This module is the only one that knows the library; an algorithm calls ``step`` (or ``columns``) and falls
+back to its twin when it returns False.
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ import numpy as np
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "elementwise.c"
 # No -ffast-math and no FMA contraction: each operation rounds as NumPy's ufunc does (the twin's bits).
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fvisibility=hidden")
-# exported elementwise entry -> number of state arrays after (p, g): (dt, p, g, state..., n, scalars, flags)
-ENTRIES = {"adamw": 2, "adam": 2, "lion": 1, "qhadamw": 2, "nadamw": 2, "radam": 2, "sophia": 2, "sgd": 1,
-           "mars": 3, "lamb_apply": 1}  # lamb_apply: (p, unused, u): p = p + u·step
+# elementwise entry -> its arrays (p, g, state...; Lamb's apply: p, u): (dt, arrays..., n, scalars, flags)
+ENTRIES = {"adam": 4, "lion": 3, "qhadamw": 4, "nadamw": 4, "radam": 4, "sophia": 4, "sgd": 3, "mars": 5,
+           "lamb_apply": 2}
 # the norms' first phases (core/norms.py), entry -> (arrays, column accumulators):
 # (dt, arrays..., accumulators..., rows, w, scalars, flags)
 COLUMNS = {"mars_columns": (2, 1), "lamb_columns": (5, 2)}
 _DT = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {}  # "lib": the CDLL or None, "why": a line
+_state: dict[str, Any] = {}  # "lib": {entry: bound function} or None, "why": a line
 
 
 def _cache_dirs() -> list[Path]:
@@ -89,17 +90,16 @@ def _compile(exe: str, lib: Path) -> str | None:
             os.unlink(tmp)
 
 
-def _bind(handle: Any) -> Any:
-    for name, k in ENTRIES.items():
+def _bind(handle: Any) -> dict[str, Any]:
+    """{entry: its function, with its argument types}."""
+    fns = {}
+    sizes, tail = [ctypes.c_int64], [ctypes.c_void_p, ctypes.c_int]
+    for name, k in [*ENTRIES.items(), *((n, k + a) for n, (k, a) in COLUMNS.items())]:
         fn = getattr(handle, f"flatopt_{name}")
-        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * (2 + k) + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * k + sizes * (2 if name in COLUMNS else 1) + tail
         fn.restype = ctypes.c_int
-    for name, (k, a) in COLUMNS.items():
-        fn = getattr(handle, f"flatopt_{name}")
-        fn.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * (k + a)
-                       + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int])
-        fn.restype = ctypes.c_int
-    return handle
+        fns[name] = fn
+    return fns
 
 
 def _build() -> tuple[Any, str]:
@@ -159,23 +159,12 @@ def _scalars(values: tuple[float, ...]) -> Any:
     return (ctypes.c_double * len(values))(*values)
 
 
-def step(name: str, p: np.ndarray, g: np.ndarray, state: Sequence[np.ndarray], scalars: tuple[float, ...],
-         flags: int) -> bool:
-    """Run the compiled pass ``name`` on contiguous NumPy arrays of one dtype; False (nothing touched) when it
-    cannot (no library, another dtype or layout): the caller runs its twin."""
-    lib = _lib()
-    dt = _DT.get(p.dtype)
-    if lib is None or dt is None:
-        return False
-    arrays = (p, g, *state)
-    for a in arrays:
-        if a.dtype != p.dtype or not a.flags.c_contiguous or a.size != p.size:
-            return False
-    ptrs = [a.__array_interface__["data"][0] for a in arrays]
-    rc = getattr(lib, f"flatopt_{name}")(dt, *ptrs, p.size, _scalars(tuple(map(float, scalars))), int(flags))
-    if rc != 0:  # pragma: no cover - the dtype is checked above
-        raise RuntimeError(f"flatopt_{name} returned {rc}")
-    return True
+def step(name: str, arrays: Sequence[np.ndarray], scalars: tuple[float, ...], flags: int) -> bool:
+    """Run the compiled pass ``name`` on ``arrays`` (``ENTRIES``: p, g and the state), contiguous NumPy arrays of one
+    dtype and size; False (nothing touched) when it cannot (no library, another dtype or layout): the caller runs
+    its twin."""
+    n = arrays[0].size
+    return _call(name, arrays, [n] * len(arrays), (n,), scalars, flags)
 
 
 def columns(name: str, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray], rows: int, w: int,
@@ -183,19 +172,21 @@ def columns(name: str, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray],
     """Run the first phase ``name`` of a norm (``core.norms``): ``arrays`` hold ``rows`` contiguous rows of ``w``
     terms, each accumulator ``w`` column sums (bit 0 of ``flags``: the first rows, which replace the sums); False
     (nothing touched) when it cannot: the caller runs its twin."""
-    lib = _lib()
-    x = arrays[0]
-    dt = _DT.get(x.dtype)
-    if lib is None or dt is None:
+    return _call(name, (*arrays, *accs), [rows * w] * len(arrays) + [w] * len(accs), (rows, w), scalars, flags)
+
+
+def _call(name: str, arrays: Sequence[np.ndarray], sizes: Sequence[int], extents: tuple[int, ...],
+          scalars: tuple[float, ...], flags: int) -> bool:
+    fns = _lib()
+    dtype = arrays[0].dtype
+    dt = _DT.get(dtype)
+    if fns is None or dt is None:
         return False
-    for a in arrays:
-        if a.dtype != x.dtype or not a.flags.c_contiguous or a.size != rows * w:
+    for a, size in zip(arrays, sizes):
+        if a.dtype != dtype or not a.flags.c_contiguous or a.size != size:
             return False
-    for a in accs:
-        if a.dtype != x.dtype or not a.flags.c_contiguous or a.size != w:
-            return False
-    ptrs = [a.__array_interface__["data"][0] for a in (*arrays, *accs)]
-    rc = getattr(lib, f"flatopt_{name}")(dt, *ptrs, rows, w, _scalars(tuple(map(float, scalars))), int(flags))
+    rc = fns[name](dt, *[a.__array_interface__["data"][0] for a in arrays], *extents,
+                   _scalars(tuple(map(float, scalars))), int(flags))
     if rc != 0:  # pragma: no cover - the dtype is checked above
         raise RuntimeError(f"flatopt_{name} returned {rc}")
     return True

@@ -40,7 +40,7 @@
     }
 
 /* AdamW (adamw.py): p = p*decay (WD);  the moments;  p = p + (m / (sqrt(v)/bc2_sqrt + eps))*neg_step.
- * Adam (adam.py): g' = g + p*wd (WD);  the moments of g';  the same step. */
+ * Adam (adam.py): g' = g + p*wd (WD);  the moments of g';  the same step.  One entry, ``adam``: flag 2 is Adam's. */
 #define ADAM_STEP p[i] = pi + (mi / (SQRT(vi) / bc2_sqrt + eps)) * neg_step
 #define ADAMW_BODY(T, WD) ADAM_LOOP(T, if (WD) pi = pi * decay, ADAM_STEP)
 #define ADAM_BODY(T, WD) ADAM_LOOP(T, if (WD) gi = gi + pi * wd, ADAM_STEP)
@@ -171,17 +171,16 @@
 
 /* One specialised, vectorisable loop per (dtype, flag combination): the flags are compile-time constants inside. */
 #define DEFINE(T)                                                                                                   \
-    CLONES static void adamw_##T(T *restrict p, const T *restrict g, T *restrict m, T *restrict v, int64_t n,       \
-                                 const double *sc, int flags) {                                                     \
-        const T decay = (T)sc[0], omb1 = (T)sc[1], b2 = (T)sc[2], omb2 = (T)sc[3], bc2_sqrt = (T)sc[4],             \
-                eps = (T)sc[5], neg_step = (T)sc[6];                                                                \
-        if (flags & 1) { ADAMW_BODY(T, 1) } else { ADAMW_BODY(T, 0) }                                               \
-    }                                                                                                               \
     CLONES static void adam_##T(T *restrict p, const T *restrict g, T *restrict m, T *restrict v, int64_t n,        \
                                 const double *sc, int flags) {                                                      \
-        const T wd = (T)sc[0], omb1 = (T)sc[1], b2 = (T)sc[2], omb2 = (T)sc[3], bc2_sqrt = (T)sc[4],                \
-                eps = (T)sc[5], neg_step = (T)sc[6];                                                                \
-        if (flags & 1) { ADAM_BODY(T, 1) } else { ADAM_BODY(T, 0) }                                                 \
+        /* sc[0]: AdamW's decay, or Adam's wd (flag 2) */                                                           \
+        const T decay = (T)sc[0], wd = (T)sc[0], omb1 = (T)sc[1], b2 = (T)sc[2], omb2 = (T)sc[3],                   \
+                bc2_sqrt = (T)sc[4], eps = (T)sc[5], neg_step = (T)sc[6];                                           \
+        switch (flags & 3) {                                                                                        \
+        case 1: { ADAMW_BODY(T, 1) } break;                                                                         \
+        case 3: { ADAM_BODY(T, 1) } break;                                                                          \
+        default: { ADAMW_BODY(T, 0) } break; /* no decay: Adam and AdamW are the same loop */                       \
+        }                                                                                                           \
     }                                                                                                               \
     CLONES static void lion_##T(T *restrict p, const T *restrict g, T *restrict m, int64_t n, const double *sc,     \
                                 int flags) {                                                                        \
@@ -256,9 +255,8 @@
         const T coef = (T)sc[0];                                                                                    \
         if (flags & 1) { MARS_COLUMNS_BODY(T, 1) } else { MARS_COLUMNS_BODY(T, 0) }                                 \
     }                                                                                                               \
-    CLONES static void lamb_apply_##T(T *restrict p, const T *restrict g, const T *restrict u, int64_t n,           \
-                                      const double *sc, int flags) {                                                \
-        (void)g;                                                                                                    \
+    CLONES static void lamb_apply_##T(T *restrict p, const T *restrict u, int64_t n, const double *sc,              \
+                                      int flags) {                                                                  \
         (void)flags;                                                                                                \
         const T step = (T)sc[0];                                                                                    \
         LAMB_APPLY_BODY(T)                                                                                          \
@@ -280,7 +278,8 @@ DEFINE(float)
 DEFINE(double)
 
 /* ------------------------------------------------------------------------------------------ the exported entries
- * (p, g, state..., n, scalars, flags): the arrays are contiguous, of n elements, of dtype ``dt``. */
+ * (arrays..., n, scalars, flags): the arrays (p, g, the state; Lamb's apply: p, u) are contiguous, of n elements, of
+ * dtype ``dt``. */
 #define EXPORT(NAME, ARGS, CALL_F, CALL_D)                                                                          \
     __attribute__((visibility("default"))) int flatopt_##NAME ARGS {                                                \
         if (dt == 0) { CALL_F; return 0; }                                                                          \
@@ -288,8 +287,6 @@ DEFINE(double)
         return -1;                                                                                                  \
     }
 
-EXPORT(adamw, (int dt, void *p, const void *g, void *m, void *v, int64_t n, const double *sc, int flags),
-       adamw_float(p, g, m, v, n, sc, flags), adamw_double(p, g, m, v, n, sc, flags))
 EXPORT(adam, (int dt, void *p, const void *g, void *m, void *v, int64_t n, const double *sc, int flags),
        adam_float(p, g, m, v, n, sc, flags), adam_double(p, g, m, v, n, sc, flags))
 EXPORT(lion, (int dt, void *p, const void *g, void *m, int64_t n, const double *sc, int flags),
@@ -306,8 +303,8 @@ EXPORT(sgd, (int dt, void *p, const void *g, void *buf, int64_t n, const double 
        sgd_float(p, g, buf, n, sc, flags), sgd_double(p, g, buf, n, sc, flags))
 EXPORT(mars, (int dt, void *p, const void *g, void *gp, void *m, void *v, int64_t n, const double *sc, int flags),
        mars_float(p, g, gp, m, v, n, sc, flags), mars_double(p, g, gp, m, v, n, sc, flags))
-EXPORT(lamb_apply, (int dt, void *p, const void *g, const void *u, int64_t n, const double *sc, int flags),
-       lamb_apply_float(p, g, u, n, sc, flags), lamb_apply_double(p, g, u, n, sc, flags))
+EXPORT(lamb_apply, (int dt, void *p, const void *u, int64_t n, const double *sc, int flags),
+       lamb_apply_float(p, u, n, sc, flags), lamb_apply_double(p, u, n, sc, flags))
 /* the first phases of the norms: (arrays..., accumulators..., rows, w, scalars, flags) */
 EXPORT(mars_columns, (int dt, const void *g, const void *gp, void *acc, int64_t rows, int64_t w, const double *sc,
                       int flags),
