@@ -304,6 +304,30 @@ def test_balance_stream():
     assert hits == [20, 125, 270, 291, 298, 369, 395, 428, 482, 685, 883, 1027]
 
 
+def test_d14_balance_record_does_not_grow():
+    """reliability audit D14: the balance draws' record must not grow with the step count (it kept every hit, about
+    1 % of steps, forever), and stays the stream of ``random.Random(seed)``: parameters in lock-step, one that lags
+    far behind (a late or ``reset`` name) and a late restart from step 1 all get the stream's draws."""
+    import tracemalloc
+
+    seed, n = 987_654_321, 120_000
+    ref = random.Random(seed)
+    want = [False] + [ref.random() < 0.01 for _ in range(n)]
+    for t in range(1, 20_001):  # warm-up: the record's fixed part exists
+        assert layout.balance_hit(seed, t) == want[t]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for t in range(20_001, n + 1):
+            assert layout.balance_hit(seed, t) == want[t]
+            assert layout.balance_hit(seed, t - 10_000) == want[t - 10_000]  # a name far behind
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 8192, f"the balance record grew by {grown} bytes over {n - 20_000} steps"
+    assert [t for t in range(1, 3000) if layout.balance_hit(seed, t)] == [t for t in range(1, 3000) if want[t]]
+
+
 # ------------------------------------------------------------------------------------------------- behaviour
 def test_d4_preconditioner_moves_and_stays_triangular():
     """optimizer-trait.md D4: from Q = I, one update on anisotropic columns moves Q (the seed crate's probe V = g

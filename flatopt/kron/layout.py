@@ -7,6 +7,7 @@ deterministic under the threaded ``step_batch`` and resumes exactly from a ``sta
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import math
@@ -115,7 +116,12 @@ def decide_update(cfg, counter: int, t: int) -> tuple[bool, int]:
 
 
 _BALANCE_P = 0.01  # kron_torch balances "about every 100 updates"
-_draws: dict[int, list] = {}  # seed -> [Random, draws made, set of the 1-based steps whose draw < 0.01]
+# Memory must not grow with the step count: each seed keeps a few cursors into its stream (the generator, the draws
+# made, the hits among the last _WINDOW draws), not a record of every hit.  Parameters that step together share one
+# cursor; one that lags further behind (added late, or ``reset``) gets a cursor of its own, advanced with it.
+_WINDOW = 1 << 12
+_CURSORS = 4  # per seed, least recently used dropped first (a dropped one is regenerated from the seed if needed)
+_draws: dict[int, list] = {}  # seed -> cursors [Random, draws made, deque of the 1-based steps whose draw < 0.01]
 _draws_lock = threading.Lock()
 
 
@@ -123,18 +129,33 @@ def balance_hit(seed: int, t: int) -> bool:
     """Whether the t-th output of ``random.Random(seed)`` is below 0.01 (kron_torch draws one per ``step()``).
 
     A pure function of (seed, t), extended lazily under a lock and shared by every parameter and optimizer: safe
-    under threads, nothing to save (the position in the stream is the name's step count)."""
-    entry = _draws.get(seed)
-    if entry is None or entry[1] < t:
-        with _draws_lock:
-            entry = _draws.setdefault(seed, [random.Random(seed), 0, set()])
-            rng, made, hits = entry
-            while made < t:
-                made += 1
-                if rng.random() < _BALANCE_P:
-                    hits.add(made)
-            entry[1] = made
-    return t in entry[2]
+    under threads, nothing to save (the position in the stream is the name's step count), and held in memory that
+    does not grow with ``t``."""
+    with _draws_lock:
+        cursors = _draws.setdefault(seed, [])
+        ahead = None
+        for k, cur in enumerate(cursors):
+            if cur[1] - _WINDOW < t <= cur[1]:
+                cursors.append(cursors.pop(k))
+                return t in cur[2]
+            if cur[1] < t and (ahead is None or cur[1] > ahead[1]):
+                ahead = cur
+        if ahead is None:
+            ahead = [random.Random(seed), 0, collections.deque()]
+            if len(cursors) >= _CURSORS:
+                cursors.pop(0)
+        else:
+            cursors.remove(ahead)
+        cursors.append(ahead)
+        rng, made, hits = ahead
+        while made < t:
+            made += 1
+            if rng.random() < _BALANCE_P:
+                hits.append(made)
+        while hits and hits[0] <= made - _WINDOW:
+            hits.popleft()
+        ahead[1] = made
+        return t in hits
 
 
 # ----------------------------------------------------------------------------------------- the probe V
