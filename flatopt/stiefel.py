@@ -41,8 +41,9 @@ tall and non-2-D shapes.  Its modified Gram–Schmidt is the same retraction in 
 
 When to use: weights that must stay orthonormal (orthogonal RNN cells, whitening/rotation layers, orthogonal
 adapters).  Cost per step of an n×p matrix: three or five products of O(np²) and one QR; the QR dominates.  On
-NumPy the work is BLAS, so ``step_batch`` runs items serially (``threaded = False``; bits equal the serial loop's
-under any BLAS thread count).  Measured on the 38 matrices of a transformer-like set (24.1M elements, 2 cores,
+NumPy the work is BLAS, so ``step_batch`` runs items serially (``threaded = False``), each step with the BLAS held at
+one thread (``blas_bound``: ``core.shards``' cap, in every mode): bits equal the serial loop's under any BLAS thread
+count and beside any other thread's steps.  Measured on the 38 matrices of a transformer-like set (24.1M elements, 2 cores,
 ``benchmarks/bench_stiefel.py``): 0.58× geoopt's speed — torch's QR is MKL's, NumPy has no float32 LAPACK QR
 (``householder_q``'s panels are Python loops of level-2 operations).  On CuPy nothing reads a device value on the
 host (the sign fix is a device ``where``).
@@ -152,6 +153,7 @@ class Stiefel(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     threaded = False  # BLAS/LAPACK work (see the module doc)
+    blas_bound = True  # ... held at one thread
 
     def __init__(self, lr: float, momentum: float = 0.0, *, lr_scale: LrScale | None = None) -> None:
         super().__init__(StiefelConfig(lr, momentum), lr_scale=lr_scale)

@@ -118,6 +118,60 @@ def test_blas_held_at_one_thread(name, monkeypatch):
     assert {threads for (_, _, threads) in calls} == {(1,) * len(shards.threads_now())}
 
 
+# the BLAS-bound optimizers (reliability audit D4): each must give its solo bits beside any other in another thread
+BESIDE = ["kron_psgd", "soap", "stiefel", "muon", "adafactor", "adafactor8bit"]
+BESIDE_SHAPES = [(384, 384), (96, 160)]  # the first above Adafactor's GEMV threshold (factored_passes.BLAS_MIN)
+
+
+def _steps_in_threads(names):
+    """Step a fresh optimizer of each of ``names`` (3 ``step_batch`` calls) in its own thread, all started together;
+    the parameters per name."""
+    params = {n: make_params(BESIDE_SHAPES, np.float32) for n in names}
+    opts = {n: REGISTRY[n].make() for n in names}
+    start = threading.Barrier(len(names))
+    errors = []
+
+    def go(n):
+        try:
+            start.wait()
+            run_steps(opts[n], params[n], 3, batch=True)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return params
+
+
+@needs_cap
+def test_blas_bound_steps_beside_each_other(monkeypatch):
+    """reliability audit D4: every BLAS-bound optimizer (Kron, Soap, Stiefel, Muon, Adafactor, Adafactor8Bit) runs
+    its BLAS held at one thread in every mode, so its bits are its solo run's while another thread steps any of the
+    others (Adafactor, Adafactor8Bit and Muon hold the process-wide cap; Kron, Soap and Stiefel ran on whatever the
+    BLAS had then), and do not depend on the BLAS thread count.  Each pair twice; every recorded BLAS call at one
+    thread (the cause, on any machine with two or more BLAS threads), and the bits equal (the effect)."""
+    spy = BlasSpy(monkeypatch)
+    solo = {n: _steps_in_threads([n])[n] for n in BESIDE}
+    calls = spy.take()
+    assert calls
+    one = (1,) * len(shards.threads_now())
+    off = sorted({(fn, shapes, threads) for (fn, shapes, threads) in calls if threads != one})
+    assert not off, f"BLAS calls of a solo step not held at one thread: {off[:4]}"
+    for _ in range(2):
+        for i, a in enumerate(BESIDE):
+            for b in BESIDE[i + 1:]:
+                got = _steps_in_threads([a, b])
+                for n in (a, b):
+                    for k in solo[n]:
+                        assert_bits_equal(got[n][k][1], solo[n][k][1], f"{n} beside {b if n == a else a}: {k}")
+    assert {threads for (_, _, threads) in spy.take()} == {one}
+
+
 @needs_cap
 def test_cap_from_another_thread_is_taken():
     """threadpoolctl (3.8.0, installed here) silently ignores a pthreads OpenBLAS limit set by any Python thread other than the first

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu_tensors
+from . import cpu_tensors, shards
 
 # Items of at most this many elements are bucketed (per-call overhead dominates below it).
 SMALL = 1 << 13
@@ -184,6 +184,14 @@ def forget_plans(opt) -> None:
 run_tasks = cpu_tensors.run
 
 
+def run_for(opt, tasks: list) -> None:
+    """Run ``opt``'s NumPy tasks of one step: on the threads (serially when ``opt.threaded`` is False), and, when
+    ``opt.blas_bound``, with the BLAS held at one thread (``core.shards``' process-wide cap, shared with every other
+    holder), so that its GEMMs' bits depend neither on the BLAS thread count nor on what other threads do."""
+    with shards.blas_capped(opt.blas_bound):
+        run_tasks(tasks, serial=not opt.threaded)
+
+
 def tasks(opt, items: list, chunk: int) -> list:
     """``(cost, name, fn)`` tasks for the NumPy ``(item, slot, lr)`` triples of one batch (state already created,
     ``t`` already advanced)."""
@@ -331,7 +339,7 @@ class StaticPlan:
                     fn.st, fn.p, fn.g = slot.state, params[idx], grads[idx]
                 else:
                     fn.p, fn.g = params[idx], grads[idx]
-            run_tasks(self.run_list, serial=not opt.threaded)
+            run_for(opt, self.run_list)
         finally:
             for fn, _ in self.fill:  # hold no reference to the caller's arrays between steps
                 _clear(fn)

@@ -64,6 +64,9 @@ class PerParamOptimizer:
     scratch_buffers: ClassVar[int] = 0  # chunk-sized scratch buffers an elementwise update needs
     matters: ClassVar[tuple[str, ...]] = ()
     threaded: ClassVar[bool] = True  # False: step_batch runs items serially (e.g. BLAS already uses the cores)
+    # True: the NumPy steps are BLAS-bound (GEMMs, LAPACK) and run with the BLAS held at one thread in every mode
+    # (core.shards' cap), so that their bits do not depend on the BLAS thread count or on other threads' work
+    blas_bound: ClassVar[bool] = False
     multi_tensor: ClassVar[Any] = None  # core.multi_tensor.MultiTensor: one CuPy launch for many tensors
     # NumPy forms of a per-tensor update (core/cpu_tensors.py): phases for the threads, rows for buckets of small items
     np_phases_fn: ClassVar[Callable[..., Any] | None] = None
@@ -334,7 +337,7 @@ class PerParamOptimizer:
                 cpu.append((it, slot, lr))
         if cpu:
             # chunked large items, bucketed small ones: see core/cpu_plan.py
-            cpu_plan.run_tasks(cpu_plan.tasks(self, cpu, CHUNK), serial=not self.threaded)
+            cpu_plan.run_for(self, cpu_plan.tasks(self, cpu, CHUNK))
         if gpu:
             gpu_run.run_gpu(self, gpu)
 

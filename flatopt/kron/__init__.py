@@ -52,11 +52,13 @@ AdamW's and a 3–10× larger weight decay.  Memory: the momentum plus Σ d_i² 
 parameter; on NumPy the temporaries of a step (about 13× the largest parameter's bytes, plus its factors' size)
 are per-thread scratch (``kron.numerics.scratch`` over ``flatopt.core.workspace``) kept between steps, so a 1-D/2-D
 step allocates nothing of the parameter's size after the first (> 2-D shapes with ``merge_dims=False`` use fresh
-temporaries).  Matmul-bound: ``step_batch`` runs items serially (``threaded = False``), leaving the cores to the
-threaded BLAS (a thread pool on top oversubscribes them; on 2 cores it measured no better).  So ``step``,
-``step_batch`` and a ``flatopt.distributed`` rank make the same BLAS calls under the process's BLAS thread count, and
-agree bit for bit; the results themselves may change with ``OPENBLAS_NUM_THREADS`` or another CPU's BLAS kernels
-(last-bit differences of the GEMMs, amplified by the preconditioner's feedback): compare runs across machines with a
+temporaries).  Matmul-bound: ``step_batch`` runs items serially (``threaded = False``), and on NumPy every step runs
+its BLAS held at one thread (``blas_bound``: ``core.shards``' process-wide cap, the one Muon and Adafactor hold), in
+every mode.  So ``step``, ``step_batch``, another Python thread and a ``flatopt.distributed`` rank make the same BLAS
+calls at the same thread count and agree bit for bit, whatever ``OPENBLAS_NUM_THREADS`` is and whatever other
+threads of the process step meanwhile (without ``threadpoolctl``, or with an OpenMP-threaded BLAS, the cap cannot be
+held and the GEMMs run on the BLAS's own threads: bits may then follow the BLAS thread count).  Another CPU's BLAS
+kernels still change last bits (amplified by the preconditioner's feedback): compare runs across machines with a
 tolerance, not bits.  Triangular solves:
 cuBLAS trsm on CuPy; on NumPy a blocked substitution on NumPy's BLAS, 32-row leaves by their triangular inverse
 (SciPy's trsm is not used: its second OpenBLAS's idle threads spun against NumPy's, 12-22 % slower steps).
@@ -265,6 +267,7 @@ class KronPsgd(PerParamOptimizer):
     kernel_fn = staticmethod(_fused.kernel_update)
     elementwise = False
     threaded = False
+    blas_bound = True  # the BLAS held at one thread on NumPy (see the module doc)
     matters = ("max_size_triangular", "min_ndim_triangular", "memory_save_mode", "merge_dims", "merge_rule",
                "precond_dtype", "seed", "balance_seed")
 

@@ -51,8 +51,9 @@ When to use: transformer-sized matrices, where Shampoo-quality preconditioning p
 r×c matrix: six projections (O(rc(r + c)) each), two Grams, and every ``precondition_frequency`` steps a QR and a
 product per axis; the first step is an ``eigh`` per axis (on NumPy, OpenBLAS's float64 ``dsyevd``: ~10-30 s
 at d = 2048 on 2 cores, several times torch's MKL — a one-off cost).  Memory: 8 bytes/param (fp32) + 8(dᵢ²) per
-axis (24 for a square matrix).  On NumPy the work is matrix products on the threaded BLAS, so ``step_batch`` runs items
-serially (``threaded = False``: every bit is then the serial loop's, under any BLAS thread count).  Measured
+axis (24 for a square matrix).  On NumPy the work is matrix products on the BLAS, so ``step_batch`` runs items
+serially (``threaded = False``), each step with the BLAS held at one thread (``blas_bound``: ``core.shards``' cap, in
+every mode): every bit is the serial loop's, under any BLAS thread count and beside any other thread's steps.  Measured
 against pytorch-optimizer's SOAP (2 cores, ``benchmarks/bench_soap.py``, ``max_precond_dim=2048``): 1.11× its
 speed per step on the 38 matrices of a transformer-like set (24.1M elements), 1.01× over ten steps with their
 refresh on one layer's six matrices (at load 6 on the 2 cores: 1.32× and 4.4×).  Small matrices (d = 64) are
@@ -189,7 +190,8 @@ class Soap(PerParamOptimizer):
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     matters = ("max_precond_dim", "precondition_1d")
-    threaded = False  # matrix products on the threaded BLAS (see the module doc)
+    threaded = False  # matrix products on the BLAS (see the module doc)
+    blas_bound = True  # ... held at one thread
 
     def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float | None = None,
                  eps: float = 1e-8, weight_decay: float = 1e-2, precondition_frequency: int = 10,
