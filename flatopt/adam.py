@@ -33,7 +33,7 @@ import numpy as np
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_lr, check_range
 
 
@@ -168,5 +168,7 @@ class Adam(PerParamOptimizer):
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, *, lr_scale: LrScale = None) -> None:
-        super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale)
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)

@@ -29,7 +29,7 @@ import numpy as np
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_lr, check_range
 
 
@@ -153,6 +153,8 @@ class AdamW(PerParamOptimizer):
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *, lr_scale: LrScale = None) -> None:
-        super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale)
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)
 

@@ -42,7 +42,7 @@ from .adam import bias_corrections, check_common, moments
 from .core import backend, blocks, cpu_plan, driver, kernels, native, norms
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 
 _SCRATCH = {"persist": False}
 
@@ -266,5 +266,6 @@ class Lamb(PerParamOptimizer):
     np_rows_fn = staticmethod(np_rows)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None) -> None:
-        super().__init__(LambConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale)
+                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(LambConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)

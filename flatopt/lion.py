@@ -28,7 +28,7 @@ from .adam import check_common
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,5 +128,5 @@ class Lion(PerParamOptimizer):
     scratch_buffers = 2
 
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
-                 lr_scale: LrScale = None) -> None:
-        super().__init__(LionConfig(lr, betas, weight_decay), lr_scale=lr_scale)
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(LionConfig(lr, betas, weight_decay), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)

@@ -42,7 +42,7 @@ from .adam import bias_corrections, check_bool, check_common, moments
 from .core import backend, blocks, cpu_plan, driver, kernels, native, norms
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range
 
 _SCRATCH = {"persist": False}
@@ -267,5 +267,6 @@ class Mars(PerParamOptimizer):
 
     def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
                  weight_decay: float = 0.0, gamma: float = 0.025, clip_c: bool = True, *,
-                 lr_scale: LrScale = None) -> None:
-        super().__init__(MarsConfig(lr, betas, eps, weight_decay, gamma, clip_c), lr_scale=lr_scale)
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(MarsConfig(lr, betas, eps, weight_decay, gamma, clip_c), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)

@@ -34,7 +34,7 @@ from .adam import bias_corrections, check_common, moments, zeros_state
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,5 +124,6 @@ class NAdamW(PerParamOptimizer):
     scratch_buffers = 2
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None) -> None:
-        super().__init__(NAdamWConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale)
+                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(NAdamWConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)

@@ -31,7 +31,7 @@ from .adam import bias_corrections, check_common, moments, zeros_state
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range
 
 
@@ -136,5 +136,6 @@ class QHAdamW(PerParamOptimizer):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.995, 0.999),
                  nus: tuple[float, float] = (0.7, 1.0), eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 lr_scale: LrScale = None) -> None:
-        super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay), lr_scale=lr_scale)
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)

@@ -35,7 +35,7 @@ from .adam import bias_corrections, check_bool, check_common, moments, zeros_sta
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range
 
 
@@ -160,6 +160,6 @@ class RAdam(PerParamOptimizer):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False, threshold: float = 5.0, *,
-                 lr_scale: LrScale = None) -> None:
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold),
-                         lr_scale=lr_scale)
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)

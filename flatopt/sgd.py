@@ -25,7 +25,7 @@ import numpy as np
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, JSONDict, LrScale
+from .core.types import Array, JSONDict, DecayMask, LrScale
 from .core.validate import check_lr, check_range
 
 
@@ -130,8 +130,9 @@ class SGD(PerParamOptimizer):
     matters = ("momentum",)  # whether a momentum buffer exists
 
     def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, *, lr_scale: LrScale = None) -> None:
-        super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay), lr_scale=lr_scale)
+                 weight_decay: float = 0.0, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)
 
     def _config_key(self) -> JSONDict:
         return {"momentum": self.config.momentum != 0}

@@ -40,7 +40,7 @@ from .adam import check_common
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, LrScale
+from .core.types import Array, DecayMask, LrScale
 from .core.slots import Slot
 from .core.validate import check_array, check_range, check_shape
 
@@ -132,8 +132,10 @@ class Sophia(PerParamOptimizer):
     scratch_buffers = 2
 
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
-                 weight_decay: float = 1e-1, eps: float = 1e-15, *, lr_scale: LrScale = None) -> None:
-        super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps), lr_scale=lr_scale)
+                 weight_decay: float = 1e-1, eps: float = 1e-15, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)
 
     def update_hessian(self, name: str, shape: tuple[int, ...], h_hat: Array) -> None:
         """h ← β2·h + (1 − β2)·ĥ for ``name`` (state created with t = 0 if new; t is not advanced)."""

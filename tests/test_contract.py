@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import numpy as np
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 import flatopt
 from flatopt import OptItem
+
+from flatopt.core import native
 
 from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_params, rng_arrays, run_steps
 from .registry import REGISTRY
@@ -282,3 +285,74 @@ def test_worker_exception_names_the_parameter(monkeypatch):
     opt.step_batch(items)
     with pytest.raises(flatopt.TaskError, match="'small'.*boom"):
         opt.step_batch(items)
+
+
+def _decays(spec) -> bool:
+    cfg = getattr(spec.make(), "config", None)
+    return dataclasses.is_dataclass(cfg) and getattr(cfg, "weight_decay", 0) != 0
+
+
+WD_NAMES = [n for n in NAMES if _decays(REGISTRY[n])]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("name", WD_NAMES)
+def test_weight_decay_mask(name, compiled):
+    """``weight_decay_mask`` (a mapping or a callable, the driver's, for every optimizer with weight decay): an
+    excluded name steps bit for bit as with ``weight_decay=0``, the others as without a mask, by ``step`` and by
+    ``step_batch``, on the compiled pass and on the NumPy twins; the mask is construction configuration, saved in
+    nothing."""
+    spec = REGISTRY[name]
+    native.reset()
+    if not compiled:
+        native._state.update(lib=None, why="switched off by the test")  # noqa: SLF001
+    try:
+        shapes = list(spec.shapes)
+        names = [f"p{i}" for i in range(len(shapes))]
+        excluded = set(names[1::2])
+        runs = {}
+        for key, make, batch in [
+            ("dict", lambda: spec.make(weight_decay_mask={n: False for n in excluded}), True),
+            ("callable", lambda: spec.make(weight_decay_mask=lambda n: n not in excluded), False),
+            ("plain", spec.make, True),
+            ("no_decay", lambda: spec.make(weight_decay=0.0), True),
+        ]:
+            params = make_params(shapes, np.float32)
+            opt = make()
+            run_steps(opt, params, 3, batch=batch)
+            runs[key] = (params, opt)
+    finally:
+        native.reset()
+    for key in ("dict", "callable"):
+        params, opt = runs[key]
+        for n in names:
+            ref = runs["no_decay" if n in excluded else "plain"][0]
+            assert_bits_equal(params[n][1], ref[n][1], f"{key} mask: {n}")
+            assert opt.decays(n) is (n not in excluded)
+        st = opt.state_dict()
+        assert st.config == runs["plain"][1].state_dict().config
+        assert "mask" not in repr(st.config)
+
+
+def test_weight_decay_mask_validated_at_construction():
+    """A bad ``weight_decay_mask`` is refused by the constructor, naming it; an optimizer without weight decay has
+    no mask; a callable must answer a bool (checked before anything changes)."""
+    with pytest.raises(TypeError, match=r"weight_decay_mask\['b'\] must be a bool"):
+        flatopt.AdamW(weight_decay_mask={"b": 0})
+    with pytest.raises(TypeError, match="weight_decay_mask must be a mapping"):
+        flatopt.AdamW(weight_decay_mask="bias")
+    with pytest.raises(TypeError, match="names must be str"):
+        flatopt.Lion(weight_decay_mask={1: False})
+    with pytest.raises(TypeError):
+        flatopt.Stiefel(0.1, weight_decay_mask={"b": False})
+    opt = flatopt.AdamW(weight_decay=0.1, weight_decay_mask=lambda n: None)
+    p, g = np.ones(4, np.float32), np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="'w': weight_decay_mask returned None"):
+        opt.step_batch([OptItem("w", (4,), p, g)])
+    assert opt.state_names() == [] and np.all(p == 1)
+    # a mixed batch (one part with decay, one without) is validated whole before either part steps
+    opt = flatopt.AdamW(weight_decay=0.1, weight_decay_mask={"b": False})
+    w, b = np.ones(4, np.float32), np.ones(3, np.float32)
+    with pytest.raises(ValueError):
+        opt.step_batch([OptItem("w", (4,), w, g), OptItem("b", (3,), b, np.ones(2, np.float32))])
+    assert opt.state_names() == [] and np.all(w == 1) and np.all(b == 1)

@@ -189,3 +189,57 @@ def test_steady_state_launches_syncs_allocations(kind, shapes, gpu_device):
     assert fakecupy.stats.launches == LAUNCHES.get(kind, 1)  # one dtype, one step count: one group
     assert fakecupy.stats.syncs == 0
     assert fakecupy.stats.allocs == 0
+
+
+# weight_decay_mask on the GPU path: every elementwise kernel family, with and without the multi-tensor launch
+WD_MAKERS = {
+    "adamw": lambda **kw: flatopt.AdamW(lr=1e-2, **{"weight_decay": 0.1, **kw}),
+    "sgd": lambda **kw: flatopt.SGD(lr=0.1, momentum=0.9, nesterov=True, **{"weight_decay": 1e-2, **kw}),
+    "adam_l2": lambda **kw: flatopt.Adam(lr=1e-2, **{"weight_decay": 1e-2, **kw}),
+    "nadamw": lambda **kw: flatopt.NAdamW(lr=1e-2, **{"weight_decay": 0.05, **kw}),
+    "radam_decoupled": lambda **kw: flatopt.RAdam(lr=1e-2, decoupled_weight_decay=True,
+                                                  **{"weight_decay": 0.1, **kw}),
+    "qhadamw": lambda **kw: flatopt.QHAdamW(lr=1e-2, **{"weight_decay": 0.05, **kw}),
+    "lion": lambda **kw: flatopt.Lion(lr=1e-3, **{"weight_decay": 0.5, **kw}),
+    "sophia": lambda **kw: flatopt.Sophia(lr=1e-3, **{"weight_decay": 0.2, **kw}),
+    "lamb": lambda **kw: flatopt.Lamb(lr=1e-2, **{"weight_decay": 0.05, **kw}),
+    "mars": lambda **kw: flatopt.Mars(lr=1e-2, **{"weight_decay": 0.1, **kw}),
+}
+NO_DECAY = {"t1", "t3", "t5", "d1", "d4"}  # two or more per dtype: both parts of a batch take a multi-tensor launch
+
+
+@pytest.mark.parametrize("kind", sorted(WD_MAKERS))
+def test_weight_decay_mask_on_the_gpu_path(kind, monkeypatch, gpu_device):
+    """An excluded name steps on the device exactly as with ``weight_decay=0`` and the others as without a mask:
+    by ``step_batch`` (multi-tensor launches) and by ``step`` (the per-tensor kernel)."""
+    cp = backend.cupy()
+    monkeypatch.setattr(mt, "CHUNK", 256)
+    layout = _layout(256)
+    got = {}
+    for key, kw, single in [("batch", {"weight_decay_mask": {n: False for n in NO_DECAY}}, False),
+                            ("single", {"weight_decay_mask": lambda n: n not in NO_DECAY}, True),
+                            ("plain", {}, False), ("no_decay", {"weight_decay": 0.0}, False)]:
+        params, _ = _buffers(cp, layout, 0)
+        opt = WD_MAKERS[kind](**kw)
+        if gpu_device == "emulated":
+            emu.stats.by_kernel.clear()
+        for k in range(2):
+            grads, _ = _buffers(cp, layout, 100 + k)
+            items = [OptItem(n, (size,), params[n], grads[n]) for n, size, _ in layout]
+            if single:
+                for it in items:
+                    opt.step(*it)
+            else:
+                opt.step_batch(items)
+            if hasattr(opt, "update_hessian"):
+                for n, size, _ in layout:
+                    opt.update_hessian(n, (size,), grads[n] * grads[n])
+        got[key] = {n: backend.to_numpy(p) for n, p in params.items()}
+        if gpu_device == "emulated" and key == "batch":  # 2 steps x 2 dtypes x (with, without decay)
+            multi = sum(v for k, v in emu.stats.by_kernel.items() if "_multi<" in k)
+            assert multi == 2 * 4 * LAUNCHES.get(kind, 1), emu.stats.by_kernel
+    for key in ("batch", "single"):
+        for n, _, _ in layout:
+            ref = got["no_decay" if n in NO_DECAY else "plain"][n]
+            assert ref.tobytes() == got[key][n].tobytes(), f"{key}: {n}"
+    assert any(got["plain"][n].tobytes() != got["no_decay"][n].tobytes() for n in NO_DECAY)

@@ -52,7 +52,7 @@ from .numerics import st_shape, step_sizes  # noqa: F401 - part of the module's 
 from ..core import blocks
 from ..core import gpu_run, shards
 from ..core.driver import PerParamOptimizer, config_to_dict
-from ..core.types import Array, LrScale
+from ..core.types import Array, DecayMask, LrScale
 from ..core.validate import check_lr, check_range
 
 
@@ -162,10 +162,10 @@ class Adafactor(PerParamOptimizer):
     def __init__(self, lr: float | None = None, beta2_decay: float = -0.8, eps1: float = 1e-30, eps2: float = 1e-3,
                  clip_threshold: float = 1.0, weight_decay: float = 0.0, *, beta1: float | None = None,
                  beta2: float | None = None, scale_parameter: bool | None = None, warmup_init: bool = False,
-                 factored: bool = True, lr_scale: LrScale = None) -> None:
+                 factored: bool = True, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         cfg = AdafactorConfig(lr, beta2_decay, eps1, eps2, clip_threshold, weight_decay, beta1, beta2,
                               scale_parameter, warmup_init, factored)
-        super().__init__(cfg, lr_scale=lr_scale)
+        super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
         self._scale_spec = scale_parameter  # what the caller asked for (None: follows the lr mode in with_lr)
         self._step_cfg = cfg
 
@@ -174,7 +174,7 @@ class Adafactor(PerParamOptimizer):
         kw = config_to_dict(self.config)
         kw["lr"] = self._lr
         kw.update(changes)
-        new = type(self)(**kw, lr_scale=self._lr_scale_spec)
+        new = type(self)(**kw, lr_scale=self._lr_scale_spec, weight_decay_mask=self._decay_spec)
         new._scale_spec = self._scale_spec
         return new
 

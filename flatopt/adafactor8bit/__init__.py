@@ -75,7 +75,7 @@ from ..adafactor import factored_passes
 from . import state as S
 from . import migrate as migration
 from ..core.driver import PerParamOptimizer
-from ..core.types import FORMAT_VERSION, Array, JSONDict, LrScale, OptimizerState, OptItem
+from ..core.types import FORMAT_VERSION, Array, DecayMask, JSONDict, LrScale, OptimizerState, OptItem
 from ..errors import IncompatibleStateError
 from ..core.validate import check_lr, check_range
 from .quant import M_FORMATS, V_FORMATS
@@ -193,6 +193,12 @@ def _as_select(sel: Selector) -> Select:
     return Select(names=list(sel))
 
 
+@functools.lru_cache(maxsize=64)
+def _without_decay(cfg: Adafactor8BitConfig) -> Adafactor8BitConfig:
+    """``cfg`` with ``weight_decay = 0`` (one object per configuration: states of one group share it)."""
+    return cfg if cfg.weight_decay == 0 else dataclasses.replace(cfg, weight_decay=0.0)
+
+
 class Adafactor8Bit(PerParamOptimizer):
     """``Adafactor8Bit(lr=1e-2, ..., groups=None)``: the options of adafactor8bit 0.4.6 (see the module doc).
 
@@ -213,10 +219,11 @@ class Adafactor8Bit(PerParamOptimizer):
     _migration: migration.Report | Literal[False] | None  # during load_state_dict (see there)
 
     def __init__(self, lr: float = 1e-2, *, groups: Sequence[tuple[Selector, Mapping[str, Any]]] | None = None,
-                 lr_scale: LrScale = None, apollo_proj_fn: Callable[[int, tuple[int, ...]], Array] | None = None,
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 apollo_proj_fn: Callable[[int, tuple[int, ...]], Array] | None = None,
                  apollo_next_seed: Callable[[int], int] | None = None, **options: Any) -> None:
         base = Adafactor8BitConfig(lr=lr, **options)
-        super().__init__(base, lr_scale=lr_scale)
+        super().__init__(base, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
         self._groups: list[tuple[Select, dict[str, Any], Adafactor8BitConfig]] = []
         for i, grp in enumerate(groups or ()):
             try:
@@ -231,12 +238,14 @@ class Adafactor8Bit(PerParamOptimizer):
 
     # ---------------------------------------------------------------------------------------- routing
     def config_for(self, name: str, shape: tuple[int, ...]) -> Adafactor8BitConfig:
-        """The configuration parameter ``name`` is stepped with (first matching group, else the base)."""
-        for sel, _, cfg in self._groups:
+        """The configuration parameter ``name`` is stepped with (first matching group, else the base; with
+        ``weight_decay`` 0 where ``weight_decay_mask`` excludes ``name``)."""
+        cfg: Adafactor8BitConfig = self.config
+        for sel, _, group in self._groups:
             if sel.matches(name, tuple(shape)):
-                return cfg
-        base: Adafactor8BitConfig = self.config
-        return base
+                cfg = group
+                break
+        return cfg if self.decays(name) else _without_decay(cfg)
 
     def _init_named(self, name: str, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
         cfg = self.config_for(name, shape)

@@ -12,6 +12,7 @@ Fields whose ``dataclasses.field(metadata={"persist": False})`` are scratch and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -25,7 +26,7 @@ from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
 from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
 from .slots import is_array as _is_array
-from .types import FORMAT_VERSION, Array, JSONDict, LrScale, OptimizerState, OptItem
+from .types import FORMAT_VERSION, Array, DecayMask, JSONDict, LrScale, OptimizerState, OptItem
 from .validate import check_batch_aliasing, check_item, check_lr, check_snapshot
 
 # Elementwise algorithms process NumPy buffers in chunks of this many elements, so that all the temporaries of
@@ -72,12 +73,15 @@ class PerParamOptimizer:
     np_phases_fn: ClassVar[Callable[..., Any] | None] = None
     np_rows_fn: ClassVar[Callable[..., None] | None] = None
 
-    def __init__(self, config: Any, *, lr_scale: LrScale = None) -> None:
+    def __init__(self, config: Any, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         self.config = config
         self._lr = float(config.lr) if getattr(config, "lr", None) is not None else None
         self._slots: dict[str, _Slot] = {}
         self._lr_scale = _make_lr_scale(lr_scale)
         self._lr_scale_spec = lr_scale
+        self._decay = _make_decay_mask(weight_decay_mask, config, type(self).__name__)
+        self._decay_spec = weight_decay_mask
+        self._no_decay: tuple[Any, Any] | None = None  # (config, the same with weight_decay 0)
         self.iteration = 0
         self.last_load_notes: list[str] = []
         self._lock = threading.RLock()
@@ -130,6 +134,12 @@ class PerParamOptimizer:
         callable given at construction; 1.0 without one."""
         return self._lr_scale(name)
 
+    def decays(self, name: str) -> bool:
+        """Whether ``name`` gets weight decay: from the ``weight_decay_mask=`` mapping (missing names: True) or
+        callable given at construction; True without one.  An excluded name steps exactly as with
+        ``weight_decay=0``."""
+        return self._decay is None or _decays(self._decay, name)
+
     def end_iteration(self) -> None:
         """Count one training iteration (saved in ``state_dict``); per-name step counts advance inside ``step``."""
         self.iteration += 1
@@ -147,27 +157,68 @@ class PerParamOptimizer:
         large items are split in cache-sized chunks and spread over threads and small ones are bucketed; on CuPy
         the fused kernels run without host synchronisation.  Thread-safe: one optimizer's calls are serialised."""
         with self._lock:
-            self._plan_serial += 1
             if not isinstance(items, (list, tuple)):
                 items = list(items)
-            plan = self._find_plan(items)
-            if plan is None:
-                if not self._plannable:
-                    prepared = self._prepare(items)
-                    if prepared:
-                        self._run(prepared)
-                    return
-                checked = self._check_items(items)
-                prepared = self._create_states(checked)
-                if not prepared:
-                    return
-                plan = self._plan_for(checked, prepared)
-                if plan is None:
+            if self._decay is not None:
+                self._step_masked(items)
+            else:
+                self._step_batch(items)
+
+    def _step_masked(self, items: Sequence[OptItem]) -> None:
+        """``step_batch`` under a ``weight_decay_mask``: the excluded names step as one sub-batch with this config's
+        ``weight_decay`` set to 0 (every path reads ``self.config`` while it runs: NumPy, the compiled pass, the CUDA
+        kernels and multi-tensor launches), the others as another with it unchanged; the whole batch is validated
+        first.  Items are independent, so the bits are those of ``step`` on each item in order."""
+        try:
+            names = [step_plan._NAME(it) for it in items]  # noqa: SLF001
+            if not all(type(n) is str for n in names):
+                raise TypeError
+        except Exception:  # noqa: BLE001 - a malformed item: the validation says what is wrong
+            self.validate_batch(items)
+            raise
+        flags = [_decays(self._decay, n) for n in names]
+        if all(flags):
+            self._step_batch(items)
+            return
+        if any(flags):
+            self.validate_batch(items)
+            self._step_batch([it for it, f in zip(items, flags) if f])
+        with self._without_decay():
+            self._step_batch([it for it, f in zip(items, flags) if not f])
+
+    @contextlib.contextmanager
+    def _without_decay(self):
+        """``self.config`` with ``weight_decay = 0`` inside the block (under ``self._lock``)."""
+        saved = self.config
+        if self._no_decay is None or self._no_decay[0] is not saved:
+            self._no_decay = (saved, dataclasses.replace(saved, weight_decay=0.0))
+        self.config = self._no_decay[1]
+        try:
+            yield
+        finally:
+            self.config = saved
+
+    def _step_batch(self, items: Sequence[OptItem]) -> None:
+        """``step_batch`` of ``items`` (a list or tuple) under ``self._lock``."""
+        self._plan_serial += 1
+        plan = self._find_plan(items)
+        if plan is None:
+            if not self._plannable:
+                prepared = self._prepare(items)
+                if prepared:
                     self._run(prepared)
-                    return
-                plan.params = [c[0].param for c in checked]
-                plan.grads = [c[0].grad for c in checked]
-            plan.run(self, items)
+                return
+            checked = self._check_items(items)
+            prepared = self._create_states(checked)
+            if not prepared:
+                return
+            plan = self._plan_for(checked, prepared)
+            if plan is None:
+                self._run(prepared)
+                return
+            plan.params = [c[0].param for c in checked]
+            plan.grads = [c[0].grad for c in checked]
+        plan.run(self, items)
 
     # ------------------------------------------------------------------------------------------ step plans
     @property
@@ -424,6 +475,36 @@ def check_compatible(state: OptimizerState, algorithm: str, config_key: Any) -> 
             diff = [f"(snapshot {theirs!r}, here {config_key!r})"]
         raise IncompatibleStateError("the configuration that decides the state's layout differs: config field "
                                      + "; ".join(diff))
+
+
+def _make_decay_mask(spec: DecayMask, config: Any, owner: str) -> Any:
+    """The validated ``weight_decay_mask``: ``None``, a dict name -> bool, or a callable."""
+    if spec is None:
+        return None
+    if not any(f.name == "weight_decay" for f in dataclasses.fields(config)):
+        raise TypeError(f"{owner} has no weight_decay: weight_decay_mask does not apply")
+    if isinstance(spec, Mapping):
+        table = {}
+        for k, v in spec.items():
+            if not isinstance(k, str):
+                raise TypeError(f"weight_decay_mask: names must be str, got {k!r}")
+            if not isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"weight_decay_mask[{k!r}] must be a bool (True: decay), got {v!r}")
+            table[k] = bool(v)
+        return table
+    if callable(spec):
+        return spec
+    raise TypeError(f"weight_decay_mask must be a mapping name -> bool or a callable, got {type(spec).__name__}")
+
+
+def _decays(mask: Any, name: str) -> bool:
+    """Whether ``mask`` (from ``_make_decay_mask``, not None) lets ``name`` decay."""
+    if type(mask) is dict:
+        return mask.get(name, True)
+    out = mask(name)
+    if not isinstance(out, (bool, np.bool_)):
+        raise TypeError(f"parameter {name!r}: weight_decay_mask returned {out!r}, not a bool")
+    return bool(out)
 
 
 def _make_lr_scale(spec: LrScale) -> Callable[[str], float]:

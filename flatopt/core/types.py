@@ -12,6 +12,8 @@ Array: TypeAlias = Any
 CuPy is optional and ships no type information, and one alias covers both backends."""
 
 LrScale: TypeAlias = Union[Mapping[str, float], Callable[[str], float], None]
+# which parameters get weight decay: name -> bool (missing names: True) or a callable name -> bool; None: all
+DecayMask: TypeAlias = Union[Mapping[str, bool], Callable[[str], bool], None]
 """The ``lr_scale=`` argument of the optimizers: a mapping name -> multiplier (missing names: 1.0), a callable
 ``name -> multiplier``, or ``None`` (1.0 everywhere)."""
 

@@ -81,7 +81,7 @@ from . import layout as L
 from . import numerics as K
 from . import fused as _fused
 from ..core.driver import PerParamOptimizer, config_to_dict
-from ..core.types import Array, LrScale, OptItem
+from ..core.types import Array, DecayMask, LrScale, OptItem
 from ..core.validate import check_lr, check_range
 
 _MODES = (None, "one_diag", "smart_one_diag", "all_diag")
@@ -273,9 +273,10 @@ class KronPsgd(PerParamOptimizer):
 
     def __init__(self, lr: float, precond_lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
                  eps: float = 1e-8, clip: float | None = 1.0, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None,
                  probe: Callable[[str, tuple[int, ...], int], Array] | None = None, **knobs: Any) -> None:
         super().__init__(KronPsgdConfig(lr, precond_lr, momentum, weight_decay, eps, clip, **knobs),
-                         lr_scale=lr_scale)
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
         self.set_probe(probe)
 
     def with_momentum(self, mu: float) -> KronPsgd:
@@ -291,7 +292,7 @@ class KronPsgd(PerParamOptimizer):
             raise ValueError("KronPsgd: builders configure a fresh optimizer; this one already holds state")
         kw = {**config_to_dict(self.config), "lr": self._lr, **change}
         kw["prob_schedule"] = tuple(kw["prob_schedule"])
-        return type(self)(lr_scale=self._lr_scale_spec, probe=self._hook, **kw)
+        return type(self)(lr_scale=self._lr_scale_spec, weight_decay_mask=self._decay_spec, probe=self._hook, **kw)
 
     def set_probe(self, fn: Callable[[str, tuple[int, ...], int], Array] | None) -> None:
         """Inject the probes: ``fn(name, shape, index) -> V`` (None: the built-in generator)."""

@@ -68,7 +68,7 @@ import numpy as np
 
 from ..core import parallel, shards
 from ..core.driver import PerParamOptimizer
-from ..core.types import Array, LrScale
+from ..core.types import Array, DecayMask, LrScale
 from ..core.validate import check_lr, check_range
 from . import fused as _fused
 from .numerics import Work, gram, shape_scale, work
@@ -238,10 +238,11 @@ class Muon(PerParamOptimizer):
                  ns_steps: int = 5, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
                  eps: float = 1e-7, adjust_lr: str | None = "original", momentum_convention: str = "ema",
                  eps_mode: str = "clamp", layout: str = "out_in", *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None,
                  workers: int | None = None) -> None:
         cfg = MuonConfig(lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr,
                          momentum_convention, eps_mode, layout)
-        super().__init__(cfg, lr_scale=lr_scale)
+        super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
         if workers is None:
             workers = shards.default_workers()
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:

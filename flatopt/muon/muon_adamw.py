@@ -51,7 +51,7 @@ import numpy as np
 from . import checks as _checks
 from .. import errors as E
 from ..core.driver import config_to_dict
-from ..core.types import Array, LrScale, OptimizerState, OptItem
+from ..core.types import Array, DecayMask, LrScale, OptimizerState, OptItem
 from ..core.validate import check_lr, check_snapshot
 from ..adamw import AdamW, AdamWConfig
 from . import Muon, MuonConfig, _cost
@@ -92,7 +92,8 @@ class MuonAdamW:
                  muon: MuonConfig | Mapping[str, Any] | None = None,
                  adamw: AdamWConfig | Mapping[str, Any] | None = None,
                  adamw_lr_ratio: float = 0.015, aliases: Mapping[str, str] | None = None,
-                 lr_scale: LrScale = None, concurrent: bool = True, muon_workers: int | None = None) -> None:
+                 lr_scale: LrScale = None, concurrent: bool = True, muon_workers: int | None = None,
+                 weight_decay_mask: DecayMask = None) -> None:
         mcfg: MuonConfig = _checks.make_config(MuonConfig, muon, MuonConfig(), "muon")
         acfg: AdamWConfig = _checks.make_config(AdamWConfig, adamw, KELLER_AUX_ADAMW, "adamw")
         try:
@@ -135,8 +136,10 @@ class MuonAdamW:
                 raise E.EmptyMatrix(f"muon_names: {n!r} has the empty shape {shape}")
             selected.append(canon)
         try:
-            self._muon = Muon(**{**config_to_dict(mcfg), "lr": lr}, lr_scale=lr_scale, workers=muon_workers)
-            self._adamw = AdamW(**{**config_to_dict(acfg), "lr": lr * ratio}, lr_scale=lr_scale)
+            self._muon = Muon(**{**config_to_dict(mcfg), "lr": lr}, lr_scale=lr_scale, workers=muon_workers,
+                              weight_decay_mask=weight_decay_mask)
+            self._adamw = AdamW(**{**config_to_dict(acfg), "lr": lr * ratio}, lr_scale=lr_scale,
+                                weight_decay_mask=weight_decay_mask)
         except (TypeError, ValueError) as exc:
             raise E.InvalidConfig(str(exc)) from None
         self._muon.assign_shards([(n, manifest[n][0]) for n in sorted(selected)])

@@ -71,7 +71,7 @@ import numpy as np
 
 from . import numerics as N
 from ..core.driver import PerParamOptimizer
-from ..core.types import Array, LrScale
+from ..core.types import Array, DecayMask, LrScale
 from ..core.validate import check_lr, check_range
 
 
@@ -195,7 +195,9 @@ class Soap(PerParamOptimizer):
 
     def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float | None = None,
                  eps: float = 1e-8, weight_decay: float = 1e-2, precondition_frequency: int = 10,
-                 max_precond_dim: int = 10000, precondition_1d: bool = False, *, lr_scale: LrScale | None = None
+                 max_precond_dim: int = 10000, precondition_1d: bool = False, *, lr_scale: LrScale | None = None,
+                 weight_decay_mask: DecayMask = None
                  ) -> None:
         super().__init__(SoapConfig(lr, betas, shampoo_beta, eps, weight_decay, precondition_frequency,
-                                    max_precond_dim, precondition_1d), lr_scale=lr_scale)
+                                    max_precond_dim, precondition_1d), lr_scale=lr_scale,
+                                    weight_decay_mask=weight_decay_mask)
