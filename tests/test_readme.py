@@ -115,6 +115,27 @@ def test_every_public_class_and_protocol_method_has_a_docstring():
     assert not missing, missing
 
 
+def test_help_of_every_optimizer_states_its_rule_arguments_and_defaults():
+    """``help(flatopt.AdamW)`` (the class docstring) shows the update rule and defaults (its module's docstring,
+    written once there), the constructor's signature line and the keyword arguments every optimizer shares, not a
+    pointer to a module doc the reader does not see."""
+    import inspect
+    import sys
+
+    for cls in _public_classes():
+        if not (isinstance(cls, type) and hasattr(cls, "step_batch") and hasattr(cls, "state_dict")):
+            continue
+        if cls.__module__.startswith(("flatopt.core", "flatopt.routing", "flatopt.distributed")):
+            continue
+        doc = cls.__doc__ or ""
+        rule = inspect.cleandoc(sys.modules[cls.__module__].__doc__ or "").splitlines()[0]
+        assert rule in doc, f"{cls.__name__}: its module's docstring is not in help()"
+        assert f"``{cls.__name__}(" in doc, f"{cls.__name__}: no signature line"
+        assert "lr_scale" in doc and "see the module doc" not in doc, cls.__name__
+        takes_mask = "weight_decay_mask" in inspect.signature(cls).parameters
+        assert ("weight_decay_mask" in doc) == takes_mask, cls.__name__
+
+
 def test_docstrings_cite_nothing_a_user_does_not_have():
     """No module of the package points at the project's private design notes (DESIGN.md, reference/*.md, their
     section numbers, or the seeds they came from)."""

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
+import re
+import sys
+import textwrap
 import threading
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -72,6 +76,14 @@ class PerParamOptimizer:
     # NumPy forms of a per-tensor update (core/cpu_tensors.py): phases for the threads, rows for buckets of small items
     np_phases_fn: ClassVar[Callable[..., Any] | None] = None
     np_rows_fn: ClassVar[Callable[..., None] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__doc__")
+        # help(cls): the class's signature line, then its module's update rule and defaults, then the shared arguments
+        if own and re.search(r"module\s+doc", own):
+            cls.__doc__ = class_doc(cls, own, has_decay=any(f.name == "weight_decay"
+                                                              for f in dataclasses.fields(cls.config_cls)))
 
     def __init__(self, config: Any, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         self.config = config
@@ -187,7 +199,7 @@ class PerParamOptimizer:
             self._step_batch([it for it, f in zip(items, flags) if not f])
 
     @contextlib.contextmanager
-    def _without_decay(self):
+    def _without_decay(self) -> Iterator[None]:
         """``self.config`` with ``weight_decay = 0`` inside the block (under ``self._lock``)."""
         saved = self.config
         if self._no_decay is None or self._no_decay[0] is not saved:
@@ -477,6 +489,29 @@ def check_compatible(state: OptimizerState, algorithm: str, config_key: Any) -> 
                                      + "; ".join(diff))
 
 
+_COMMON_ARGS = (
+    "Keyword arguments of every optimizer: ``lr_scale`` (default None: 1.0 for every name), a mapping name -> "
+    "float (names not in it: 1.0) or a callable name -> float that multiplies the learning rate of that "
+    "parameter.{decay}  Both are construction configuration, checked when given and not saved in checkpoints."
+)
+_DECAY_ARG = (
+    "  ``weight_decay_mask`` (default None: every name decays), a mapping name -> bool (names not in it: True) or "
+    "a callable name -> bool; a name it excludes steps exactly as with ``weight_decay=0`` (no decay on biases "
+    "and norms: ``weight_decay_mask=lambda n: not n.endswith('.bias')``)."
+)
+
+
+def class_doc(cls: type, own: str, *, has_decay: bool) -> str:
+    """``cls``'s docstring for ``help()``: its own (the signature line that points at the module doc), then its
+    module's docstring (the update rule, the deviations, the defaults; written once, there), then the keyword
+    arguments every optimizer shares."""
+    module = sys.modules.get(cls.__module__)
+    text = inspect.cleandoc(getattr(module, "__doc__", None) or "")
+    common = textwrap.fill(_COMMON_ARGS.format(decay=_DECAY_ARG if has_decay else ""), 116)
+    own = re.sub(r"see the\s+module\s+doc(string)?", "see below", inspect.cleandoc(own))
+    return "\n\n".join(part for part in (own, text, common) if part)
+
+
 def _make_decay_mask(spec: DecayMask, config: Any, owner: str) -> Any:
     """The validated ``weight_decay_mask``: ``None``, a dict name -> bool, or a callable."""
     if spec is None:
@@ -500,7 +535,7 @@ def _make_decay_mask(spec: DecayMask, config: Any, owner: str) -> Any:
 def _decays(mask: Any, name: str) -> bool:
     """Whether ``mask`` (from ``_make_decay_mask``, not None) lets ``name`` decay."""
     if type(mask) is dict:
-        return mask.get(name, True)
+        return bool(mask.get(name, True))
     out = mask(name)
     if not isinstance(out, (bool, np.bool_)):
         raise TypeError(f"parameter {name!r}: weight_decay_mask returned {out!r}, not a bool")

@@ -50,7 +50,7 @@ import numpy as np
 
 from . import checks as _checks
 from .. import errors as E
-from ..core.driver import config_to_dict
+from ..core.driver import class_doc, config_to_dict
 from ..core.types import Array, DecayMask, LrScale, OptimizerState, OptItem
 from ..core.validate import check_lr, check_snapshot
 from ..adamw import AdamW, AdamWConfig
@@ -83,8 +83,8 @@ def propose_muon_names(params: Mapping[str, ShapeSpec],
 
 class MuonAdamW:
     """``MuonAdamW(params, muon_names, *, lr=0.02, muon=None, adamw=None, adamw_lr_ratio=0.015, aliases=None,
-    lr_scale=None, concurrent=True, muon_workers=None)``: see the module doc (``muon_workers``: see
-    :class:`flatopt.Muon`'s ``workers``)."""
+    lr_scale=None, concurrent=True, muon_workers=None, weight_decay_mask=None)``: see the module doc
+    (``muon_workers``: see :class:`flatopt.Muon`'s ``workers``; ``weight_decay_mask`` applies to both halves)."""
 
     algorithm = "muon_adamw"
 
@@ -333,3 +333,6 @@ class MuonAdamW:
         return True
 
 
+
+
+MuonAdamW.__doc__ = class_doc(MuonAdamW, MuonAdamW.__doc__ or "", has_decay=True)  # help(): the module doc too
