@@ -10,9 +10,9 @@ ends with "matches torch.optim.AdamW" when every step is within the rounding bou
 float32 rounding difference per step, fed back through the gradients); otherwise it says so and exits with 1.
 
 JAX: JAX arrays are immutable, so in-place updates cannot alias them.  Keep the parameters in NumPy (or CuPy)
-buffers owned by your loop, hand them to ``jax.numpy.asarray`` (CPU: usually zero-copy; GPU: via DLPack,
-``jax.dlpack.from_dlpack``) for the forward/backward pass, convert the gradients back with ``np.asarray``
-(or ``cupy.from_dlpack``), and let flatopt update your buffers in place.
+buffers owned by your loop, hand them to ``jax.numpy.asarray`` (it copies them, on the CPU too; on a GPU DLPack,
+``jax.dlpack.from_dlpack``, is the way to try sharing memory) for the forward/backward pass, convert the gradients
+back with ``np.asarray`` (or ``cupy.from_dlpack``), and let flatopt update your buffers in place.
 
     python examples/torch_interop.py --steps 20
 """
@@ -73,6 +73,9 @@ def run(steps: int = 20, lr: float = 1e-2, weight_decay: float = 1e-2, verbose: 
         x = torch.randn(32, 20, generator=gen)
         y = torch.sin(x.sum(dim=1, keepdim=True))
         for model in (model_t, model_f):
+            # set_to_none=False: torch's default zero_grad() sets .grad to None and the next backward allocates new
+            # tensors, so views of the gradients cached across steps would silently keep reading the old ones
+            # (flatopt would step with stale gradients); here the views are taken afresh after each backward
             model.zero_grad(set_to_none=False)
             torch.nn.functional.mse_loss(model(x), y).backward()
         opt_t.step()

@@ -212,7 +212,26 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
+# the PNG's panels: one per family, so that no two curves of a panel share a colour
+FAMILIES = [
+    ("SGD and the Adam family", ["sgd", "adam", "adamw", "nadamw", "radam", "qhadamw"]),
+    ("sign, trust ratio, variance reduction, curvature", ["lion", "lamb", "mars", "sophia"]),
+    ("factored second moments (low memory)", ["adafactor", "adafactor8bit"]),
+    ("matrix preconditioners and manifolds", ["soap", "kron_psgd", "muon_adamw", "stiefel"]),
+]
+STYLES = [("tab:blue", "-"), ("tab:orange", "--"), ("tab:green", "-."), ("tab:red", ":"), ("tab:purple", "-"),
+          ("tab:brown", "--")]
+
+
+def _smooth(curve):
+    c = np.asarray(curve)
+    k = max(1, len(c) // 100)
+    return np.arange(len(c) - k + 1) + k - 1, np.convolve(c, np.ones(k) / k, mode="valid")
+
+
 def plot(results, path: Path) -> bool:
+    """The loss curves as small multiples: one panel per family (``FAMILIES``; optimizers of none in a last one),
+    each optimizer in its own colour and line style over the others in light grey, legends clear of the curves."""
     try:
         import matplotlib
 
@@ -220,17 +239,37 @@ def plot(results, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results:
-        c = np.asarray(r["curve"])
-        k = max(1, len(c) // 100)
-        smooth = np.convolve(c, np.ones(k) / k, mode="valid")
-        ax.plot(np.arange(len(smooth)) + k - 1, smooth, label=r["name"])
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (moving average)")
-    ax.set_title("flatopt optimizers on scikit-learn digits (MLP, hand-written NumPy backprop)")
-    ax.legend()
+    by_name = {r["name"]: r for r in results}
+    known = {n for _, names in FAMILIES for n in names}
+    panels = [(title, [n for n in names if n in by_name]) for title, names in FAMILIES]
+    panels.append(("other", [n for n in by_name if n not in known]))
+    panels = [(title, names) for title, names in panels if names]
+    cols = 2 if len(panels) > 1 else 1
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 3.9 * rows), sharex=True, sharey=True, squeeze=False)
+    curves = {n: _smooth(r["curve"]) for n, r in by_name.items()}
+    lo = min(float(y.min()) for _, y in curves.values())
+    hi = max(float(y.max()) for _, y in curves.values())
+    for ax, (title, names) in zip(axes.flat, panels):
+        for n, (x, y) in curves.items():
+            if n not in names:
+                ax.plot(x, y, color="0.85", lw=0.8, zorder=1)
+        for (colour, style), n in zip(STYLES, names):
+            x, y = curves[n]
+            ax.plot(x, y, color=colour, ls=style, lw=1.6, label=n, zorder=2)
+        ax.set_yscale("log")
+        ax.set_ylim(max(lo, 1e-12) / 2, hi * 30)  # headroom above the starts: the legend sits there
+        ax.set_title(title, fontsize=10)
+        ax.legend(loc="upper right", ncol=3, fontsize=8, frameon=False)
+        ax.grid(True, which="major", color="0.92", lw=0.6)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("train loss (moving average)")
+    fig.suptitle("flatopt optimizers on scikit-learn digits (MLP, hand-written NumPy backprop); grey: the others",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
