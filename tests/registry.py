@@ -31,7 +31,7 @@ class Spec:
 _MA_SHAPES = ((4, 3), (6, 5), (7,), (3, 7))
 
 
-def _muon_adamw_for(shapes: dict, lr=0.02, **kw):
+def _muon_adamw_for(shapes: dict, lr=0.02, weight_decay=0.01, **kw):
     """MuonAdamW over a manifest of ``shapes``: every 2-D name on Muon, the rest on AdamW (lr ratio 0.5 so that
     the AdamW half moves visibly in the contract's tests)."""
     shapes = dict(shapes)
@@ -39,7 +39,7 @@ def _muon_adamw_for(shapes: dict, lr=0.02, **kw):
     if not muon:  # the Muon group may not be empty: add a matrix that is never stepped (missing gradient = no-op)
         shapes["unused_matrix"], muon = (2, 2), ["unused_matrix"]
     return flatopt.MuonAdamW(params=shapes, muon_names=muon, lr=lr, adamw_lr_ratio=0.5,
-                             muon={"weight_decay": 0.01}, adamw={"weight_decay": 0.01}, **kw)
+                             muon={"weight_decay": weight_decay}, adamw={"weight_decay": weight_decay}, **kw)
 
 
 def _muon_adamw_contract(lr=0.02, **kw):

@@ -202,6 +202,11 @@ class MuonAdamW:
         """The learning-rate multiplier of ``name`` (an alias answers for its target), honoured by both groups."""
         return self._lr_scale(self._aliases.get(name, name))
 
+    def decays(self, name: str) -> bool:
+        """Whether ``name`` gets weight decay (``weight_decay_mask``, the same for both groups; an alias answers for
+        its target)."""
+        return self._muon.decays(self._aliases.get(name, name))
+
     # ------------------------------------------------------------------------------------------- stepping
     def set_lr(self, lr: float) -> None:
         """Muon gets ``lr``, AdamW ``lr · adamw_lr_ratio``."""
