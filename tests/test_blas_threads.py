@@ -13,6 +13,7 @@ operand shapes and the BLAS thread count at that moment, and require the same mu
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 
 import numpy as np
@@ -129,22 +130,14 @@ def _steps_in_threads(names):
     params = {n: make_params(BESIDE_SHAPES, np.float32) for n in names}
     opts = {n: REGISTRY[n].make() for n in names}
     start = threading.Barrier(len(names))
-    errors = []
 
     def go(n):
-        try:
-            start.wait()
-            run_steps(opts[n], params[n], 3, batch=True)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+        start.wait()
+        run_steps(opts[n], params[n], 3, batch=True)
 
-    threads = [threading.Thread(target=go, args=(n,)) for n in names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        for f in [pool.submit(go, n) for n in names]:
+            f.result()
     return params
 
 
