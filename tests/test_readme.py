@@ -115,6 +115,22 @@ def test_every_public_class_and_protocol_method_has_a_docstring():
     assert not missing, missing
 
 
+def test_readme_main_job_rows_and_default_match_the_example():
+    """The README's main-job table has one row per optimizer, labelled as the job prints it, and says how many
+    ``--optimizers`` runs by default."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_digits", ROOT / "examples" / "train_digits.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    names = list(job.optimizer_factories(job.param_shapes(1, 1)))
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"`--optimizers` defaults to all {len(names)}" in text
+    section = text.split("## Main job", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")][1:]
+    assert rows == names
+
+
 def test_help_of_every_optimizer_states_its_rule_arguments_and_defaults():
     """``help(flatopt.AdamW)`` (the class docstring) shows the update rule and defaults (its module's docstring,
     written once there), the constructor's signature line and the keyword arguments every optimizer shares, not a
