@@ -18,12 +18,14 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import pathlib
 import platform
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -295,7 +297,7 @@ def _foreign(monkeypatch, *paths) -> None:
         for p in paths:
             os.lchown(p, 4242, 4242)
     else:
-        monkeypatch.setattr(native.native_cache, "_uid", lambda: os.getuid() + 4242)
+        monkeypatch.setattr(native_cache, "_uid", lambda: os.getuid() + 4242)
 
 
 @pytest.fixture(scope="module")
@@ -361,6 +363,30 @@ def test_a_link_of_another_user_on_the_way_is_refused(tmp_path, monkeypatch):
     os.lchown(link, 4242, 4242)
     ok, why = _status_in(link / "cache", monkeypatch)
     assert not ok and "symbolic link of another user" in why, why
+
+
+def test_without_a_home_a_fresh_private_temporary_directory_is_used(tmp_path, monkeypatch):
+    """A home-less account gets a new ``mkdtemp`` directory, not the predictable ``$TMPDIR/flatopt-<uid>`` that
+    someone else may have made first (here a link to their directory); it is removed once the library is loaded."""
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("FLATOPT_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    theirs, taken = tmp_path / "theirs", tmp_path / f"flatopt-{os.getuid()}"
+    theirs.mkdir()
+    taken.symlink_to(theirs)
+    native.reset()
+    try:
+        ok, where = native.status()
+        assert ok, where
+        assert where.startswith(str(tmp_path / "flatopt-")) and "private temporary directory" in where, where
+    finally:
+        native.reset()
+    assert list(theirs.iterdir()) == []
+    assert sorted(tmp_path.iterdir()) == [taken, theirs]
 
 
 @pytest.mark.parametrize("mode, refused", [(0o777, True), (0o1777, False)], ids=["non-sticky", "sticky"])

@@ -101,7 +101,8 @@ def _build() -> tuple[Any, str]:
                 handle, name = native_cache.load(dfd, key, _compiler(exe))
             finally:
                 os.close(dfd)
-            return _bind(handle), str(d / name)
+            return _bind(handle), str(d / name) + (" (a private temporary directory, removed once loaded)"
+                                                   if temporary else "")
         except native_cache.Unsafe as exc:
             why = f"refused: {exc}"
         except RuntimeError as exc:  # the compiler failed: another directory would not help
