@@ -609,3 +609,19 @@ def test_a_misaligned_buffer_never_reaches_the_compiled_pass():
     assert native.status()[0]
     assert not native.step("lion", (bad, ok, np.zeros(n, np.float32)), (1.0, 0.9, 0.1, 0.99, 0.01, -0.1), 0)
     assert bad.tolist() == [0.0] * n
+
+
+def test_a_stuck_lock_holder_does_not_hang_the_first_step(tmp_path, monkeypatch):
+    """A process that holds the build lock and never lets go: after a bounded wait the twins run, and status() says
+    why."""
+    import fcntl
+
+    tmp_path.chmod(0o700)
+    holder = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        monkeypatch.setattr(native_cache, "STALE_S", 0.3)
+        ok, why = _status_in(tmp_path, monkeypatch)
+        assert not ok and "held the build lock" in why, why
+    finally:
+        os.close(holder)

@@ -11,11 +11,12 @@ swapping a path afterwards changes nothing.
 A library's name holds the sha256 of its bytes: ``elementwise-<key>-<sha256>.so``.  Before one is loaded, it is
 opened without following links, checked (a regular file of this user, not writable by others), read whole through
 that descriptor and hashed; only that same open file is then mapped (``dlopen("/proc/self/fd/N")``), so a truncated,
-empty, garbage or swapped file is never mapped (a truncated ELF mapped would die of SIGBUS).  A file that fails the
-check is removed and the library is built again.  The build runs under ``flock`` on ``.lock`` in the directory, so
-processes starting together compile once; it writes a temporary ``tmp<hex>.so``, fsyncs it, renames it into place
-and fsyncs the directory, so a power loss leaves either no library or a whole one.  Temporaries left by a killed
-build (ours, matching that pattern, older than :data:`STALE_S`) are removed under the lock.
+empty, garbage or swapped file is never mapped (a truncated ELF, once mapped, kills the process with SIGBUS).  A
+file that fails the check is removed and the library is built again.  The build runs under ``flock`` on ``.lock`` in the directory,
+so processes starting together compile once (a holder stuck for :data:`STALE_S` is given up on: the twins run).  It
+writes a temporary ``tmp<hex>.so``, fsyncs it, renames it into place and fsyncs the directory, so a power loss leaves
+either no library or a whole one.  Temporaries left by a killed build (ours, matching that pattern, older than
+:data:`STALE_S`) are removed under the lock.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import re
 import secrets
 import shutil
 import stat
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -119,7 +119,7 @@ def load(dfd: int, key: str, compile_to: Callable[[str, tuple[int, ...]], str | 
     (then ``RuntimeError``)."""
     lock = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _take(lock)
         _remove_stale(dfd)
         found = _find(dfd, key)
         if found is None:
@@ -141,6 +141,19 @@ def load(dfd: int, key: str, compile_to: Callable[[str, tuple[int, ...]], str | 
         return handle, name
     finally:
         os.close(lock)  # (closing releases the lock)
+
+
+def _take(lock: int) -> None:
+    """flock ``lock``, waiting at most STALE_S (a holder that long is stuck, not building): ``TimeoutError``."""
+    deadline = time.monotonic() + STALE_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"another process has held the build lock for {STALE_S} s") from None
+            time.sleep(0.05)
 
 
 def _find(dfd: int, key: str) -> tuple[int, str] | None:
