@@ -396,7 +396,8 @@ def native(repeats: int = 11, quick: bool = False) -> None:
 
     with tempfile.TemporaryDirectory() as d:  # the first-use build, timed (the README's "about 2 s")
         t0 = time.perf_counter()
-        failed = _native._compile(shutil.which(os.environ.get("FLATOPT_CC", "cc")), Path(d) / "x.so")  # noqa: SLF001
+        compile_to = _native._compiler(shutil.which(os.environ.get("FLATOPT_CC", "cc")))  # noqa: SLF001
+        failed = compile_to(str(Path(d) / "x.so"), ())
         print(f"native: build {time.perf_counter() - t0:.2f} s" + (f" ({failed})" if failed else ""))
     compiled = dict(_native._state)  # noqa: SLF001 - the loaded library
     variants = {"compiled": {(_native, "_state"): compiled},

@@ -49,6 +49,13 @@ def test_in_place_and_grad_untouched(spec, dtype):
         assert np.all(np.isfinite(p))
 
 
+def _misaligned(a):
+    """A copy of ``a`` one byte past an aligned address (a view at an odd byte offset)."""
+    out = np.zeros(a.nbytes + 1, np.uint8)[1:].view(a.dtype)
+    out[:] = a
+    return out
+
+
 def _bad_calls(shape, dtype):
     n = math.prod(shape)
     p = rng_arrays(3, shape, dtype)
@@ -56,6 +63,8 @@ def _bad_calls(shape, dtype):
     other = np.float64 if dtype == np.float32 else np.float32
     yield "strided param", ("w", shape, np.repeat(p, 2)[::2], g)
     yield "strided grad", ("w", shape, p.copy(), np.repeat(g, 2)[::2])
+    yield "misaligned param", ("w", shape, _misaligned(p), g)
+    yield "misaligned grad", ("w", shape, p.copy(), _misaligned(g))
     yield "size mismatch", ("w", shape + (2,), np.concatenate([p, p]), np.concatenate([g, g]))
     yield "grad too short", ("w", shape, p.copy(), g[:-1])
     yield "int dtype", ("w", shape, p.astype(np.int32), g.astype(np.int32))

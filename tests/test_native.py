@@ -3,25 +3,36 @@
 Every algorithm with a compiled pass runs the same steps twice, once compiled and once on the twin (the library
 switched off), over flag combinations, both dtypes, sizes that straddle the driver's chunks and the norms' column
 layout, and gradients holding NaN, ±inf, ±0 and subnormals; parameters and every saved state array must agree bit for
-bit (NaN with NaN).  Also: the library is built where a compiler exists (CI), FLATOPT_NATIVE=0 and a missing or
-failing compiler fall back to the twins with a reason, the compiled pass is really taken (a mutated library fails
-the comparison), and each instruction set the library may run on x86-64 (AVX2, the SSE2 baseline) gives the same bits.
+bit, except a NaN, which must be NaN in the same elements (its sign and payload may differ, as the README says).
+Also: the library is built where a compiler exists (CI), FLATOPT_NATIVE=0 and a missing or failing compiler fall back
+to the twins with a reason, the compiled pass is really taken (a mutated library fails the comparison), and each
+instruction set the library may run on x86-64 (AVX2, the SSE2 baseline) gives the same bits.  The cache
+(``core/native_cache.py``): a directory another user could swap or write is refused, a damaged or swapped library is
+never mapped but rebuilt, processes starting together compile once, a killed build's temporary is cleaned up.
+Signed zeros (an lr or lr_scale of -0.0 is refused; the compiled scalars are keyed on their bits) and misaligned
+buffers (refused) close the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import pathlib
 import platform
 import shutil
+import signal
+import stat
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pytest
 
 import flatopt
-from flatopt.core import driver, native
+from flatopt.core import driver, native, native_cache
 
 HAS_CC = shutil.which("cc") is not None
 pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the compiled passes cannot be built here")
@@ -142,6 +153,7 @@ def test_compiled_pass_gives_the_twins_bits(algo, shapes, dt, special):
     pb, sb = _run(make, sh, dt, compiled=False, special=special)
     _assert_same(pa, pb)
     _assert_same(_arrays(sa), _arrays(sb))
+    assert not special or any(np.isnan(p).any() for p in pb)  # the NaN clause of _assert_same was exercised
 
 
 @pytest.mark.parametrize("algo", ["adamw", "lion", "qhadamw", "sgd_momentum", "sophia", "lamb", "mars"])
@@ -254,3 +266,362 @@ def test_a_cache_directory_others_can_write_is_not_used(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         native.reset()
+
+
+# ------------------------------------------------------------------------------------- the cache (core/native_cache)
+# Each test builds into its own directory: a step there must give the twin's bits (a one-sign-step Lion: 1 -> 0.9).
+
+LION_STEP = "import numpy as np, flatopt; p = np.ones(10, np.float32); " \
+            "flatopt.Lion(lr=0.1).step('w', (10,), p, np.full(10, 2, np.float32)); "
+
+
+def _status_in(d, monkeypatch) -> tuple[bool, str]:
+    monkeypatch.setenv("FLATOPT_CACHE_DIR", str(d))
+    native.reset()
+    try:
+        return native.status()
+    finally:
+        native.reset()
+
+
+def _lion_gives_the_twins_bits() -> None:
+    p = np.ones(10, np.float32)
+    flatopt.Lion(lr=0.1).step("w", (10,), p, np.full(10, 2, np.float32))
+    np.testing.assert_array_equal(p, np.float32(0.9))
+
+
+def _foreign(monkeypatch, *paths) -> None:
+    """Make ``paths`` another user's: chown them to uid 4242 where we can (root), else pretend to be someone else
+    (then everything of ours looks foreign)."""
+    if os.getuid() == 0:
+        for p in paths:
+            os.lchown(p, 4242, 4242)
+    else:
+        monkeypatch.setattr(native_cache, "_uid", lambda: os.getuid() + 4242)
+
+
+@pytest.fixture(scope="module")
+def flipped_library(tmp_path_factory) -> bytes:
+    """The bytes of a valid library whose Lion steps the wrong way (1 -> 1.1): built from a modified source."""
+    root = tmp_path_factory.mktemp("flipped")
+    src = native.SOURCE.read_text()
+    mutated = src.replace("p[i] = pi + SIGN(T, c) * neg_lr;", "p[i] = pi - SIGN(T, c) * neg_lr;", 1)
+    assert mutated != src
+    (root / "elementwise.c").write_text(mutated)
+    cache = root / "cache"
+    cache.mkdir(mode=0o700)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(native, "SOURCE", root / "elementwise.c")
+        ok, where = _status_in(cache, mp)
+        assert ok, where
+    finally:
+        mp.undo()
+        native.reset()
+    (lib,) = cache.glob("*.so")
+    return lib.read_bytes()
+
+
+def _plant(d, data: bytes, name: str) -> None:
+    (d / name).write_bytes(data)
+    (d / name).chmod(0o500)
+
+
+def test_a_cache_directory_of_another_user_is_refused(tmp_path, monkeypatch, flipped_library):
+    """A directory (with a library planted under a valid name) that belongs to someone else is not used."""
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    _plant(d, flipped_library, f"elementwise-{'0' * 20}-{hashlib.sha256(flipped_library).hexdigest()}.so")
+    _foreign(monkeypatch, d)
+    monkeypatch.setenv("FLATOPT_CACHE_DIR", str(d))
+    native.reset()
+    try:
+        ok, why = native.status()
+        assert not ok and "belongs to another user" in why, why
+        _lion_gives_the_twins_bits()
+    finally:
+        native.reset()
+
+
+def test_a_link_to_a_cache_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    (tmp_path / "cache").symlink_to(theirs)
+    _foreign(monkeypatch, theirs)
+    ok, why = _status_in(tmp_path / "cache", monkeypatch)
+    assert not ok and "belongs to another user" in why, why
+    assert list(theirs.iterdir()) == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a link of another user needs root")
+def test_a_link_of_another_user_on_the_way_is_refused(tmp_path, monkeypatch):
+    """Our own directory, reached through someone else's symbolic link (which they can re-point at will)."""
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    link = tmp_path / "via"
+    link.symlink_to(ours)
+    os.lchown(link, 4242, 4242)
+    ok, why = _status_in(link / "cache", monkeypatch)
+    assert not ok and "symbolic link of another user" in why, why
+
+
+def test_without_a_home_a_fresh_private_temporary_directory_is_used(tmp_path, monkeypatch):
+    """A home-less account gets a new ``mkdtemp`` directory, not the predictable ``$TMPDIR/flatopt-<uid>`` that
+    someone else may have made first (here a link to their directory); it is removed once the library is loaded."""
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("FLATOPT_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(no_home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    theirs, taken = tmp_path / "theirs", tmp_path / f"flatopt-{os.getuid()}"
+    theirs.mkdir()
+    taken.symlink_to(theirs)
+    native.reset()
+    try:
+        ok, where = native.status()
+        assert ok, where
+        assert where.startswith(str(tmp_path / "flatopt-")) and "private temporary directory" in where, where
+    finally:
+        native.reset()
+    assert list(theirs.iterdir()) == []
+    assert sorted(tmp_path.iterdir()) == [taken, theirs]
+
+
+@pytest.mark.parametrize("mode, refused", [(0o777, True), (0o1777, False)], ids=["non-sticky", "sticky"])
+def test_a_cache_directory_under_a_world_writable_parent(tmp_path, monkeypatch, mode, refused):
+    """Our own 0700 directory inside a world-writable parent: anyone could swap it there, unless the sticky bit
+    keeps others from renaming our entries."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    parent.chmod(mode)
+    (parent / "cache").mkdir(mode=0o700)
+    ok, why = _status_in(parent / "cache", monkeypatch)
+    if refused:
+        assert not ok and "writable by others without the sticky bit" in why, why
+        assert list((parent / "cache").iterdir()) == []
+    else:
+        assert ok, why
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting a file of another user needs root")
+def test_a_library_of_another_user_in_our_directory_is_not_loaded(tmp_path, monkeypatch, flipped_library):
+    """A library under a valid name (its own digest) in our directory, but not ours: removed, ours built."""
+    ok, where = _status_in(tmp_path, monkeypatch)
+    assert ok, where
+    (ours,) = tmp_path.glob("*.so")
+    key = ours.name.split("-")[1]
+    ours.unlink()
+    planted = f"elementwise-{key}-{hashlib.sha256(flipped_library).hexdigest()}.so"
+    _plant(tmp_path, flipped_library, planted)
+    os.chown(tmp_path / planted, 4242, 4242)
+    ok, where = _status_in(tmp_path, monkeypatch)
+    assert ok and not where.endswith(planted), where
+    assert not (tmp_path / planted).exists()
+    monkeypatch.setenv("FLATOPT_CACHE_DIR", str(tmp_path))
+    native.reset()
+    try:
+        _lion_gives_the_twins_bits()
+    finally:
+        native.reset()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "other library", "old name"])
+def test_a_damaged_library_is_rebuilt(tmp_path, monkeypatch, flipped_library, damage):
+    """The cached library cut to 4096 bytes, emptied, overwritten with garbage, or replaced by another valid library
+    (or one planted under the name of before, without its digest): detected before it is mapped, rebuilt, and the
+    step gives the twin's bits.  Run in a fresh process, so that a SIGBUS (a truncated library mapped) shows as a
+    failure instead of killing pytest."""
+    ok, where = _status_in(tmp_path, monkeypatch)
+    assert ok, where
+    (lib,) = tmp_path.glob("*.so")
+    lib.chmod(0o700)
+    if damage == "truncated":
+        os.truncate(lib, 4096)
+    elif damage == "empty":
+        os.truncate(lib, 0)
+    elif damage == "garbage":
+        lib.write_bytes(np.random.default_rng(0).bytes(lib.stat().st_size))
+    elif damage == "other library":
+        (tmp_path / "tmp.so").write_bytes(flipped_library)
+        os.replace(tmp_path / "tmp.so", lib)
+    else:
+        lib.unlink()
+        lib = tmp_path / f"elementwise-{lib.name.split('-')[1]}.so"
+        _plant(tmp_path, flipped_library, lib.name)
+    code = LION_STEP + "from flatopt.core import native; print(native.status()); print(p.tolist())"
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "FLATOPT_CACHE_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
+    status, values = res.stdout.splitlines()
+    assert status.startswith("(True, "), status
+    assert values == str([np.float32(0.9).item()] * 10), values
+    (built,) = tmp_path.glob("elementwise-*-*.so")
+    assert built.name == f"elementwise-{built.name.split('-')[1]}-{hashlib.sha256(built.read_bytes()).hexdigest()}.so"
+
+
+def test_the_build_is_flushed_before_and_after_its_rename(tmp_path, monkeypatch):
+    """The new library's bytes reach the disk before its rename and the directory entry after it: a power loss
+    leaves either no library or a whole one."""
+    events = []
+    fsync, rename = os.fsync, os.rename
+
+    def spy_fsync(fd):
+        events.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        fsync(fd)
+
+    def spy_rename(src, dst, **kw):
+        if str(dst).endswith(".so"):
+            events.append("rename")
+        rename(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "rename", spy_rename)
+    monkeypatch.setattr(os, "replace", spy_rename)
+    ok, where = _status_in(tmp_path, monkeypatch)
+    assert ok, where
+    assert events == ["fsync file", "rename", "fsync dir"], events
+
+
+def test_status_never_raises(monkeypatch, tmp_path):
+    """Whatever goes wrong while the library is found, built or loaded, ``status()`` answers (and the twins run)."""
+    def boom():
+        raise ValueError("something unforeseen")
+
+    monkeypatch.setattr(native.platform, "machine", boom)
+    ok, why = _status_in(tmp_path, monkeypatch)
+    assert not ok and "something unforeseen" in why, why
+
+
+COUNTING_CC = """#!/bin/sh
+case " $* " in *" -o "*) echo build >> "{count}"; sleep 1;; esac
+exec cc "$@"
+"""
+
+
+def test_processes_starting_together_compile_once(tmp_path):
+    """Four fresh processes on an empty cache: one compiles (a counting compiler, slowed by a second), the others
+    wait for it under the lock and load what it built."""
+    cc, count, cache = tmp_path / "cc", tmp_path / "count", tmp_path / "cache"
+    cc.write_text(COUNTING_CC.format(count=count))
+    cc.chmod(0o755)
+    env = {**os.environ, "FLATOPT_CACHE_DIR": str(cache), "FLATOPT_CC": str(cc)}
+    code = LION_STEP + "from flatopt.core import native; print(native.status()); print(p.tolist())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outs)) == 1 and outs[0].startswith("(True, "), outs
+    assert count.read_text().splitlines() == ["build"]
+    assert len(list(cache.glob("*.so"))) == 1
+
+
+SLOW_CC = """#!/bin/sh
+case " $* " in *" -o "*) sleep 60;; esac
+exec cc "$@"
+"""
+
+
+def test_a_build_killed_midway_leaves_nothing_for_long(tmp_path, monkeypatch):
+    """A process killed while it compiles leaves its temporary; the next build removes it once it is older than
+    any build can run (a fresh one, or a file not of our pattern, stays)."""
+    cc, cache = tmp_path / "cc", tmp_path / "cache"
+    cc.write_text(SLOW_CC)
+    cc.chmod(0o755)
+    env = {**os.environ, "FLATOPT_CACHE_DIR": str(cache), "FLATOPT_CC": str(cc)}
+    proc = subprocess.Popen([sys.executable, "-c", "from flatopt.core import native; native.status()"], env=env,
+                            start_new_session=True)  # (its own group: the compiler it runs is killed with it)
+    try:
+        for _ in range(600):
+            left = list(cache.glob("tmp*.so")) if cache.exists() else []
+            if left:
+                break
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    (left,) = left
+    old = time.time() - 2 * native_cache.STALE_S
+    os.utime(left, (old, old))
+    fresh, other = cache / "tmp0123456789abcdef.so", cache / "notours.so"
+    fresh.write_bytes(b"")
+    other.write_bytes(b"")
+    ok, where = _status_in(cache, monkeypatch)
+    assert ok, where
+    assert not left.exists() and fresh.exists() and other.exists()
+
+
+# ------------------------------------------------------------------------------------ signed zeros, alignment, NaN
+
+def test_a_negative_zero_lr_or_lr_scale_is_refused():
+    """-0.0 is refused wherever an lr or lr_scale is given (its sign would reach -lr, where the compiled pass, the
+    twin and the scalar caches keyed on values could not agree), naming it; nothing changes."""
+    with pytest.raises(ValueError, match=r"lr_scale\['b'\] must be >= 0, got -0.0"):
+        flatopt.Lion(lr=1e-2, weight_decay=0.0, lr_scale={"a": 0.0, "b": -0.0})
+    with pytest.raises(ValueError, match="Lion: lr must be >= 0, got -0.0"):
+        flatopt.Lion(lr=-0.0)
+    with pytest.raises(ValueError, match="-0.0"):
+        flatopt.Lion(lr=1e-2).set_lr(-0.0)
+    opt = flatopt.Lion(lr=1e-2, lr_scale=lambda name: -0.0)
+    p = np.full(4, -0.0, np.float32)
+    with pytest.raises(ValueError, match=r"parameter 'a': lr_scale must be finite and >= 0 \(not -0.0\)"):
+        opt.step("a", (4,), p, np.array([1, -1, 1, -1], np.float32))
+    assert p.view(np.uint32).tolist() == [0x80000000] * 4 and opt.state_dict().params == {}
+
+
+@pytest.mark.parametrize("order", [(0.0, -0.0), (-0.0, 0.0)], ids=["+0 first", "-0 first"])
+def test_the_compiled_scalars_are_keyed_on_their_bits(order):
+    """The audit's Lion case below validation (an lr of +0.0, then -0.0, on -0.0 parameters): each call gives the
+    twin's bits whatever came before (a cache keyed on values hands the second call the first one's zero)."""
+    from flatopt import lion
+
+    cfg = lion.LionConfig(1e-2, (0.9, 0.99), 0.0)
+    g = np.array([1, -1, 1, -1], np.float32)
+
+    def run(lr: float, compiled: bool) -> list[int]:
+        native.reset()
+        if not compiled:
+            native._state.update(lib=None, why="switched off by the test")  # noqa: SLF001
+        try:
+            p = np.full(4, -0.0, np.float32)
+            scratch = [np.empty(4, np.float32), np.empty(4, np.float32)]
+            lion.update(np, cfg, lion.init(np, cfg, (4,), np.float32), p, g, t=1, lr=lr, scratch=scratch)
+            return p.view(np.uint32).tolist()
+        finally:
+            native.reset()
+
+    for lr in order:
+        assert run(lr, compiled=True) == run(lr, compiled=False), lr
+
+
+def test_a_misaligned_buffer_never_reaches_the_compiled_pass():
+    """A float32 view at an odd byte offset: refused by validation for param and grad, naming the parameter (the
+    registry-wide check is in test_contract.py), and ``native.step`` itself declines it (the twin would run)."""
+    n = 8
+    bad = np.zeros(4 * n + 1, np.uint8)[1:].view(np.float32)
+    assert not bad.flags.aligned
+    ok = np.ones(n, np.float32)
+    for p, g, what in [(bad, ok, "param"), (ok.copy(), bad, "grad")]:
+        with pytest.raises(ValueError, match=f"parameter 'w': {what} is not aligned"):
+            flatopt.Lion(lr=0.1).step("w", (n,), p, g)
+    native.reset()
+    assert native.status()[0]
+    assert not native.step("lion", (bad, ok, np.zeros(n, np.float32)), (1.0, 0.9, 0.1, 0.99, 0.01, -0.1), 0)
+    assert bad.tolist() == [0.0] * n
+
+
+def test_a_stuck_lock_holder_does_not_hang_the_first_step(tmp_path, monkeypatch):
+    """A process that holds the build lock and never lets go: after a bounded wait the twins run, and status() says
+    why."""
+    import fcntl
+
+    tmp_path.chmod(0o700)
+    holder = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        monkeypatch.setattr(native_cache, "STALE_S", 0.3)
+        ok, why = _status_in(tmp_path, monkeypatch)
+        assert not ok and "held the build lock" in why, why
+    finally:
+        os.close(holder)

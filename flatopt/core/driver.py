@@ -331,9 +331,9 @@ class PerParamOptimizer:
             self._check_shape(it.name, shape)
             scale = self._lr_scale(it.name)
             if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not (
-                math.isfinite(scale) and scale >= 0
+                math.isfinite(scale) and math.copysign(1.0, scale) > 0  # (>= 0, and not -0.0: see check_lr)
             ):
-                raise ValueError(f"parameter {it.name!r}: lr_scale must be finite and >= 0, got {scale!r}")
+                raise ValueError(f"parameter {it.name!r}: lr_scale must be finite and >= 0 (not -0.0), got {scale!r}")
             if not (self._lr or 0.0) * scale <= _DTYPE_MAX[it.param.dtype]:
                 raise ValueError(f"parameter {it.name!r}: lr · lr_scale = {self._lr!r} · {scale!r} is not finite "
                                  f"in {it.param.dtype}")

@@ -6,15 +6,19 @@ Measured on a 2-vCPU AMD EPYC, two threads, one 16M float32 buffer (``python -m 
 settled in-process A/B): AdamW 14.9 -> 7.6 ms, Lion 14.1 -> 5.8 ms, QHAdamW 19.1 -> 7.7 ms, Sophia 18.2 -> 6.1 ms,
 Lamb 27.1 -> 15.8 ms, Mars 26.4 -> 13.3 ms; Lion's pass runs at the memory floor (two NumPy adds that read p, g, m
 and write p, m once: 5.8-6.5 ms).  ``kernels/cpu/elementwise.c`` keeps each twin's operations and their order,
-compiled without FMA contraction or fast-math, so every element gets the twin's bits (``tests/test_native.py``).
+compiled without FMA contraction or fast-math, so every element gets the twin's bits (``tests/test_native.py``),
+except that a NaN may carry another sign or payload (a vectorised loop may pass on the other NaN operand): it is
+NaN exactly where the twin's is.
 
 The source is compiled on first use with the system's C compiler (``cc``, or ``FLATOPT_CC``) into a cache
-directory (``FLATOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/flatopt``, else ``~/.cache/flatopt``, else a per-user
-temporary one; a directory others can write into is refused), keyed by the source, the flags and the compiler's
-version: 1.8 s with gcc 12 on 2 cores (the probe above prints it), once per machine.  Without a compiler, when the
-build fails, or with ``FLATOPT_NATIVE=0``, the NumPy twins run: the same bits, slower.  ``status()`` says which and
-why.  This module is the only one that knows the library; an algorithm calls ``step`` (or ``columns``) and falls
-back to its twin when it returns False.
+directory (``FLATOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/flatopt``, else ``~/.cache/flatopt``, else a fresh private
+temporary one), keyed by the source, the flags and the compiler's version: 1.8 s with gcc 12 on 2 cores (the probe
+above prints it), once per machine.  ``core/native_cache.py`` builds and opens it: a directory another user could
+swap or write into is refused, processes starting together compile once, and a library is loaded only after its
+bytes match the digest in its name (a damaged one is rebuilt).  Without a compiler, when the build fails, or with
+``FLATOPT_NATIVE=0``, the NumPy twins run: the same bits, slower.  ``status()`` says which and why, and never
+raises.  This module is the only one that knows the library's entries; an algorithm calls ``step`` (or ``columns``)
+and falls back to its twin when it returns False.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from . import native_cache
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "elementwise.c"
 # No -ffast-math and no FMA contraction: each operation rounds as NumPy's ufunc does (the twin's bits).
@@ -48,46 +54,15 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "lib": {entry: bound function} or None, "why": a line
 
 
-def _cache_dirs() -> list[Path]:
-    """Where the library may be built, in order: FLATOPT_CACHE_DIR, else the user cache, then a per-user temporary
-    directory."""
-    env = os.environ.get("FLATOPT_CACHE_DIR")
-    if env:
-        return [Path(env)]
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    out = [Path(tempfile.gettempdir()) / f"flatopt-{uid}"]
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    try:
-        out.insert(0, (Path(xdg) if xdg else Path.home() / ".cache") / "flatopt")
-    except (RuntimeError, KeyError):  # no home directory (a bare service account): the temporary one alone
-        pass
-    return out
-
-
-def _private(d: Path) -> bool:
-    """``d`` exists (made with mode 0700 if not) and only this user can write into it: a library loaded from it
-    cannot have been planted by someone else."""
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not hasattr(os, "getuid"):  # pragma: no cover - not POSIX
-        return True
-    st = d.stat()
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
-
-
-def _compile(exe: str, lib: Path) -> str | None:
-    """Build ``lib`` from SOURCE (atomically: concurrent processes share the cache); None, or why it failed."""
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([exe, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                             timeout=300)
+def _compiler(exe: str) -> Any:
+    """``compile_to(path, pass_fds)`` for ``native_cache.load``: builds SOURCE at ``path``; None, or why it failed."""
+    def compile_to(path: str, fds: tuple[int, ...]) -> str | None:
+        res = subprocess.run([exe, *FLAGS, "-o", path, str(SOURCE), "-lm"], capture_output=True, text=True,
+                             timeout=native_cache.COMPILE_TIMEOUT_S, pass_fds=fds)
         if res.returncode != 0:
             return f"{Path(exe).name} failed on {SOURCE.name}: {res.stderr.strip()[-500:]}"
-        os.replace(tmp, lib)
         return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return compile_to
 
 
 def _bind(handle: Any) -> dict[str, Any]:
@@ -110,26 +85,33 @@ def _build() -> tuple[Any, str]:
     exe = shutil.which(cc)
     if exe is None:
         return None, f"no C compiler {cc!r} on PATH (set FLATOPT_CC)"
-    why = "no private, writable cache directory"
+    if not os.path.isdir("/proc/self/fd"):  # pragma: no cover - Linux has it
+        return None, "no /proc/self/fd: the library is only loaded through its checked descriptor"
     try:
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
         key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
                                          platform.machine().encode()])).hexdigest()[:20]
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
-    for d in _cache_dirs():
+    why = "no private, writable cache directory"
+    for d, temporary in native_cache.default_dirs():
         try:
-            if not _private(d):
-                why = f"{d} is writable by others"
-                continue
-            lib = d / f"elementwise-{key}.so"
-            if not lib.exists():
-                failed = _compile(exe, lib)
-                if failed:
-                    return None, failed
-            return _bind(ctypes.CDLL(str(lib))), str(lib)
+            dfd = native_cache.open_private_dir(d)
+            try:
+                handle, name = native_cache.load(dfd, key, _compiler(exe))
+            finally:
+                os.close(dfd)
+            return _bind(handle), str(d / name) + (" (a private temporary directory, removed once loaded)"
+                                                   if temporary else "")
+        except native_cache.Unsafe as exc:
+            why = f"refused: {exc}"
+        except RuntimeError as exc:  # the compiler failed: another directory would not help
+            return None, str(exc)
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:
             why = f"{type(exc).__name__}: {exc}"
+        finally:
+            if temporary:
+                native_cache.remove_temporary(d)
     return None, why
 
 
@@ -139,7 +121,10 @@ def _lib() -> Any:
         return lib
     with _lock:
         if "lib" not in _state:
-            _state["lib"], _state["why"] = _build()
+            try:
+                _state["lib"], _state["why"] = _build()
+            except Exception as exc:  # noqa: BLE001 - whatever happens, the twins run and status() says why
+                _state["lib"], _state["why"] = None, f"{type(exc).__name__}: {exc}"
         return _state["lib"]
 
 
@@ -155,8 +140,9 @@ def reset() -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _scalars(values: tuple[float, ...]) -> Any:
-    return (ctypes.c_double * len(values))(*values)
+def _scalars(packed: bytes) -> Any:
+    """The C array of the doubles packed in ``packed``: keyed on their bits, not their values (``-0.0 == 0.0``)."""
+    return (ctypes.c_double * (len(packed) // 8)).from_buffer_copy(packed)
 
 
 def step(name: str, arrays: Sequence[np.ndarray], scalars: tuple[float, ...], flags: int) -> bool:
@@ -183,10 +169,10 @@ def _call(name: str, arrays: Sequence[np.ndarray], sizes: Sequence[int], extents
     if fns is None or dt is None:
         return False
     for a, size in zip(arrays, sizes):
-        if a.dtype != dtype or not a.flags.c_contiguous or a.size != size:
+        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != size:
             return False
     rc = fns[name](dt, *[a.__array_interface__["data"][0] for a in arrays], *extents,
-                   _scalars(tuple(map(float, scalars))), int(flags))
+                   _scalars(struct.pack(f"{len(scalars)}d", *scalars)), int(flags))
     if rc != 0:  # pragma: no cover - the dtype is checked above
         raise RuntimeError(f"flatopt_{name} returned {rc}")
     return True

@@ -54,6 +54,9 @@ def check_array(name: str, what: str, a: Any) -> str:
         raise TypeError(f"parameter {name!r}: {what} dtype must be float32 or float64, got {a.dtype}")
     if not a.flags.c_contiguous:
         raise ValueError(f"parameter {name!r}: {what} must be contiguous (got a strided view)")
+    if not (a.flags.aligned if backend == "numpy" else _address_range(a)[0] % a.dtype.itemsize == 0):
+        raise ValueError(f"parameter {name!r}: {what} is not aligned to its {a.dtype.itemsize}-byte elements "
+                         f"(a view at an odd byte offset; copy it into an array of its own)")
     return backend
 
 
@@ -156,8 +159,15 @@ def check_lr(lr: Any, what: str = "lr", owner: str | None = None) -> float:
     anything changes, an ``lr · lr_scale(name)`` that is not finite in that parameter's dtype; Muon refuses an
     ``lr · s`` or ``lr · weight_decay`` that overflows float32).  A product with the *update* (lr = 1e30 times a
     gradient of 1e10) depends on values flatopt never scans inside a step (no host synchronisation): it overflows to
-    ``±inf`` in the parameters, exactly as ``torch.optim`` does.  Check gradients with ``flatopt.gradients``."""
-    return check_range(owner, what, lr, 0.0, LR_MAX)
+    ``±inf`` in the parameters, exactly as ``torch.optim`` does.  Check gradients with ``flatopt.gradients``.
+
+    ``-0.0`` is refused as the negative number it is: its sign would reach ``-lr`` and the decay factors, where the
+    compiled passes, the twins and the per-step scalar caches (keyed on values, where ``-0.0 == 0.0``) could not all
+    agree."""
+    v = check_range(owner, what, lr, 0.0, LR_MAX)
+    if v == 0.0 and math.copysign(1.0, v) < 0:
+        raise ValueError(f"{owner + ': ' if owner else ''}{what} must be >= 0, got -0.0 (a negative zero; use 0.0)")
+    return v
 
 
 def check_range(owner: str | None, field: str, value: Any, lo: float, hi: float, *, lo_open=False,
