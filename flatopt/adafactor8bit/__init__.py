@@ -69,7 +69,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, TypeAlias, Union
 
 import numpy as np
 
-from . import apollo, fused, paths
+from . import apollo, fused, paths, segmented
 from ..core import blocks, gpu_run, parallel, shards
 from ..adafactor import factored_passes
 from . import state as S
@@ -296,6 +296,21 @@ class Adafactor8Bit(PerParamOptimizer):
 
     def _step_whole(self, it: OptItem, slot: Any, lr: tuple[float, float], blas: bool = False) -> None:
         self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[], blas=blas)
+
+    def _kernel_batch(self, gpu: list[Any]) -> bool:
+        """``core.gpu_run.run_gpu``'s hook: the segmentable items by segmented kernels over all tensors of a group
+        (``adafactor8bit.segmented``), then the rest per tensor (a second ``run_gpu`` whose hook finds nothing to
+        segment); False when nothing was segmentable."""
+        rest = segmented.run(self, gpu)
+        if len(rest) == len(gpu):
+            return False
+        if rest:
+            gpu_run.run_gpu(self, rest)
+        return True
+
+    def _forget_plans(self) -> None:
+        super()._forget_plans()
+        segmented.forget(self)
 
     def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
                        lr: tuple[float, float]) -> bool:
