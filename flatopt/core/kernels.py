@@ -41,6 +41,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "qhadamw.cu": ("qhadamw_step", "qhadamw_multi"),
     "radam.cu": ("radam_step", "radam_multi"),
     "sgd.cu": ("sgd_step", "sgd_multi"),
+    "sq_norm.cu": ("sq64_partials", "sq64_fold"),
     "sophia.cu": ("sophia_step", "sophia_multi"),
 }
 
