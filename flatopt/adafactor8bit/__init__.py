@@ -46,7 +46,9 @@ Deviations from the original (all deliberate):
 
 GPU (CuPy arrays): the factored, CAME and elementwise (Adam- and Adafactor-style) steps are fused CUDA kernels
 (``flatopt.adafactor8bit.fused``, ``kernels/adafactor8bit.cu``): decode, EMA, statistics, update and re-encode in
-registers, 4–13 launches per parameter, no host synchronisation, no allocation per step, deterministic reductions
+registers, 4–13 launches per parameter (the factored step without a first moment, the default, and the elementwise
+step with a float32 second moment and no first moment: 7 and 3 launches per group of tensors, segmented over all of
+them, ``flatopt.adafactor8bit.segmented``), no host synchronisation, no allocation per step, deterministic reductions
 (no atomics), the twin's bits wherever its sums are exact (otherwise the sums' rounding differs: see ``fused``);
 SGD mode, Fira, ``lag_norm``, ``maximize`` and the momentum-only rule included.  APOLLO's step is 7 kernels around
 its projection GEMM (``flatopt.adafactor8bit.apollo_fused``, ``kernels/apollo8bit.cu``; P drawn on the device from
