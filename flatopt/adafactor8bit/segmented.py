@@ -146,20 +146,10 @@ class _Group:
                     return base + x[1] * size
                 return x if isinstance(x, int) else _ptr(x)
 
-            table_rows = np.asarray([[val(f[k]) for k in FIELDS] for f in rows], np.int64).reshape(-1)
             lists = {k: (np.concatenate(v) if v else np.empty((0, 2), np.int64)) for k, v in ents.items()}
             self.nblocks = {k: len(v) for k, v in lists.items()}
-            parts_ = [table_rows] + [v.reshape(-1) for v in lists.values()]
-            host = np.concatenate(parts_)
-            stream = cp.cuda.get_current_stream()
-            table = cp.asarray(host)  # async, through CuPy's pinned staging
-            self.uploaded = stream.record()
-            self.streams = {stream.ptr}
-            views, at = {}, 0
-            for name, part in zip(["tab", *lists], parts_):
-                views[name] = table[at:at + part.size]
-                at += part.size
-            self.views, self.table = views, table
+            self.table = step_plan.DeviceTable(cp, {"tab": [[val(f[k]) for k in FIELDS] for f in rows], **lists})
+            self.views = self.table.views
         # the state arrays the table addresses (params and grads: weak references, in Plan)
         self.keep = [x for f in rows for k, x in f.items() if k not in ("p", "g") and hasattr(x, "data")]
 
@@ -178,10 +168,7 @@ class _Group:
                 kernels.get("adafactor8bit.cu", name, self.dtype)((grid,), (threads,), args)
 
         with self.device:
-            stream = cp.cuda.get_current_stream()
-            if stream.ptr not in self.streams:  # the table was uploaded on another stream: order after it
-                stream.wait_event(self.uploaded)
-                self.streams.add(stream.ptr)
+            self.table.order(cp)
             if self.path == FACTORED:
                 need_u = cfg.d > 0 or fira
                 lo = fused._lo(b)  # noqa: SLF001
