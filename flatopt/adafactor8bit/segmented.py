@@ -17,8 +17,10 @@ per-step scalar (b, ρ) is one kernel argument.  On the 76-tensor transformer se
 param, grad and state objects, configurations, step-count offsets and ``lr_scale``s): per group one int64 device
 table (a row of ``FIELDS`` per tensor, then each pass's block list) and two workspaces (the dtype's and float32)
 holding each tensor's scratch: 1/R, the factors, the column partials (≈ n/32 elements of a factored tensor), W, the
-partials of Σθ² and ΣU², the step's scalars, the exact values of the quantized factor vectors, and U of an elementwise
-tensor (n floats).  A steady-state step uploads and allocates nothing and never synchronises with the host.
+partials of Σθ² and ΣU², the step's scalars and the exact values of the quantized factor vectors (no full-size
+scratch: the elementwise apply recomputes U from the gradient and the new V, bit for bit).  Not segmented, because
+their per-tensor steps keep a full-size float32 scratch (the exact first moment, the exact quantized V) that a plan
+would hold per tensor: the first moment, CAME, a quantized elementwise V; nor SGD mode and APOLLO.  A steady-state step uploads and allocates nothing and never synchronises with the host.
 
 Bits: each block of a segmented pass runs, through the same device function, the part of a tensor (a row, a column
 block, a codec block, a matrix, a chunk) that a block of the per-tensor kernel runs, and every reduction is cut and
@@ -44,7 +46,7 @@ ALIGN = 32  # elements: each scratch array starts at a multiple of this in its w
 
 FIELDS = ("p", "g", "n", "B", "r", "c", "rq", "rbits", "rsc", "rml", "rx", "rquant", "cq", "cbits", "csc", "cml", "cx",
           "cquant", "block", "inv", "pp", "npp", "rf", "cf", "cparts", "wparts", "wsum", "ub", "nu", "parts", "scal",
-          "prev", "fprev", "lagf", "sqrtn", "sqrtnd", "u", "uparts", "v")  # A8S_* of the .cu file, in order
+          "prev", "fprev", "lagf", "sqrtn", "sqrtnd", "uparts", "v")  # A8S_* of the .cu file, in order
 FACTORED, FLAT = "factored", "flat"
 _ITEM, _SLOT, _LR = itemgetter(0), itemgetter(1), itemgetter(2)
 
@@ -129,8 +131,8 @@ class _Group:
                 ents["fac"].append(_pairs(ti, bdim))
             else:
                 nparts = -(-n // fused.CHUNK)
-                f.update(v=st.variance, u=("f", fl.take(n)), uparts=("f", fl.take(nparts)), pp=("t", tl.take(nparts)),
-                         nu=nparts, npp=nparts)
+                f.update(v=st.variance, uparts=("f", fl.take(nparts)), pp=("t", tl.take(nparts)), nu=nparts,
+                         npp=nparts)
                 ents["flat"].append(_pairs(ti, nparts))
             ents["apply"].append(_pairs(ti, n, fused.CHUNK))
             rows.append(f)
@@ -182,16 +184,19 @@ class _Group:
                 adam = (not cfg.factored) and cfg.beta2 is not None and cfg.beta3 is None
                 eps_g2 = 0.0 if adam else eps1
                 need_u = cfg.d > 0 or fira
-                k("a8f_flat_u_seg", nb["flat"], (v["tab"], v["flat"], f32(b), f32(1.0 - b), f32(b * eps_g2), i32(adam),
-                                                 f32(eps1 if adam else 0.0), f32(max(eps1 * eps1, quant.FLT_MIN)),
+                u_args = (i32(adam), f32(eps1 if adam else 0.0), f32(max(eps1 * eps1, quant.FLT_MIN)))
+                k("a8f_flat_u_seg", nb["flat"], (v["tab"], v["flat"], f32(b), f32(1.0 - b), f32(b * eps_g2), *u_args,
                                                  i32(need_u), i32(cfg.scale_parameter), i32(cfg.maximize)))
                 use_u, negate = (2 if need_u else 0), False
             k("a8f_scalars_seg", self.ntensors,
               (v["tab"], i32(use_u), f32(rho), i32(cfg.scale_parameter), f32(cfg.eps[1]), i32(0), f32(1.0), f32(cfg.d),
                i32(cfg.d > 0), i32(cfg.weight_decay != 0), f32(cfg.weight_decay), i32(cfg.scale_weight_decay),
                i32(cfg.lag_norm), i32(fira), f32(1.0 + cfg.fira_margin), i32(negate)))
-            k("a8f_apply_seg" if self.path == FACTORED else "a8f_flat_apply_seg", nb["apply"],
-              (v["tab"], v["apply"], i32(cfg.weight_decay != 0), i32(fira)))
+            decay = (i32(cfg.weight_decay != 0), i32(fira))
+            if self.path == FACTORED:
+                k("a8f_apply_seg", nb["apply"], (v["tab"], v["apply"], *decay))
+            else:  # U recomputed from g and the new V (the same bits; no full-size U kept)
+                k("a8f_flat_apply_seg", nb["apply"], (v["tab"], v["apply"], *u_args, i32(cfg.maximize), *decay))
 
 
 class Plan:

@@ -508,6 +508,34 @@ __global__ void a8f_m_step(const T* g, int mode, const T* rf, const T* cf, long 
 // moment v (exact values from a8_al_ema, or the float32 state updated here: v*(1-b) + float(float(g*b)*g) [+ b*eps]),
 // u = src/(sqrt(v) + eps) (adam: src*(1/(...)) with a first moment) or src*(1/sqrt(max(v, eps^2))), src the exact
 // first moment m (float) or g; u[i] (float); partials: uparts = sum u^2 (float), pparts = sum p^2 (T).
+// The elementwise step's source of U (flat.flat_phases): the gradient, negated and rounded to float for maximize
+// (common.src_chunk; T's products and quotients of floats rounded to float are the float operations' results).
+template <typename T>
+__device__ __forceinline__ T a8f_flat_g(const T* g, long long idx, int neg) {
+    return neg ? (T)(-(float)g[idx]) : g[idx];
+}
+
+// U of one element from its new second moment vv: adam: src/(sqrt(vv) + eps) (m*(1/(...)) with a first moment),
+// else src*(1/sqrt(max(vv, eps^2))); src the exact first moment m (float) or the gradient gv.
+template <typename T>
+__device__ __forceinline__ float a8f_flat_uv(T gv, float vv, const float* m, int use_m, long long idx, int adam,
+                                             float eps_d, float eps_sq) {
+    float o;
+    if (adam) {
+        o = sqrtf(vv);
+        o = o + eps_d;
+        if (use_m) { o = 1.0f / o; o = m[idx] * o; }
+        else o = (float)(gv / (T)o);
+    } else {
+        o = a8_max(vv, eps_sq);
+        o = sqrtf(o);
+        o = 1.0f / o;
+        o = use_m ? m[idx] * o : (float)(gv * (T)o);
+    }
+    return o;
+}
+
+// u: where U goes (null: not kept; a8f_flat_apply_seg recomputes it from the new v, bit for bit).
 template <typename T>
 __device__ void a8f_flat_chunk(long long chunk, const T* g, float* v, int vquant, float b, float b1m, float beps,
                                const float* m, int use_m, int adam, float eps_d, float eps_sq, float* u, const T* p,
@@ -519,9 +547,7 @@ __device__ void a8f_flat_chunk(long long chunk, const T* g, float* v, int vquant
     for (int i = threadIdx.x; i < A8F_CHUNK; i += A8F_THREADS) {
         const long long idx = base + i;
         if (idx >= n) break;
-        // maximize: the negated gradient rounded to float (common.src_chunk); T's products and quotients of floats
-        // rounded to float are the float operations' results
-        const T gv = neg ? (T)(-(float)g[idx]) : g[idx];
+        const T gv = a8f_flat_g(g, idx, neg);
         float o;
         if (sgd) {  // SGD mode: u = m / (1 - beta1), or g
             o = use_m ? m[idx] / b1c : (float)gv;
@@ -538,18 +564,8 @@ __device__ void a8f_flat_chunk(long long chunk, const T* g, float* v, int vquant
             if (beps != 0.0f) vv = vv + beps;
             v[idx] = vv;
         }
-        if (adam) {
-            o = sqrtf(vv);
-            o = o + eps_d;
-            if (use_m) { o = 1.0f / o; o = m[idx] * o; }
-            else o = (float)(gv / (T)o);
-        } else {
-            o = a8_max(vv, eps_sq);
-            o = sqrtf(o);
-            o = 1.0f / o;
-            o = use_m ? m[idx] * o : (float)(gv * (T)o);
-        }
-        u[idx] = o;
+        o = a8f_flat_uv<T>(gv, vv, m, use_m, idx, adam, eps_d, eps_sq);
+        if (u) u[idx] = o;
         su += o * o;
         if (need_p) { const T pv = p[idx]; sp += pv * pv; }
     }
@@ -570,11 +586,10 @@ __global__ void a8f_flat_u(const T* g, float* v, int vquant, float b, float b1m,
 
 // theta <- theta*decay - u*s (flat.apply_tasks).
 template <typename T>
-__device__ __forceinline__ void a8f_flat_one(long long i, T* p, const float* u, float s, T dec, int has_decay,
-                                             int zero_nf) {
+__device__ __forceinline__ void a8f_flat_one(long long i, T* p, float u, float s, T dec, int has_decay, int zero_nf) {
     T pv = p[i];
     if (has_decay) pv = pv * dec;
-    float ui = u[i] * s;
+    float ui = u * s;
     if (zero_nf && !isfinite(ui)) ui = 0.0f;
     p[i] = pv - (T)ui;
 }
@@ -585,7 +600,7 @@ __global__ void a8f_flat_apply(T* p, const float* u, long long n, const float* s
     const T dec = (T)scal[1];
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        a8f_flat_one<T>(i, p, u, s, dec, has_decay, zero_nf);
+        a8f_flat_one<T>(i, p, u[i], s, dec, has_decay, zero_nf);
 }
 
 // ================================================================================================================
@@ -633,10 +648,9 @@ __global__ void a8f_flat_apply(T* p, const float* u, long long n, const float* s
 #define A8S_LAGF 33
 #define A8S_SQRTN 34   // float32 bits of sqrt(n)
 #define A8S_SQRTND 35  // float32 bits of sqrt(n) * d
-#define A8S_U 36       // elementwise: U (float, n)
-#define A8S_UPARTS 37  // elementwise: (float) partials of sum U^2 per chunk
-#define A8S_V 38       // elementwise: the float32 second moment
-#define A8S_NCOL 39
+#define A8S_UPARTS 36  // elementwise: (float) partials of sum U^2 per chunk
+#define A8S_V 37       // elementwise: the float32 second moment
+#define A8S_NCOL 38
 
 __device__ __forceinline__ const long long* a8s_row(const long long* tab, long long ti) { return tab + A8S_NCOL * ti; }
 template <typename P>
@@ -735,7 +749,7 @@ __global__ void a8f_apply_seg(const long long* __restrict__ tab, const long long
                          a8s_ptr<const T>(t, A8S_CF), t[A8S_R], t[A8S_C], small, s, dec, has_decay, zero_nf);
 }
 
-// Entries (tensor, chunk): a8f_flat_u with the float32 second moment V and no first moment.
+// Entries (tensor, chunk): a8f_flat_u with the float32 second moment V and no first moment (U not kept).
 template <typename T>
 __global__ void a8f_flat_u_seg(const long long* __restrict__ tab, const long long* __restrict__ ent, float b,
                                float b1m, float beps, int adam, float eps_d, float eps_sq, int need_u, int need_p,
@@ -745,20 +759,25 @@ __global__ void a8f_flat_u_seg(const long long* __restrict__ tab, const long lon
     const long long* e = ent + 2 * (long long)blockIdx.x;
     const long long* t = a8s_row(tab, e[0]);
     a8f_flat_chunk<T>(e[1], a8s_ptr<const T>(t, A8S_G), a8s_ptr<float>(t, A8S_V), 0, b, b1m, beps, nullptr, 0, adam,
-                      eps_d, eps_sq, a8s_ptr<float>(t, A8S_U), a8s_ptr<const T>(t, A8S_P), a8s_ptr<T>(t, A8S_PP),
+                      eps_d, eps_sq, nullptr, a8s_ptr<const T>(t, A8S_P), a8s_ptr<T>(t, A8S_PP),
                       a8s_ptr<float>(t, A8S_UPARTS), t[A8S_N], need_u, need_p, neg, 0, 1.0f, sh, shf);
 }
 
-// Entries (tensor, first element): a8f_flat_apply over elements [first, first + A8F_CHUNK).
+// Entries (tensor, first element): a8f_flat_apply over elements [first, first + A8F_CHUNK), U recomputed from the
+// gradient and the new V (a8f_flat_uv, as a8f_flat_u_seg made it: the same bits, and no full-size U kept).
 template <typename T>
-__global__ void a8f_flat_apply_seg(const long long* __restrict__ tab, const long long* __restrict__ ent,
-                                   int has_decay, int zero_nf) {
+__global__ void a8f_flat_apply_seg(const long long* __restrict__ tab, const long long* __restrict__ ent, int adam,
+                                   float eps_d, float eps_sq, int neg, int has_decay, int zero_nf) {
     const long long* e = ent + 2 * (long long)blockIdx.x;
     const long long* t = a8s_row(tab, e[0]);
     const float* scal = a8s_ptr<const float>(t, A8S_SCAL);
     const float s = scal[0];
     const T dec = (T)scal[1];
     const long long n = t[A8S_N], hi = e[1] + A8F_CHUNK < n ? e[1] + A8F_CHUNK : n;
-    for (long long i = e[1] + threadIdx.x; i < hi; i += blockDim.x)
-        a8f_flat_one<T>(i, a8s_ptr<T>(t, A8S_P), a8s_ptr<const float>(t, A8S_U), s, dec, has_decay, zero_nf);
+    const T* g = a8s_ptr<const T>(t, A8S_G);
+    const float* v = a8s_ptr<const float>(t, A8S_V);
+    for (long long i = e[1] + threadIdx.x; i < hi; i += blockDim.x) {
+        const float u = a8f_flat_uv<T>(a8f_flat_g(g, i, neg), v[i], nullptr, 0, i, adam, eps_d, eps_sq);
+        a8f_flat_one<T>(i, a8s_ptr<T>(t, A8S_P), u, s, dec, has_decay, zero_nf);
+    }
 }
