@@ -43,10 +43,12 @@ from ..core import backend, blocks, kernels, step_plan
 ENABLED = True  # False: every item per tensor (tests compare the two)
 MAX_PLANS = 8  # plans kept per optimizer for batches of two or more names
 ALIGN = 32  # elements: each scratch array starts at a multiple of this in its workspace
+WORK = 4096  # elements: small rows, column blocks and matrices go several to a block, up to about this much work
+MAX_PER = 64  # and at most this many to a block
 
 FIELDS = ("p", "g", "n", "B", "r", "c", "rq", "rbits", "rsc", "rml", "rx", "rquant", "cq", "cbits", "csc", "cml", "cx",
           "cquant", "block", "inv", "pp", "npp", "rf", "cf", "cparts", "wparts", "wsum", "ub", "nu", "parts", "scal",
-          "prev", "fprev", "lagf", "sqrtn", "sqrtnd", "uparts", "v")  # A8S_* of the .cu file, in order
+          "prev", "fprev", "lagf", "sqrtn", "sqrtnd", "uparts", "v", "rpb", "cpb", "fpb")  # A8S_* of the .cu file, in order
 FACTORED, FLAT = "factored", "flat"
 _ITEM, _SLOT, _LR = itemgetter(0), itemgetter(1), itemgetter(2)
 
@@ -67,6 +69,11 @@ def _ptr(a) -> int:
 
 def _f32_bits(x: float) -> int:
     return int(np.float32(x).view(np.int32))
+
+
+def _per(work: int) -> int:
+    """Units (rows, column blocks, matrices) of ``work`` elements each to one block of a segmented pass."""
+    return max(1, min(MAX_PER, WORK // max(work, 1)))
 
 
 def _pairs(ti: int, units: int, step: int = 1) -> np.ndarray:
@@ -125,10 +132,11 @@ class _Group:
                         nb = quant.nblocks(size, cfg.block_size)
                         ents["enc"].append(np.stack([np.full(nb, ti, np.int64), np.full(nb, which, np.int64),
                                                      np.arange(nb, dtype=np.int64)], axis=1))
-                ents["rows"].append(_pairs(ti, nr))
-                ents["cols"].append(_pairs(ti, -(-c // 128) * parts * bdim))
+                f.update(rpb=_per(c), cpb=_per(min(r, fused.ROWS) * min(c, 128)), fpb=_per(r + c))
+                ents["rows"].append(_pairs(ti, nr, f["rpb"]))
+                ents["cols"].append(_pairs(ti, -(-c // 128) * parts * bdim, f["cpb"]))
                 ents["fin"].append(_pairs(ti, -(-nc // fused.THREADS)))
-                ents["fac"].append(_pairs(ti, bdim))
+                ents["fac"].append(_pairs(ti, bdim, f["fpb"]))
             else:
                 nparts = -(-n // fused.CHUNK)
                 f.update(v=st.variance, uparts=("f", fl.take(nparts)), pp=("t", tl.take(nparts)), nu=nparts,

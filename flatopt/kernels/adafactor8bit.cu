@@ -650,33 +650,48 @@ __global__ void a8f_flat_apply(T* p, const float* u, long long n, const float* s
 #define A8S_SQRTND 35  // float32 bits of sqrt(n) * d
 #define A8S_UPARTS 36  // elementwise: (float) partials of sum U^2 per chunk
 #define A8S_V 37       // elementwise: the float32 second moment
-#define A8S_NCOL 38
+#define A8S_RPB 38     // rows per entry of a8f_rows_seg, column blocks per entry of a8f_cols_seg, matrices per entry
+#define A8S_CPB 39     // of a8f_factors_seg (several small units to a block: a short table for many tiny rows or
+#define A8S_FPB 40     // matrices)
+#define A8S_NCOL 41
 
 __device__ __forceinline__ const long long* a8s_row(const long long* tab, long long ti) { return tab + A8S_NCOL * ti; }
 template <typename P>
 __device__ __forceinline__ P* a8s_ptr(const long long* row, int f) { return (P*)row[f]; }
 __device__ __forceinline__ float a8s_f32(const long long* row, int f) { return __int_as_float((int)row[f]); }
 
-// Entries (tensor, row): a8f_rows in mode 0 (the gradient).
+// The units [first, min(first + per, total)) of an entry.
+__device__ __forceinline__ long long a8s_end(long long first, long long per, long long total) {
+    return first + per < total ? first + per : total;
+}
+
+// Entries (tensor, first row; RPB rows): a8f_rows in mode 0 (the gradient).
 template <typename T>
 __global__ void a8f_rows_seg(const long long* __restrict__ tab, const long long* __restrict__ ent, float w, int lo,
                              float add, int need_p) {
     __shared__ T sh[A8F_THREADS];
     const long long* e = ent + 2 * (long long)blockIdx.x;
     const long long* t = a8s_row(tab, e[0]);
-    a8f_row<T>(e[1], a8s_ptr<const void>(t, A8S_G), 0, t[A8S_C], a8s_ptr<const void>(t, A8S_RQ), (int)t[A8S_RBITS],
-               a8s_ptr<const float>(t, A8S_RSC), a8s_ptr<const float>(t, A8S_RML), (int)t[A8S_BLOCK],
-               a8s_ptr<float>(t, A8S_RX), (int)t[A8S_RQUANT], w, lo, add, a8s_ptr<T>(t, A8S_INV),
-               a8s_ptr<const T>(t, A8S_P), a8s_ptr<T>(t, A8S_PP), need_p, sh);
+    const long long end = a8s_end(e[1], t[A8S_RPB], t[A8S_B] * t[A8S_R]);
+    for (long long row = e[1]; row < end; ++row)
+        a8f_row<T>(row, a8s_ptr<const void>(t, A8S_G), 0, t[A8S_C], a8s_ptr<const void>(t, A8S_RQ),
+                   (int)t[A8S_RBITS], a8s_ptr<const float>(t, A8S_RSC), a8s_ptr<const float>(t, A8S_RML),
+                   (int)t[A8S_BLOCK], a8s_ptr<float>(t, A8S_RX), (int)t[A8S_RQUANT], w, lo, add,
+                   a8s_ptr<T>(t, A8S_INV), a8s_ptr<const T>(t, A8S_P), a8s_ptr<T>(t, A8S_PP), need_p, sh);
 }
 
-// Entries (tensor, block): a8f_col_parts in mode 0, fused with W (launched with blockDim.x == 128, as it).
+// Entries (tensor, first block; CPB blocks): a8f_col_parts in mode 0, fused with W (launched with blockDim.x == 128,
+// as it).
 template <typename T>
 __global__ void a8f_cols_seg(const long long* __restrict__ tab, const long long* __restrict__ ent) {
     const long long* e = ent + 2 * (long long)blockIdx.x;
     const long long* t = a8s_row(tab, e[0]);
-    a8f_col_part<T>(e[1], a8s_ptr<const void>(t, A8S_G), 0, nullptr, 0, a8s_ptr<const T>(t, A8S_INV), 1, t[A8S_B],
-                    t[A8S_R], t[A8S_C], a8s_ptr<T>(t, A8S_CPARTS), a8s_ptr<T>(t, A8S_WPARTS));
+    const long long r = t[A8S_R], c = t[A8S_C];
+    const long long total = ((c + blockDim.x - 1) / blockDim.x) * ((r + A8F_ROWS - 1) / A8F_ROWS) * t[A8S_B];
+    const long long end = a8s_end(e[1], t[A8S_CPB], total);
+    for (long long blk = e[1]; blk < end; ++blk)
+        a8f_col_part<T>(blk, a8s_ptr<const void>(t, A8S_G), 0, nullptr, 0, a8s_ptr<const T>(t, A8S_INV), 1, t[A8S_B],
+                        r, c, a8s_ptr<T>(t, A8S_CPARTS), a8s_ptr<T>(t, A8S_WPARTS));
 }
 
 // Entries (tensor, chunk of blockDim.x columns): a8f_col_fin, fused.
@@ -706,16 +721,18 @@ __global__ void a8f_encode_seg(const long long* __restrict__ tab, const long lon
                      sh);
 }
 
-// Entries (tensor, matrix): a8f_factors.
+// Entries (tensor, first matrix; FPB matrices): a8f_factors.
 template <typename T>
 __global__ void a8f_factors_seg(const long long* __restrict__ tab, const long long* __restrict__ ent, int use_w,
                                 float rfloor) {
     __shared__ T sh[A8F_THREADS];
     const long long* e = ent + 2 * (long long)blockIdx.x;
     const long long* t = a8s_row(tab, e[0]);
-    a8f_factor<T>(e[1], a8s_ptr<const float>(t, A8S_RX), a8s_ptr<const float>(t, A8S_CX),
-                  a8s_ptr<const T>(t, A8S_WSUM), use_w, t[A8S_R], t[A8S_C], rfloor, a8s_ptr<T>(t, A8S_RF),
-                  a8s_ptr<T>(t, A8S_CF), a8s_ptr<T>(t, A8S_UB), sh);
+    const long long end = a8s_end(e[1], t[A8S_FPB], t[A8S_B]);
+    for (long long b = e[1]; b < end; ++b)
+        a8f_factor<T>(b, a8s_ptr<const float>(t, A8S_RX), a8s_ptr<const float>(t, A8S_CX),
+                      a8s_ptr<const T>(t, A8S_WSUM), use_w, t[A8S_R], t[A8S_C], rfloor, a8s_ptr<T>(t, A8S_RF),
+                      a8s_ptr<T>(t, A8S_CF), a8s_ptr<T>(t, A8S_UB), sh);
 }
 
 // One block per tensor (blockIdx.x = its row): a8f_scalars in mode 0; use_u 1: sum U^2 from UB (factored), 2: from
