@@ -268,20 +268,30 @@ SEG_GROUPS = [("f.*", dict(quantize=False)), ("wd.*", dict(weight_decay=0.1, d=0
 
 
 def _seg_run(dtype, *, segmented, twin, monkeypatch, shapes=SEG_SHAPES, groups=SEG_GROUPS, dyadic=False, steps=3,
-             **kw):
+             reuse=False, **kw):
     from flatopt.adafactor8bit import segmented as seg
     monkeypatch.setattr(seg, "ENABLED", segmented)
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "1" if twin else "0")
     cp = backend.cupy()
     rng = np.random.default_rng(3)
-    draw = ((lambda n: _dyadic(rng, n, dtype)) if dyadic else
-            (lambda n: rng.standard_normal(n).astype(dtype)))
-    ps = {k: cp.asarray(draw(math.prod(s))) for k, s in shapes.items()}
+    def dt(name):  # "mixed": the a.* tensors in float64, the others in float32 (two groups of each path)
+        return (np.float64 if name.startswith("a.") else np.float32) if dtype == "mixed" else dtype
+
+    draw = ((lambda n, k: _dyadic(rng, n, dt(k))) if dyadic else
+            (lambda n, k: rng.standard_normal(n).astype(dt(k))))
+    ps = {k: cp.asarray(draw(math.prod(s), k)) for k, s in shapes.items()}
     opt = flatopt.Adafactor8Bit(groups=groups, lr_scale=lambda name: 0.5 if name.startswith("s.") else 1.0,
                                 **dict(SMALL, **kw))
     before = {k: v for k, v in emu.stats.by_kernel.items()}
-    for _ in range(steps):
-        opt.step_batch([OptItem(k, s, ps[k], cp.asarray(draw(math.prod(s)))) for k, s in shapes.items()])
+    gs = {k: cp.asarray(draw(math.prod(s), k)) for k, s in shapes.items()}
+    for step in range(steps):
+        if reuse:  # the same gradient arrays, rewritten (the plan is re-used), and a new base learning rate
+            for k, s in shapes.items():
+                gs[k][...] = cp.asarray(draw(math.prod(s), k))
+            opt.set_lr(0.01 * (step + 1))
+        else:
+            gs = {k: cp.asarray(draw(math.prod(s), k)) for k, s in shapes.items()}
+        opt.step_batch([OptItem(k, s, ps[k], gs[k]) for k, s in shapes.items()])
     if backend.cupy() is fakecupy.module:  # which kernels ran
         ran = {k for k, v in emu.stats.by_kernel.items() if v != before.get(k, 0)}
         assert any(k.startswith("a8f_") and "_seg<" in k for k in ran) == (segmented and not twin), ran
@@ -291,12 +301,14 @@ def _seg_run(dtype, *, segmented, twin, monkeypatch, shapes=SEG_SHAPES, groups=S
             {k: backend.to_numpy(v) for k, v in opt.state_dict().buffers.items()})
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_segmented_gives_the_per_tensor_bits(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype, reuse", [(np.float32, False), (np.float64, False), ("mixed", False),
+                                          (np.float32, True)])
+def test_segmented_gives_the_per_tensor_bits(dtype, reuse, monkeypatch):
     """Random data, the default clip and parameter scaling: the segmented kernels' θ, codes, scales and min_logs are
-    the per-tensor fused kernels' bits (every reduction cut and ordered by the tensor's own sizes)."""
-    ps, ss = _seg_run(dtype, segmented=True, twin=False, monkeypatch=monkeypatch)
-    pt, st = _seg_run(dtype, segmented=False, twin=False, monkeypatch=monkeypatch)
+    the per-tensor fused kernels' bits (every reduction cut and ordered by the tensor's own sizes); ``reuse``: the
+    same gradient arrays every step (the cached plan runs again) under a changing learning rate."""
+    ps, ss = _seg_run(dtype, segmented=True, twin=False, monkeypatch=monkeypatch, reuse=reuse)
+    pt, st = _seg_run(dtype, segmented=False, twin=False, monkeypatch=monkeypatch, reuse=reuse)
     assert ss.keys() == st.keys()
     for k in ps:
         assert_bits_equal(ps[k], pt[k], k)
