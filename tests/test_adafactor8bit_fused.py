@@ -358,3 +358,16 @@ def test_segmented_launch_count_on_the_transformer_set(monkeypatch, gpu_device):
     launches, syncs, allocs, kinds = _count(flatopt.Adafactor8Bit(lr=1e-2), items)
     assert launches <= 24, (launches, sorted(kinds))
     assert syncs == 0 and allocs == 0, (syncs, allocs)
+
+
+def test_segmented_table_fields_are_the_kernels():
+    """segmented.FIELDS names the columns of a tensor's table row in the order of the A8S_* indices of the .cu file."""
+    import re
+
+    from flatopt.adafactor8bit import segmented as seg
+    from flatopt.core import kernels
+
+    src = (kernels.KERNEL_DIR / "adafactor8bit.cu").read_text()
+    idx = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define A8S_(\w+) (\d+)", src, re.M)}
+    assert idx.pop("NCOL") == len(seg.FIELDS)
+    assert sorted(idx, key=idx.get) == [f.upper() for f in seg.FIELDS]

@@ -6,8 +6,9 @@ Segmented paths: the factored Adafactor step without a first moment (the default
 ``a8f_scalars_seg``, ``a8f_apply_seg``: 6–7 launches per group) and the elementwise step with a float32 second moment
 and no first moment (1-D tensors below ``min_8bit_size`` by default, or ``factored=False``: ``a8f_flat_u_seg``,
 ``a8f_scalars_seg``, ``a8f_flat_apply_seg``: 3 launches per group), with ``maximize``, weight decay, the clip,
-parameter scaling, Fira and ``lag_norm``.  Every other item (a first moment, CAME, SGD mode, a quantized elementwise
-second moment, APOLLO, empty parameters) runs as before: ``fused.kernel_step`` per tensor, or the twin.
+parameter scaling, Fira and ``lag_norm``.  Every other item runs as before (``fused.kernel_step`` per tensor, or the
+twin): a first moment, CAME and a quantized elementwise second moment (their per-tensor steps keep a full-size float32
+scratch, the exact m or V, that a plan would have to hold per tensor), SGD mode, APOLLO and empty parameters.
 
 A group: the items of one device, dtype, configuration object, path, step count and ``lr_scale``, so that every
 per-step scalar (b, ρ) is one kernel argument.  On the 76-tensor transformer set under the defaults: two groups,
@@ -18,9 +19,8 @@ param, grad and state objects, configurations, step-count offsets and ``lr_scale
 table (a row of ``FIELDS`` per tensor, then each pass's block list) and two workspaces (the dtype's and float32)
 holding each tensor's scratch: 1/R, the factors, the column partials (≈ n/32 elements of a factored tensor), W, the
 partials of Σθ² and ΣU², the step's scalars and the exact values of the quantized factor vectors (no full-size
-scratch: the elementwise apply recomputes U from the gradient and the new V, bit for bit).  Not segmented, because
-their per-tensor steps keep a full-size float32 scratch (the exact first moment, the exact quantized V) that a plan
-would hold per tensor: the first moment, CAME, a quantized elementwise V; nor SGD mode and APOLLO.  A steady-state step uploads and allocates nothing and never synchronises with the host.
+scratch: the elementwise apply recomputes U from the gradient and the new V, bit for bit).  A steady-state step
+uploads and allocates nothing and never synchronises with the host.
 
 Bits: each block of a segmented pass runs, through the same device function, the part of a tensor (a row, a column
 block, a codec block, a matrix, a chunk) that a block of the per-tensor kernel runs, and every reduction is cut and
@@ -48,7 +48,7 @@ MAX_PER = 64  # and at most this many to a block
 
 FIELDS = ("p", "g", "n", "B", "r", "c", "rq", "rbits", "rsc", "rml", "rx", "rquant", "cq", "cbits", "csc", "cml", "cx",
           "cquant", "block", "inv", "pp", "npp", "rf", "cf", "cparts", "wparts", "wsum", "ub", "nu", "parts", "scal",
-          "prev", "fprev", "lagf", "sqrtn", "sqrtnd", "uparts", "v", "rpb", "cpb", "fpb")  # A8S_* of the .cu file, in order
+          "prev", "fprev", "lagf", "sqrtn", "sqrtnd", "uparts", "v", "rpb", "cpb", "fpb")  # the .cu's A8S_*, in order
 FACTORED, FLAT = "factored", "flat"
 _ITEM, _SLOT, _LR = itemgetter(0), itemgetter(1), itemgetter(2)
 
