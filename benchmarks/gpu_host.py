@@ -79,7 +79,9 @@ def workloads(kind: str, quick: bool):
         return [("76 tensors" + tag, b), ("500 x 64", [(64,)] * 500)]
     if kind == "adafactor":
         return [("76 tensors" + tag, b), ("1024 x 1024", [(1024, 1024)]) if quick else ("4096 x 4096", [(4096, 4096)])]
-    if kind in ("af8", "af8m", "came", "apollo"):
+    if kind == "af8":
+        return [("76 tensors" + tag, b), ("2048 x 1024", [(2048, 1024)])]
+    if kind in ("af8m", "came", "apollo"):
         return [("2048 x 1024", [(2048, 1024)])]
     return [("1024 x 1024", [(1024, 1024)])]
 

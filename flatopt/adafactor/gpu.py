@@ -124,19 +124,11 @@ class _Group:
             self.work = cp.empty(max(off, 1), self.dtype)  # every entry is written before it is read, each step
             base, itemsize = _ptr(self.work), self.work.itemsize
             rows = np.asarray([t.row(base, itemsize) for t in tensors], np.int64).reshape(-1)
-            parts = [rows, np.asarray(scales, np.float64).view(np.int64)] + [v.reshape(-1) for v in lists.values()]
-            host = np.concatenate(parts)
-            stream = cp.cuda.get_current_stream()
-            table = cp.asarray(host)  # async, through CuPy's pinned staging (core/multi_tensor.py)
-            self.uploaded = stream.record()
-            self.streams = {stream.ptr}
-            views, at = {}, 0
-            for name, part in zip(["tensors", "scales", *lists], parts):
-                views[name] = table[at:at + part.size]
-                at += part.size
+            self.table = step_plan.DeviceTable(cp, {"tensors": rows, "scales": np.asarray(scales, np.float64).view(
+                np.int64), **lists})  # (core/multi_tensor.py: the upload)
+            views = dict(self.table.views)
             views["scales"] = views["scales"].view(cp.float64)
             self.views = views
-            self.table = table
         # the state arrays the table addresses (params and grads: weak references, in Plan)
         self.keep = [a for t in tensors for a in t.arrays[2:] if a is not None]
 
@@ -154,10 +146,7 @@ class _Group:
                 kernels.get("adafactor.cu", name, self.dtype)((grid,), (THREADS,), args)
 
         with self.device:
-            stream = cp.cuda.get_current_stream()
-            if stream.ptr not in self.streams:  # the table was uploaded on another stream: order after it
-                stream.wait_event(self.uploaded)
-                self.streams.add(stream.ptr)
+            self.table.order(cp)
             k("af_stats_multi", nb["stats"], (v["tensors"], v["stats"], *ema, i32(need_rms)))
             k("af_cols_multi", nb["cols"], (v["tensors"], v["cols"]))
             k("af_colfold_multi", nb["fold"], (v["tensors"], v["fold"], *ema))

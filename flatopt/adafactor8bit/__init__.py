@@ -46,7 +46,9 @@ Deviations from the original (all deliberate):
 
 GPU (CuPy arrays): the factored, CAME and elementwise (Adam- and Adafactor-style) steps are fused CUDA kernels
 (``flatopt.adafactor8bit.fused``, ``kernels/adafactor8bit.cu``): decode, EMA, statistics, update and re-encode in
-registers, 4–13 launches per parameter, no host synchronisation, no allocation per step, deterministic reductions
+registers, 4–13 launches per parameter (the factored step without a first moment, the default, and the elementwise
+step with a float32 second moment and no first moment: 7 and 3 launches per group of tensors, segmented over all of
+them, ``flatopt.adafactor8bit.segmented``), no host synchronisation, no allocation per step, deterministic reductions
 (no atomics), the twin's bits wherever its sums are exact (otherwise the sums' rounding differs: see ``fused``);
 SGD mode, Fira, ``lag_norm``, ``maximize`` and the momentum-only rule included.  APOLLO's step is 7 kernels around
 its projection GEMM (``flatopt.adafactor8bit.apollo_fused``, ``kernels/apollo8bit.cu``; P drawn on the device from
@@ -69,7 +71,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence, TypeAlias, Union
 
 import numpy as np
 
-from . import apollo, fused, paths
+from . import apollo, fused, paths, segmented
 from ..core import blocks, gpu_run, parallel, shards
 from ..adafactor import factored_passes
 from . import state as S
@@ -305,6 +307,21 @@ class Adafactor8Bit(PerParamOptimizer):
 
     def _step_whole(self, it: OptItem, slot: Any, lr: tuple[float, float], blas: bool = False) -> None:
         self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[], blas=blas)
+
+    def _kernel_batch(self, gpu: list[Any]) -> bool:
+        """``core.gpu_run.run_gpu``'s hook: the segmentable items by segmented kernels over all tensors of a group
+        (``adafactor8bit.segmented``), then the rest per tensor (a second ``run_gpu`` whose hook finds nothing to
+        segment); False when nothing was segmentable."""
+        rest = segmented.run(self, gpu)
+        if len(rest) == len(gpu):
+            return False
+        if rest:
+            gpu_run.run_gpu(self, rest)
+        return True
+
+    def _forget_plans(self) -> None:
+        super()._forget_plans()
+        segmented.forget(self)
 
     def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
                        lr: tuple[float, float]) -> bool:

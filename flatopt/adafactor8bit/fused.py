@@ -21,6 +21,10 @@ clip — is made by ``a8f_scalars`` into a 4-float device array that the later k
   ``a8f_scalars`` (the clip) and ``a8f_m_step`` (m ← lerp(m, U/clip, 1 − β1), the step is m) after ``a8f_flat_u``:
   5–6 launches; SGD mode (no second moment) likewise: 3–4 launches.
 
+In a ``step_batch`` the default factored step and the elementwise step with a float32 second moment (both without a
+first moment) run segmented over all tensors of a group instead (``adafactor8bit.segmented``: the same device
+functions, the same bits, one launch per pass for the group).
+
 Not fused (the twin runs): APOLLO (``adafactor8bit.apollo``) and ``use_cuda_kernel=False``.  ``maximize``,
 ``lag_norm`` and the Fira limiter (its state ``fira_prev``, ``prev_update_norm``, ``lag_fira_scale`` updated on the
 device by ``a8f_scalars``) are fused.  Scratch is the calling thread's workspace (``core.workspace``, keys

@@ -25,7 +25,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                      "af_apply_multi"),
     "adafactor8bit.cu": ("a8_al_ema", "a8_m_ema", "a8f_rows", "a8f_col_parts", "a8f_col_fin", "a8f_al_encode",
                          "a8f_factors", "a8f_scalars", "a8f_usq_rows", "a8f_apply", "a8f_m_step", "a8f_flat_u",
-                         "a8f_flat_apply"),
+                         "a8f_flat_apply", "a8f_rows_seg", "a8f_cols_seg", "a8f_colfin_seg", "a8f_encode_seg",
+                         "a8f_factors_seg", "a8f_scalars_seg", "a8f_apply_seg", "a8f_flat_u_seg", "a8f_flat_apply_seg"),
     "adam.cu": ("adam_step", "adam_multi"),
     "adamw.cu": ("adamw_step", "adamw_multi"),
     "apollo8bit.cu": ("ap_draw", "ap_grad", "ap_lowrank", "ap_scalars", "ap_apply"),
@@ -40,6 +41,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "qhadamw.cu": ("qhadamw_step", "qhadamw_multi"),
     "radam.cu": ("radam_step", "radam_multi"),
     "sgd.cu": ("sgd_step", "sgd_multi"),
+    "sq_norm.cu": ("sq64_partials", "sq64_fold"),
     "sophia.cu": ("sophia_step", "sophia_multi"),
 }
 

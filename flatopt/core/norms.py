@@ -160,3 +160,45 @@ def column_ranges(lay: Columns, width: int) -> list[tuple[int, int, int]]:
         if cost:
             out.append((cost, c0, c1))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Σ x² over several buffers in float64 (``distributed.global_norm``'s local sum): each buffer's sum in
+# ``blocks.sq_sum``'s blocked order over the terms float64(x)², then total = ((0 + S₀) + S₁) + ... in buffer order.
+# NumPy sweeps the column layout in pieces of at most ``SUMSQ_CHUNK`` terms (no full-size float64 copy); CuPy runs
+# ``kernels/sq_norm.cu`` (two launches per buffer, no host synchronisation).  Same bits on both, any thread count.
+SUMSQ_CHUNK = 1 << 16
+
+
+def sumsq64(xp, buffers) -> object:
+    """Σ over ``buffers`` of Σ float64(x)² (the order above): a NumPy float64, or a 0-d float64 CuPy array."""
+    bufs = [b if b.ndim == 1 else b.reshape(-1) for b in buffers if b.size]
+    if xp is np:
+        total = np.float64(0.0)
+        for b in bufs:
+            total = total + _sumsq64_np(b)
+        return total
+    from . import kernels  # (kernels imports the CuPy backend lazily)
+
+    if not bufs:
+        return xp.zeros((), np.float64)
+    nbs = [sq_layout(b.size)[0] for b in bufs]
+    out = xp.empty(1 + max(nbs), np.float64)  # total, then the partials of one buffer at a time (all written first)
+    for i, (b, nb) in enumerate(zip(bufs, nbs)):
+        kernels.get("sq_norm.cu", "sq64_partials", b.dtype)((nb,), (SQ_THREADS,),
+                                                             (b, np.int64(b.size), np.int64(nb), out[1:]))
+        kernels.get("sq_norm.cu", "sq64_fold", b.dtype)((1,), (SQ_THREADS,),
+                                                        (out[1:], np.int64(nb), np.int32(i == 0), out[:1]))
+    return out[0]
+
+
+def _sumsq64_np(b: np.ndarray) -> np.float64:
+    lay = columns(b.size)
+    acc = np.zeros(lay.cols, np.float64)
+    x64 = np.empty(SUMSQ_CHUNK, np.float64)
+    s = np.empty(SUMSQ_CHUNK + lay.cols, np.float64)
+    for start, rows, width, col, first in blocks(lay, 0, lay.cols, SUMSQ_CHUNK):
+        x = x64[:rows * width]
+        np.copyto(x, b[start:start + rows * width])
+        add_squares(acc[col:col + width], x, rows, first, s)
+    return np.float64(sq_fold(acc, lay.nb, np.empty(fold_len(lay.nb), np.float64))[0])

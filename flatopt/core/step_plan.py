@@ -228,6 +228,30 @@ def watch(plan, arrays) -> list:
     return [weakref.ref(a, died) for a in arrays]
 
 
+class DeviceTable:
+    """Named int64 host arrays uploaded as one device array on the current stream when a plan is built (async,
+    through CuPy's pinned staging), with a device view per name; :meth:`order` makes the current stream wait for the
+    upload the first time the table is used on another stream."""
+
+    def __init__(self, cp, parts: dict):
+        stream = cp.cuda.get_current_stream()
+        host = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts.values()])
+        self.table = cp.asarray(host)
+        self.uploaded = stream.record()
+        self.streams = {stream.ptr}
+        self.views, at = {}, 0
+        for name, part in parts.items():
+            size = np.asarray(part).size
+            self.views[name] = self.table[at:at + size]
+            at += size
+
+    def order(self, cp) -> None:
+        stream = cp.cuda.get_current_stream()
+        if stream.ptr not in self.streams:  # uploaded on another stream: order after it
+            stream.wait_event(self.uploaded)
+            self.streams.add(stream.ptr)
+
+
 def _as_item(it):
     return it if type(it) is OptItem else OptItem(*it)
 

@@ -51,6 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..core import backend as _backend
+from ..core import norms as _norms
 from .checkpoint import ShardedCheckpoints, load_merged
 from .comm import MpiBackend, NcclBackend, as_backend, digest
 from .plan import Plan
@@ -277,16 +278,14 @@ def allreduce_mean(buffers: Sequence[Array], comm: Any) -> None:
 def global_norm(buffers: Sequence[Array], comm: Any, *, allow_empty: bool = False, like: Array = None) -> Array:
     """√(Σ over the ranks of Σ over their ``buffers`` of Σ x²), accumulated in float64: the norm of the union of
     disjoint per-rank buffers (e.g. gradient shards).  NumPy: a NumPy float64; CuPy: a 0-d device array (no host
-    synchronisation).  Every rank must call it."""
+    synchronisation).  Every rank must call it.  The local sum adds in one documented order on both backends
+    (``core.norms.sumsq64``: each buffer in ``core.blocks.sq_sum``'s blocked order over float64(x)², the buffers in
+    order): the same bits on NumPy and CuPy; on CuPy two launches per buffer (then the all-reduce and the root)."""
     be = comm.backend if isinstance(comm, Sharded) else as_backend(comm)
     if not buffers and not allow_empty:
         raise ValueError("expected at least one buffer")
     be.check_arrays(buffers)
     probe = buffers[0] if buffers else like
     xp = _backend.array_module(probe) if probe is not None else np
-    total = xp.zeros((), xp.float64)
-    for b in buffers:
-        for lo in range(0, b.size, 1 << 16):
-            c = b.reshape(-1)[lo : lo + (1 << 16)].astype(xp.float64)
-            total = total + xp.dot(c, c)
+    total = _norms.sumsq64(xp, buffers)
     return xp.sqrt(be.allreduce_scalar(total))
