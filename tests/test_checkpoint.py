@@ -90,11 +90,15 @@ def test_load_reports_kept_hyperparameters():
     a = _trained()
     b = flatopt.AdamW(lr=0.5, amsgrad=True, weight_decay=0.0)
     assert b.load_state_dict(a.state_dict()) is True
-    assert b.lr == 0.5 and b.config.weight_decay == 0.0  # not silently overwritten
-    assert any(n.startswith("lr:") for n in b.last_load_notes)
+    # the lr in effect is training state (restored); a constructor hyper-parameter is kept and reported
+    assert b.lr == 0.01 and b.config.weight_decay == 0.0
+    assert "weight_decay: kept 0.0 (snapshot had 0.01)" in b.last_load_notes
+    assert any(n.startswith("lr: set to 0.01") and "had 0.5" in n for n in b.last_load_notes)
     c = flatopt.AdamW(lr=0.5, amsgrad=True, weight_decay=0.0)
     assert c.load_state_dict(a.state_dict(), restore_hparams=True) is True
     assert c.lr == 0.01 and c.config.weight_decay == 0.01
+    assert "weight_decay: restored 0.01 from the snapshot (this object had 0.0)" in c.last_load_notes
+    assert not any("kept" in n for n in c.last_load_notes), c.last_load_notes
 
 
 def test_config_that_matters_refuses_to_load():

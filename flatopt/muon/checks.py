@@ -120,8 +120,10 @@ def check_record(self, state: OptimizerState) -> None:
     if not isinstance(state, OptimizerState):
         raise E.RecordVersionMismatch(f"not an OptimizerState: {type(state).__name__}")
     key = state.config_key if isinstance(state.config_key, Mapping) else {}
-    if state.algorithm != self.algorithm or state.format_version != FORMAT_VERSION or key.get(
-            "version") != RECORD_VERSION:
+    if state.algorithm != self.algorithm:
+        raise E.RecordVersionMismatch(f"the snapshot is of algorithm {state.algorithm!r}, this optimizer is "
+                                      f"{self.algorithm!r} (a {type(self).__name__})")
+    if state.format_version != FORMAT_VERSION or key.get("version") != RECORD_VERSION:
         raise E.RecordVersionMismatch(f"record of {state.algorithm!r} version {key.get('version')!r} (format "
                                       f"version {state.format_version}); this is {self.algorithm!r} "
                                       f"v{RECORD_VERSION} (format version {FORMAT_VERSION})")
