@@ -12,7 +12,7 @@ import numpy as np
 from ..core import backend
 from .. import errors as E
 from ..core.types import FORMAT_VERSION, OptimizerState, OptItem
-from ..core.validate import FLOAT_DTYPES, check_item, check_shape
+from ..core.validate import FLOAT_DTYPES, check_item, check_shape, check_snapshot_fields
 from . import shape_scale
 
 RECORD_VERSION = 1
@@ -127,6 +127,10 @@ def check_record(self, state: OptimizerState) -> None:
         raise E.RecordVersionMismatch(f"record of {state.algorithm!r} version {key.get('version')!r} (format "
                                       f"version {state.format_version}); this is {self.algorithm!r} "
                                       f"v{RECORD_VERSION} (format version {FORMAT_VERSION})")
+    try:
+        check_snapshot_fields(state)
+    except E.IncompatibleStateError as exc:
+        raise E.StateMismatch(f"malformed record: {exc}") from None
     mine = self._muon.config.momentum_convention
     if key.get("momentum_convention") != mine:
         raise E.ConventionMismatch(f"record uses momentum convention {key.get('momentum_convention')!r}, this "
