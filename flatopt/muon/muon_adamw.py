@@ -244,6 +244,8 @@ class MuonAdamW:
         """The Optimizer protocol's step: ``try_step_with_lrs(lr, lr * adamw_lr_ratio, items)``.  Items with
         ``grad=None`` are not stepped; an alias must come with its target's buffers; everything is validated
         before either group changes anything, and the two groups then run concurrently."""
+        if type(items) is not list:
+            items = check_items_arg(items, type(self).__name__)
         self.try_step_with_lrs(self._lr, self._lr * self._ratio, items)
 
     def try_step_or_skip(self, muon_lr: float, adamw_lr: float,
