@@ -183,3 +183,17 @@ def test_a_snapshot_with_t_zero_loads():
     st = s.state_dict()
     assert st.params["w"]["t"] == 0
     assert flatopt.Sophia(lr=0.01).load_state_dict(st) is True
+
+
+def test_adafactor8bit_restore_hparams_refuses_group_overrides_it_cannot_apply():
+    """With ``restore_hparams`` the groups' overrides come from the snapshot: ones that do not make a configuration
+    are refused before anything changes (they raised after the slots were installed)."""
+    key = "adafactor8bit_apollo_came"
+    opt, params = _trained(key, 2)
+    source = _trained(key, 3, seed=5)[0].state_dict()
+    assert source.config["groups"][0]["select"]
+    bad = _mutated(source, "config.groups", [{**source.config["groups"][0], "overrides": {"beta1": "x"}}])
+    before = opt.state_dict()
+    assert opt.load_state_dict(bad, restore_hparams=True) is False
+    assert "'config'" in opt.last_load_notes[0] and "beta1" in opt.last_load_notes[0]
+    assert_states_equal(opt.state_dict(), before)
