@@ -285,7 +285,8 @@ def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, file_size: int, dtyp
                         f"stores members uncompressed")
     if info.compress_size != info.file_size or info.header_offset + info.file_size > file_size:
         raise _Mismatch(f"member {info.filename!r} declares {info.file_size} bytes, more than the file holds")
-    with z.open(info) as f:
+    with z.open(info) as member:
+        f: Any = member  # (a ZipExtFile: it has readinto)
         preamble = f.read(min(info.file_size, _NPY_PREAMBLE_MAX))
         bio = io.BytesIO(preamble)
         major, _ = np.lib.format.read_magic(bio)
@@ -307,12 +308,12 @@ def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, file_size: int, dtyp
             raise _Mismatch(f"member {info.filename!r} holds {info.file_size - bio.tell()} data bytes, its shape and "
                             f"dtype need {nbytes}")
         out = np.empty(got_shape, dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data  # (a memoryview of out's bytes)
         head = preamble[bio.tell():]
         view[: len(head)] = head
         pos = len(head)
         while pos < nbytes:
-            n = f.readinto(view[pos:])
+            n = f.readinto(view[pos: pos + (16 << 20)])  # (in pieces: no second copy of a large member)
             if not n:
                 raise EOFError(f"member {info.filename!r} ends early")
             pos += n

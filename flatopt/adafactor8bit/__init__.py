@@ -361,7 +361,8 @@ class Adafactor8Bit(PerParamOptimizer):
                     warnings.warn(message, migration.StateMigrationWarning, stacklevel=2)
             return ok
 
-    def _groups_from(self, state: OptimizerState) -> list[tuple[Select, dict[str, Any], Adafactor8BitConfig]] | None:
+    def _groups_from(self, state: OptimizerState
+                     ) -> list[tuple[Select, dict[str, Any], Adafactor8BitConfig]] | None:
         """For ``restore_hparams`` (nothing changed): each group takes the snapshot's overrides when its selector has
         the same description (selectors themselves are code and stay this object's), the group configurations
         rebuilt from the snapshot's base; ``None`` for a snapshot the driver refuses anyway (another algorithm, a

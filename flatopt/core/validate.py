@@ -212,8 +212,9 @@ def check_snapshot(state: Any, owner: str) -> None:
                     f"got {type(state).__name__}")
 
 
-# How deep a snapshot's JSON fields (config, config_key, per-parameter metadata, extra) may nest: far beyond what any
-# optimizer writes (a Router of Routers stays under 10), low enough that no later walk of them can hit the recursion limit.
+# How deep a snapshot's JSON fields (config, config_key, per-parameter metadata, extra) may nest: far beyond what
+# any optimizer writes (a Router of Routers stays under 10), low enough that no later walk of them (equality,
+# json.dumps) can reach the recursion limit.
 SNAPSHOT_MAX_DEPTH = 64
 
 
