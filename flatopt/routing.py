@@ -47,7 +47,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .core import backend, parallel
 from .core.types import FORMAT_VERSION, Array, JSONDict, OptimizerState, OptItem
-from .core.validate import check_batch_aliasing, check_lr, check_shape, check_snapshot
+from .core.validate import as_item, check_batch_aliasing, check_items_arg, check_lr, check_shape, check_snapshot
+from .core.validate import check_snapshot_fields
 from .errors import IncompatibleStateError
 
 __all__ = ["Group", "IncompatibleState", "Router", "RoutingError", "Select"]
@@ -171,7 +172,9 @@ class Router:
 
     def split(self, items: Sequence[OptItem]) -> dict[str, list[OptItem]]:
         """Validate ``items`` against every group (nothing changes) and return them by group, in item order."""
-        items = [it if isinstance(it, OptItem) else OptItem(*it) for it in items]
+        if type(items) is not list:
+            items = check_items_arg(items, type(self).__name__)
+        items = [as_item(i, it) for i, it in enumerate(items)]
         by_group: dict[str, list[OptItem]] = {g.name: [] for g in self.groups}
         seen: set[str] = set()
         for it in items:
@@ -309,8 +312,11 @@ class Router:
                 keys[g.name] = st.config_key
             key = self.config_key()
             key["group_keys"] = keys
+            extra: JSONDict = {"groups": groups}
+            if self._lr is not None:
+                extra["lr"] = self._lr  # the base lr last given to set_lr (each group's own is in its extra)
             return OptimizerState(algorithm=self.algorithm, config={"groups": configs}, config_key=key,
-                                  step=self.iteration, params=params, buffers=buffers, extra={"groups": groups})
+                                  step=self.iteration, params=params, buffers=buffers, extra=extra)
 
     def split_state(self, state: OptimizerState) -> dict[str, OptimizerState]:
         """The per-group snapshots inside a combined one; :class:`IncompatibleState` when it is not this router's."""
@@ -352,6 +358,11 @@ class Router:
         """Load a combined snapshot or raise :class:`IncompatibleState` (nothing changed)."""
         with self._lock:
             parts = self.split_state(state)
+            try:  # the router's own fields, before any group changes
+                check_snapshot_fields(OptimizerState(state.algorithm, {}, {}, state.step,
+                                                     extra={"lr": state.extra["lr"]} if "lr" in state.extra else {}))
+            except IncompatibleStateError as exc:
+                raise IncompatibleState(str(exc)) from None
             backups: list[tuple[Group, OptimizerState]] = []
             for g in self.groups:
                 before = g.optimizer.state_dict()
@@ -363,6 +374,8 @@ class Router:
                                             f"snapshot: {why}")
                 backups.append((g, before))
             self.iteration = int(state.step)
+            if "lr" in state.extra:
+                self._lr = float(state.extra["lr"])
 
     def load_state_dict(self, state: OptimizerState, *, strict: bool = False) -> bool:
         """``try_load_state_dict`` that answers ``False`` (nothing changed) with the reason in

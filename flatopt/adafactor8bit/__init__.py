@@ -76,7 +76,7 @@ from ..core import blocks, gpu_run, parallel, shards
 from ..adafactor import factored_passes
 from . import state as S
 from . import migrate as migration
-from ..core.driver import PerParamOptimizer
+from ..core.driver import PerParamOptimizer, config_from_dict
 from ..core.types import FORMAT_VERSION, Array, DecayMask, JSONDict, LrScale, OptimizerState, OptItem
 from ..errors import IncompatibleStateError
 from ..core.validate import check_lr, check_range
@@ -342,6 +342,11 @@ class Adafactor8Bit(PerParamOptimizer):
     def _extra_state(self) -> JSONDict:
         return {"apollo_seed_counter": self._apollo_seed_counter}
 
+    def _check_extra(self, extra: JSONDict) -> None:
+        counter = extra.get("apollo_seed_counter", 1)
+        if isinstance(counter, bool) or not isinstance(counter, (int, np.integer)) or counter < 1:
+            raise ValueError(f"apollo_seed_counter must be an int >= 1, got {counter!r}")
+
     def _load_extra(self, extra: JSONDict) -> None:
         self._apollo_seed_counter = int(extra.get("apollo_seed_counter", 1))
 
@@ -357,6 +362,13 @@ class Adafactor8Bit(PerParamOptimizer):
             # None: no migration; False: allowed (_build_from_state puts its migration.Report here if used)
             self._migration = None if restore_hparams or not migrate else False
             try:
+                groups = self._groups_from(state) if restore_hparams else None
+            except IncompatibleStateError as exc:
+                self.last_load_notes = [str(exc)]
+                if strict:
+                    raise
+                return False
+            try:
                 ok = super().load_state_dict(state, restore_hparams=restore_hparams, strict=strict)
                 report = self._migration
             except IncompatibleStateError:
@@ -366,8 +378,8 @@ class Adafactor8Bit(PerParamOptimizer):
                 self._migration = None
             if not ok:
                 self._apollo_seed_counter = counter
-            elif restore_hparams:
-                self._restore_groups(state.config.get("groups", []))
+            elif groups is not None:
+                self._restore_groups(groups)
             elif report:
                 self._apollo_seed_counter = report.seed_counter
                 message = report.warning()
@@ -375,15 +387,31 @@ class Adafactor8Bit(PerParamOptimizer):
                     warnings.warn(message, migration.StateMigrationWarning, stacklevel=2)
             return ok
 
-    def _restore_groups(self, saved: list[JSONDict]) -> None:
-        """After ``restore_hparams``: each group takes the snapshot's overrides when its selector has the same
-        description (selectors themselves are code and stay this object's), the group configurations are rebuilt
-        from the restored base, and every loaded parameter steps with its rebuilt configuration."""
+    def _groups_from(self, state: OptimizerState
+                     ) -> list[tuple[Select, dict[str, Any], Adafactor8BitConfig]] | None:
+        """For ``restore_hparams`` (nothing changed): each group takes the snapshot's overrides when its selector has
+        the same description (selectors themselves are code and stay this object's), the group configurations
+        rebuilt from the snapshot's base; ``None`` for a snapshot the driver refuses anyway (another algorithm, a
+        config that is not a dict); :class:`IncompatibleStateError` when they do not make configurations."""
+        if state.algorithm != self.algorithm or not isinstance(state.config, dict):
+            return None
+        saved = state.config.get("groups", [])
         groups: list[tuple[Select, dict[str, Any], Adafactor8BitConfig]] = []
-        for i, (sel, ov, _) in enumerate(self._groups):
-            if i < len(saved) and saved[i].get("select") == sel.describe():
-                ov = dict(saved[i].get("overrides", ov))
-            groups.append((sel, ov, dataclasses.replace(self.config, **ov)))
+        try:
+            base = config_from_dict(self.config_cls, state.config)
+            for i, (sel, ov, _) in enumerate(self._groups):
+                mine = saved[i] if isinstance(saved, list) and i < len(saved) else None
+                if isinstance(mine, dict) and mine.get("select") == sel.describe():
+                    ov = dict(mine.get("overrides", ov))
+                groups.append((sel, ov, dataclasses.replace(base, **ov)))
+        except (TypeError, ValueError) as exc:
+            raise IncompatibleStateError(f"snapshot field 'config': its groups do not make configurations "
+                                         f"({type(exc).__name__}: {exc})") from None
+        return groups
+
+    def _restore_groups(self, groups: list[tuple[Select, dict[str, Any], Adafactor8BitConfig]]) -> None:
+        """After a ``restore_hparams`` load: install ``_groups_from``'s groups; every loaded parameter steps with
+        its rebuilt configuration."""
         self._groups = groups
         for name, slot in self._slots.items():
             slot.state.cfg = self.config_for(name, slot.shape)

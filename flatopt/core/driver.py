@@ -31,7 +31,8 @@ from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_t
 from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
 from .slots import is_array as _is_array
 from .types import FORMAT_VERSION, Array, DecayMask, JSONDict, LrScale, OptimizerState, OptItem
-from .validate import check_batch_aliasing, check_item, check_lr, check_snapshot
+from .validate import as_item as _as_item, check_batch_aliasing, check_item, check_items_arg, check_lr
+from .validate import check_snapshot, check_snapshot_fields
 
 # Elementwise algorithms process NumPy buffers in chunks of this many elements, so that all the temporaries of
 # one chunk stay near the core (and the chunks can be spread over threads).  Measured on a 2-core Xeon (2 MB L2
@@ -128,8 +129,12 @@ class PerParamOptimizer:
     def _extra_state(self) -> JSONDict:
         return {}
 
+    def _check_extra(self, extra: JSONDict) -> None:
+        """Raise (``TypeError``/``ValueError``/:class:`IncompatibleStateError`, naming the field) when a snapshot's
+        ``extra`` (without the driver's ``lr``) is not what ``_load_extra`` takes; called before anything changes."""
+
     def _load_extra(self, extra: JSONDict) -> None:
-        pass
+        """Install the optimizer-wide state of a snapshot that passed ``_check_extra`` (must not fail)."""
 
     # ------------------------------------------------------------------------------------------ public API
     @property
@@ -169,8 +174,8 @@ class PerParamOptimizer:
         large items are split in cache-sized chunks and spread over threads and small ones are bucketed; on CuPy
         the fused kernels run without host synchronisation.  Thread-safe: one optimizer's calls are serialised."""
         with self._lock:
-            if not isinstance(items, (list, tuple)):
-                items = list(items)
+            if type(items) is not list:
+                items = check_items_arg(items, type(self).__name__)
             if self._decay is not None:
                 self._step_masked(items)
             else:
@@ -290,23 +295,25 @@ class PerParamOptimizer:
             self._forget_plans()
 
     def state_names(self) -> list[str]:
-        """The names that have state (stepped at least once), sorted."""
-        return sorted(self._slots)
+        """The names that have state (stepped at least once), sorted.  Thread-safe (waits for a running step)."""
+        with self._lock:
+            return sorted(self._slots)
 
     def state_nbytes(self) -> int:
-        """Bytes of optimizer state held (persistent arrays)."""
-        total = 0
-        for slot in self._slots.values():
-            for f in persistent_fields(slot.state):
-                v = getattr(slot.state, f.name)
-                if _is_array(v):
-                    total += v.nbytes
-        return total
+        """Bytes of optimizer state held (persistent arrays).  Thread-safe (waits for a running step)."""
+        with self._lock:
+            total = 0
+            for slot in self._slots.values():
+                for f in persistent_fields(slot.state):
+                    v = getattr(slot.state, f.name)
+                    if _is_array(v):
+                        total += v.nbytes
+            return total
 
     # --------------------------------------------------------------------------------------- preparation
     def _check_items(self, items: Sequence[OptItem]) -> list[Any]:
         """Validate every item (nothing is touched); return ``(item, shape, backend, lr_scale)`` per item."""
-        items = [it if isinstance(it, OptItem) else OptItem(*it) for it in items]
+        items = [it if isinstance(it, OptItem) else _as_item(i, it) for i, it in enumerate(items)]
         seen: set[str] = set()
         checked = []
         for it in items:
@@ -347,8 +354,8 @@ class PerParamOptimizer:
         """Raise what ``step_batch(items)`` would raise for bad input, changing nothing (routers use it to
         validate every group before any group mutates)."""
         with self._lock:
-            if not isinstance(items, (list, tuple)):
-                items = list(items)
+            if type(items) is not list:
+                items = check_items_arg(items, type(self).__name__)
             plan = self._find_plan(items)
             if plan is not None:
                 plan.params = plan.grads = None
@@ -416,9 +423,13 @@ class PerParamOptimizer:
         return d
 
     def state_dict(self) -> OptimizerState:
-        """A complete snapshot (arrays copied, on the backend they live on)."""
+        """A complete snapshot (arrays copied, on the backend they live on); ``extra["lr"]`` is the learning rate in
+        effect (what ``set_lr`` last set), training state that ``load_state_dict`` restores."""
         with self._lock:
             params, buffers = slotlib.snapshot(self._slots)
+            extra = self._extra_state()
+            if self._lr is not None:
+                extra = {**extra, "lr": self._lr}
             return OptimizerState(
                 algorithm=self.algorithm,
                 config=self._config_dict(),
@@ -426,36 +437,76 @@ class PerParamOptimizer:
                 step=self.iteration,
                 params=params,
                 buffers=buffers,
-                extra=self._extra_state(),
+                extra=extra,
             )
 
     def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False, strict: bool = False) -> bool:
         """Restore a snapshot exactly, or return ``False`` with nothing changed when it belongs to another
-        algorithm, format version, a configuration that matters, or holds a state that does not fit; the reason
-        (naming the parameter or field) is then ``last_load_notes[0]``, and ``strict=True`` raises it as
-        :class:`~flatopt.errors.IncompatibleStateError` instead.  A path or a dict is a ``TypeError`` (read files
-        with ``flatopt.load``).  Hyper-parameters that do not matter (lr, betas, ...) stay those of this object
-        unless ``restore_hparams``; after a load ``last_load_notes`` says what differed and what was kept."""
+        algorithm, format version, a configuration that matters, holds a state that does not fit, or is malformed
+        in any field (a wrong type or range: nothing is converted); the reason (naming the parameter or field) is
+        then ``last_load_notes[0]``, and ``strict=True`` raises it as :class:`~flatopt.errors.IncompatibleStateError`
+        instead.  A path or a dict is a ``TypeError`` (read files with ``flatopt.load``).
+
+        The learning rate in effect when the snapshot was taken (what ``set_lr`` last set, ``extra["lr"]``) is
+        training state and is restored, as are the step counts and every algorithm's counters.  Constructor
+        hyper-parameters that differ (betas, weight decay, ...) stay those of this object unless
+        ``restore_hparams``; ``last_load_notes`` says what differed and what was kept or restored.  A snapshot
+        without ``extra["lr"]`` (written before it was recorded) leaves the learning rate as it is (a note says
+        so when the snapshot's configuration had another one), unless ``restore_hparams``."""
         check_snapshot(state, type(self).__name__)
         with self._lock:
             try:
+                check_origin(state, self.algorithm)
+                check_snapshot_fields(state)
+                extra = {k: v for k, v in state.extra.items() if k != "lr"}
+                try:
+                    self._check_extra(extra)
+                except (TypeError, ValueError) as exc:
+                    raise IncompatibleStateError(f"snapshot field 'extra': {exc}") from None
                 slots, notes = self._build_from_state(state)
+                config, lr, notes = self._hparams_from_state(state, notes, restore_hparams)
             except IncompatibleStateError as exc:
                 self.last_load_notes = [str(exc)]
                 if strict:
                     raise
                 return False
-            if restore_hparams:
-                self.config = config_from_dict(self.config_cls, state.config)
-                self._lr = state.config.get("lr", self._lr)
-                if notes:
-                    notes = ["restored from the snapshot: " + n for n in notes]
+            # everything checked: install it all (nothing below can fail)
+            self.config = config
+            self._lr = lr
             self._slots = slots
             self._forget_plans()
             self.iteration = int(state.step)
-            self._load_extra(dict(state.extra))
+            self._load_extra(extra)
             self.last_load_notes = notes
             return True
+
+    def _hparams_from_state(self, state: OptimizerState, notes: list[str],
+                            restore_hparams: bool) -> tuple[Any, float | None, list[str]]:
+        """``(config, lr, notes)`` a load installs (nothing changed): the snapshot's lr in effect where recorded;
+        with ``restore_hparams`` the snapshot's configuration too; :class:`IncompatibleStateError` for a
+        configuration this algorithm refuses."""
+        config, lr = self.config, self._lr
+        recorded = "lr" in state.extra
+        if restore_hparams:
+            try:
+                config = config_from_dict(self.config_cls, state.config)
+                if not recorded:
+                    lr = state.config.get("lr", lr)
+                    lr = None if lr is None else check_lr(lr, "snapshot config['lr']")
+            except (TypeError, ValueError) as exc:
+                raise IncompatibleStateError(f"snapshot field 'config' does not make a "
+                                             f"{self.config_cls.__name__}: {exc}") from None
+            cur = self._config_dict()
+            differ = {k: v for k, v in state.config.items() if k in cur and cur[k] != v}
+            notes = [n for n in notes if not any(n.startswith(f"{k}: kept ") for k in differ)] + [
+                f"{k}: restored {v!r} from the snapshot (this object had {cur[k]!r})" for k, v in differ.items()]
+        if recorded:
+            lr = float(state.extra["lr"])
+            notes = [n for n in notes if not n.startswith("lr: ")]
+            if lr != self._lr:
+                notes.append(f"lr: set to {lr!r}, the learning rate in effect when the snapshot was taken (this "
+                             f"object had {self._lr!r})")
+        return config, lr, notes
 
     def _build_from_state(self, state: OptimizerState) -> tuple[dict[str, _Slot], list[str]]:
         """``(slots, notes)`` for ``state``, changing nothing; :class:`IncompatibleStateError` when it does not fit."""
@@ -469,15 +520,20 @@ class PerParamOptimizer:
         return slots, notes
 
 
-def check_compatible(state: OptimizerState, algorithm: str, config_key: Any) -> None:
-    """:class:`IncompatibleStateError` when ``state`` is of another algorithm or format version, or its config key
-    (the configuration fields that matter) differs from ``config_key`` (the message names each field)."""
+def check_origin(state: OptimizerState, algorithm: str) -> None:
+    """:class:`IncompatibleStateError` when ``state`` is of another algorithm or format version."""
     if state.algorithm != algorithm:
         raise IncompatibleStateError(f"the snapshot is of algorithm {state.algorithm!r}, this optimizer is "
                                      f"{algorithm!r}")
     if state.format_version != FORMAT_VERSION:
         raise IncompatibleStateError(f"the snapshot has format version {state.format_version!r}, this flatopt "
                                      f"reads {FORMAT_VERSION}")
+
+
+def check_compatible(state: OptimizerState, algorithm: str, config_key: Any) -> None:
+    """:class:`IncompatibleStateError` when ``state`` is of another algorithm or format version, or its config key
+    (the configuration fields that matter) differs from ``config_key`` (the message names each field)."""
+    check_origin(state, algorithm)
     theirs = state.config_key
     if theirs != config_key:
         if isinstance(theirs, Mapping) and isinstance(config_key, Mapping):

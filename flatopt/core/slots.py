@@ -88,12 +88,34 @@ def restore(params: Mapping, buffers: Mapping, template: Callable[[str, tuple, n
                 raise IncompatibleStateError(f"parameter {name!r}: the snapshot holds buffer {key!r}, which this "
                                              f"optimizer's configuration does not keep")
             else:
-                kw[f.name] = meta.get(f.name, tv)
+                kw[f.name] = _scalar(name, f.name, meta.get(f.name, tv), tv)
         slots[name] = Slot(shape, dtype, backend or "numpy", t, dataclasses.replace(tmpl, **kw), pinned=False)
     left = sorted(set(buffers) - used)
     if left:
         raise IncompatibleStateError(f"buffer {left[0]!r} of the snapshot belongs to no parameter it describes")
     return slots
+
+
+def _scalar(name: str, field: str, value: Any, fresh: Any) -> Any:
+    """A per-parameter scalar of the snapshot, of the JSON type the fresh state holds there (an int where it holds
+    an int, never a bool, None or a str for it; a float may be written as an int); a field fresh states leave
+    ``None`` takes any JSON scalar.  :class:`~flatopt.errors.IncompatibleStateError` otherwise."""
+    if value is fresh or fresh is None and (value is None or isinstance(value, (bool, int, float, str))):
+        return value
+    if isinstance(fresh, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(fresh, (int, np.integer)):
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    elif isinstance(fresh, (float, np.floating)):
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    elif isinstance(fresh, str):
+        ok = isinstance(value, str)
+    else:
+        ok = False
+    if not ok:
+        raise IncompatibleStateError(f"parameter {name!r}: snapshot field {field!r} must be a "
+                                     f"{type(fresh).__name__} (as a fresh state holds), got {value!r}")
+    return type(fresh)(value) if isinstance(fresh, float) else value
 
 
 def persistent_fields(state: Any) -> list[dataclasses.Field]:

@@ -37,7 +37,7 @@ class OptimizerState:
     ``buffers`` maps ``"<slot>/<parameter name>"`` to an array (NumPy or CuPy, as stored by the optimizer);
     ``params`` maps each parameter name to its JSON-able metadata (``shape``, ``dtype``, step count ``t`` and any
     scalar state of the algorithm); ``extra`` holds optimizer-wide JSON-able state (iteration counters, RNG
-    state, ...).  ``config`` is the full configuration the snapshot was taken with; ``config_key`` the part of it
+    state, ..., and ``lr``: the learning rate in effect, what ``set_lr`` last set).  ``config`` is the full configuration the snapshot was taken with; ``config_key`` the part of it
     that must match for the snapshot to load.
     """
 
@@ -108,6 +108,7 @@ class Optimizer(Protocol):
 
         Returns ``False`` and changes nothing when the snapshot belongs to another algorithm or format version,
         a configuration that changes the state's meaning, or a parameter shape that does not fit; ``True`` when
-        it loaded.  Plain hyper-parameters (lr, betas, ...) stay those of this object.  Read a file with
-        ``flatopt.load(path)`` and pass the result."""
+        it loaded; a snapshot malformed in any field is refused the same way.  The learning rate in effect (what
+        ``set_lr`` last set) is training state and is restored; constructor hyper-parameters (betas, ...) stay
+        those of this object.  Read a file with ``flatopt.load(path)`` and pass the result."""
         ...

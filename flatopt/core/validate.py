@@ -9,8 +9,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..errors import IncompatibleStateError as _Bad
 from . import backend as _backend
-from .types import OptimizerState
+from .types import OptimizerState, OptItem
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -85,6 +86,29 @@ def check_item(name: Any, shape: Any, param: Any, grad: Any) -> tuple[tuple[int,
                                                                               _address_range(grad))):
         raise ValueError(f"parameter {name!r}: param and grad share memory")
     return shape, pb
+
+
+def check_items_arg(items: Any, owner: str) -> Any:
+    """The ``items`` argument of ``step_batch``/``validate_batch`` as a list or tuple of items: one ``OptItem``, a
+    mapping or a str (common slips: each would be read as a sequence of names) are a ``TypeError`` saying what is
+    expected; any other iterable becomes a list."""
+    if isinstance(items, OptItem):
+        raise TypeError(f"{owner}.step_batch takes a list of OptItem, got one OptItem ({items.name!r}): pass "
+                        f"[item], or call step(name, shape, param, grad)")
+    if isinstance(items, (Mapping, str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"{owner}.step_batch takes a list of OptItem(name, shape, param, grad), got a "
+                        f"{type(items).__name__}")
+    return items if isinstance(items, tuple) else list(items)
+
+
+def as_item(index: int, item: Any) -> OptItem:
+    """Item ``index`` of a batch as an ``OptItem`` (a 4-sequence is accepted); a ``TypeError`` says what is wrong."""
+    if isinstance(item, OptItem):
+        return item
+    if isinstance(item, (str, bytes, Mapping)) or not isinstance(item, (tuple, list)) or len(item) != 4:
+        raise TypeError(f"step_batch: item {index} must be an OptItem(name, shape, param, grad) (or such a "
+                        f"4-tuple), got {type(item).__name__} {_short(item)}")
+    return OptItem(*item)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -196,3 +220,91 @@ def check_snapshot(state: Any, owner: str) -> None:
                         f"state_dict() returned, or flatopt.load(path) for a file written by flatopt.save")
     raise TypeError(f"{owner}.load_state_dict takes an OptimizerState (from state_dict() or flatopt.load(path)), "
                     f"got {type(state).__name__}")
+
+
+# How deep a snapshot's JSON fields (config, config_key, per-parameter metadata, extra) may nest: far beyond what
+# any optimizer writes (a Router of Routers stays under 10), low enough that no later walk of them (equality,
+# json.dumps) can reach the recursion limit.
+SNAPSHOT_MAX_DEPTH = 64
+
+
+def check_snapshot_fields(state: OptimizerState) -> None:
+    """Every field of a snapshot has the type and range a snapshot of any optimizer has, or
+    :class:`~flatopt.errors.IncompatibleStateError` names the field (nothing is converted: ``"7"`` or ``2.5`` for
+    an int is refused, as is ``True``).  ``step`` an int >= 0; ``config`` a dict with str keys; ``params`` a dict
+    name -> dict with ``shape`` (a list of ints >= 0), ``dtype`` (float32 or float64) and ``t`` (an int >= 0: a
+    state created by e.g. Sophia's ``update_hessian`` has not stepped yet); ``buffers`` a dict str -> array;
+    ``extra`` a dict with str keys (its ``lr``, the learning rate in effect, as ``set_lr`` takes it).  What an
+    algorithm keeps inside these (its scalar state, its extra counters, the buffers' shapes) is checked by the
+    optimizer that loads it."""
+    if not isinstance(state.algorithm, str):
+        raise _Bad(f"snapshot field 'algorithm' must be a str, got {state.algorithm!r}")
+    if not _is_int(state.format_version):
+        raise _Bad(f"snapshot field 'format_version' must be an int, got {state.format_version!r}")
+    if not _is_int(state.step) or state.step < 0:
+        raise _Bad(f"snapshot field 'step' must be an int >= 0, got {state.step!r}")
+    for field in ("config", "params", "buffers", "extra"):
+        value = getattr(state, field)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _Bad(f"snapshot field {field!r} must be a dict with str keys, got {_short(value)}")
+    for field in ("config", "config_key", "params", "extra"):
+        if _depth(getattr(state, field)) > SNAPSHOT_MAX_DEPTH:
+            raise _Bad(f"snapshot field {field!r} nests deeper than {SNAPSHOT_MAX_DEPTH} levels")
+    for name, meta in state.params.items():
+        where = f"snapshot params[{name!r}]"
+        if not name:
+            raise _Bad("snapshot field 'params' holds an empty parameter name")
+        if not isinstance(meta, dict):
+            raise _Bad(f"{where} must be a dict, got {_short(meta)}")
+        shape = meta.get("shape")
+        if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise _Bad(f"{where}['shape'] must be a list of ints >= 0, got {_short(shape)}")
+        dtype = meta.get("dtype")
+        if not isinstance(dtype, str) or _float_dtype(dtype) is None:
+            raise _Bad(f"{where}['dtype'] must be 'float32' or 'float64', got {_short(dtype)}")
+        t = meta.get("t")
+        if not _is_int(t) or t < 0:
+            raise _Bad(f"{where}['t'] (its step count) must be an int >= 0, got {_short(t)}")
+    for key, value in state.buffers.items():
+        if not (isinstance(value, np.ndarray) or _backend.is_cupy_array(value)):
+            raise _Bad(f"snapshot buffer {key!r} must be an array, got {_short(value)}")
+    if "lr" in state.extra:
+        try:
+            check_lr(state.extra["lr"], "snapshot extra['lr'] (the learning rate in effect)")
+        except (TypeError, ValueError) as exc:
+            raise _Bad(str(exc)) from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _float_dtype(name: str) -> np.dtype | None:
+    try:
+        dt = np.dtype(name)
+    except (TypeError, ValueError):
+        return None
+    return dt if dt in FLOAT_DTYPES else None
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _depth(value: Any) -> int:
+    """How deep dicts and lists nest in ``value`` (an explicit stack: no recursion whatever the depth)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        elif not isinstance(v, (list, tuple)):
+            continue
+        if d > deepest:
+            deepest = d
+            if deepest > SNAPSHOT_MAX_DEPTH:
+                return deepest
+        stack.extend((x, d + 1) for x in v)
+    return deepest

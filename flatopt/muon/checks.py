@@ -12,7 +12,7 @@ import numpy as np
 from ..core import backend
 from .. import errors as E
 from ..core.types import FORMAT_VERSION, OptimizerState, OptItem
-from ..core.validate import FLOAT_DTYPES, check_item, check_shape
+from ..core.validate import FLOAT_DTYPES, check_item, check_shape, check_snapshot_fields
 from . import shape_scale
 
 RECORD_VERSION = 1
@@ -120,11 +120,17 @@ def check_record(self, state: OptimizerState) -> None:
     if not isinstance(state, OptimizerState):
         raise E.RecordVersionMismatch(f"not an OptimizerState: {type(state).__name__}")
     key = state.config_key if isinstance(state.config_key, Mapping) else {}
-    if state.algorithm != self.algorithm or state.format_version != FORMAT_VERSION or key.get(
-            "version") != RECORD_VERSION:
+    if state.algorithm != self.algorithm:
+        raise E.RecordVersionMismatch(f"the snapshot is of algorithm {state.algorithm!r}, this optimizer is "
+                                      f"{self.algorithm!r} (a {type(self).__name__})")
+    if state.format_version != FORMAT_VERSION or key.get("version") != RECORD_VERSION:
         raise E.RecordVersionMismatch(f"record of {state.algorithm!r} version {key.get('version')!r} (format "
                                       f"version {state.format_version}); this is {self.algorithm!r} "
                                       f"v{RECORD_VERSION} (format version {FORMAT_VERSION})")
+    try:
+        check_snapshot_fields(state)
+    except E.IncompatibleStateError as exc:
+        raise E.StateMismatch(f"malformed record: {exc}") from None
     mine = self._muon.config.momentum_convention
     if key.get("momentum_convention") != mine:
         raise E.ConventionMismatch(f"record uses momentum convention {key.get('momentum_convention')!r}, this "

@@ -52,7 +52,7 @@ from . import checks as _checks
 from .. import errors as E
 from ..core.driver import class_doc, config_to_dict
 from ..core.types import Array, DecayMask, LrScale, OptimizerState, OptItem
-from ..core.validate import check_lr, check_snapshot
+from ..core.validate import as_item, check_items_arg, check_lr, check_snapshot
 from ..adamw import AdamW, AdamWConfig
 from . import Muon, MuonConfig, _cost
 from ..routing import Group, IncompatibleState, Router, Select
@@ -207,6 +207,30 @@ class MuonAdamW:
         its target)."""
         return self._muon.decays(self._aliases.get(name, name))
 
+    @property
+    def iteration(self) -> int:
+        """Iterations counted by ``end_iteration`` (saved in ``state_dict``)."""
+        return self._router.iteration
+
+    def state_names(self) -> list[str]:
+        """The parameters that have state (stepped at least once) in either group, sorted (canonical names)."""
+        with self._router._lock:  # noqa: SLF001
+            return sorted(self._muon.state_names() + self._adamw.state_names())
+
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state held by both groups (persistent arrays)."""
+        with self._router._lock:  # noqa: SLF001
+            return self._muon.state_nbytes() + self._adamw.state_nbytes()
+
+    def reset(self, name: str) -> None:
+        """Forget the state of ``name`` (an alias: its target's) in its group: its next step starts from fresh
+        state.  A name outside the manifest is :class:`~flatopt.errors.UnknownParameter`."""
+        canon = self._aliases.get(name, name)
+        if canon not in self._manifest:
+            raise E.UnknownParameter(f"parameter {name!r} is not in the manifest")
+        with self._router._lock:  # noqa: SLF001
+            (self._muon if canon in self._muon_set else self._adamw).reset(canon)
+
     # ------------------------------------------------------------------------------------------- stepping
     def set_lr(self, lr: float) -> None:
         """Muon gets ``lr``, AdamW ``lr · adamw_lr_ratio``."""
@@ -228,6 +252,8 @@ class MuonAdamW:
         """The Optimizer protocol's step: ``try_step_with_lrs(lr, lr * adamw_lr_ratio, items)``.  Items with
         ``grad=None`` are not stepped; an alias must come with its target's buffers; everything is validated
         before either group changes anything, and the two groups then run concurrently."""
+        if type(items) is not list:
+            items = check_items_arg(items, type(self).__name__)
         self.try_step_with_lrs(self._lr, self._lr * self._ratio, items)
 
     def try_step_or_skip(self, muon_lr: float, adamw_lr: float,
@@ -283,7 +309,9 @@ class MuonAdamW:
         if grads is None:
             if isinstance(params, Mapping):
                 raise TypeError("try_step_with_lrs: give grads with a params mapping (or a sequence of OptItem)")
-            return [it if isinstance(it, OptItem) else OptItem(*it) for it in params]
+            if type(params) is not list:
+                params = check_items_arg(params, type(self).__name__)
+            return [as_item(i, it) for i, it in enumerate(params)]
         if not isinstance(params, Mapping) or not isinstance(grads, Mapping):
             raise TypeError("try_step_with_lrs: params and grads must both be mappings name -> buffer")
         for name in grads:
@@ -304,6 +332,7 @@ class MuonAdamW:
         with self._router._lock:  # noqa: SLF001
             st = self._router.state_dict()
             st.config = {**st.config, **self._config, "lr": self._lr}
+            st.extra["lr"] = self._lr  # the lr in effect (training state: load_state_dict restores it)
             st.config_key = {**st.config_key, "version": RECORD_VERSION, "record": self._key,
                              "momentum_convention": self._muon.config.momentum_convention,
                              "manifest": self.manifest()}
@@ -311,12 +340,16 @@ class MuonAdamW:
 
     def try_load_record(self, state: OptimizerState) -> None:
         """Restore a compatible record exactly, or raise a specific :class:`~flatopt.errors.IncompatibleRecord`
-        (nothing changed).  Hyper-parameters (the lrs) stay this object's."""
+        (nothing changed).  The learning rate in effect when the record was taken (``set_lr``'s) is training state
+        and is restored (the AdamW group's follows through the fixed ratio); a record without it leaves the lr as it
+        is."""
         _checks.check_record(self, state)
         try:
             self._router.try_load_state_dict(state)
         except IncompatibleState as exc:
             raise E.StateMismatch(str(exc)) from None
+        if "lr" in state.extra:  # (checked by the router before anything changed)
+            self._lr = self._router._lr = float(state.extra["lr"])  # noqa: SLF001
 
     def load_state_dict(self, state: OptimizerState, *, strict: bool = False) -> bool:
         """``try_load_record`` that answers ``False`` instead of raising (the exception: ``last_load_error``, its
