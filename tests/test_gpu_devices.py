@@ -48,7 +48,7 @@ def _steps(opt, params, steps, *, batch=True, start=0):
     """``steps`` iterations, each gradient on its parameter's device (the current device stays what it is)."""
     cp = backend.cupy()
     for it in range(start, start + steps):
-        host = grads_for({n: (s, backend.to_numpy(p)) for n, (s, p) in params.items()}, it)
+        host = grads_for(_shapes(params), it)
         grads = {}
         for n, g in host.items():
             with params[n][1].device:
@@ -60,6 +60,11 @@ def _steps(opt, params, steps, *, batch=True, start=0):
             for item in items:
                 opt.step(*item)
         opt.end_iteration()
+
+
+def _shapes(params):
+    """What ``grads_for`` reads of the parameters (shape and dtype; no device-to-host copy)."""
+    return {n: (s, np.empty(0, p.dtype)) for n, (s, p) in params.items()}
 
 
 def _state_devices(opt):
@@ -112,3 +117,144 @@ def test_a_parameter_on_another_device_than_its_state_is_refused(name):
     assert after.params == before.params
     for k in before.buffers:
         assert_bits_equal(after.buffers[k], before.buffers[k], k)
+
+
+# ------------------------------------------------------------------------------------------ streams: race detector
+@pytest.fixture
+def workers(monkeypatch):
+    """Several worker threads (streams) even for the small tensors of these tests."""
+    from flatopt.core import parallel
+
+    monkeypatch.setattr(parallel, "PARALLEL_MIN_COST", 0)
+    monkeypatch.setenv("FLATOPT_NUM_THREADS", "3")
+
+
+def _mixed(params):
+    """Every other parameter on device 1 (the batch spans both devices)."""
+    cp = backend.cupy()
+    out = {}
+    for i, (n, (s, p)) in enumerate(sorted(params.items())):
+        with cp.cuda.Device(i % 2):
+            out[n] = (s, cp.asarray(p))
+    return out
+
+
+def _host(params):
+    return {n: backend.to_numpy(p) for n, (_, p) in params.items()}  # device-to-host copies on the caller's stream
+
+
+@pytest.mark.parametrize("twin", ["0", "1"], ids=["kernels", "twins"])
+@pytest.mark.parametrize("name", NAMES)
+def test_step_batch_on_worker_streams_has_no_hazard(name, twin, workers, monkeypatch):
+    """The streams test under the race detector, over a batch on two devices: every access of the workers' kernels
+    and CuPy operations is ordered after the caller's gradients and before the caller's next work (and the bits are
+    the serial loop's)."""
+    monkeypatch.setenv("FLATOPT_FORCE_TWIN", twin)
+    spec = REGISTRY[name]
+    base = make_params(spec.shapes * 2)
+    ref, got = _mixed(base), _mixed(base)
+    _steps(make_for(spec, ref), ref, 2, batch=False)
+    with fakecupy.race_detector() as det:
+        _steps(make_for(spec, got), got, 2)
+        out = _host(got)
+    assert det.hazards == [], [str(h) for h in det.hazards[:5]]
+    for n in base:
+        assert_bits_equal(out[n], ref[n][1], n)
+
+
+# flatopt's waits: the worker stream waits for the caller's event (the gradients are ready), the caller's stream
+# waits for every worker's final event, a stream reading a device constant waits for its upload
+WAITS = {"worker waits for the caller": ("core/gpu_run.py", "on_worker"),
+         "caller joins the workers": ("core/gpu_run.py", "run_gpu"),
+         "reader waits for the constant's upload": ("core/backend.py", "device_constant")}
+
+
+def _without_wait(site, monkeypatch) -> list:
+    """``Stream.wait_event`` does nothing when called from ``site`` (file, function); returns the skipped calls."""
+    import sys
+
+    real = fakecupy.Stream.wait_event
+    skipped = []
+
+    def wait_event(self, event):
+        code = sys._getframe(1).f_code  # noqa: SLF001
+        if code.co_filename.replace("\\", "/").endswith(site[0]) and code.co_name == site[1]:
+            skipped.append(code.co_name)
+            return None
+        return real(self, event)
+
+    monkeypatch.setattr(fakecupy.Stream, "wait_event", wait_event)
+    return skipped
+
+
+@pytest.mark.parametrize("wait", WAITS)
+def test_removing_any_wait_makes_hazards_that_the_bits_do_not_show(wait, workers, monkeypatch):
+    """Adafactor8Bit's fused steps on worker streams read the gradients, write the parameters and read the
+    quantization maps (device constants): each of flatopt's waits orders some of it.  Without it the results are
+    still bit-identical here (the stand-in runs everything in issue order), and only the detector sees the race."""
+    monkeypatch.setattr(backend, "_constants", {})  # uploaded inside the detector
+    spec = REGISTRY["adafactor8bit"]
+    base = make_params(spec.shapes * 2)
+    ref, got = _on(base, 0), _on(base, 0)
+    _steps(make_for(spec, ref), ref, 2)
+    with fakecupy.race_detector() as clean:
+        _steps(make_for(spec, _on(base, 0)), _on(base, 0), 1)
+    assert clean.hazards == []
+    monkeypatch.setattr(backend, "_constants", {})
+    skipped = _without_wait(WAITS[wait], monkeypatch)
+    with fakecupy.race_detector() as det:
+        _steps(make_for(spec, got), got, 2)
+        out = _host(got)
+    assert skipped, "the wait was never reached"
+    assert det.hazards, "no hazard without the wait"
+    for n in base:
+        assert_bits_equal(out[n], ref[n][1], n)
+
+
+# ---------------------------------------------------------------------------------------------------------------- S1
+def test_a_failing_item_still_joins_the_other_workers(workers):
+    """A probe hook that returns a wrong shape for one parameter raises inside its worker; the kernels the other
+    workers queued still run, and the caller's stream must wait for them (before: the join was skipped, and the
+    caller's next work, here reading the parameters back, raced with them)."""
+    import flatopt
+
+    def probe(name, shape, index):
+        return np.ones((3,), np.float32) if name == "p2" else np.ones(shape, np.float32)
+
+    base = make_params([(6, 5)] * 5)
+    params = _on(base, 0)
+    opt = flatopt.KronPsgd(lr=0.03, probe=probe)
+    with fakecupy.race_detector() as det:
+        with pytest.raises(Exception, match="probe for 'p2' must have shape"):
+            _steps(opt, params, 1)
+        _host(params)
+    assert det.hazards == [], [str(h) for h in det.hazards[:5]]
+
+
+# ---------------------------------------------------------------------------------------------------------------- L4
+@pytest.mark.parametrize("name", ["adafactor8bit", "adafactor8bit_apollo_came", "kron_psgd"])
+def test_one_thread_stepping_on_two_streams_shares_no_scratch(name):
+    """One parameter stepped on stream A, the next on stream B (independent parameters, no order between the two
+    streams, one thread): the per-thread workspace gave B the buffers A's queued kernels were still using."""
+    cp = backend.cupy()
+    spec = REGISTRY[name]
+    base = make_params([(40, 24), (24, 40)])
+    ref, got = _on(base, 0), _on(base, 0)
+    _steps(make_for(spec, ref), ref, 2, batch=False)
+    opt = make_for(spec, got)
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with fakecupy.race_detector() as det:
+        for it in range(2):
+            host = grads_for(_shapes(got), it)
+            for (n, (s, p)), stream in zip(sorted(got.items()), (a, b)):
+                with stream:
+                    opt.step(n, s, p, cp.asarray(host[n]))
+                    ev = stream.record()
+            opt.end_iteration()
+            a.wait_event(ev)  # the next iteration's stream A after B's step (each parameter stays on its stream)
+        for s in (a, b):
+            s.synchronize()
+        out = _host(got)
+    assert det.hazards == [], [str(h) for h in det.hazards[:5]]
+    for n in base:
+        assert_bits_equal(out[n], ref[n][1], n)
