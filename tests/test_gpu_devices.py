@@ -258,3 +258,89 @@ def test_one_thread_stepping_on_two_streams_shares_no_scratch(name):
     assert det.hazards == [], [str(h) for h in det.hazards[:5]]
     for n in base:
         assert_bits_equal(out[n], ref[n][1], n)
+
+
+# ------------------------------------------------------------------------------------------ the detector itself
+def _hazards(body) -> int:
+    with fakecupy.race_detector() as det:
+        body()
+    return len(det.hazards)
+
+
+def test_the_detector_orders_by_streams_events_and_host_syncs():
+    cp = backend.cupy()
+    x = cp.zeros(1000, cp.float32)
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+
+    def write(s, v=x):
+        with s:
+            v.fill(1.0)
+
+    def read(s, v=x):
+        with s:
+            cp.sum(v)
+
+    assert _hazards(lambda: (write(a), read(b))) == 1  # read-write on two streams, unordered
+    assert _hazards(lambda: (read(a), write(b))) == 1  # write-read
+    assert _hazards(lambda: (write(a), write(b))) == 1  # write-write
+    assert _hazards(lambda: (read(a), read(b))) == 0  # reads never conflict
+    assert _hazards(lambda: (write(a), write(a), read(a))) == 0  # one stream is a sequence
+    assert _hazards(lambda: (write(a, x[:500]), write(b, x[500:]))) == 0  # disjoint bytes
+
+    def event():
+        write(a)
+        b.wait_event(a.record())
+        read(b)
+
+    def event_too_early():
+        ev = a.record()
+        write(a)
+        b.wait_event(ev)
+        read(b)
+
+    assert _hazards(event) == 0 and _hazards(event_too_early) == 1
+    for sync in (lambda ev: a.synchronize(), lambda ev: ev.synchronize(), lambda ev: cp.cuda.Device(0).synchronize(),
+                 lambda ev: x.get(stream=a)):
+        def host(sync=sync):
+            write(a)
+            sync(a.record())
+            read(b)
+
+        assert _hazards(host) == 0
+    # CuPy's null stream is the legacy default stream: ordered with blocking streams, not with non-blocking ones
+    blocking = cp.cuda.Stream()
+    null = cp.cuda.Stream.null
+    assert _hazards(lambda: (write(null), read(blocking))) == 0
+    assert _hazards(lambda: (write(blocking), read(null))) == 0
+    assert _hazards(lambda: (write(null), read(a))) == 1
+    assert _hazards(lambda: (write(a), read(null))) == 1
+    # each device has its own null stream
+    with cp.cuda.Device(1):
+        y = cp.zeros(10, cp.float32)
+        s1 = cp.cuda.Stream(non_blocking=True)
+    with cp.cuda.Device(1):
+        assert _hazards(lambda: (write(null, y), read(s1, y))) == 1
+
+
+def test_the_detector_models_the_stream_ordered_pool():
+    """CuPy 14.2's pool hands a freed block back to the stream it was allocated on without any ordering: a kernel of
+    another stream still reading it races with the new owner's first write; another stream never gets that block."""
+    from .cuda_emu.hazards import Detector
+
+    det = Detector()
+    det.stream(1, 0, "nonblocking")
+    det.stream(2, 0, "nonblocking")
+
+    def run(reuser):
+        det.reset()
+        det.allocated(1, 0x1000, 0x2000, stream=1)
+        det.access(1, [(1, 0x1000, 0x2000, True)], "fill on A")  # A writes it
+        det.wait(2, det.record(1))
+        det.access(2, [(1, 0x1000, 0x2000, False)], "read on B")  # B reads it (after A's write)
+        det.released(1, 0x1000, 0x2000, stream=1)  # freed: back to A's arena
+        det.allocated(2, 0x1000, 0x2000, stream=reuser)
+        det.access(reuser, [(2, 0x1000, 0x1800, True)], "new owner's write")
+        return len(det.hazards)
+
+    assert run(reuser=1) == 1  # A re-uses the block while B may still be reading it
+    assert run(reuser=2) == 0  # (the stand-in's memory at the same address: not the pool's block)

@@ -464,10 +464,14 @@ def _op(reads, writes, what, stream=None, extra=()):
     if not detector.enabled:
         return
     acc = list(extra)
-    for arrs, w in ((reads, False), (writes, True)):
+    written = set()
+    for arrs, w in ((writes, True), (reads, False)):
         for x in arrs:
-            lo, hi = _span(x)
-            acc.append((_alloc(x).serial, lo, hi, w))
+            a = (_alloc(x).serial, *_span(x))
+            if a not in written:  # (an operand also written is one write)
+                acc.append((*a, w))
+                if w:
+                    written.add(a)
     detector.access((get_current_stream() if stream is None else stream)._hb(), acc, what)
 
 

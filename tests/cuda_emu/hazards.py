@@ -49,14 +49,15 @@ class Detector:
     def __init__(self):
         self.lock = threading.RLock()
         self.enabled = False
+        self.kinds: dict[int, tuple[int, str]] = {}  # stream key -> (device, "null" | "blocking" | "nonblocking")
+        self.blocking: dict[int, set[int]] = {}  # device -> its blocking streams' keys
         self.reset()
 
     def reset(self):
+        """Forget every clock, access and hazard (the streams stay declared)."""
         with self.lock:
             self.clocks: dict[int, dict[int, int]] = {}
             self.host: dict[int, int] = {}
-            self.kinds: dict[int, tuple[int, str]] = {}  # stream key -> (device, "null" | "blocking" | "nonblocking")
-            self.blocking: dict[int, set[int]] = {}  # device -> its blocking streams' keys
             self.mem: dict[int, list] = {}  # allocation serial -> [(lo, hi, stream key, count, write, what)]
             self.freed_starts: list[int] = []  # freed blocks (non-overlapping), sorted by start
             self.freed: dict[int, tuple] = {}  # start -> (end, allocating stream key, records)
