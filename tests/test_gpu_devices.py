@@ -22,7 +22,7 @@ from flatopt import OptItem
 from flatopt.core import backend
 
 from .cuda_emu import emu, fakecupy
-from .helpers import assert_bits_equal, grads_for, make_for, make_params
+from .helpers import assert_bits_equal, grads_for, make_for, make_params, step_items
 from .registry import REGISTRY
 
 NAMES = sorted(REGISTRY)
@@ -53,13 +53,7 @@ def _steps(opt, params, steps, *, batch=True, start=0):
         for n, g in host.items():
             with params[n][1].device:
                 grads[n] = cp.asarray(g)
-        items = [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())]
-        if batch:
-            opt.step_batch(items)
-        else:
-            for item in items:
-                opt.step(*item)
-        opt.end_iteration()
+        step_items(opt, [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())], batch)
 
 
 def _shapes(params):
