@@ -149,9 +149,9 @@ def _wrap(r, outs):
 def _call(qualname, fn, args, kwargs, *, host_ok=False, nin=None, self_arr=None):
     t0 = time.perf_counter()
     try:
-        if self_arr is not None:  # a method: the array itself is an operand (CuPy runs it on the array's device for
-            # a copy or a host transfer, on the current device otherwise)
-            if qualname in ("ndarray.copy", "ndarray.get"):
+        if self_arr is not None:  # a method: the array itself is an operand (CuPy runs a copy on the array's device,
+            # anything else on the current device)
+            if qualname == "ndarray.copy":
                 with Device(_alloc(self_arr._a).dev):
                     return _call_timed(qualname, fn, (self_arr, *args), kwargs, host_ok, nin, method=True)
             return _call_timed(qualname, fn, (self_arr, *args), kwargs, host_ok, nin, method=True)
@@ -207,12 +207,10 @@ def _arrays_in(x, into):
     return into
 
 
-def _record_call(what, inputs, written, result, self_a=None):
+def _record_call(what, inputs, written, result):
     """The accesses of one CuPy operation on the current stream: its inputs read, its outputs (``written``, and every
     result that is not a view of an input: a new allocation) written."""
     writes = _arrays_in(written, [])
-    if self_a is not None and -1 in _INPLACE.get(what, ()):
-        writes.append(self_a)
     owners = {id(_owner(x)) for x in inputs}
     for x in _arrays_in(result, []):
         if id(_owner(x)) not in owners:
