@@ -13,9 +13,9 @@ Devices (CuPy): a parameter's state is created on the parameter's device (``with
 whatever device is current), and every step runs with the parameter's device current (``core.gpu_run``), so what an
 algorithm allocates lazily (scratch, workspaces, tables) lands there too.  A parameter given on another device than
 the one its state lives on is refused (``ValueError`` naming the parameter and both devices, nothing changed; a
-gradient on another device than its parameter is refused by ``core.validate.check_item``): the state is not moved silently from one GPU to another.  To move a
-parameter to another GPU, ``reset(name)`` (fresh state), or ``state_dict()`` then ``load_state_dict`` (a loaded state
-follows its parameter to its device at the next step).
+gradient on another device than its parameter is refused by ``core.validate.check_item``): a state is never moved
+from one GPU to another silently.  To move a parameter to another GPU: ``reset(name)`` (fresh state), or
+``state_dict()`` then ``load_state_dict`` (a loaded state follows its parameter to its device at the next step).
 """
 
 from __future__ import annotations
@@ -325,7 +325,8 @@ class PerParamOptimizer:
         on_gpu = backend == "cupy"
         with like.device if on_gpu else contextlib.nullcontext():
             state = self._init_named(name, xp, shape, like.dtype)
-        slot = self._slots[name] = _Slot(shape, like.dtype, backend, 0, state, device=like.device.id if on_gpu else None)
+        slot = self._slots[name] = _Slot(shape, like.dtype, backend, 0, state,
+                                         device=like.device.id if on_gpu else None)
         return slot
 
     def _move_state(self, slot: _Slot, like: Array) -> None:

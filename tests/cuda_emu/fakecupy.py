@@ -324,10 +324,11 @@ class Stream:
             raise RuntimeError(f"the current device is {dev}, the stream's is {self.device_id} (CuPy: with stream: "
                                f"needs the stream's device current)")
         _stream_stack(dev).append(self)
+        _streams.__dict__.setdefault("entered", []).append(dev)
         return self
 
     def __exit__(self, *exc):
-        _stream_stack(_current_device()).pop()
+        _stream_stack(_streams.entered.pop()).pop()
         return False
 
     def record(self, event=None):
