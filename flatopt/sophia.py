@@ -41,7 +41,6 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
-from .core.slots import Slot
 from .core.validate import check_array, check_range, check_shape
 
 
@@ -157,12 +156,13 @@ class Sophia(PerParamOptimizer):
                                     f"{slot.dtype} its state was created with")
                 if slot.pinned and slot.backend != where:
                     raise TypeError(f"parameter {name!r}: state lives on {slot.backend}, got a {where} h_hat")
+                if slot.pinned and slot.device is not None and h_hat.device.id != slot.device:
+                    raise ValueError(f"parameter {name!r}: h_hat is on GPU {h_hat.device.id}, the state lives on "
+                                     f"GPU {slot.device}")
                 if not slot.pinned:
                     self._move_state(slot, h_hat)
             else:
-                xp = backend.array_module(h_hat)
-                slot = Slot(shape, h_hat.dtype, where, 0, self._init_named(name, xp, shape, h_hat.dtype))
-                self._slots[name] = slot
+                slot = self._new_slot(name, shape, h_hat, where)  # on h_hat's device
             xp = backend.array_module(h_hat)
             h, b2 = slot.state.h, self.config.betas[1]
             with h_hat.device if where == "cupy" else contextlib.nullcontext():

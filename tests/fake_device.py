@@ -64,6 +64,7 @@ class _Stream:
 
     def __init__(self, null=False, non_blocking=False):
         self.null, self.non_blocking, self.calls = null, non_blocking, []
+        self.ptr = 0 if null else id(self)  # CuPy's handle (core.workspace keys its buffers by stream)
 
     def __enter__(self):
         _current.stack = getattr(_current, "stack", []) + [self]

@@ -53,13 +53,17 @@ def run_steps(opt, params, steps, start=0, batch=False):
         grads = grads_for({n: (s, backend.to_numpy(p)) for n, (s, p) in params.items()}, it)
         if on_gpu:
             grads = {n: backend.cupy().asarray(g) for n, g in grads.items()}
-        items = [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())]
-        if batch:
-            opt.step_batch(items)
-        else:
-            for item in items:
-                opt.step(*item)
-        opt.end_iteration()
+        step_items(opt, [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())], batch)
+
+
+def step_items(opt, items, batch):
+    """One iteration: ``items`` by ``step_batch`` (``batch``) or one ``step`` each, then ``end_iteration``."""
+    if batch:
+        opt.step_batch(items)
+    else:
+        for item in items:
+            opt.step(*item)
+    opt.end_iteration()
 
 
 def make_for(spec, params):

@@ -8,6 +8,14 @@ GPU fast-path dispatch.
 
 Per-parameter state dataclass conventions: every field is an array (NumPy or CuPy), ``None``, or a JSON scalar.
 Fields whose ``dataclasses.field(metadata={"persist": False})`` are scratch and are not saved.
+
+Devices (CuPy): a parameter's state is created on the parameter's device (``with param.device:`` around ``init``,
+whatever device is current), and every step runs with the parameter's device current (``core.gpu_run``), so what an
+algorithm allocates lazily (scratch, workspaces, tables) lands there too.  A parameter given on another device than
+the one its state lives on is refused (``ValueError`` naming the parameter and both devices, nothing changed; a
+gradient on another device than its parameter is refused by ``core.validate.check_item``): a state is never moved
+from one GPU to another silently.  To move a parameter to another GPU: ``reset(name)`` (fresh state), or
+``state_dict()`` then ``load_state_dict`` (a loaded state follows its parameter to its device at the next step).
 """
 
 from __future__ import annotations
@@ -335,6 +343,11 @@ class PerParamOptimizer:
                     )
                 if slot.pinned and slot.backend != backend:
                     raise TypeError(f"parameter {it.name!r}: state lives on {slot.backend}, got {backend} arrays")
+                if slot.pinned and slot.device is not None and it.param.device.id != slot.device:
+                    raise ValueError(
+                        f"parameter {it.name!r}: the parameter is on GPU {it.param.device.id}, its state lives on GPU "
+                        f"{slot.device} (states are not moved between GPUs: reset({it.name!r}) to start afresh, "
+                        f"or load a state_dict)")
             self._check_shape(it.name, shape)
             scale = self._lr_scale(it.name)
             if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not (
@@ -372,13 +385,21 @@ class PerParamOptimizer:
         for it, shape, backend, scale in checked:
             slot = self._slots.get(it.name)
             if slot is None:
-                xp = _backend.array_module(it.param)
-                slot = _Slot(shape, it.param.dtype, backend, 0, self._init_named(it.name, xp, shape, it.param.dtype))
-                self._slots[it.name] = slot
+                slot = self._new_slot(it.name, shape, it.param, backend)
             elif not slot.pinned:
                 self._move_state(slot, it.param)
             prepared.append((it, slot, scale))
         return prepared
+
+    def _new_slot(self, name: str, shape: tuple[int, ...], like: Array, backend: str) -> _Slot:
+        """A fresh slot for ``name`` whose state is created on ``like``'s device (its backend ``backend``)."""
+        xp = _backend.array_module(like)
+        on_gpu = backend == "cupy"
+        with like.device if on_gpu else contextlib.nullcontext():
+            state = self._init_named(name, xp, shape, like.dtype)
+        slot = self._slots[name] = _Slot(shape, like.dtype, backend, 0, state,
+                                         device=like.device.id if on_gpu else None)
+        return slot
 
     def _move_state(self, slot: _Slot, like: Array) -> None:
         for f in dataclasses.fields(slot.state):
@@ -386,6 +407,7 @@ class PerParamOptimizer:
             if _is_array(v):
                 setattr(slot.state, f.name, _backend.to_backend(v, like))
         slot.backend = _backend.backend_name(like)
+        slot.device = like.device.id if slot.backend == "cupy" else None
         slot.pinned = True
         slot.chunk_views = None
         slot.home = None

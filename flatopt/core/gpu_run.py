@@ -5,7 +5,8 @@ non-blocking stream of its own per device; per device, a worker's stream first w
 caller's current stream of that device (which produced the gradients), and the caller's stream of each device then
 waits for every worker's final event on that device.  So a batch whose items live on several GPUs is ordered on each
 of them (CuPy's current stream is per device: inside ``with device`` an item would otherwise run on that device's
-default stream, outside the events).  Nothing synchronises with the host.
+default stream, outside the events).  The join also happens when an item raises: the other items' queued kernels
+are still ordered before the caller's next work.  Nothing synchronises with the host.
 """
 
 from __future__ import annotations
@@ -74,11 +75,14 @@ def run_gpu(opt, gpu: list) -> None:
                 one(it, slot, lr)
 
     tasks = [(it.param.size, it.name, (lambda it=it, s=slot, lr=lr: on_worker(it, s, lr))) for it, slot, lr in gpu]
-    parallel.run_tasks(tasks, wrap=wrap)
-    for dev_id, ev in done:
-        dev, caller, _ = devices[dev_id]
-        with dev:
-            caller.wait_event(ev)
+    try:
+        parallel.run_tasks(tasks, wrap=wrap)
+    finally:  # also when an item raised (run_tasks returns once every group has stopped): the kernels the workers
+        # queued before it still run, and the caller's next work must be ordered after them
+        for dev_id, ev in done:
+            dev, caller, _ = devices[dev_id]
+            with dev:
+                caller.wait_event(ev)
 
 
 _tls = threading.local()

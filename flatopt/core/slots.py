@@ -30,6 +30,7 @@ class Slot:
     chunk_views: list | None = None  # cached per-chunk views of the state (elementwise algorithms)
     home: Any = None  # the bucket plan (core.cpu_plan.BucketPlan) whose arenas hold this state, if any
     bucket_key: Any = None  # cached core.cpu_plan.bucket_key (False: cannot be bucketed)
+    device: int | None = None  # CuPy: the id of the device its arrays were created on (None: unknown, or NumPy)
 
 
 def snapshot(slots: dict[str, Slot]) -> tuple[dict, dict]:

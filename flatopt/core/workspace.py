@@ -4,6 +4,12 @@
 with the same key return overlapping memory, so a caller uses one key per live temporary.  Buffers are per thread
 (the driver runs ``step_batch`` items on a thread pool, each GPU worker on its own stream), so a buffer is never
 shared between concurrently running items.
+
+On CuPy a buffer is also per device and per stream (the current one when it is asked for): work queued on one stream
+may still be reading a buffer when the thread goes on with another stream (a caller that steps one parameter on one
+stream and the next on another, unordered), and a buffer is only ever used, grown and freed on the stream it was
+allocated on, so CuPy's stream-ordered pool never hands its memory to other work before that stream's work is done.
+The stream object is kept with its buffers, so its handle cannot be re-used by a new stream while they exist.
 """
 
 from __future__ import annotations
@@ -20,14 +26,20 @@ def get(xp, key: str, n: int, dtype) -> object:
     if pool is None:
         pool = _tls.pool = {}
     dtype = np.dtype(dtype)
-    dev = -1 if xp is np else xp.cuda.Device().id
-    k = (key, dtype, dev)
+    if xp is np:
+        k = (key, dtype, -1, 0)
+    else:
+        stream = xp.cuda.get_current_stream()
+        k = (key, dtype, xp.cuda.Device().id, stream.ptr)
     buf = pool.get(k)
     if buf is None or buf.size < n:
         buf = pool[k] = xp.empty(max(n, 1), dtype)
+        if xp is not np:
+            _tls.__dict__.setdefault("streams", {})[k[2:]] = stream  # keep its handle from re-use
     return buf[:n]
 
 
 def clear() -> None:
     """Drop this thread's buffers (e.g. after stepping one very large parameter)."""
     _tls.pool = {}
+    _tls.streams = {}

@@ -466,6 +466,24 @@ const char* sig_of(void (*)(A...)) {
   return s.c_str();
 }
 
+// "1" for a pointer to const (read by the kernel), "0" for any other parameter: the stand-in's race detector
+// records a launch's reads and writes from it (fakecupy.py)
+template <typename A>
+const char* ro_code() {
+  if constexpr (std::is_pointer_v<A>) return std::is_const_v<std::remove_pointer_t<A>> ? "1" : "0";
+  else return "0";
+}
+
+template <typename... A>
+const char* ro_of(void (*)(A...)) {
+  static const std::string s = [] {
+    std::string out;
+    ((out += (out.empty() ? "" : ",") + std::string(ro_code<A>())), ...);
+    return out;
+  }();
+  return s.c_str();
+}
+
 template <typename A>
 A load_param(void* p) {  // this thread's own copy of the parameter, sizeof(A) bytes of the packed argument
   std::remove_cv_t<A> v;
@@ -524,4 +542,5 @@ CUDA_EMU_API void emu_devmath(int fn, const void* x, void* out, long long n) {
 
 #define CUDA_EMU_EXPORT(K, T)                                                                                \
   CUDA_EMU_API int emu_##K##__##T(::emu::Launch* launch, void** args) { return ::emu::run(launch, &K<T>, args); } \
-  CUDA_EMU_API const char* emu_##K##__##T##_sig() { return ::emu::sig_of(&K<T>); }
+  CUDA_EMU_API const char* emu_##K##__##T##_sig() { return ::emu::sig_of(&K<T>); }                         \
+  CUDA_EMU_API const char* emu_##K##__##T##_ro() { return ::emu::ro_of(&K<T>); }
