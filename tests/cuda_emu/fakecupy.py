@@ -699,6 +699,8 @@ class ndarray:  # noqa: N801 - CuPy's name
         keys: dict = {}
         key = _unwrap(key, keys, "ndarray.__getitem__")
         r = self._a[key]
+        if isinstance(r, np.generic):  # integer indices: CuPy returns a 0-d view, not a copy
+            r = self._a[(key if isinstance(key, tuple) else (key,)) + (Ellipsis,)]
         if not isinstance(r, np.ndarray) or _owner(r) is not _owner(self._a):  # advanced indexing: a gather
             ins = [self._a, *(w._a for w in keys.values())]
             _same_device(ins, "ndarray.__getitem__")
