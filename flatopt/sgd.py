@@ -26,7 +26,7 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, JSONDict, LrScale
-from .core.validate import check_lr, check_range
+from .core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,7 @@ class SGDConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_lr(self.lr, "lr", "SGD")
         check_range("SGD", "momentum", self.momentum, 0.0, 1.0)
         check_range("SGD", "dampening", self.dampening, 0.0, 1.0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import PureWindowsPath
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,15 +28,122 @@ def test_every_cu_file_is_registered():
     assert on_disk == sorted(kernels.KERNELS), "register every .cu file (and only those) in core.kernels.KERNELS"
 
 
-@pytest.mark.parametrize("filename", sorted(kernels.KERNELS))
-@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
-def test_compiles_with_nvrtc(filename, arch):
+class _WindowsPath(PureWindowsPath):
+    """A Windows path (``C:\\Users\\unit\\...``) whose files are read from the real kernel directory."""
+
+    def read_text(self, *args, **kwargs):
+        return (REAL_DIR / self.name).read_text(*args, **kwargs)
+
+
+REAL_DIR = kernels.KERNEL_DIR
+
+
+@pytest.fixture
+def windows_path(monkeypatch):
+    """The sources as the loader builds them on Windows (gpu-review H2: ``#line 1 "C:\\Users\\..."``, whose ``\\U``
+    starts a universal-character name)."""
+    monkeypatch.setattr(kernels, "KERNEL_DIR", _WindowsPath(r"C:\Users\unit\flatopt\kernels"))
+    kernels.source.cache_clear()
+    yield
+    kernels.source.cache_clear()
+
+
+def _need_nvrtc():
     if not _nvrtc_available():
         if shutil.which("nvcc") is None:
             pytest.skip("neither NVRTC (cupy + nvidia-cuda-nvrtc) nor nvcc is available")
         pytest.skip("NVRTC unavailable; see test_compiles_with_nvcc")
-    lowered = backend.nvrtc_compile(kernels.source(filename), filename, kernels.name_expressions(filename), arch)
+
+
+@pytest.mark.parametrize("filename", sorted(kernels.KERNELS))
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+def test_compiles_with_nvrtc(filename, arch, windows_path):
+    """Every source compiles with flatopt's own options, from a Windows path too, and keeps float32 subnormals: no
+    flushing (``.ftz.f32``) instruction in the PTX (gpu-review M2; CuPy's RawModule would add -ftz=true)."""
+    _need_nvrtc()
+    ptx, lowered = backend.nvrtc_build(kernels.source(filename), filename, kernels.name_expressions(filename), arch)
     assert set(lowered) == set(kernels.name_expressions(filename))
+    assert b".ftz.f32" not in ptx
+
+
+def cupy_options(options, arch="compute_90"):
+    """The option list ``cupy.RawModule(code=..., options=options)`` compiles with (CuPy 14:
+    ``_core.core.assemble_cupy_compiler_options``, then ``cuda/compiler.py`` appends -ftz=true, the architecture and
+    --device-as-default-execution-space)."""
+    from cupy._core import core
+
+    return [*core.assemble_cupy_compiler_options(tuple(options)), "-ftz=true", f"-arch={arch}",
+            "--device-as-default-execution-space"]
+
+
+def compile_raw(source, names, options):
+    """NVRTC on ``source`` with exactly ``options``: (PTX, log); raises with the log on failure."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, "kern.cu", [], [])
+    try:
+        for expr in names:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(nvrtc.getProgramLog(prog)) from exc
+        return bytes(nvrtc.getPTX(prog)), nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@pytest.mark.parametrize("filename", ["adamw.cu", "adafactor8bit.cu", "kron.cu"])
+def test_windows_path_compiles_with_cupys_option_list(filename, windows_path):
+    """The ``#line`` file names of a Windows path are accepted with the option list CuPy builds (its include paths,
+    -ftz=true; what a RawModule of these sources would compile with), and that list does flush subnormals."""
+    _need_nvrtc()
+    try:
+        options = cupy_options(backend.NVRTC_OPTIONS)
+    except Exception as exc:  # noqa: BLE001 - CuPy finds no CUDA headers here (gpu-review H4)
+        pytest.skip(f"CuPy cannot assemble its options here: {exc}")
+    ptx, _ = compile_raw(kernels.source(filename), kernels.name_expressions(filename), options)
+    assert b".ftz.f32" in ptx  # what flatopt's own compile (above) avoids
+
+
+def test_raw_module_loads_an_image_compiled_without_ftz(monkeypatch, tmp_path):
+    """What ``raw_module`` hands to the driver on real CuPy: compiled by flatopt without -ftz=true, not by
+    ``cupy.RawModule`` (which appends -ftz=true after the caller's options; NVRTC takes the last).  The CuPy here is
+    a recording model: its RawModule compiles with CuPy's real option list, its Module records the image loaded.
+    The image is cached on disk (``CUPY_CACHE_DIR``) and reloaded without compiling."""
+    _need_nvrtc()
+    loaded = []
+
+    class RawModule:  # cupy.RawModule(code=...)
+        def __init__(self, code, options=(), name_expressions=(), **_):
+            loaded.append(compile_raw(code, name_expressions, cupy_options(options))[0])
+
+        def get_function(self, expr):
+            return expr
+
+    class Module:  # cupy.cuda.function.Module
+        def load(self, image):
+            loaded.append(bytes(image))
+
+        def get_function(self, name):
+            return name
+
+    class Device:
+        id, compute_capability = 0, "90"
+
+    fake = SimpleNamespace(RawModule=RawModule,
+                           cuda=SimpleNamespace(Device=Device, function=SimpleNamespace(Module=Module)))
+    monkeypatch.setattr(backend, "_cupy", fake)
+    monkeypatch.setattr(backend, "_modules", {})
+    monkeypatch.setattr(backend, "device_arch", lambda cp: "compute_90", raising=False)  # PTX, to read
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    mod = backend.raw_module(("flatopt", "adamw.cu"), kernels.source("adamw.cu"), kernels.name_expressions("adamw.cu"))
+    assert len(loaded) == 1 and b".ftz.f32" not in loaded[0] and b"adamw_step" in loaded[0]
+    assert mod.get_function("adamw_step<float>").startswith("_Z")  # the lowered (mangled) name
+    monkeypatch.setattr(backend, "_modules", {})
+    monkeypatch.setattr(backend, "nvrtc_build", lambda *a: pytest.fail("compiled again: the disk cache missed"))
+    backend.raw_module(("flatopt", "adamw.cu"), kernels.source("adamw.cu"), kernels.name_expressions("adamw.cu"))
+    assert loaded[1] == loaded[0]
 
 
 @pytest.mark.parametrize("filename", sorted(kernels.KERNELS))
