@@ -175,3 +175,19 @@ def _params(filename: str, kernel: str, ctype: str) -> str:
         depth += {"(": 1, ")": -1}.get(text[i], 0)
         i += 1
     return re.sub(r"\bT\b", ctype, text[start : i - 1])
+
+
+@pytest.mark.parametrize("filename", sorted(f for f in kernels.KERNELS if '#include "a8_codec.cuh"' in
+                                            (kernels.KERNEL_DIR / f).read_text()))
+def test_8bit_clamp_is_normal_under_flush_to_zero(filename):
+    """The 8-bit codec's clamp before log2 (the original's 1e-38f, a float32 subnormal) is never a float32 operand,
+    even compiled as CuPy compiles (-ftz=true), so an all-zero block gets log2 = -126.2, not -inf and a NaN scale
+    (gpu-review M2): no float32 instruction reads the constant 0f006CE3EE."""
+    _need_nvrtc()
+    try:
+        options = cupy_options(backend.NVRTC_OPTIONS)
+    except Exception as exc:  # noqa: BLE001 - CuPy finds no CUDA headers here (gpu-review H4)
+        pytest.skip(f"CuPy cannot assemble its options here: {exc}")
+    ptx, _ = compile_raw(kernels.source(filename), kernels.name_expressions(filename), options)
+    uses = [ln.strip() for ln in ptx.decode().splitlines() if "0F006CE3EE" in ln.upper()]
+    assert not uses, uses[:3]

@@ -2,7 +2,10 @@
 // NaN-propagating min / max, torch.lerp, block-wide min/max reduction, the AL log2, and the signed first-moment
 // formats (uf8 / uf4 linear, d8 / d4 by nearest entry of a quantization map).  Twin: flatopt/adafactor8bit/quant.py.
 
-#define A8_TINY 1e-38f   // the original's clamp before log2 (a float32 subnormal)
+// The original's clamp before log2, 1e-38f, as a double: a float32 subnormal, which a flush-to-zero float32 compare
+// (CuPy's -ftz=true) would read as 0 (log2 = -inf, then a NaN scale for an all-zero block), but a normal double.  The
+// clamp is a float64 max (the twin's too: quant._TINY), exactly the float32 max of the original on every input.
+#define A8_TINY ((double)1e-38f)
 #define A8_INF __int_as_float(0x7f800000)
 
 // min / max that propagate NaN (numpy.minimum / numpy.maximum); fminf / fmaxf would drop it.
@@ -39,7 +42,10 @@ __device__ __forceinline__ void a8_block_minmax(float& lo, float& hi, float* sh)
     __syncthreads();
 }
 
-__device__ __forceinline__ float a8_log2(float v) { return (float)log2((double)a8_max(v, A8_TINY)); }
+__device__ __forceinline__ float a8_log2(float v) {
+    const double d = (double)v;
+    return (float)log2((isnan(d) || d >= A8_TINY) ? d : A8_TINY);
+}
 
 __device__ __forceinline__ int a8_nearest(float x, const float* mp, int size) {
     int lo = 0, hi = size;  // first index with mp[i] >= x (searchsorted, side "left")
