@@ -191,3 +191,40 @@ def test_8bit_clamp_is_normal_under_flush_to_zero(filename):
     ptx, _ = compile_raw(kernels.source(filename), kernels.name_expressions(filename), options)
     uses = [ln.strip() for ln in ptx.decode().splitlines() if "0F006CE3EE" in ln.upper()]
     assert not uses, uses[:3]
+
+
+@pytest.mark.parametrize("filename", sorted(kernels.KERNELS))
+def test_ptxas_resources_fit_the_launch(filename):
+    """Every kernel compiled for sm_90 (the cubin ``raw_module`` loads on an H100/H200), read from ptxas' report:
+    no spills, and registers x threads per block within the 64K registers of an SM, for the block size it is
+    launched with: its ``__launch_bounds__`` (256 where it has none), so a compiler change cannot make a launch fail
+    with "too many resources requested" (gpu-review L3).  A kernel without them may be launched with at most 256
+    threads (the emulator refuses more: ``emu.UNBOUNDED_THREADS``)."""
+    _need_nvrtc()
+    from cupy_backends.cuda.libs import nvrtc
+
+    from .cuda_emu.emu import launch_bounds
+
+    bounds = launch_bounds(filename)
+    names = kernels.name_expressions(filename)
+    prog = nvrtc.createProgram(kernels.source(filename), filename, [], [])
+    try:
+        for expr in names:
+            nvrtc.addNameExpression(prog, expr)
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90", *backend.NVRTC_OPTIONS, "--ptxas-options=-v"])
+        log = nvrtc.getProgramLog(prog)
+        lowered = {nvrtc.getLoweredName(prog, e): e for e in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    report = {}
+    for part in log.split("Function properties for ")[1:]:  # one per function (entries and device functions)
+        part = part.split("Compiling entry function")[0]
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", part)
+        regs = re.search(r"Used (\d+) registers", part)
+        report[part.split()[0]] = (int(spills.group(1)), int(spills.group(2)), int(regs.group(1)) if regs else 0)
+    assert set(lowered) <= set(report), log[-2000:]
+    for mangled, expr in lowered.items():
+        stores, loads, regs = report[mangled]
+        block = bounds.get(expr.split("<")[0], 256)
+        assert stores == loads == 0, (expr, stores, loads)
+        assert regs * block <= 65536, (expr, regs, block)

@@ -34,6 +34,10 @@
 //   threads of one block and folded by ap_block_sum.
 // The kernels with partials are launched with AP_THREADS threads, ap_scalars with AP_SCALAR_THREADS (the Python
 // side: apollo_fused.THREADS, SCALAR_THREADS); ap_draw and ap_apply with any (grid-stride loops, no sums).
+// ap_scalars declares __launch_bounds__(AP_SCALAR_THREADS): ptxas then keeps it within 64 registers, so that a block of
+// 1024 threads always fits an SM's 64K registers.  (A kernel launched with at most 256 threads needs none: 255
+// registers, the most ptxas gives a thread, times 256 fit; declaring 256 was measured to make ptxas spill in
+// af_stats_multi<float>.)
 
 #include "a8_codec.cuh"
 
@@ -213,10 +217,11 @@ __global__ void ap_lowrank(const float* glow, float* v, float* m, const float* u
 //   √n·d) · bias (AP_BIAS);  decay = 1 − (α or ρ)·wd (AP_DECAY).
 // g_rows × g_cols: G's 2-D view; l_rows × l_cols: G_low's; span: their layouts' (the header).
 template <typename T>
-__global__ void ap_scalars(const double* part_p, const double* part_g, const double* part_u, const double* part_l,
-                           float* cs, float* fira_prev, long long g_rows, long long g_cols, long long l_rows,
-                           long long l_cols, long long span, int chan, int flags, float rho, float sqrt_n,
-                           float eps2, float sq, float one_m, float dden, float wd, float bias) {
+__global__ void __launch_bounds__(AP_SCALAR_THREADS) ap_scalars(const double* part_p, const double* part_g,
+                           const double* part_u, const double* part_l, float* cs, float* fira_prev, long long g_rows,
+                           long long g_cols, long long l_rows, long long l_cols, long long span, int chan, int flags,
+                           float rho, float sqrt_n, float eps2, float sq, float one_m, float dden, float wd,
+                           float bias) {
     __shared__ double sh[33];
     __shared__ float sc[2];
     const int lay = chan == 2 ? 1 : 0;

@@ -40,6 +40,7 @@
 #include <vector>
 
 #define __global__
+#define __launch_bounds__(...)  // checked at launch by emu.py (Kernel.max_threads)
 #define __device__
 #define __host__
 #define __forceinline__ inline
