@@ -228,3 +228,49 @@ def test_ptxas_resources_fit_the_launch(filename):
         block = bounds.get(expr.split("<")[0], 256)
         assert stores == loads == 0, (expr, stores, loads)
         assert regs * block <= 65536, (expr, regs, block)
+
+
+def test_8bit_decode_calls_cupys_exp2():
+    """The fused 8-bit decode computes 2^x with the function CuPy's ``exp2`` ufunc (the twin's) compiles,
+    ``pow(in0_type(2), in0)``, not ``exp2f``, which CUDA implements differently (gpu-review S2: the "exact" 8-bit
+    kernel-vs-twin cases would differ in the last bit on a GPU; the emulator's C library cannot show it).  The GPU
+    check (benchmarks/gpu_check.py) compares every AL8 code's decode on a device."""
+    import inspect
+
+    from cupy._math import explog
+
+    assert "out0 = pow(in0_type(2), in0)" in inspect.getsource(explog), "CuPy's exp2 changed: revisit a8_codec.cuh"
+    codec = (kernels.KERNEL_DIR / "a8_codec.cuh").read_text()
+    code = re.sub(r"//.*", "", codec)
+    assert "exp2f(" not in code and "exp2(" not in code
+    assert "powf(2.0f, " in code
+
+
+def _loop_divisions(filename: str, kernel: str) -> dict:
+    """{name expression: 64-bit div/rem instructions inside a loop (a label up to a branch back to it) of the
+    kernel's PTX} for ``kernel<float>`` and ``kernel<double>`` of ``filename``."""
+    ptx, lowered = backend.nvrtc_build(kernels.source(filename), filename, kernels.name_expressions(filename),
+                                       "compute_90")
+    text, out = ptx.decode(), {}
+    for expr, low in lowered.items():
+        if expr.split("<")[0] != kernel:
+            continue
+        start = text.index(f".entry {low}")
+        end = text.find(".entry ", start + 1)
+        lines = text[start : end if end > 0 else len(text)].splitlines()
+        labels = {ln.strip()[:-1]: k for k, ln in enumerate(lines) if re.match(r"\s*\$L__\w+:", ln)}
+        n = 0
+        for k, ln in enumerate(lines):
+            b = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", ln)
+            if b and labels.get(b.group(1), k + 1) <= k:  # a branch back: the loop's body is lines[label:k]
+                n += sum(1 for x in lines[labels[b.group(1)] : k] if re.search(r"\b(div|rem)\.[su]64\b", x))
+        out[expr] = n
+    return out
+
+
+@pytest.mark.parametrize("filename, kernel", [("apollo8bit.cu", "ap_apply"), ("kron.cu", "kron_ds")])
+def test_no_64bit_division_per_element(filename, kernel):
+    """The elementwise loops carry their (row, column) from one element to the next instead of a 64-bit ``/`` and
+    ``%`` per element (a ~20-instruction fast path plus a slow-path call each; gpu-review L2)."""
+    _need_nvrtc()
+    assert set(_loop_divisions(filename, kernel).values()) == {0}

@@ -14,7 +14,8 @@ F = log2(max(eps², FLT_MIN)) (``al_floor``).  Every step is float32 in the orig
 round-half-to-even, and ℓ is log2 evaluated in float64 and rounded to float32 (torch's float32 log2 on the CPU is
 correctly rounded to within a handful of ulps in 4M; NumPy's float32 log2 is not), so the codes equal the original
 CPU encoder's bit for bit whenever the floors agree (eps1 = 1e-30 ⇒ F = −126).  The decode uses float32 ``exp2``
-(the original's ``torch.pow(2, ·)`` differs from it by ≤ 1 ulp).  Worst-case relative round-trip error inside a
+(CuPy's is ``pow(2, x)``, which the fused kernels call too; the original's ``torch.pow(2, ·)`` differs from NumPy's
+by ≤ 1 ulp).  Worst-case relative round-trip error inside a
 block is 2^(scale/(2L)) − 1; both end points of a block are exact up to float rounding.
 
 **Signed first moment** ``uf8`` / ``uf4`` / ``d8`` / ``d4`` (blocks of ``m_block_size``, one float32 absmax per

@@ -314,12 +314,20 @@ __global__ void ap_apply(T* p, const float* g32, const float* cs, long long n, l
                          int has_decay) {
     const float decay = cs[nk];
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float c = chan == 0 ? cs[0] : (chan == 1 ? cs[i / cols] : cs[i % cols]);
+    // element i's (row, col) = (i / cols, i % cols), carried from one element of the thread to its next (stride
+    // further) instead of two 64-bit divisions per element
+    const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, nc = cols > 0 ? cols : 1;
+    const long long srow = stride / nc, scol = stride - srow * nc;
+    long long row = i0 / nc, col = i0 - row * nc;
+    for (long long i = i0; i < n; i += stride) {
+        const float c = chan == 0 ? cs[0] : (chan == 1 ? cs[row] : cs[col]);
         const float u = g32[i] * c;
         T v = p[i];
         if (has_decay) v = v * (T)decay;
         v = v + (T)u;
         p[i] = v;
+        row += srow;
+        col += scol;
+        if (col >= nc) { col -= nc; ++row; }
     }
 }
