@@ -93,16 +93,22 @@ def compile_raw(source, names, options):
         nvrtc.destroyProgram(prog)
 
 
+def compile_as_cupy(filename: str) -> bytes:
+    """The PTX of ``filename`` compiled as ``cupy.RawModule(code=source, options=NVRTC_OPTIONS)`` would compile it
+    (skips where NVRTC is missing, or where CuPy finds no CUDA headers: gpu-review H4)."""
+    _need_nvrtc()
+    try:
+        options = cupy_options(backend.NVRTC_OPTIONS)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"CuPy cannot assemble its options here: {exc}")
+    return compile_raw(kernels.source(filename), kernels.name_expressions(filename), options)[0]
+
+
 @pytest.mark.parametrize("filename", ["adamw.cu", "adafactor8bit.cu", "kron.cu"])
 def test_windows_path_compiles_with_cupys_option_list(filename, windows_path):
     """The ``#line`` file names of a Windows path are accepted with the option list CuPy builds (its include paths,
     -ftz=true; what a RawModule of these sources would compile with), and that list does flush subnormals."""
-    _need_nvrtc()
-    try:
-        options = cupy_options(backend.NVRTC_OPTIONS)
-    except Exception as exc:  # noqa: BLE001 - CuPy finds no CUDA headers here (gpu-review H4)
-        pytest.skip(f"CuPy cannot assemble its options here: {exc}")
-    ptx, _ = compile_raw(kernels.source(filename), kernels.name_expressions(filename), options)
+    ptx = compile_as_cupy(filename)
     assert b".ftz.f32" in ptx  # what flatopt's own compile (above) avoids
 
 
@@ -183,12 +189,7 @@ def test_8bit_clamp_is_normal_under_flush_to_zero(filename):
     """The 8-bit codec's clamp before log2 (the original's 1e-38f, a float32 subnormal) is never a float32 operand,
     even compiled as CuPy compiles (-ftz=true), so an all-zero block gets log2 = -126.2, not -inf and a NaN scale
     (gpu-review M2): no float32 instruction reads the constant 0f006CE3EE."""
-    _need_nvrtc()
-    try:
-        options = cupy_options(backend.NVRTC_OPTIONS)
-    except Exception as exc:  # noqa: BLE001 - CuPy finds no CUDA headers here (gpu-review H4)
-        pytest.skip(f"CuPy cannot assemble its options here: {exc}")
-    ptx, _ = compile_raw(kernels.source(filename), kernels.name_expressions(filename), options)
+    ptx = compile_as_cupy(filename)
     uses = [ln.strip() for ln in ptx.decode().splitlines() if "0F006CE3EE" in ln.upper()]
     assert not uses, uses[:3]
 
