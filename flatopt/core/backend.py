@@ -319,17 +319,23 @@ class Packed:
     packs a scalar at its own width: a Python float as a double, a NumPy float32 in 4 bytes, and the device reads
     ``sizeof(parameter)``).  Called like ``cupy.RawKernel``.  A float given for an integer parameter is refused."""
 
-    __slots__ = ("fn", "name", "types")
+    __slots__ = ("fn", "name", "types", "scalars")
 
     def __init__(self, fn, name: str, types: tuple):
         self.fn, self.name, self.types = fn, name, types
+        self.scalars = tuple((i, t) for i, t in enumerate(types) if t is not None)
 
     def __call__(self, grid, block, args, **kwargs):
-        types = self.types
-        if len(args) != len(types):
-            raise TypeError(f"{self.name}: {len(args)} arguments for {len(types)} parameters")
-        return self.fn(grid, block, tuple(a if t is None or type(a) is t else self._convert(i, a, t)
-                                          for i, (a, t) in enumerate(zip(args, types))), **kwargs)
+        if len(args) != len(self.types):
+            raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.types)} parameters")
+        out = None
+        for i, t in self.scalars:
+            a = args[i]
+            if type(a) is not t:
+                if out is None:
+                    out = list(args)
+                out[i] = self._convert(i, a, t)
+        return self.fn(grid, block, args if out is None else tuple(out), **kwargs)
 
     def _convert(self, i: int, a, t):
         if not isinstance(a, (int, float, np.generic)):
