@@ -238,10 +238,11 @@ def test_ptxas_resources_fit_the_launch(filename):
 
 
 def test_8bit_decode_calls_cupys_exp2():
-    """The fused 8-bit decode computes 2^x with the function CuPy's ``exp2`` ufunc (the twin's) compiles,
-    ``pow(in0_type(2), in0)``, not ``exp2f``, which CUDA implements differently (gpu-review S2: the "exact" 8-bit
-    kernel-vs-twin cases would differ in the last bit on a GPU; the emulator's C library cannot show it).  The GPU
-    check (benchmarks/gpu_check.py) compares every AL8 code's decode on a device."""
+    """The fused 8-bit decode computes 2^x with the function CuPy's ``exp2`` ufunc (the twin's) calls,
+    ``pow(in0_type(2), in0)``, not ``exp2f``, another algorithm (gpu-review S2: the "exact" 8-bit kernel-vs-twin
+    cases would differ in the last bit on a GPU; the emulator's C library cannot show it).  CuPy's flags (-ftz=true,
+    fmad on) still change powf's instructions, so the GPU check (benchmarks/gpu_check.py) compares every AL8 code's
+    decode on a device."""
     import inspect
 
     from cupy._math import explog

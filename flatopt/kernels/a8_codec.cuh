@@ -90,8 +90,9 @@ __device__ __forceinline__ float a8_lerp_t(float a, T x, float w, int lo) {
 }
 
 // AL decode of one code (0 -> 0) with its block's scale and min_log; levels L = 254 (AL8) or 65534 (AL16).
-// 2^x is powf(2, x), the function CuPy's exp2 ufunc (the twin's) compiles ("pow(in0_type(2), in0)"): CUDA's exp2f
-// may differ from it in the last bit.
+// 2^x is powf(2, x), the function CuPy's exp2 ufunc (the twin's) calls ("pow(in0_type(2), in0)"), not exp2f (another
+// algorithm, ex2.approx).  CuPy compiles its ufuncs with -ftz=true and fmad on, which change powf's instruction
+// stream: that the two agree on every code is measured on a device (benchmarks/gpu_check.py), not proven here.
 __device__ __forceinline__ float a8_al_value(unsigned int code, float sc, float ml, float L) {
     return code == 0u ? 0.0f : powf(2.0f, (((float)code - 1.0f) * sc) / L + ml);
 }
