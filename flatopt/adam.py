@@ -34,7 +34,7 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
-from .core.validate import check_lr, check_range
+from .core.validate import check_lr, check_range, normalize_numbers
 
 
 # --------------------------------------------------------------------------------- the Adam-family pieces
@@ -87,6 +87,7 @@ class AdamConfig:
     amsgrad: bool = False
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_common("Adam", self)
         check_bool("Adam", "amsgrad", self.amsgrad)
 

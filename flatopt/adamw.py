@@ -30,7 +30,7 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
-from .core.validate import check_lr, check_range
+from .core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,7 @@ class AdamWConfig:
     amsgrad: bool = False
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_lr(self.lr, "lr", "AdamW")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise TypeError(f"AdamW: betas must be a pair of floats, got {self.betas!r}")

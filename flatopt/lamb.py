@@ -43,6 +43,7 @@ from .core import backend, blocks, cpu_plan, driver, kernels, native, norms
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, DecayMask, LrScale
+from .core.validate import normalize_numbers
 
 _SCRATCH = {"persist": False}
 
@@ -55,6 +56,7 @@ class LambConfig:
     weight_decay: float = 1e-2
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_common("Lamb", self)
 
 

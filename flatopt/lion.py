@@ -29,6 +29,7 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
+from .core.validate import normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class LionConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_common("Lion", self, eps_field=False)
 
 

@@ -43,7 +43,7 @@ from .core import backend, blocks, cpu_plan, driver, kernels, native, norms
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, DecayMask, LrScale
-from .core.validate import check_range
+from .core.validate import check_range, normalize_numbers
 
 _SCRATCH = {"persist": False}
 
@@ -58,6 +58,7 @@ class MarsConfig:
     clip_c: bool = True
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_common("Mars", self)
         check_range("Mars", "gamma", self.gamma, 0.0, math.inf)
         check_bool("Mars", "clip_c", self.clip_c)

@@ -35,6 +35,7 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
+from .core.validate import normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,7 @@ class NAdamWConfig:
     weight_decay: float = 1e-2
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_common("NAdamW", self)
 
 

@@ -32,7 +32,7 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
-from .core.validate import check_range
+from .core.validate import check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,7 @@ class QHAdamWConfig:
     weight_decay: float = 1e-2
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_common("QHAdamW", self)
         if not isinstance(self.nus, (tuple, list)) or len(self.nus) != 2:
             raise TypeError(f"QHAdamW: nus must be a pair of floats, got {self.nus!r}")

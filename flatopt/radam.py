@@ -36,7 +36,7 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
-from .core.validate import check_range
+from .core.validate import check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class RAdamConfig:
     threshold: float = 5.0
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_common("RAdam", self)
         check_bool("RAdam", "decoupled_weight_decay", self.decoupled_weight_decay)
         check_range("RAdam", "threshold", self.threshold, 4.0, math.inf)

@@ -25,8 +25,8 @@ import numpy as np
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
-from .core.types import Array, JSONDict, DecayMask, LrScale
-from .core.validate import check_lr, check_range
+from .core.types import Array, DecayMask, JSONDict, LrScale
+from .core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,7 @@ class SGDConfig:
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_lr(self.lr, "lr", "SGD")
         check_range("SGD", "momentum", self.momentum, 0.0, 1.0)
         check_range("SGD", "dampening", self.dampening, 0.0, 1.0)

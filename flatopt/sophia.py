@@ -41,7 +41,8 @@ from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
-from .core.validate import check_array, check_range, check_shape
+from .core.slots import Slot
+from .core.validate import check_array, check_range, check_shape, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class SophiaConfig:
     eps: float = 1e-15
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_common("Sophia", self)
         check_range("Sophia", "rho", self.rho, 0.0, math.inf)
 

@@ -60,7 +60,7 @@ import numpy as np
 from .core import linalg
 from .core.driver import PerParamOptimizer
 from .core.types import Array, LrScale
-from .core.validate import check_lr, check_range
+from .core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,7 @@ class StiefelConfig:
     momentum: float = 0.0
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_lr(self.lr, "lr", "Stiefel")
         check_range("Stiefel", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
 

@@ -53,7 +53,7 @@ from ..core import blocks
 from ..core import gpu_run, shards
 from ..core.driver import PerParamOptimizer, config_to_dict
 from ..core.types import Array, DecayMask, LrScale
-from ..core.validate import check_lr, check_range
+from ..core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,7 @@ class AdafactorConfig:
     factored: bool = True
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         if self.lr is not None:
             check_lr(self.lr, "lr", "Adafactor")
         check_range("Adafactor", "beta2_decay", self.beta2_decay, -math.inf, 0.0)

@@ -79,7 +79,7 @@ from . import migrate as migration
 from ..core.driver import PerParamOptimizer, config_from_dict
 from ..core.types import FORMAT_VERSION, Array, DecayMask, JSONDict, LrScale, OptimizerState, OptItem
 from ..errors import IncompatibleStateError
-from ..core.validate import check_lr, check_range
+from ..core.validate import check_lr, check_range, normalize_numbers
 from .quant import M_FORMATS, V_FORMATS
 from ..routing import Select
 
@@ -138,6 +138,7 @@ class Adafactor8BitConfig:
     warmup_multiplier: int = 0
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         o = "Adafactor8Bit"
         check_lr(self.lr, "lr", o)
         for f in ("beta1", "beta2", "beta3"):

@@ -14,7 +14,8 @@ F = log2(max(eps², FLT_MIN)) (``al_floor``).  Every step is float32 in the orig
 round-half-to-even, and ℓ is log2 evaluated in float64 and rounded to float32 (torch's float32 log2 on the CPU is
 correctly rounded to within a handful of ulps in 4M; NumPy's float32 log2 is not), so the codes equal the original
 CPU encoder's bit for bit whenever the floors agree (eps1 = 1e-30 ⇒ F = −126).  The decode uses float32 ``exp2``
-(the original's ``torch.pow(2, ·)`` differs from it by ≤ 1 ulp).  Worst-case relative round-trip error inside a
+(CuPy's is ``pow(2, x)``, which the fused kernels call too; the original's ``torch.pow(2, ·)`` differs from NumPy's
+by ≤ 1 ulp).  Worst-case relative round-trip error inside a
 block is 2^(scale/(2L)) − 1; both end points of a block are exact up to float rounding.
 
 **Signed first moment** ``uf8`` / ``uf4`` / ``d8`` / ``d4`` (blocks of ``m_block_size``, one float32 absmax per
@@ -50,7 +51,10 @@ M_FORMATS = ("uf8", "uf4", "d8", "d4", "fp32")
 AL_LEVELS = {"al8": 254, "al16": 65534}
 AL_DTYPES = {"al8": np.dtype(np.uint8), "al16": np.dtype(np.uint16)}
 FLT_MIN = float(np.finfo(np.float32).tiny)
-_TINY = float(np.float32(1e-38))  # the original's clamp before log2
+# the original's clamp before log2 (1e-38 rounded to float32), applied in float64: a float32 subnormal, which a
+# GPU's flush-to-zero float32 ufuncs would read as 0 (log2 = -inf, a NaN scale for an all-zero block), but a
+# normal double; the float64 max equals the original's float32 max on every input (kernels/a8_codec.cuh A8_TINY)
+_TINY = np.float64(np.float32(1e-38))
 # NumPy: elements per codec chunk (its scratch stays in the L2 cache).  Each chunk is ~10 NumPy calls; two threads
 # hand the GIL over at every call, so short calls do not run in parallel: measured on 2 cores, uf8 decode + encode
 # of 1M elements per thread scaled 0.91-1.02x from one to two threads with 32K chunks, 1.54-1.82x with 128K
@@ -101,7 +105,8 @@ def al_encode(xp, v, q, scale, min_log, *, block: int, fmt: str, floor: float) -
             zero = workspace.get(xp, "al_zero", k * block, np.bool_)
             xp.equal(src, 0.0, out=zero)
         w = workspace.get(xp, "al_f64", k * block, np.float64)  # log2 in float64 (rounded to float32 below);
-        xp.maximum(src, _F32(_TINY), out=w)  # explicit buffers: a casting ufunc call would allocate its own
+        w[...] = src  # the clamp in float64 (_TINY), whatever the array module's scalar promotion
+        xp.maximum(w, _TINY, out=w)
         xp.log2(w, out=w)
         lg[...] = w
         tmp = workspace.get(xp, "al_tmp", k * block, np.float32)

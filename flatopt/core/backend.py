@@ -13,8 +13,11 @@ Environment switches
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -30,7 +33,9 @@ __all__ = [
     "cupy",
     "gpu_available",
     "force_twin",
+    "nvrtc_build",
     "nvrtc_compile",
+    "device_arch",
     "raw_module",
     "raw_function",
     "launch",
@@ -55,8 +60,26 @@ def cupy() -> Any:
                     raise ImportError(
                         "flatopt needs CuPy for GPU arrays: pip install 'flatopt[cuda12]' or 'flatopt[cuda13]'"
                     ) from exc
+                check_cupy_version(getattr(_cp, "__version__", ""))
                 _cupy = _cp
     return _cupy
+
+
+MIN_CUPY = (14, 0)
+
+
+def check_cupy_version(version: str) -> None:
+    """``ImportError`` unless ``version`` is CuPy >= 14: CuPy 13 differs where flatopt relies on CuPy 14
+    (``cupy.sign(nan)`` is 0 there, so the Lion and Sophia twins would skip an update their kernels poison; a Python
+    bool is packed as int64), and it is what the tests' stand-in models."""
+    parts = version.split(".")[:2]
+    try:
+        found = tuple(int("".join(ch for ch in x if ch.isdigit()) or "-1") for x in parts)
+    except ValueError:  # pragma: no cover - a version string CuPy never had
+        found = ()
+    if len(found) < 2 or found < MIN_CUPY:
+        raise ImportError(f"flatopt needs CuPy >= {MIN_CUPY[0]} (found cupy {version or 'of unknown version'}): "
+                          f"pip install 'flatopt[cuda12]' or 'flatopt[cuda13]' (cupy-cuda12x / cupy-cuda13x >= 14)")
 
 
 def solve_triangular():
@@ -167,15 +190,19 @@ def force_twin() -> bool:
 # ---------------------------------------------------------------------------------------------------------
 
 # --fmad=false: no fused multiply-add contraction, so a kernel rounds exactly like its twin (one ufunc per op).
-NVRTC_OPTIONS = ("-std=c++17", "--fmad=false")
+# -ftz=false: float32 subnormals are kept (not flushed to zero), as on the CPU.  (NVRTC's default; said explicitly
+# because CuPy's RawModule(code=...) appends -ftz=true after the caller's options and NVRTC takes the last one: that
+# is why flatopt compiles its sources itself, ``raw_module``.  CuPy's own ufuncs, which the twins run on a GPU, are
+# still compiled with -ftz=true and flush subnormals.)
+NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "-ftz=false")
 
 
-def nvrtc_compile(source: str, filename: str, name_expressions: list[str], arch: str = "compute_80") -> dict:
-    """Compile ``source`` with NVRTC (CuPy's bindings; no GPU needed) and return the lowered names.
+def nvrtc_build(source: str, filename: str, name_expressions: list[str], arch: str) -> tuple[bytes, dict]:
+    """Compile ``source`` with NVRTC (CuPy's bindings; no GPU needed) with :data:`NVRTC_OPTIONS` and nothing else,
+    for ``arch`` (``"sm_90"``: a cubin; ``"compute_90"``: PTX).  Returns (image, {name expression: lowered name}).
 
-    Used by the test that every ``.cu`` file compiles on machines without a GPU.  Raises ``RuntimeError`` with
-    the NVRTC log (whose ``#line`` directives point into the ``.cu`` file) when compilation fails.
-    """
+    Raises ``RuntimeError`` with the NVRTC log (whose ``#line`` directives point into the ``.cu`` file) when
+    compilation fails."""
     cupy()  # make sure the bindings are importable with a helpful message
     from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
 
@@ -187,9 +214,83 @@ def nvrtc_compile(source: str, filename: str, name_expressions: list[str], arch:
             nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC failed on {filename}:\n{nvrtc.getProgramLog(prog)}") from exc
-        return {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+        image = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        return bytes(image), {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def nvrtc_compile(source: str, filename: str, name_expressions: list[str], arch: str = "compute_80") -> dict:
+    """The lowered names of ``nvrtc_build`` (the test that every ``.cu`` file compiles on machines without a GPU)."""
+    return nvrtc_build(source, filename, name_expressions, arch)[1]
+
+
+def device_arch(cp) -> str:
+    """NVRTC's target for the current device: its ``sm_XY`` (a cubin, as CuPy builds: PTX of a newer NVRTC may not
+    load on an older driver) when NVRTC knows it, else PTX for the newest architecture NVRTC knows below it."""
+    from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+
+    cc = int(cp.cuda.Device().compute_capability)
+    known = [a for a in nvrtc.getSupportedArchs() if a <= cc]
+    if cc in known:
+        return f"sm_{cc}"
+    return f"compute_{max(known) if known else cc}"
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
+    return os.path.join(root, "flatopt")
+
+
+def _build_cached(source: str, filename: str, name_expressions: list[str], arch: str) -> tuple[bytes, dict]:
+    """``nvrtc_build``, through a disk cache beside CuPy's kernel cache (``CUPY_CACHE_DIR``), keyed by the source, the
+    options, the architecture and the NVRTC version; an unwritable or damaged cache only costs the compile."""
+    from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+
+    key = hashlib.sha256(repr((source, NVRTC_OPTIONS, arch, nvrtc.getVersion(), sorted(name_expressions)))
+                         .encode()).hexdigest()
+    path = os.path.join(_cache_dir(), key + ".bin")
+    try:
+        with open(path, "rb") as f:
+            head, _, image = f.read().partition(b"\n")
+        mapping = json.loads(head)
+        if sorted(mapping) == sorted(name_expressions) and image:
+            return image, mapping
+    except (OSError, ValueError):
+        pass
+    image, mapping = nvrtc_build(source, filename, name_expressions, arch)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(mapping).encode() + b"\n" + image)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return image, mapping
+
+
+class _Module:
+    """A module flatopt compiled (``nvrtc_build``) and loaded (``cupy.cuda.function.Module``), looked up by name
+    expression as a ``cupy.RawModule``."""
+
+    __slots__ = ("module", "mapping")
+
+    def __init__(self, module, mapping):
+        self.module, self.mapping = module, mapping
+
+    def get_function(self, expr: str):
+        return self.module.get_function(self.mapping[expr])
+
+
+def _load_module(cp, source: str, filename: str, name_expressions: list[str]):
+    function = getattr(cp.cuda, "function", None)
+    if function is None:  # a CuPy stand-in without NVRTC access (the tests' emulator runs RawModule(code=...))
+        return cp.RawModule(code=source, options=NVRTC_OPTIONS, name_expressions=name_expressions)
+    image, mapping = _build_cached(source, filename, name_expressions, device_arch(cp))
+    mod = function.Module()
+    mod.load(image)
+    return _Module(mod, mapping)
 
 
 _modules: dict[tuple, Any] = {}
@@ -197,7 +298,8 @@ _modules_lock = threading.Lock()
 
 
 def raw_module(key: tuple, source: str, name_expressions: list[str]):
-    """A cached ``cupy.RawModule`` per (key, device): compiled once, thread-safe."""
+    """The module of ``source`` per (key, device), compiled once (thread-safe) with :data:`NVRTC_OPTIONS` alone
+    (not through ``cupy.RawModule``, which would add -ftz=true) and looked up like a ``cupy.RawModule``."""
     cp = cupy()
     full_key = (key, cp.cuda.Device().id)
     mod = _modules.get(full_key)
@@ -205,17 +307,49 @@ def raw_module(key: tuple, source: str, name_expressions: list[str]):
         with _modules_lock:
             mod = _modules.get(full_key)
             if mod is None:
-                mod = cp.RawModule(code=source, options=NVRTC_OPTIONS, name_expressions=name_expressions)
+                mod = _load_module(cp, source, "/".join(map(str, key)), name_expressions)
                 for expr in name_expressions:  # compile now, not lazily inside a worker thread
                     mod.get_function(expr)
                 _modules[full_key] = mod
     return mod
 
 
-def raw_function(key: tuple, source: str, name_expressions, name: str):
+class Packed:
+    """A kernel whose scalar arguments are converted to their parameters' NumPy types before CuPy packs them (CuPy
+    packs a scalar at its own width: a Python float as a double, a NumPy float32 in 4 bytes, and the device reads
+    ``sizeof(parameter)``).  Called like ``cupy.RawKernel``.  A float given for an integer parameter is refused."""
+
+    __slots__ = ("fn", "name", "types", "scalars")
+
+    def __init__(self, fn, name: str, types: tuple):
+        self.fn, self.name, self.types = fn, name, types
+        self.scalars = tuple((i, t) for i, t in enumerate(types) if t is not None)
+
+    def __call__(self, grid, block, args, **kwargs):
+        if len(args) != len(self.types):
+            raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.types)} parameters")
+        out = None
+        for i, t in self.scalars:
+            a = args[i]
+            if type(a) is not t:
+                if out is None:
+                    out = list(args)
+                out[i] = self._convert(i, a, t)
+        return self.fn(grid, block, args if out is None else tuple(out), **kwargs)
+
+    def _convert(self, i: int, a, t):
+        if not isinstance(a, (int, float, np.generic)):
+            return a  # an array (a pointer parameter's) or None: CuPy's to check
+        if isinstance(a, (float, np.floating)) and not issubclass(t, np.floating):
+            raise TypeError(f"{self.name}: argument {i} is a float ({a!r}) for an integer parameter")
+        return t(a)
+
+
+def raw_function(key: tuple, source: str, name_expressions, name: str, param_types: tuple | None = None):
     """The kernel ``name`` of ``raw_module(key, ...)`` on the current device, looked up once and cached (thread-safe):
     CuPy's ``RawModule.get_function`` builds a new ``RawKernel`` and resolves the function on every call.  Kept in the
-    modules' cache, so whatever resets that cache resets these too."""
+    modules' cache, so whatever resets that cache resets these too.  With ``param_types`` (the NumPy scalar type of
+    each parameter, None for a pointer) the kernel is a :class:`Packed`."""
     cp = cupy()
     full = ("function", key, name, cp.cuda.Device().id)
     fn = _modules.get(full)
@@ -224,7 +358,10 @@ def raw_function(key: tuple, source: str, name_expressions, name: str):
         with _modules_lock:
             fn = _modules.get(full)
             if fn is None:
-                fn = _modules[full] = mod.get_function(name)
+                fn = mod.get_function(name)
+                if param_types is not None:
+                    fn = Packed(fn, name, param_types)
+                _modules[full] = fn
     return fn
 
 

@@ -2,8 +2,15 @@
 
 Each ``.cu`` file holds ``template <typename T>`` kernels; the loader compiles a file once per device (thread-safe,
 through ``core.backend.raw_module``), instantiated for ``float`` and ``double``, with a ``#line`` directive so that
-compiler errors point into the ``.cu`` file.  ``KERNELS`` names the template kernels of every file: the CI test
-that compiles every source without a GPU uses the same list, so what is tested is what runs.
+compiler errors point into the ``.cu`` file (its path written with forward slashes: in a ``#line`` file name, the
+backslashes of a Windows path would begin escapes, ``\\U`` a universal-character name, which NVRTC rejects).
+``KERNELS`` names the template kernels of every file: the CI test that compiles every source without a GPU uses the
+same list, so what is tested is what runs.
+
+Scalar arguments are packed at the width of the kernel's parameter (:func:`param_types`, read from the kernel's
+signature in its source).  CuPy packs each scalar at its own width (a Python float as a double, a NumPy float32 in
+4 bytes) and the device reads ``sizeof(parameter)`` bytes, so a NumPy float32 given to a ``double`` parameter would
+be read as about 5e-315.  Every launch goes through :func:`get`, so no call site can pack a scalar at another width.
 """
 
 from __future__ import annotations
@@ -60,9 +67,15 @@ def source(filename: str) -> str:
     def paste(m: re.Match[str]) -> str:
         header = KERNEL_DIR / m.group(1)
         line = path.read_text().count("\n", 0, m.start()) + 2
-        return f'#line 1 "{header}"\n{header.read_text()}\n#line {line} "{path}"'
+        return f'#line 1 "{_line_name(header)}"\n{header.read_text()}\n#line {line} "{_line_name(path)}"'
 
-    return f'#line 1 "{path}"\n' + _INCLUDE.sub(paste, path.read_text())
+    return f'#line 1 "{_line_name(path)}"\n' + _INCLUDE.sub(paste, path.read_text())
+
+
+def _line_name(path) -> str:
+    """``path`` as a ``#line`` file name: forward slashes (the name is a string literal, where a Windows path's
+    backslashes would be escapes), and any quote or backslash left escaped."""
+    return path.as_posix().replace("\\", "\\\\").replace('"', '\\"')
 
 
 def name_expressions(filename: str) -> list[str]:
@@ -76,6 +89,37 @@ def _names(filename: str) -> tuple[str, ...]:
 
 def get(filename: str, kernel: str, dtype: Any) -> Any:
     """The compiled ``kernel<T>`` of ``filename`` for ``dtype`` on the current device: built once per (file, kernel,
-    dtype, device) and cached (``core.backend.raw_function``), not per launch."""
-    return backend.raw_function(("flatopt", filename), source(filename), _names(filename),
-                                f"{kernel}<{CTYPES[np.dtype(dtype)]}>")
+    dtype, device) and cached (``core.backend.raw_function``), not per launch.  Called like ``cupy.RawKernel``; each
+    scalar argument is converted to its parameter's type first (:func:`param_types`)."""
+    ctype = CTYPES[np.dtype(dtype)]
+    return backend.raw_function(("flatopt", filename), source(filename), _names(filename), f"{kernel}<{ctype}>",
+                                param_types(filename, kernel, ctype))
+
+
+# C scalar types of kernel parameters -> the NumPy scalar type CuPy packs at that width
+SCALARS: dict[str, type] = {"float": np.float32, "double": np.float64, "int": np.int32, "unsigned int": np.uint32,
+                            "long long": np.int64, "unsigned long long": np.uint64, "bool": np.bool_,
+                            "unsigned char": np.uint8, "char": np.int8, "short": np.int16}
+_KERNEL = re.compile(r"template\s*<\s*typename\s+(\w+)\s*>\s*__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?"
+                     r"(\w+)\s*\(([^)]*)\)")
+
+
+@functools.lru_cache(maxsize=None)
+def param_types(filename: str, kernel: str, ctype: str) -> tuple[type | None, ...]:
+    """The NumPy scalar type of each parameter of ``kernel<ctype>`` in ``filename`` (None for a pointer), read from
+    its signature: what each launch argument is packed as."""
+    for m in _KERNEL.finditer(source(filename)):
+        if m.group(2) != kernel:
+            continue
+        out: list[type | None] = []
+        for param in m.group(3).split(","):
+            if "*" in param:
+                out.append(None)
+                continue
+            words = [w for w in param.split()[:-1] if w not in ("const", "__restrict__", "volatile")]
+            base = " ".join(ctype if w == m.group(1) else w for w in words)
+            if base not in SCALARS:
+                raise ValueError(f"{filename}: {kernel}: parameter {param.strip()!r} has no known scalar type")
+            out.append(SCALARS[base])
+        return tuple(out)
+    raise KeyError(f"{filename} defines no template kernel {kernel!r}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import re
 import weakref
 from typing import Any, Mapping
 
@@ -171,6 +173,33 @@ def check_real(owner: str | None, field: str, value: Any) -> float:
     v = float(value)
     if not math.isfinite(v):
         raise ValueError(f"{what} must be finite, got {value!r}")
+    return v
+
+
+def normalize_numbers(config: Any) -> None:
+    """Make every number of the dataclass ``config`` a Python number, in place (its ``__post_init__`` calls this
+    first): a NumPy scalar becomes its Python scalar (``np.float32(0.9)`` -> ``0.8999999761581421``), and an int in a
+    field annotated ``float`` (or a tuple of floats) a float.  So a hyper-parameter never carries a NumPy dtype into
+    the arithmetic or the kernel arguments derived from it (NEP 50: ``1.0 - np.float32(b)`` stays float32)."""
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        ann = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        new = _python_number(v, _FLOAT_FIELD.fullmatch(ann) is not None)
+        if isinstance(v, tuple):
+            new = tuple(_python_number(x, _FLOAT_TUPLE.fullmatch(ann) is not None) for x in v)
+        if new is not v and (type(new) is not type(v) or new != v):
+            object.__setattr__(config, f.name, new)
+
+
+_FLOAT_FIELD = re.compile(r"float(\s*\|\s*None)?|Optional\[float\]")
+_FLOAT_TUPLE = re.compile(r"tuple\[float(,\s*(float|\.\.\.))*\](\s*\|\s*None)?")
+
+
+def _python_number(v: Any, as_float: bool) -> Any:
+    if isinstance(v, np.generic) and isinstance(v, (np.floating, np.integer, np.bool_)):
+        v = v.item()
+    if as_float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
     return v
 
 

@@ -112,9 +112,16 @@ class MpiBackend:
         return np.float64(buf[0])
 
 
+# NCCL's data types by dtype name (cupy.cuda.nccl constants)
+NCCL_TYPES = {"float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16", "float32": "NCCL_FLOAT32",
+              "float64": "NCCL_FLOAT64", "int32": "NCCL_INT32", "int64": "NCCL_INT64"}
+
+
 class NcclBackend:
-    """Collectives over a ``cupy.cuda.nccl.NcclCommunicator``, on CuPy arrays of the current device, on the
-    current stream (no host synchronisation in the data plane).
+    """Collectives over a ``cupy.cuda.nccl.NcclCommunicator``, on C-contiguous CuPy arrays (NCCL reads ``size``
+    elements from the data pointer: a strided view is refused, never reduced over the wrong bytes) of float16,
+    bfloat16, float32, float64, int32 or int64, on the communicator's device (``comm.device_id()``) and on that
+    device's current stream, whichever device is current (no host synchronisation in the data plane).
 
     ``control`` (an mpi4py communicator over the same ranks, optional) carries the host-side vote, messages and
     checkpoint metadata.  Without it the vote is a NCCL all-reduce read back on the host (one synchronisation
@@ -132,13 +139,26 @@ class NcclBackend:
         self.control = MpiBackend(control) if control is not None else None
         if self.control is not None and (self.control.rank, self.control.world) != (self.rank, self.world):
             raise ValueError("the control communicator must have the same ranks as the NCCL communicator")
-        self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
-                       np.dtype(np.int64): nccl.NCCL_INT64}
+        self.device = int(comm.device_id())
+        # by dtype name (bfloat16 is not a NumPy dtype; ml_dtypes' is named so)
+        self._types = {name: getattr(nccl, const) for name, const in NCCL_TYPES.items() if hasattr(nccl, const)}
 
     def check_arrays(self, arrays: Sequence) -> None:
         for a in arrays:
             if not backend.is_cupy_array(a):
                 raise TypeError("the NCCL backend takes CuPy arrays; use an mpi4py communicator for NumPy arrays")
+            if a.dtype.name not in self._types:
+                raise TypeError(f"the NCCL backend takes arrays of {', '.join(self._types)}, got {a.dtype}")
+            if not a.flags.c_contiguous:
+                raise ValueError(f"the NCCL backend takes C-contiguous arrays (NCCL reads size elements from the data "
+                                 f"pointer), got a strided array of shape {tuple(a.shape)}, strides {a.strides}")
+            if a.data.device_id != self.device:
+                raise ValueError(f"an array on device {a.data.device_id}, but the NCCL communicator is on device "
+                                 f"{self.device}")
+
+    def _on_device(self):
+        """``with`` the communicator's device current: its current stream is the one NCCL is given."""
+        return self.cp.cuda.Device(self.device)
 
     def _stream(self) -> int:
         return self.cp.cuda.get_current_stream().ptr
@@ -148,12 +168,13 @@ class NcclBackend:
         if self.control is not None:
             return self.control.agree(failed, digest)
         cp = self.cp
-        vote = cp.zeros(self.world + 2, cp.int64)
-        vote[self.rank] = int(failed)
-        vote[self.world], vote[self.world + 1] = digest, -digest
-        self.comm.allReduce(vote.data.ptr, vote.data.ptr, vote.size, self.nccl.NCCL_INT64, self.nccl.NCCL_MAX,
-                            self._stream())
-        host = vote.get()  # the one host synchronisation of a step without a control communicator
+        with self._on_device():
+            vote = cp.zeros(self.world + 2, cp.int64)
+            vote[self.rank] = int(failed)
+            vote[self.world], vote[self.world + 1] = digest, -digest
+            self.comm.allReduce(vote.data.ptr, vote.data.ptr, vote.size, self.nccl.NCCL_INT64, self.nccl.NCCL_MAX,
+                                self._stream())
+            host = vote.get()  # the one host synchronisation of a step without a control communicator
         return [r for r in range(self.world) if host[r]], bool(host[self.world] != -host[self.world + 1])
 
     def messages(self, msg: str | None) -> list:
@@ -170,35 +191,42 @@ class NcclBackend:
         if self.control is not None:
             self.control.barrier()
         else:
-            self.cp.cuda.get_current_stream().synchronize()
-            self.allreduce_sum([self.cp.zeros(1, self.cp.float32)])
-            self.cp.cuda.get_current_stream().synchronize()
+            with self._on_device():
+                self.cp.cuda.get_current_stream().synchronize()
+                self.allreduce_sum([self.cp.zeros(1, self.cp.float32)])
+                self.cp.cuda.get_current_stream().synchronize()
 
     # -------------------------------------------------------------------------------------- data plane
     def broadcast(self, pieces: Sequence[tuple[int, Any]]) -> None:
-        stream = self._stream()
-        self.nccl.groupStart()
-        try:
-            for root, buf in pieces:
-                if buf.size:
-                    self.comm.broadcast(buf.data.ptr, buf.data.ptr, buf.size, self._types[buf.dtype], root, stream)
-        finally:
-            self.nccl.groupEnd()
+        self.check_arrays([buf for _, buf in pieces])
+        with self._on_device():
+            stream = self._stream()
+            self.nccl.groupStart()
+            try:
+                for root, buf in pieces:
+                    if buf.size:
+                        self.comm.broadcast(buf.data.ptr, buf.data.ptr, buf.size, self._types[buf.dtype.name], root,
+                                            stream)
+            finally:
+                self.nccl.groupEnd()
 
     def allreduce_sum(self, buffers: Sequence) -> None:
-        stream = self._stream()
-        self.nccl.groupStart()
-        try:
-            for buf in buffers:
-                if buf.size:
-                    self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._types[buf.dtype],
-                                        self.nccl.NCCL_SUM, stream)
-        finally:
-            self.nccl.groupEnd()
+        self.check_arrays(buffers)
+        with self._on_device():
+            stream = self._stream()
+            self.nccl.groupStart()
+            try:
+                for buf in buffers:
+                    if buf.size:
+                        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._types[buf.dtype.name],
+                                            self.nccl.NCCL_SUM, stream)
+            finally:
+                self.nccl.groupEnd()
 
     def allreduce_scalar(self, x):
-        buf = self.cp.asarray(x, dtype=self.cp.float64).reshape(1).copy()
-        self.allreduce_sum([buf])
+        with self._on_device():
+            buf = self.cp.asarray(x, dtype=self.cp.float64).reshape(1).copy()
+            self.allreduce_sum([buf])
         return buf.reshape(())
 
 

@@ -2,7 +2,10 @@
 // NaN-propagating min / max, torch.lerp, block-wide min/max reduction, the AL log2, and the signed first-moment
 // formats (uf8 / uf4 linear, d8 / d4 by nearest entry of a quantization map).  Twin: flatopt/adafactor8bit/quant.py.
 
-#define A8_TINY 1e-38f   // the original's clamp before log2 (a float32 subnormal)
+// The original's clamp before log2, 1e-38f, as a double: a float32 subnormal, which a flush-to-zero float32 compare
+// (CuPy's -ftz=true) would read as 0 (log2 = -inf, then a NaN scale for an all-zero block), but a normal double.  The
+// clamp is a float64 max (the twin's too: quant._TINY), exactly the float32 max of the original on every input.
+#define A8_TINY ((double)1e-38f)
 #define A8_INF __int_as_float(0x7f800000)
 
 // min / max that propagate NaN (numpy.minimum / numpy.maximum); fminf / fmaxf would drop it.
@@ -39,7 +42,10 @@ __device__ __forceinline__ void a8_block_minmax(float& lo, float& hi, float* sh)
     __syncthreads();
 }
 
-__device__ __forceinline__ float a8_log2(float v) { return (float)log2((double)a8_max(v, A8_TINY)); }
+__device__ __forceinline__ float a8_log2(float v) {
+    const double d = (double)v;
+    return (float)log2((isnan(d) || d >= A8_TINY) ? d : A8_TINY);
+}
 
 __device__ __forceinline__ int a8_nearest(float x, const float* mp, int size) {
     int lo = 0, hi = size;  // first index with mp[i] >= x (searchsorted, side "left")
@@ -84,8 +90,11 @@ __device__ __forceinline__ float a8_lerp_t(float a, T x, float w, int lo) {
 }
 
 // AL decode of one code (0 -> 0) with its block's scale and min_log; levels L = 254 (AL8) or 65534 (AL16).
+// 2^x is powf(2, x), the function CuPy's exp2 ufunc (the twin's) calls ("pow(in0_type(2), in0)"), not exp2f (another
+// algorithm, ex2.approx).  CuPy compiles its ufuncs with -ftz=true and fmad on, which change powf's instruction
+// stream: that the two agree on every code is measured on a device (benchmarks/gpu_check.py), not proven here.
 __device__ __forceinline__ float a8_al_value(unsigned int code, float sc, float ml, float L) {
-    return code == 0u ? 0.0f : exp2f((((float)code - 1.0f) * sc) / L + ml);
+    return code == 0u ? 0.0f : powf(2.0f, (((float)code - 1.0f) * sc) / L + ml);
 }
 
 __device__ __forceinline__ unsigned int a8_al_code_at(const void* codes, int bits, long long idx) {

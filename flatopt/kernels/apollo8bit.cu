@@ -34,6 +34,10 @@
 //   threads of one block and folded by ap_block_sum.
 // The kernels with partials are launched with AP_THREADS threads, ap_scalars with AP_SCALAR_THREADS (the Python
 // side: apollo_fused.THREADS, SCALAR_THREADS); ap_draw and ap_apply with any (grid-stride loops, no sums).
+// ap_scalars declares __launch_bounds__(AP_SCALAR_THREADS): ptxas then keeps it within 64 registers, so that a block of
+// 1024 threads always fits an SM's 64K registers.  (A kernel launched with at most 256 threads needs none: 255
+// registers, the most ptxas gives a thread, times 256 fit; declaring 256 was measured to make ptxas spill in
+// af_stats_multi<float>.)
 
 #include "a8_codec.cuh"
 
@@ -213,10 +217,11 @@ __global__ void ap_lowrank(const float* glow, float* v, float* m, const float* u
 //   √n·d) · bias (AP_BIAS);  decay = 1 − (α or ρ)·wd (AP_DECAY).
 // g_rows × g_cols: G's 2-D view; l_rows × l_cols: G_low's; span: their layouts' (the header).
 template <typename T>
-__global__ void ap_scalars(const double* part_p, const double* part_g, const double* part_u, const double* part_l,
-                           float* cs, float* fira_prev, long long g_rows, long long g_cols, long long l_rows,
-                           long long l_cols, long long span, int chan, int flags, float rho, float sqrt_n,
-                           float eps2, float sq, float one_m, float dden, float wd, float bias) {
+__global__ void __launch_bounds__(AP_SCALAR_THREADS) ap_scalars(const double* part_p, const double* part_g,
+                           const double* part_u, const double* part_l, float* cs, float* fira_prev, long long g_rows,
+                           long long g_cols, long long l_rows, long long l_cols, long long span, int chan, int flags,
+                           float rho, float sqrt_n, float eps2, float sq, float one_m, float dden, float wd,
+                           float bias) {
     __shared__ double sh[33];
     __shared__ float sc[2];
     const int lay = chan == 2 ? 1 : 0;
@@ -309,12 +314,20 @@ __global__ void ap_apply(T* p, const float* g32, const float* cs, long long n, l
                          int has_decay) {
     const float decay = cs[nk];
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float c = chan == 0 ? cs[0] : (chan == 1 ? cs[i / cols] : cs[i % cols]);
+    // element i's (row, col) = (i / cols, i % cols), carried from one element of the thread to its next (stride
+    // further) instead of two 64-bit divisions per element
+    const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, nc = cols > 0 ? cols : 1;
+    const long long srow = stride / nc, scol = stride - srow * nc;
+    long long row = i0 / nc, col = i0 - row * nc;
+    for (long long i = i0; i < n; i += stride) {
+        const float c = chan == 0 ? cs[0] : (chan == 1 ? cs[row] : cs[col]);
         const float u = g32[i] * c;
         T v = p[i];
         if (has_decay) v = v * (T)decay;
         v = v + (T)u;
         p[i] = v;
+        row += srow;
+        col += scol;
+        if (col >= nc) { col -= nc; ++row; }
     }
 }

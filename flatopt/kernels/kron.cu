@@ -115,14 +115,22 @@ __global__ void kron_ds(P* t1, const P* t2, P* d, P* ab, const long long n, cons
                         const int triu, int* flag) {
   if (blockIdx.x == 0 && threadIdx.x == 0) flag[0] = 0;
   const long long stride = (long long)blockDim.x * gridDim.x;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+  // element i's (row, col) = (i / cols, i % cols), carried from one element of the thread to its next (stride
+  // further) instead of two 64-bit divisions per element
+  const long long i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x, nc = cols > 0 ? cols : 1;
+  const long long srow = stride / nc, scol = stride - srow * nc;
+  long long row = i0 / nc, col = i0 - row * nc;
+  for (long long i = i0; i < n; i += stride) {
     const P a = t1[i];
     const P b = t2[i];
     const P dd = (a - b) * eta;
     const P s = a + b;
-    d[i] = (triu && (i % cols) < (i / cols)) ? (P)0 : dd;
+    d[i] = (triu && col < row) ? (P)0 : dd;
     t1[i] = s;
     ab[i] = kf_abs(s);
+    row += srow;
+    col += scol;
+    if (col >= nc) { col -= nc; ++row; }
   }
 }
 

@@ -82,7 +82,7 @@ from . import numerics as K
 from . import fused as _fused
 from ..core.driver import PerParamOptimizer, config_to_dict
 from ..core.types import Array, DecayMask, LrScale, OptItem
-from ..core.validate import check_lr, check_range
+from ..core.validate import check_lr, check_range, normalize_numbers
 
 _MODES = (None, "one_diag", "smart_one_diag", "all_diag")
 
@@ -115,6 +115,7 @@ class KronPsgdConfig:
     balance_seed: int = 42
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         inf = math.inf
         check_lr(self.lr, "lr", "KronPsgd")
         check_range("KronPsgd", "precond_lr", self.precond_lr, 0.0, inf, hi_open=True)

@@ -69,7 +69,7 @@ import numpy as np
 from ..core import parallel, shards
 from ..core.driver import PerParamOptimizer
 from ..core.types import Array, DecayMask, LrScale
-from ..core.validate import check_lr, check_range
+from ..core.validate import check_lr, check_range, normalize_numbers
 from . import fused as _fused
 from .numerics import Work, gram, shape_scale, work
 
@@ -93,6 +93,7 @@ class MuonConfig:
     layout: str = "out_in"
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_lr(self.lr, "lr", "Muon")
         check_range("Muon", "momentum", self.momentum, 0.0, 1.0, hi_open=True)
         if not isinstance(self.nesterov, bool):

@@ -72,7 +72,7 @@ import numpy as np
 from . import numerics as N
 from ..core.driver import PerParamOptimizer
 from ..core.types import Array, DecayMask, LrScale
-from ..core.validate import check_lr, check_range
+from ..core.validate import check_lr, check_range, normalize_numbers
 
 
 def _check_int(field: str, v: Any, lo: int) -> None:
@@ -94,6 +94,7 @@ class SoapConfig:
     precondition_1d: bool = False
 
     def __post_init__(self) -> None:
+        normalize_numbers(self)
         check_lr(self.lr, "lr", "Soap")
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise TypeError(f"Soap: betas must be a pair of floats, got {self.betas!r}")

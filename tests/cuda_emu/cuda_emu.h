@@ -40,6 +40,7 @@
 #include <vector>
 
 #define __global__
+#define __launch_bounds__(...)  // checked at launch by emu.py (Kernel.max_threads)
 #define __device__
 #define __host__
 #define __forceinline__ inline
@@ -521,13 +522,14 @@ int run(Launch* launch, void (*k)(A...), void** args) {
 #define CUDA_EMU_API extern "C" __attribute__((visibility("default")))
 // emu.py registers each __shared__ static (address, size), found in the library's symbol table, once after loading
 CUDA_EMU_API void emu_shared_region(void* p, size_t n) { ::emu::shared_regions.emplace_back((char*)p, n); }
-// The device math library the stand-in's CuPy ufuncs share with the kernels (on a GPU, CuPy's exp2 and a kernel's
-// exp2f are the same CUDA function; here both are the C library's): fn 0 exp2f, 1 exp2, 2 log2f, 3 log2.
+// The device math library the stand-in's CuPy ufuncs share with the kernels (here the C library's; on a GPU, CuPy's
+// ufuncs and the kernels compile the same CUDA functions): fn 0 CuPy's float32 exp2, pow(2.0f, x) (cupy/_math/
+// explog.py), 1 its double exp2, pow(2.0, x), 2 log2f, 3 log2.
 CUDA_EMU_API void emu_devmath(int fn, const void* x, void* out, long long n) {
   for (long long i = 0; i < n; ++i) {
     switch (fn) {
-      case 0: ((float*)out)[i] = exp2f(((const float*)x)[i]); break;
-      case 1: ((double*)out)[i] = exp2(((const double*)x)[i]); break;
+      case 0: ((float*)out)[i] = powf(2.0f, ((const float*)x)[i]); break;
+      case 1: ((double*)out)[i] = pow(2.0, ((const double*)x)[i]); break;
       case 2: ((float*)out)[i] = log2f(((const float*)x)[i]); break;
       case 3: ((double*)out)[i] = log2(((const double*)x)[i]); break;
       case 4: ((float*)out)[i] = logf(((const float*)x)[i]); break;

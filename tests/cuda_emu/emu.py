@@ -255,6 +255,8 @@ class Kernel:
         sig = getattr(lib, f"emu_{name}__{ctype}_sig")
         sig.restype = ctypes.c_char_p
         self.params = tuple(sig().decode().split(","))
+        # None: no __launch_bounds__ (flatopt's kernels; the emulator's own self-test kernels may take 1024)
+        self.max_threads = launch_bounds(filename).get(name) if filename in _kernels_module().KERNELS else 1024
 
     def __repr__(self):
         return f"<emulated kernel {self.expr} of {self.filename}>"
@@ -276,6 +278,11 @@ class Kernel:
             dims.append([int(x) for x in d] + [1] * (3 - len(d)))
         if dims[0][0] > 2**31 - 1 or dims[1][0] > 1024 or np.prod(dims[1]) > 1024:
             raise EmulatorError(f"{self.expr}: launch out of CUDA's limits: grid {grid}, block {block}")
+        if np.prod(dims[1]) > (self.max_threads or UNBOUNDED_THREADS):
+            raise EmulatorError(f"{self.expr}: block {block} exceeds its __launch_bounds__({self.max_threads}) (CUDA: "
+                                f"too many resources requested for launch)" if self.max_threads else
+                                f"{self.expr}: block {block} of more than {UNBOUNDED_THREADS} threads for a kernel "
+                                f"without __launch_bounds__ (ptxas may give it more registers than an SM holds)")
         with _launch_lock:
             k = _counter[0]
             _counter[0] += 1
@@ -383,6 +390,19 @@ class Kernel:
 
 
 _kernel_cache: dict[tuple[str, str], Kernel] = {}
+
+
+# the most threads per block of a kernel without __launch_bounds__: 255 registers (ptxas' maximum) x 256 fit in 64K
+UNBOUNDED_THREADS = 256
+
+
+def launch_bounds(filename: str) -> dict[str, int]:
+    """{kernel: its ``__launch_bounds__`` maximum of threads per block} of a .cu file (a number or a ``#define``d
+    name of one)."""
+    text = _kernels_module().source(filename)
+    defines = dict(re.findall(r"^#define (\w+) (\d+)\b", text, re.M))
+    return {name: int(defines.get(bound, bound))
+            for bound, name in re.findall(r"__launch_bounds__\((\w+)\)\s*(\w+)\s*\(", text)}
 
 
 def get(filename: str, expr: str) -> Kernel:
