@@ -9,6 +9,7 @@ import pytest
 
 from flatopt.core import backend, blocks, norms
 from flatopt.distributed import NcclBackend, global_norm
+from flatopt.distributed.comm import NCCL_TYPES
 from tests.cuda_emu import emu, fakecupy
 
 SIZES = [0, 1, 5, 4095, 4096, 4097, 65536 + 3, 300_001]
@@ -41,6 +42,7 @@ class _OneRank(NcclBackend):
 
     def __init__(self):  # noqa: D107 - no communicator
         self.cp, self.rank, self.world, self.control = backend.cupy(), 0, 1, None
+        self.device, self._types = 0, dict.fromkeys(NCCL_TYPES)  # what check_arrays reads
 
     def allreduce_sum(self, buffers):
         pass

@@ -67,9 +67,11 @@ def test_compiles_with_nvrtc(filename, arch, windows_path):
 
 
 def flushing(ptx: bytes) -> list[str]:
-    """The float32 instructions of ``ptx`` that flush subnormals (``.ftz.f32``), but for the ``.approx`` ones that
-    CUDA's math library uses inside ``powf`` and the like whatever -ftz says (it scales their operands itself)."""
-    return [i for i in re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz\.f32\b", ptx.decode()) if ".approx." not in i]
+    """The instructions of ``ptx`` that flush float32 subnormals (``.ftz`` with a float32 operand: ``mul.ftz.f32``,
+    and the widening ``cvt.ftz.f64.f32`` too), but for the ``.approx`` ones that CUDA's math library uses inside
+    ``powf`` and the like whatever -ftz says (it scales their operands itself)."""
+    return [i for i in re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*\.f32\b", ptx.decode())
+            if ".approx." not in i]
 
 
 def cupy_options(options, arch="compute_90"):
