@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import os
 import shutil
 import subprocess
 from pathlib import PureWindowsPath
@@ -120,11 +121,10 @@ def test_windows_path_compiles_with_cupys_option_list(filename, windows_path):
     assert flushing(ptx)  # what flatopt's own compile (above) avoids
 
 
-def test_raw_module_loads_an_image_compiled_without_ftz(monkeypatch, tmp_path):
-    """What ``raw_module`` hands to the driver on real CuPy: compiled by flatopt without -ftz=true, not by
-    ``cupy.RawModule`` (which appends -ftz=true after the caller's options; NVRTC takes the last).  The CuPy here is
-    a recording model: its RawModule compiles with CuPy's real option list, its Module records the image loaded.
-    The image is cached on disk (``CUPY_CACHE_DIR``) and reloaded without compiling."""
+@pytest.fixture
+def recording_cupy(monkeypatch, tmp_path):
+    """A recording model of CuPy for ``raw_module``: its RawModule compiles with CuPy's real option list, its Module
+    records the image loaded (the list returned); the disk cache is ``tmp_path/cache`` (``CUPY_CACHE_DIR``)."""
     _need_nvrtc()
     loaded = []
 
@@ -150,14 +150,66 @@ def test_raw_module_loads_an_image_compiled_without_ftz(monkeypatch, tmp_path):
     monkeypatch.setattr(backend, "_cupy", fake)
     monkeypatch.setattr(backend, "_modules", {})
     monkeypatch.setattr(backend, "device_arch", lambda cp: "compute_90", raising=False)  # PTX, to read
-    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
-    mod = backend.raw_module(("flatopt", "adamw.cu"), kernels.source("adamw.cu"), kernels.name_expressions("adamw.cu"))
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    return loaded
+
+
+def _load_adamw(monkeypatch):
+    monkeypatch.setattr(backend, "_modules", {})
+    return backend.raw_module(("flatopt", "adamw.cu"), kernels.source("adamw.cu"),
+                              kernels.name_expressions("adamw.cu"))
+
+
+def test_raw_module_loads_an_image_compiled_without_ftz(monkeypatch, recording_cupy):
+    """What ``raw_module`` hands to the driver on real CuPy: compiled by flatopt without -ftz=true, not by
+    ``cupy.RawModule`` (which appends -ftz=true after the caller's options; NVRTC takes the last).  The image is
+    cached on disk (``CUPY_CACHE_DIR``) and reloaded without compiling."""
+    loaded = recording_cupy
+    mod = _load_adamw(monkeypatch)
     assert len(loaded) == 1 and not flushing(loaded[0]) and b"adamw_step" in loaded[0]
     assert mod.get_function("adamw_step<float>").startswith("_Z")  # the lowered (mangled) name
-    monkeypatch.setattr(backend, "_modules", {})
     monkeypatch.setattr(backend, "nvrtc_build", lambda *a: pytest.fail("compiled again: the disk cache missed"))
-    backend.raw_module(("flatopt", "adamw.cu"), kernels.source("adamw.cu"), kernels.name_expressions("adamw.cu"))
+    _load_adamw(monkeypatch)
     assert loaded[1] == loaded[0]
+
+
+def _entries(tmp_path):
+    return sorted((tmp_path / "cache" / "flatopt").glob("*.bin"))
+
+
+@pytest.mark.parametrize("damage", ["image byte", "truncated", "header", "another user's"])
+def test_a_damaged_or_foreign_cached_module_is_compiled_again(monkeypatch, recording_cupy, tmp_path, damage):
+    """The module cache is hostile input: an entry whose image no longer has its recorded sha256, a truncated one,
+    one with a garbled header, or one that belongs to another user is never loaded; the source is compiled again."""
+    loaded = recording_cupy
+    _load_adamw(monkeypatch)
+    (entry,) = _entries(tmp_path)
+    blob = entry.read_bytes()
+    if damage == "image byte":
+        entry.write_bytes(blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:])
+    elif damage == "truncated":
+        entry.write_bytes(blob[: len(blob) // 2])
+    elif damage == "header":
+        entry.write_bytes(b"{not json" + blob[blob.index(b"\n"):])
+    else:
+        if os.getuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(entry, 12345, 12345)
+    compiled = []
+    real = backend.nvrtc_build
+    monkeypatch.setattr(backend, "nvrtc_build", lambda *a: compiled.append(1) or real(*a))
+    _load_adamw(monkeypatch)
+    assert compiled == [1] and loaded[-1] == loaded[0]
+
+
+def test_a_module_cache_others_can_write_is_not_used(monkeypatch, recording_cupy, tmp_path):
+    """A cache directory writable by others (anyone could plant a module there) is neither read nor written."""
+    loaded = recording_cupy
+    d = tmp_path / "cache" / "flatopt"
+    d.mkdir(parents=True)
+    d.chmod(0o777)
+    _load_adamw(monkeypatch)
+    assert _entries(tmp_path) == [] and len(loaded) == 1
 
 
 @pytest.mark.parametrize("filename", sorted(kernels.KERNELS))

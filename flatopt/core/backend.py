@@ -17,8 +17,8 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -244,29 +244,48 @@ def _cache_dir() -> str:
 
 def _build_cached(source: str, filename: str, name_expressions: list[str], arch: str) -> tuple[bytes, dict]:
     """``nvrtc_build``, through a disk cache beside CuPy's kernel cache (``CUPY_CACHE_DIR``), keyed by the source, the
-    options, the architecture and the NVRTC version; an unwritable or damaged cache only costs the compile."""
+    options, the architecture and the NVRTC version.  The cache is hostile input: its directory is used only when it
+    is private to this user (``native_cache.open_private_dir``: another user's or a swappable directory is refused),
+    an entry is read without following links and only when it is this user's, and its image must match the sha256
+    recorded with it; anything else (an unwritable, refused or damaged cache) only costs the compile."""
     from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+    from . import native_cache  # noqa: PLC0415
 
     key = hashlib.sha256(repr((source, NVRTC_OPTIONS, arch, nvrtc.getVersion(), sorted(name_expressions)))
                          .encode()).hexdigest()
-    path = os.path.join(_cache_dir(), key + ".bin")
     try:
-        with open(path, "rb") as f:
-            head, _, image = f.read().partition(b"\n")
-        mapping = json.loads(head)
-        if sorted(mapping) == sorted(name_expressions) and image:
-            return image, mapping
-    except (OSError, ValueError):
-        pass
-    image, mapping = nvrtc_build(source, filename, name_expressions, arch)
+        dfd = native_cache.open_private_dir(Path(_cache_dir()))
+    except (OSError, native_cache.Unsafe):
+        return nvrtc_build(source, filename, name_expressions, arch)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(mapping).encode() + b"\n" + image)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+        found = _read_entry(native_cache.read_blob(dfd, key + ".bin"), name_expressions)
+        if found is not None:
+            return found
+        image, mapping = nvrtc_build(source, filename, name_expressions, arch)
+        head = json.dumps({"names": mapping, "sha256": hashlib.sha256(image).hexdigest()}).encode()
+        try:
+            native_cache.write_blob(dfd, key + ".bin", head + b"\n" + image)
+        except OSError:
+            pass
+        return image, mapping
+    finally:
+        os.close(dfd)
+
+
+def _read_entry(blob: bytes | None, name_expressions: list[str]) -> tuple[bytes, dict] | None:
+    """(image, names) of a cache entry whose header is well-formed and whose image has the recorded sha256."""
+    if not blob:
+        return None
+    head, _, image = blob.partition(b"\n")
+    try:
+        meta = json.loads(head)
+        mapping, digest = meta["names"], meta["sha256"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if (not isinstance(mapping, dict) or sorted(mapping) != sorted(name_expressions)
+            or not all(isinstance(v, str) for v in mapping.values())
+            or hashlib.sha256(image).hexdigest() != digest):
+        return None
     return image, mapping
 
 

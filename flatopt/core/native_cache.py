@@ -1,5 +1,6 @@
 """Where the compiled library of ``core/native.py`` lies, and how it is built and opened so that nobody else's code
-and no damaged file is ever loaded.
+and no damaged file is ever loaded.  ``core/backend.py`` keeps its compiled CUDA modules the same way
+(:func:`read_blob` / :func:`write_blob` in a directory opened by :func:`open_private_dir`).
 
 A cache directory is used only through a descriptor: it is opened with ``O_DIRECTORY | O_NOFOLLOW`` at the end of a
 walk that opens each directory of its real path the same way, and refused (with the reason) when the descriptor is
@@ -237,3 +238,35 @@ def _unlink(dfd: int, name: str) -> None:
 def remove_temporary(d: Path) -> None:
     """Remove a fallback directory made by ``default_dirs`` (the loaded library stays mapped)."""
     shutil.rmtree(d, ignore_errors=True)
+
+
+def read_blob(dfd: int, name: str) -> bytes | None:
+    """The bytes of ``name`` in the directory ``dfd`` when it is a regular file of this user that others cannot
+    write (opened without following links), else None."""
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != _uid() or st.st_mode & 0o022:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def write_blob(dfd: int, name: str, data: bytes) -> None:
+    """Write ``name`` in the directory ``dfd`` atomically: a private temporary, fsynced, renamed into place."""
+    tmp = f"tmp{secrets.token_hex(8)}.blob"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.fsync(dfd)
+    finally:
+        _unlink(dfd, tmp)
