@@ -18,8 +18,8 @@ N(0, 1)/√r up to the linear interpolation of Φ⁻¹ between 2¹⁶ quantiles,
 (``core.backend.device_constant``).  On NumPy the elements are cut into blocks of ``PROJ_BLOCK`` drawn on any threads
 (any cut gives the same bits).  It costs about as much as the blocked Box–Muller draw it replaces (PCG64 float32
 uniforms; CuPy drew from its own ``RandomState``, a new cuRAND generator every step, so the backends differed) and
-less than ``default_rng(seed).standard_normal``; re-measure: ``python -m benchmarks.threads_probe apollo``.  Neither default is bit-compatible with the original's torch
-generators; tests inject torch-generated P and the original's ``next_seed``.  A snapshot saved with an earlier default
+less than ``default_rng(seed).standard_normal``; re-measure: ``python -m benchmarks.threads_probe apollo``.
+Neither default is bit-compatible with the original's torch generators; tests inject torch-generated P and the original's ``next_seed``.  A snapshot saved with an earlier default
 continues with the new P for its seed, as after a refresh (moments are not reset on a refresh either).
 
 P is regenerated every step (into per-thread scratch) unless ``apollo_cache_proj`` (then it is kept in memory,

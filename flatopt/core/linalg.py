@@ -3,8 +3,8 @@
 ``numpy.linalg.qr`` computes a float32 input in float64 (``_commonType``) through the reference LAPACK bundled with
 OpenBLAS, and allocates its copies at every call: much slower than ``householder_q`` on large matrices (below 2^16
 elements it is the faster one, and ``householder_q`` hands such matrices to it; re-measure: ``python -m
-benchmarks.run --only stiefel``, whose step is mostly this QR).  ``householder_q`` is LAPACK's algorithm (``dgeqrf`` + ``dorgqr``: the reflectors of
-``dlarfg``, the compact WY form of ``dlarft``, blocked trailing updates and the backward formation of Q by matrix
+benchmarks.run --only stiefel``, whose step is mostly this QR).  ``householder_q`` is LAPACK's algorithm
+(``dgeqrf`` + ``dorgqr``: the reflectors of ``dlarfg``, the compact WY form of ``dlarft``, blocked trailing updates and the backward formation of Q by matrix
 products) in the input's dtype, with every temporary in this thread's ``core.workspace`` buffers: after the first
 call of a size it allocates nothing of the matrix's size.  Same reflectors, so the same Q as LAPACK's up to
 rounding, column signs included (and up to the choice of basis where the input is rank-deficient).  The pivots
@@ -36,8 +36,8 @@ def scratch(xp, key: str, shape, dtype):
     return workspace.get(xp, key, math.prod(shape), dtype).reshape(shape)
 
 
-SMALL_QR = 1 << 16  # below this many elements numpy.linalg.qr is faster (figures: benchmarks/README.md): the panels' Python
-# loop costs more than its float64 detour there; its temporaries (a few times the matrix, in float64) are allocated
+SMALL_QR = 1 << 16  # below this many elements numpy.linalg.qr is faster (figures: benchmarks/README.md): the
+# panels' Python loop costs more than its float64 detour there; its temporaries (a few times the matrix, in float64) are allocated
 
 
 def householder_q(a, out=None):

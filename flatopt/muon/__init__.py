@@ -48,8 +48,8 @@ flatopt's threads (inside a ``workers`` thread: one after another); the Gram mat
 costs a matrix stepped alone a little against a BLAS on all threads, far less than a plain one-thread cap would.
 ``step_batch`` with ``workers=K`` runs the matrices on K persistent threads with a fixed, cost-balanced matrix →
 thread assignment; many mid-size matrices gain most from it.  Re-measure both (a matrix alone and a batch, against
-torch.optim.Muon): ``python -m benchmarks.run --only muon``.  So the default ``workers=None`` means ``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can hold the
-BLAS, else 1.
+torch.optim.Muon): ``python -m benchmarks.run --only muon``.  So the default ``workers=None`` means
+``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can hold the BLAS, else 1.
 A batch below ``core.parallel.PARALLEL_MIN_COST`` (elements × min dimension) or of one matrix runs serially.
 """
 
