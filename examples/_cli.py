@@ -69,9 +69,9 @@ def blas_single_thread():
     """A context that holds the BLAS libraries at one thread, when ``threadpoolctl`` is installed (else a no-op).
 
     The examples' models are small hand-written NumPy MLPs: their matrix products (64 × 128) are far too small for
-    OpenBLAS's threads, which then spin against flatopt's own worker threads on the same cores.  On a 2-vCPU AMD
-    EPYC the main job took 47.9 s with the BLAS on two threads and 7.1 s on one (2026-12-01,
-    benchmarks/README.md).  Holding one thread also
+    OpenBLAS's threads, which then spin against flatopt's own worker threads on the same cores: on two cores the
+    main job ran several times slower with the BLAS on two threads than on one (benchmarks/README.md, "The main
+    job").  Holding one thread also
     makes the results independent of the BLAS thread count (a threaded GEMM may sum in another order).
     ``OPENBLAS_NUM_THREADS=1`` in the environment has the same effect without threadpoolctl."""
     try:

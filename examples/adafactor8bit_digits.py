@@ -51,7 +51,7 @@ block size it quantizes these factors too (flatopt keeps them float32 where a bl
 The last table runs the AdamW-style 8-bit preset and the hybrid routing adafactor8bit's README recommends (APOLLO
 on matrices, float32 for biases and gains, Fira) on one seed.
 
-    python examples/adafactor8bit_digits.py              # 6 seeds: 27 s on a 2-vCPU AMD EPYC (2026-12-01, load 3)
+    python examples/adafactor8bit_digits.py              # 6 seeds: about half a minute (benchmarks/README.md)
     python examples/adafactor8bit_digits.py --seeds 12 --epochs 40
 """
 

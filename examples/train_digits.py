@@ -10,7 +10,8 @@ optimizer-state bytes per parameter) and writes the loss curves to a PNG (when m
 
 The model's matrix products are tiny, so the BLAS is held at one thread during training (through threadpoolctl
 when it is installed; ``OPENBLAS_NUM_THREADS=1`` does the same without it): OpenBLAS's own threads would otherwise
-spin against flatopt's worker threads on the same cores (on a 2-vCPU machine that made the run about 3x slower).
+spin against flatopt's worker threads on the same cores (on a 2-core machine that made the run several times
+slower: benchmarks/README.md).
 Losses and accuracies are deterministic for a given machine, NumPy/BLAS build and seed.
 """
 

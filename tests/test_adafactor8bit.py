@@ -426,7 +426,7 @@ ORIGINAL_BPP = {  # reference §3, 2048×1024 weight, measured on the original
                                                                                           quantize=False), 2.0),
     "apollo_mini": (dict(apollo_rank=1, apollo_scale_type="tensor"), 0.001),
     "apollo_r256_factorize": (dict(apollo_rank=256, beta1=0.9, apollo_factorize=True), 0.258),
-    "factored_d8": (dict(beta1=0.9, m_quant_type="d8"), 1.0176),  # measured on the original, 2026-11-30
+    "factored_d8": (dict(beta1=0.9, m_quant_type="d8"), 1.0176),  # measured on the original
     "apollo_r256_factorize_came": (dict(apollo_rank=256, beta1=0.9, beta2=0.999, beta3=0.9999,
                                         apollo_factorize=True), 0.2603),  # likewise
 }

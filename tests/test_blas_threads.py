@@ -1,9 +1,9 @@
 """Bits that do not depend on the BLAS: both sides of every bit-identity promise make the same BLAS calls under the
 same BLAS thread count.
 
-A GEMM's bits depend on the BLAS thread count on some CPUs (OpenBLAS 0.3.31's Haswell kernels on an AMD EPYC: a
-2-thread sgemm differs in the last bits from a 1-thread one; on Sapphire Rapids' SkylakeX kernels they happened to
-agree, which hid the bug).  Comparing results can only catch that on such a CPU; these tests catch it on any machine
+A GEMM's bits depend on the BLAS thread count on some CPUs (with OpenBLAS's Haswell kernels, for one, a 2-thread
+sgemm differs in the last bits from a 1-thread one; with its SkylakeX kernels they happened to agree, which hid the
+bug).  Comparing results can only catch that on such a CPU; these tests catch it on any machine
 with two or more cores: they record every NumPy BLAS entry point flatopt calls (``np.matmul``, ``np.dot``) with the
 operand shapes and the BLAS thread count at that moment, and require the same multiset of calls from the serial
 ``step`` loop, ``step_batch``, the workers and another Python thread.  CI also runs the bit-identity tests under

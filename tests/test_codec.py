@@ -132,7 +132,7 @@ def test_al_codes_equal_the_original(oracle, v, fmt, block):
     q, s, ml = quant.al_init(np, v.size, block, fmt)
     quant.al_encode(np, v, q, s, ml, block=block, fmt=fmt, floor=quant.al_floor(1e-30))
     # torch.log2 and NumPy's float32 log2 are different implementations (SIMD paths chosen by the CPU): they
-    # differ by one ulp on ~2 % of inputs (measured: 227,536 of 10M on an AMD EPYC with AVX-512).  So a block's
+    # differ by one ulp on ~2 % of inputs (227,536 of 10M with NumPy's AVX-512 path).  So a block's
     # min/max log may differ by an ulp, and a code that sits on a rounding boundary by one level; on most inputs the
     # codes are equal, which the second assertion checks in bulk.
     q_ref = q_t.numpy().ravel().view(quant.AL_DTYPES[fmt])

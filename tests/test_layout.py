@@ -154,9 +154,9 @@ def test_no_flat_private_modules_left():
 @pytest.mark.parametrize("name", sorted(n for n in REGISTRY  # (algorithms added after the move have no file)
                                   if (pathlib.Path(__file__).parent / "data" / "pre_layout" / f"{n}.npz").exists()))
 def test_checkpoint_written_before_the_move_loads(name):
-    """``tests/data/pre_layout/<name>.npz`` was written by the flat-layout code (commit 881fa0d) after 3 steps of
-    ``run_steps`` over the registry shapes (float32).  It loads into a fresh optimizer, its state comes back bit for
-    bit, and the optimizer continues from it."""
+    """``tests/data/pre_layout/<name>.npz`` was written by the flat-layout code (before the package folders) after
+    3 steps of ``run_steps`` over the registry shapes (float32).  It loads into a fresh optimizer, its state comes
+    back bit for bit, and the optimizer continues from it."""
     spec = REGISTRY[name]
     path = pathlib.Path(__file__).parent / "data" / "pre_layout" / f"{name}.npz"
     if not path.exists():

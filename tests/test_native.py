@@ -3,7 +3,7 @@
 Every algorithm with a compiled pass runs the same steps twice, once compiled and once on the twin (the library
 switched off), over flag combinations, both dtypes, sizes that straddle the driver's chunks and the norms' column
 layout, and gradients holding NaN, ±inf, ±0 and subnormals; parameters and every saved state array must agree bit for
-bit, except a NaN, which must be NaN in the same elements (its sign and payload may differ, as the README says).
+bit, except a NaN, which must be NaN in the same elements (its sign and payload may differ: docs/performance.md).
 Also: the library is built where a compiler exists (CI), FLATOPT_NATIVE=0 and a missing or failing compiler fall back
 to the twins with a reason, the compiled pass is really taken (a mutated library fails the comparison), and each
 instruction set the library may run on x86-64 (AVX2, the SSE2 baseline) gives the same bits.  The cache

@@ -116,8 +116,8 @@ def test_every_public_class_and_protocol_method_has_a_docstring():
 
 
 def test_readme_main_job_rows_and_default_match_the_example():
-    """The README's main-job table has one row per optimizer, labelled as the job prints it, and says how many
-    ``--optimizers`` runs by default."""
+    """The README says how many ``--optimizers`` the main job runs by default, and the main-job table of
+    docs/performance.md has one row per optimizer, labelled as the job prints it."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_digits", ROOT / "examples" / "train_digits.py")
@@ -126,7 +126,8 @@ def test_readme_main_job_rows_and_default_match_the_example():
     names = list(job.optimizer_factories(job.param_shapes(1, 1)))
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert f"`--optimizers` defaults to all {len(names)}" in text
-    section = text.split("## Main job", 1)[1].split("\n## ", 1)[0]
+    perf = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    section = perf.split("## Main job", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")][1:]
     assert rows == names
 
@@ -162,3 +163,99 @@ def test_docstrings_cite_nothing_a_user_does_not_have():
             if bad.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+# ------------------------------------------------------------------- a front door, and docs a clone can follow
+PUBLIC_DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md",
+               *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _optimizer_classes() -> list[str]:
+    import flatopt  # noqa: PLC0415
+
+    return [n for n in flatopt.__all__ if isinstance(getattr(flatopt, n), type)
+            and hasattr(getattr(flatopt, n), "step_batch") and hasattr(getattr(flatopt, n), "state_dict")
+            and not getattr(flatopt, n).__module__.startswith(("flatopt.core", "flatopt.routing"))]
+
+
+def test_readme_is_a_front_door_with_one_row_per_algorithm():
+    """At most 150 lines; its Algorithms table has exactly one row per public optimizer, each naming the reference
+    it is compared with and its speed against it (a ratio, or what it is made of); the details live in docs/."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150, len(text.splitlines())
+    section = text.split("## Algorithms", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines() if line.startswith("| `")]
+    assert sorted(r[0].strip("`") for r in rows) == sorted(_optimizer_classes()), rows
+    header = next(line for line in section.splitlines() if line.startswith("| class"))
+    cols = [c.strip() for c in header.split("|")[1:-1]]
+    ref, speed = cols.index("reference"), cols.index("speed vs reference")
+    for r in rows:
+        assert r[ref] and (re.search(r"\d\.\d+×", r[speed]) or r[speed] == "as its parts"), r
+
+
+def test_public_docs_send_no_reader_outside_the_clone():
+    """A clone has no ``../shared``: README, CONTRIBUTING, docs/ and benchmarks/README.md must not send a reader
+    there, and every relative link they hold points at a file of the repository."""
+    bad = []
+    for path in PUBLIC_DOCS:
+        text = path.read_text(encoding="utf-8")
+        if "../shared" in text:
+            bad.append(f"{path.relative_to(ROOT)}: ../shared")
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" not in target and not (path.parent / target).exists():
+                bad.append(f"{path.relative_to(ROOT)}: broken link {target}")
+    assert not bad, "\n".join(bad)
+
+
+HISTORY = re.compile(
+    r"20\d\d-\d\d-\d\d"                                     # a date
+    r"|\b(Xeon|EPYC|Zen \d|vCPU|Sapphire Rapids)\b"          # a machine
+    r"|scratch script|not in the repository"                  # code a reader cannot run
+    r"|(?<![\w.])\d+(\.\d+)? ?(ms|µs)\b"                     # a timing
+    r"|\bcommit (?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"              # a commit id
+    r"|\((?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\)")  # "before (1458a46)"
+
+
+def test_source_comments_explain_code_not_history():
+    """Comments and docstrings of the package, the tests and the examples quote no timings, dates, machines,
+    commit ids or scripts outside the repository: a tuned constant says why, and names the command that
+    re-measures it; the figures are in benchmarks/README.md beside that command."""
+    hits = []
+    files = [p for d in ("flatopt", "tests", "examples") for p in sorted((ROOT / d).rglob("*"))
+             if p.suffix in (".py", ".c", ".cu", ".cuh", ".h") and p != Path(__file__).resolve()]
+    for path in files:
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if HISTORY.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_contributing_layout_names_every_file_of_the_package():
+    """CONTRIBUTING.md's layout table is true for the tree: every module of ``flatopt/`` and every kernel source is
+    named in the row of its folder (a kernel named after an algorithm is covered by "one ``.cu`` per algorithm"),
+    every file of ``tests/cuda_emu/`` in the document, and every file the table names exists."""
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in layout.splitlines():
+        if line.startswith("| `"):
+            first, rest = line.split("|")[1], "|".join(line.split("|")[2:])
+            for folder in re.findall(r"`(flatopt/[\w/]*/)`", first) or ["flatopt/"]:
+                rows[folder] = rows.get(folder, "") + first + rest
+    pkg = ROOT / "flatopt"
+    algorithms = {p.stem for p in pkg.glob("*.py")} | {p.name for p in pkg.iterdir() if p.is_dir()}
+    missing = []
+    for path in sorted(pkg.rglob("*")):
+        if path.suffix not in (".py", ".cu", ".cuh", ".c") or "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(ROOT).as_posix()
+        folder = max((f for f in rows if rel.startswith(f)), key=len)
+        name = rel[len(folder):]
+        if (path.suffix == ".cu" and path.stem in algorithms) or (name == "__init__.py" and folder == "flatopt/core/"):
+            continue  # covered by "one .cu per algorithm"; the engine's package marker holds no code
+        if f"`{name}`" not in rows[folder] and f"`{rel}`" not in text:
+            missing.append(rel)
+    for path in sorted((ROOT / "tests" / "cuda_emu").iterdir()):
+        if path.suffix in (".py", ".h", ".cu") and path.name != "__init__.py" and f"`{path.name}`" not in text:
+            missing.append(path.relative_to(ROOT).as_posix())
+    assert not missing, f"not in CONTRIBUTING.md's layout: {missing}"

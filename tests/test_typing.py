@@ -4,8 +4,8 @@
 this test runs ``python -m mypy`` on them together with ``tests/typing_usage.py``, a user's script whose
 ``# type: ignore`` lines are mistakes the annotations must catch.  Any error fails the test.  Skipped when mypy is
 not installed (it is pinned in the ``test`` extra).  mypy's cache lives in the temporary folder
-(``$TMPDIR/flatopt-mypy-cache``): the whole file measured 4.5 s cold and 1.8 s warm (mypy 2.4.1, 25 modules, a
-2-core machine at load 5-6).
+(``$TMPDIR/flatopt-mypy-cache``), so a second run is faster than the first (``python -m pytest -q
+tests/test_typing.py`` twice re-measures both; figures in benchmarks/README.md).
 """
 
 from __future__ import annotations

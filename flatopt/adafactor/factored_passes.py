@@ -56,15 +56,15 @@ class Work:
 # NumPy: tensors of at least this many elements sum their statistics pass (row, column and weighted column sums of
 # G², Σθ²) with single-threaded BLAS GEMVs/dot instead of einsum when the caller holds the BLAS at one thread
 # (``flatopt.core.shards.blas_capped``; needs ``threadpoolctl``).  NumPy's einsum loops are not dispatched to AVX2 and
-# scale poorly over two threads; in-process A/B on the transformer-like set 0-9 % faster (56.2 -> 51.5 ms in the
-# best run; ``python -m benchmarks.threads_probe adafactor``), benchmark ratio 1.95x -> 2.15x (medians).  The
+# scale poorly over two threads.  Re-measure: ``python -m benchmarks.threads_probe adafactor`` (figures in
+# benchmarks/README.md, "Measurements behind the source's constants").  The
 # choice is per tensor (its size), so a tensor's bits do not depend on what it is stepped with; a threaded BLAS
 # is never called from the block tasks (its idle workers would spin against them).
 BLAS_MIN = 1 << 17
 # NumPy: a ufunc with a broadcast operand runs its inner loop one row at a time; for rows shorter than this many
 # elements the column scaling multiplies ranges of k rows by the column factor repeated k times (``Work.tile``,
-# k·c ≥ TILE) instead: bits unchanged (the same product per element).  Measured (one thread, 2048×1024 in blocks of
-# 256 rows; ``python -m benchmarks.threads_probe scaling``): 1.15-1.34x on that multiply (k = 8).
+# k·c ≥ TILE) instead, which runs longer inner loops: bits unchanged (the same product per element).  Re-measure:
+# ``python -m benchmarks.threads_probe scaling``.
 TILE = 1 << 13
 
 _ONES: dict = {}
@@ -264,8 +264,8 @@ class FactoredPasses:
 
     def _u_block(self, x):
         """U of a (merged) block: x·column factor into the thread's first block buffer, then ·row factor in place
-        (on NumPy an in-place (B, r, 1) broadcast multiply is 1.2x an out-of-place einsum or multiply: measured on
-        the whole factored apply, one thread, 2048×1024 and other widths)."""
+        (on NumPy an in-place (B, r, 1) broadcast multiply beats an out-of-place einsum or multiply; re-measure:
+        ``python -m benchmarks.threads_probe scaling``)."""
         rowv, c = self.rowv, self.dims[2]
         self._tiles()
 

@@ -28,9 +28,8 @@ from .apollo_proj import ApolloProjector
 from .common import F32, alpha_rho, grad32, sumsq, ws
 
 
-# Elements of G per projection-GEMM task.  A GEMM cut into short row ranges repacks P for every range: at
-# 2048×1024, r = 256, on one thread, 128-row ranges (the elementwise ``TASK``) took 1.28–1.37× the time of 1024-row
-# ones (``python -m benchmarks.threads_probe apollo``).
+# Elements of G per projection-GEMM task.  A GEMM cut into short row ranges repacks P for every range, so the
+# ranges are longer than the elementwise ``TASK``.  Re-measure: ``python -m benchmarks.threads_probe apollo``.
 GEMM_TASK = 1 << 20
 
 
@@ -56,8 +55,8 @@ def _project(xp, gm, pt, glow, right: bool, threads: bool) -> None:
 def update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector, threads: bool = False) -> None:
     """See ``_update``; with ``threads`` on NumPy the BLAS is capped at one thread for the step (``threadpoolctl``
     when installed, as for Muon): the projection GEMM is cut into row ranges on our threads instead, and no idle
-    BLAS worker spins against the elementwise passes (measured: they ran no faster on two threads than on one
-    after a threaded GEMM; with the cap the low-rank passes went 13.0 -> 7.6 ms).  On a device with
+    BLAS worker spins against the elementwise passes (after a threaded GEMM they ran no faster on two threads
+    than on one; re-measure: ``python -m benchmarks.threads_probe spin``).  On a device with
     ``use_cuda_kernel`` (unless ``FLATOPT_FORCE_TWIN``) the step is ``apollo_fused.update`` (the fused kernels)."""
     if apollo_fused.enabled(xp, cfg):
         apollo_fused.update(xp, cfg, st, p, g, t=t, lr=lr, shape=shape, projector=projector)
@@ -156,7 +155,7 @@ def _update(xp, cfg, st, p, g, *, t: int, lr, shape, projector: ApolloProjector,
 
     def apply(i0, i1):
         out = workspace.get(xp, "a8.apollo_upd", (i1 - i0) * c_, np.float32).reshape(i1 - i0, c_)
-        if per_row and xp is np:  # one factor per row: einsum's loop, not ufunc broadcasting (1.25x, threads_probe)
+        if per_row and xp is np:  # one factor per row: einsum's loop beats ufunc broadcasting (threads_probe apollo)
             np.einsum("ij,i->ij", gm[i0:i1], cs[i0:i1, 0], out=out)
         else:
             xp.multiply(gm[i0:i1], cs[i0:i1] if per_row else cs, out=out)

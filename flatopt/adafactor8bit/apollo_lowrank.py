@@ -20,9 +20,7 @@ from .common import F32, clip_, m_ema, ranges, sumsq, ws
 
 # Elements per row-range task of APOLLO's full-size passes (G's statistics, θ's update) and of the factorised
 # low-rank ranges: twice the elementwise ``adafactor8bit.common.TASK`` (longer NumPy calls hand the GIL over less often).
-# Measured (settled in-process A/B, 2 threads, 2026-11-30, 2048×1024, r = 256): fp32 step 12.5 -> 11.8 and
-# 12.7 -> 11.8 ms, factorised + uf8 14.2 -> 13.9 ms against 1 << 17; 1 << 19 no faster.  Re-run: ``python -m
-# benchmarks.threads_probe sizes`` (1.02x in the first re-run: a small gain, within the noise of one run).
+# Re-measure: ``python -m benchmarks.threads_probe sizes``.
 TASK = 1 << 18
 
 

@@ -16,11 +16,10 @@ rounded on both backends (no transcendental function, whose last bits differ bet
 N(0, 1)/√r up to the linear interpolation of Φ⁻¹ between 2¹⁶ quantiles, truncated at |z| ≤ Φ⁻¹(1 − 2⁻¹⁷) ≈ 4.32
 (mass 1.5e-5 beyond).  The table (512 KiB per rank) is built once on the host and uploaded once per device
 (``core.backend.device_constant``).  On NumPy the elements are cut into blocks of ``PROJ_BLOCK`` drawn on any threads
-(any cut gives the same bits).  Cost, 256×1024 on one thread of this project's machine: 0.61–0.70 ms against
-0.58–0.60 ms (1.02–1.12×) for the blocked Box–Muller draw it replaces (PCG64 float32 uniforms; CuPy drew from its own ``RandomState``,
-a new cuRAND generator every step, so the backends differed) and 3.4–4.9 ms for ``default_rng(seed).standard_normal``
-(``python -m benchmarks.threads_probe apollo``).  Neither default is bit-compatible with the original's torch
-generators; tests inject torch-generated P and the original's ``next_seed``.  A snapshot saved with an earlier default
+(any cut gives the same bits).  It costs about as much as the blocked Box–Muller draw it replaces (PCG64 float32
+uniforms; CuPy drew from its own ``RandomState``, a new cuRAND generator every step, so the backends differed) and
+less than ``default_rng(seed).standard_normal``; re-measure: ``python -m benchmarks.threads_probe apollo``.
+Neither default is bit-compatible with the original's torch generators; tests inject torch-generated P and the original's ``next_seed``.  A snapshot saved with an earlier default
 continues with the new P for its seed, as after a refresh (moments are not reset on a refresh either).
 
 P is regenerated every step (into per-thread scratch) unless ``apollo_cache_proj`` (then it is kept in memory,

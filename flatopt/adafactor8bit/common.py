@@ -87,8 +87,8 @@ def m_ema(xp, st, slot, x, beta1, tmp):
 
 # ------------------------------------------------------------------------------------ the stepped paths
 # Elements per task of the elementwise (flat) passes on NumPy (rounded up to whole codec blocks); one codec chunk
-# (``quant._CHUNK``): the AdamW-style AL8 step measured 26 ms with 64K tasks, 21 ms with 128K
-# (``benchmarks/bench_adafactor8bit.py``, this constant at 1 << 16 vs 1 << 17).
+# (``quant._CHUNK``), so that a task's NumPy calls are long enough to run in parallel.  Re-measure:
+# ``python -m benchmarks.run --only adafactor8bit`` with this constant at 1 << 16 and 1 << 17.
 TASK = 1 << 17
 
 

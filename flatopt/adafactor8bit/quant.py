@@ -56,10 +56,9 @@ FLT_MIN = float(np.finfo(np.float32).tiny)
 # normal double; the float64 max equals the original's float32 max on every input (kernels/a8_codec.cuh A8_TINY)
 _TINY = np.float64(np.float32(1e-38))
 # NumPy: elements per codec chunk (its scratch stays in the L2 cache).  Each chunk is ~10 NumPy calls; two threads
-# hand the GIL over at every call, so short calls do not run in parallel: measured on 2 cores, uf8 decode + encode
-# of 1M elements per thread scaled 0.91-1.02x from one to two threads with 32K chunks, 1.54-1.82x with 128K
-# (``python -m benchmarks.threads_probe codec``); Adafactor8Bit's factored + uf8 momentum step went 19.7 -> 14.7 ms,
-# the AdamW-style AL8 step 35 -> 21 ms (``benchmarks/bench_adafactor8bit.py``, this constant at 1 << 15 vs 1 << 17).
+# hand the GIL over at every call, so short calls do not run in parallel: longer chunks let two threads scale.
+# Re-measure: ``python -m benchmarks.threads_probe codec`` (32K against 128K chunks) and
+# ``python -m benchmarks.run --only adafactor8bit`` with this constant at 1 << 15 and 1 << 17.
 _CHUNK = 1 << 17
 _F32 = np.float32
 
@@ -243,7 +242,7 @@ _NEAREST_SUB = 1024  # NumPy: elements per _nearest call (its int64 temporaries 
 
 def _nearest_into(xp, x, mp, out) -> None:
     """out[...] = _nearest(x) cast to ``out``'s dtype.  NumPy, float32 into uint8: by the table look-up of
-    ``flatopt.adafactor8bit.nearest_lut`` (the same codes, 25–35× faster: ``python -m benchmarks.threads_probe codec``);
+    ``flatopt.adafactor8bit.nearest_lut`` (the same codes, faster: ``python -m benchmarks.threads_probe codec``);
     otherwise in slices of ``_NEAREST_SUB`` elements (the map lookup is elementwise, so the codes are the same) so
     no temporary of the chunk's size is allocated."""
     if xp is np and x.dtype == np.float32 and out.dtype == np.uint8 and x.flags.c_contiguous:

@@ -19,13 +19,9 @@ import numpy as np
 from . import parallel, workspace
 
 # Elements per block on NumPy: 1 MiB of float32.  Two threads hand NumPy's GIL over at every call, so longer calls
-# scale better over the threads; that outweighs keeping a block's operands in the 2 MiB L2 cache.  Measured (settled
-# in-process A/B, 2 threads, 2026-11-30, this constant and TASK at 128K/256K vs 256K/512K): Adafactor's
-# transformer-like set 56.7 -> 50.4 ms and 58.8 -> 53.8 ms, its 4096² matrix 39.3 -> 35.5 ms, Adafactor8Bit's
-# factored fp32 step 5.18 -> 4.67 ms and factored + uf8 momentum 14.8 -> 13.7 ms, factored AL8 and CAME unchanged
-# within noise (6.18 / 6.31, 18.5 / 18.2 ms); 512K-element blocks were slower again (53.2 ms on the set).  (Earlier,
-# before the harness settled the threads: 128 KiB blocks were 1.4x slower than 512 KiB ones.)  Re-run:
-# ``python -m benchmarks.threads_probe sizes`` (1.10x on the set, 1.12x on factored fp32 in the first re-run).
+# scale better over the threads; that outweighs keeping a block's operands in a 2 MiB L2 cache, and longer blocks
+# are slower again.  Re-measure (this constant and TASK at 128K/256K against 256K/512K):
+# ``python -m benchmarks.threads_probe sizes``.
 BLOCK = 1 << 18
 # Elements per task of a blocked pass (a run of consecutive blocks handed to one thread at a time).
 TASK = 1 << 19

@@ -8,8 +8,8 @@ Such an algorithm (``elementwise = False``) may provide two NumPy forms of its `
   ``core.blocks``' convention).  A tensor that is not bucketed becomes a :class:`PhasedTask`.  One that holds more
   than a quarter of the batch's elements is *split*: :func:`run` runs phase k of every split tensor together with the
   batch's other tasks in one ``core.parallel.run_tasks`` call, so a large tensor uses every thread.  The others run
-  their phases inline, one task each (a tensor's later sweeps then find its arrays still in the cache; measured on
-  the 76-tensor set, 2 threads: 40.3 ms with every tensor split, 37.8 ms with one task per tensor).
+  their phases inline, one task each (a tensor's later sweeps then find its arrays still in the cache, which is
+  faster than splitting every tensor; re-measure: ``python -m benchmarks.run --only lamb,mars``).
 * ``np_rows_fn(cfg, state, P, G, *, t, lr, work)``: the update of T tensors of n elements at once: ``P``, ``G`` and
   the state's persistent arrays are (T, n) arrays whose row i is tensor i, every reduction is per row
   (``core.norms.sq_rows``), ``work`` is a dict the function may keep scratch in (it belongs to the bucket).  Small

@@ -43,14 +43,10 @@ from .validate import as_item as _as_item, check_batch_aliasing, check_item, che
 from .validate import check_snapshot, check_snapshot_fields
 
 # Elementwise algorithms process NumPy buffers in chunks of this many elements, so that all the temporaries of
-# one chunk stay near the core (and the chunks can be spread over threads).  Measured on a 2-core Xeon (2 MB L2
-# per core), AdamW on 16M float32, median ms/step, one thread: 16K 85, 32K 79, 64K 80, 128K 91; two threads:
-# 16K 117, 32K 64, 64K 47, 128K 46, 256K 51, 512K 59 (shorter ufunc calls make the two threads hand the GIL to each
-# other too often).  On a 2-vCPU AMD EPYC (Zen 5), two threads, settled interleaved A/B (``python -m
-# benchmarks.threads_probe sizes``), 64K -> 128K: one 16M buffer AdamW 16.4 -> 15.3 ms, Lion 15.6 -> 12.8, QHAdamW
-# 19.0 -> 17.0; the 76 tensors of a transformer (24.1M) AdamW 24.5 -> 23.2, Lion 22.0 -> 18.4, QHAdamW 29.1 -> 25.4;
-# 500 x 64 is one bucket, smaller than either chunk.  128K: two threads are the default, where it is the
-# better or an equal choice on both machines.  The bits do not depend on it (elementwise passes; the norms' sums
+# one chunk stay near the core (and the chunks can be spread over threads); much shorter chunks make two threads
+# hand NumPy's GIL to each other too often, much longer ones leave the cache.  128K is the better or an equal choice
+# with two threads, the default.  Re-measure: ``python -m benchmarks.threads_probe sizes`` (64K against 128K; the
+# figures are in benchmarks/README.md).  The bits do not depend on it (elementwise passes; the norms' sums
 # keep core.blocks' own order).  The compiled CPU passes (core/native.py) take the same chunks, one call each.
 # core/cpu_plan.py turns a batch into tasks (chunked large items, bucketed small ones).
 CHUNK = 1 << 17

@@ -1,10 +1,10 @@
 """Dense linear algebra on NumPy's BLAS where ``numpy.linalg`` is slow or allocates (NumPy only).
 
 ``numpy.linalg.qr`` computes a float32 input in float64 (``_commonType``) through the reference LAPACK bundled with
-OpenBLAS, and allocates its copies at every call: measured ~10× slower than ``householder_q`` for 2048×2048 fp32
-on 2 cores, 2× for 2048×512 (below 2^16 elements it is the faster one, and ``householder_q`` hands such
-matrices to it).  ``householder_q`` is LAPACK's algorithm (``dgeqrf`` + ``dorgqr``: the reflectors of
-``dlarfg``, the compact WY form of ``dlarft``, blocked trailing updates and the backward formation of Q by matrix
+OpenBLAS, and allocates its copies at every call: much slower than ``householder_q`` on large matrices (below 2^16
+elements it is the faster one, and ``householder_q`` hands such matrices to it; re-measure: ``python -m
+benchmarks.run --only stiefel``, whose step is mostly this QR).  ``householder_q`` is LAPACK's algorithm
+(``dgeqrf`` + ``dorgqr``: the reflectors of ``dlarfg``, the compact WY form of ``dlarft``, blocked trailing updates and the backward formation of Q by matrix
 products) in the input's dtype, with every temporary in this thread's ``core.workspace`` buffers: after the first
 call of a size it allocates nothing of the matrix's size.  Same reflectors, so the same Q as LAPACK's up to
 rounding, column signs included (and up to the choice of basis where the input is rank-deficient).  The pivots
@@ -20,7 +20,7 @@ import numpy as np
 
 from . import workspace
 
-QR_BLOCK = 48  # columns per panel (measured at 2048×2048 fp32, 2 cores: 32 0.56 s, 48 0.50 s, 64 0.55 s)
+QR_BLOCK = 48  # columns per panel: the fastest of 32/48/64 on a 2048×2048 fp32 QR (``benchmarks.run --only stiefel``)
 
 
 def _ws(key: str, shape: tuple, dtype):
@@ -36,9 +36,8 @@ def scratch(xp, key: str, shape, dtype):
     return workspace.get(xp, key, math.prod(shape), dtype).reshape(shape)
 
 
-SMALL_QR = 1 << 16  # below this many elements numpy.linalg.qr is faster (measured, fp32, 2 cores: 64² 0.07 vs
-# 0.72 ms, 192² 1.7 vs 2.7 ms, 256² 3.4 vs 3.9 ms, 384² 7.2 vs 7.0 ms, 2048×128 14 vs 9.3 ms): the panels' Python
-# loop costs more than its float64 detour there; its temporaries (a few times the matrix, in float64) are allocated
+SMALL_QR = 1 << 16  # below this many elements numpy.linalg.qr is faster (figures: benchmarks/README.md): the
+# panels' Python loop costs more than its float64 detour there; its temporaries (a few times the matrix, in float64) are allocated
 
 
 def householder_q(a, out=None):

@@ -1,19 +1,17 @@
 """The compiled CPU passes: an elementwise update fused into one pass over memory, bit-identical to its NumPy twin.
 
 NumPy runs an update as a dozen or more ufunc passes over each cache-sized chunk; one compiled loop does the same
-operations per element in registers, so a step costs little more than reading and writing its arrays once.
-Measured on a 2-vCPU AMD EPYC, two threads, one 16M float32 buffer (``python -m benchmarks.threads_probe native``,
-settled in-process A/B): AdamW 14.9 -> 7.6 ms, Lion 14.1 -> 5.8 ms, QHAdamW 19.1 -> 7.7 ms, Sophia 18.2 -> 6.1 ms,
-Lamb 27.1 -> 15.8 ms, Mars 26.4 -> 13.3 ms; Lion's pass runs at the memory floor (two NumPy adds that read p, g, m
-and write p, m once: 5.8-6.5 ms).  ``kernels/cpu/elementwise.c`` keeps each twin's operations and their order,
+operations per element in registers, so a step costs little more than reading and writing its arrays once (the
+memory floor).  Re-measure against the NumPy twins and that floor: ``python -m benchmarks.threads_probe native``.
+``kernels/cpu/elementwise.c`` keeps each twin's operations and their order,
 compiled without FMA contraction or fast-math, so every element gets the twin's bits (``tests/test_native.py``),
 except that a NaN may carry another sign or payload (a vectorised loop may pass on the other NaN operand): it is
 NaN exactly where the twin's is.
 
 The source is compiled on first use with the system's C compiler (``cc``, or ``FLATOPT_CC``) into a cache
 directory (``FLATOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/flatopt``, else ``~/.cache/flatopt``, else a fresh private
-temporary one), keyed by the source, the flags and the compiler's version: 1.8 s with gcc 12 on 2 cores (the probe
-above prints it), once per machine.  ``core/native_cache.py`` builds and opens it: a directory another user could
+temporary one), keyed by the source, the flags and the compiler's version: a few seconds once per machine (the probe
+above prints it).  ``core/native_cache.py`` builds and opens it: a directory another user could
 swap or write into is refused, processes starting together compile once, and a library is loaded only after its
 bytes match the digest in its name (a damaged one is rebuilt).  Without a compiler, when the build fails, or with
 ``FLATOPT_NATIVE=0``, the NumPy twins run: the same bits, slower.  ``status()`` says which and why, and never

@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-# Below this many elements in all, threads cost more than they save (measured on 2 cores).
+# Below this many elements in all, threads cost more than they save (``python -m benchmarks.run`` workload (c)).
 PARALLEL_MIN_COST = 1 << 18
 
 _pool: ThreadPoolExecutor | None = None

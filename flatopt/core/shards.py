@@ -133,8 +133,8 @@ def run(fns: Sequence[Callable[[], None] | None], *, single_threaded_blas: bool 
     ``threadpoolctl`` when it is installed; the cap is process-wide for that time), so that K workers do not
     oversubscribe the cores with K multi-threaded BLAS calls.
 
-    The bits of a GEMM **do** depend on the BLAS thread count on some CPUs (OpenBLAS 0.3.31's Haswell kernels on an
-    AMD EPYC: a 2-thread and a 1-thread sgemm of the same operands differ in the last bits), so a caller that
+    The bits of a GEMM **do** depend on the BLAS thread count on some CPUs (with OpenBLAS's Haswell kernels,
+    for one, a 2-thread and a 1-thread sgemm of the same operands differ in the last bits), so a caller that
     promises the same bits as a serial path must run that serial path under the same cap (``blas_capped``), and
     must not use the workers at all when ``can_cap()`` is False."""
     with blas_capped(single_threaded_blas):

@@ -36,8 +36,8 @@
 // side: apollo_fused.THREADS, SCALAR_THREADS); ap_draw and ap_apply with any (grid-stride loops, no sums).
 // ap_scalars declares __launch_bounds__(AP_SCALAR_THREADS): ptxas then keeps it within 64 registers, so that a block of
 // 1024 threads always fits an SM's 64K registers.  (A kernel launched with at most 256 threads needs none: 255
-// registers, the most ptxas gives a thread, times 256 fit; declaring 256 was measured to make ptxas spill in
-// af_stats_multi<float>.)
+// registers, the most ptxas gives a thread, times 256 fit; declaring 256 makes ptxas spill in af_stats_multi<float>,
+// which tests/test_kernels_compile.py would report.)
 
 #include "a8_codec.cuh"
 

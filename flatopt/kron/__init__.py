@@ -61,7 +61,7 @@ held and the GEMMs run on the BLAS's own threads: bits may then follow the BLAS 
 kernels still change last bits (amplified by the preconditioner's feedback): compare runs across machines with a
 tolerance, not bits.  Triangular solves:
 cuBLAS trsm on CuPy; on NumPy a blocked substitution on NumPy's BLAS, 32-row leaves by their triangular inverse
-(SciPy's trsm is not used: its second OpenBLAS's idle threads spun against NumPy's, 12-22 % slower steps).
+(SciPy's trsm is not used: its second OpenBLAS's idle threads spin against NumPy's and slow the step down).
 
 **On CuPy** a 1-D or 2-D preconditioner shape takes the fused step of ``kron/fused.py`` (``kernels/kron.cu``): the
 twin's GEMMs, solves and reductions with the elementwise work between them fused, the twin's bits, 52 launches for a

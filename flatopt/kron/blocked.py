@@ -18,7 +18,8 @@ import numpy as np
 
 from ..core import workspace
 
-LEAF = 256  # no recursion at or below this size (measured: GEMM efficiency drops below ~256)
+# No recursion at or below this size: smaller GEMMs lose efficiency (``python -m benchmarks.run --only kron``).
+LEAF = 256
 
 
 def _split(n: int) -> int:

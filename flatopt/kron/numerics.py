@@ -69,9 +69,8 @@ def _solve_upper_t(xp, q, b, key: str | None = None):
     """Q⁻ᵀ·B for an upper-triangular Q (a forward substitution with Qᵀ), B of shape (d, n).
 
     CuPy: cuBLAS trsm through ``cupyx.scipy.linalg.solve_triangular``.  NumPy: ``_lower_solve`` (NumPy's own BLAS
-    only: SciPy's trsm, 2-4x faster on its own, brings a second OpenBLAS whose idle threads spin against NumPy's;
-    the whole MLP-block step of ``benchmarks/bench_kron.py`` measured 12-22 % slower with it: commit 2c93a1f, which
-    used it, against 34c3903, which dropped it)."""
+    only: SciPy's trsm, faster on its own, brings a second OpenBLAS whose idle threads spin against NumPy's and
+    slow the whole step down; re-measure: ``python -m benchmarks.run --only kron``)."""
     if xp is not np:
         return backend.solve_triangular()(q, b, trans="T", lower=False, check_finite=False)
     if key is None:
@@ -87,7 +86,7 @@ def _lower_solve(low, b, out, key: str | None = None, depth: int = 0) -> None:
     GEMMs); a leaf of at most 32 rows is one GEMM with the leaf's inverse, L⁻¹ = P·(P·L·P)⁻¹·P (P the reversal):
     P·L·P is upper triangular, so LAPACK's LU in ``numpy.linalg.inv`` neither pivots nor eliminates (every
     multiplier is exactly 0) and the inverse is its triangular inverse.  Only the 32×32 inverse is allocated (a
-    ``solve`` with the leaf's 32 right-hand-side rows allocated several copies of them: 0.5x a 256x384 parameter).
+    ``solve`` with the leaf's 32 right-hand-side rows allocates several copies of them).
     With ``key``, the right-hand sides of the lower halves are formed in per-thread scratch (the same operations)
     instead of fresh arrays."""
     d = low.shape[0]

@@ -38,21 +38,18 @@ synchronisation).  ``end_iteration`` only counts iterations (Muon has no schedul
 ``momentum_buffer`` (parameter dtype).  Work buffers (2·r·c + 2·min(r, c)² elements) are allocated at the first step
 of a name and never saved.  **BLAS threads.** On NumPy every Newton–Schulz GEMM runs with the BLAS held at **one thread** (through
 ``threadpoolctl``, the ``fast`` extra), in every mode: ``step``, a serial ``step_batch`` and the workers.  A GEMM's
-bits depend on the BLAS thread count on some CPUs (OpenBLAS's Haswell kernels on an AMD EPYC: a 2-thread sgemm
+bits depend on the BLAS thread count on some CPUs (with OpenBLAS's Haswell kernels, for one, a 2-thread sgemm
 differs in the last bits from a 1-thread one), so this is what makes ``step_batch`` ≡ the ``step`` loop ≡ any
 ``workers`` hold on every CPU and under any ``OPENBLAS_NUM_THREADS`` (tested; the suite also runs under one BLAS
 thread).  Without ``threadpoolctl`` nothing can hold the BLAS: every mode then runs the items serially on the BLAS's
 own threads (the same calls), and the results may change with ``OPENBLAS_NUM_THREADS``.  So that a matrix stepped
 alone still uses the cores, A·A and B·X are cut into row blocks fixed by the shape (``_row_blocks``) that run on
-flatopt's threads (inside a ``workers`` thread: one after another); the Gram matrix stays one syrk call.  Measured on
-2 vCPUs (AMD EPYC, OpenBLAS 0.3.31) in an A/B against the earlier code, whose serial path ran the BLAS on both
-threads (a scratch script, not in the repository): one 1024² matrix 1.17× the time, 2048×512 1.27×, 512² 1.2×; a
-``step_batch`` of six matrices on the workers unchanged (1.00×); the plain one-thread cap had cost 1.8×.
-``benchmarks/bench_muon.py`` times a matrix stepped alone against torch.optim.Muon.  ``step_batch`` with
-``workers=K`` runs the matrices on K persistent threads with a fixed, cost-balanced matrix → thread assignment.
-Measured on 2 busy cores (``benchmarks/bench_muon.py``): K = 2 beats K = 1 by 2.8x (many mid-size matrices).  So
-the default ``workers=None`` means ``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can hold the
-BLAS, else 1.
+flatopt's threads (inside a ``workers`` thread: one after another); the Gram matrix stays one syrk call.  This
+costs a matrix stepped alone a little against a BLAS on all threads, far less than a plain one-thread cap would.
+``step_batch`` with ``workers=K`` runs the matrices on K persistent threads with a fixed, cost-balanced matrix →
+thread assignment; many mid-size matrices gain most from it.  Re-measure both (a matrix alone and a batch, against
+torch.optim.Muon): ``python -m benchmarks.run --only muon``.  So the default ``workers=None`` means
+``min(FLATOPT_NUM_THREADS or the CPUs, 8)`` when ``threadpoolctl`` can hold the BLAS, else 1.
 A batch below ``core.parallel.PARALLEL_MIN_COST`` (elements × min dimension) or of one matrix runs serially.
 """
 

@@ -49,15 +49,14 @@ backends agree there only up to that choice; both are valid SOAP.
 When to use: transformer-sized matrices, where Shampoo-quality preconditioning pays for its cost; set
 ``max_precond_dim`` below a vocabulary-sized axis (that axis then uses the identity).  Cost per step of an
 r×c matrix: six projections (O(rc(r + c)) each), two Grams, and every ``precondition_frequency`` steps a QR and a
-product per axis; the first step is an ``eigh`` per axis (on NumPy, OpenBLAS's float64 ``dsyevd``: ~10-30 s
-at d = 2048 on 2 cores, several times torch's MKL — a one-off cost).  Memory: 8 bytes/param (fp32) + 8(dᵢ²) per
+product per axis; the first step is an ``eigh`` per axis (on NumPy, OpenBLAS's float64 ``dsyevd``: seconds at
+d = 2048, several times torch's MKL — a one-off cost).  Memory: 8 bytes/param (fp32) + 8(dᵢ²) per
 axis (24 for a square matrix).  On NumPy the work is matrix products on the BLAS, so ``step_batch`` runs items
 serially (``threaded = False``), each step with the BLAS held at one thread (``blas_bound``: ``core.shards``' cap, in
-every mode): every bit is the serial loop's, under any BLAS thread count and beside any other thread's steps.  Measured
-against pytorch-optimizer's SOAP (2 cores, ``benchmarks/bench_soap.py``, ``max_precond_dim=2048``): 1.11× its
-speed per step on the 38 matrices of a transformer-like set (24.1M elements), 1.01× over ten steps with their
-refresh on one layer's six matrices (at load 6 on the 2 cores: 1.32× and 4.4×).  Small matrices (d = 64) are
-slower than torch's (0.4-0.9×: a NumPy call per operation, OpenBLAS threads on 64×64 products).  On CuPy
+every mode): every bit is the serial loop's, under any BLAS thread count and beside any other thread's steps.  Against
+pytorch-optimizer's SOAP it is about as fast on transformer-sized matrices (the time goes to the BLAS and LAPACK)
+and slower on small ones (d = 64: a NumPy call per operation); re-measure: ``python -m benchmarks.run --only soap``.
+On CuPy
 nothing reads a device value on the host (see ``soap.numerics``).
 """
 

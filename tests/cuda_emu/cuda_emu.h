@@ -59,7 +59,7 @@ static inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; 
 
 // The fibre switch (x86-64 System V): saves the callee-saved registers, MXCSR and the x87 control word on the
 // current stack, stores the stack pointer in *save_sp and resumes the fibre whose stack pointer is new_sp.  The
-// same as swapcontext without its two rt_sigprocmask system calls per switch (20x faster; fibres never change the
+// same as swapcontext without its two rt_sigprocmask system calls per switch (much faster; fibres never change the
 // signal mask).  ucontext's makecontext is replaced by fibre_init below.
 extern "C" void emu_fibre_switch(void** save_sp, void* new_sp);
 extern "C" void emu_fibre_trampoline();
