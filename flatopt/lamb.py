@@ -259,7 +259,6 @@ class Lamb(PerParamOptimizer):
 
     algorithm = "lamb"
     config_cls = LambConfig
-    state_cls = LambState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

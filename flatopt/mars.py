@@ -258,7 +258,6 @@ class Mars(PerParamOptimizer):
 
     algorithm = "mars"
     config_cls = MarsConfig
-    state_cls = MarsState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

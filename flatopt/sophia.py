@@ -124,7 +124,6 @@ class Sophia(PerParamOptimizer):
 
     algorithm = "sophia"
     config_cls = SophiaConfig
-    state_cls = SophiaState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

@@ -150,7 +150,6 @@ class Stiefel(PerParamOptimizer):
 
     algorithm = "stiefel"
     config_cls = StiefelConfig
-    state_cls = StiefelState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     threaded = False  # BLAS/LAPACK work (see the module doc)

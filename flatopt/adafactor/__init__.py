@@ -154,7 +154,6 @@ class Adafactor(PerParamOptimizer):
 
     algorithm = "adafactor"
     config_cls = AdafactorConfig
-    state_cls = AdafactorState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     elementwise = False

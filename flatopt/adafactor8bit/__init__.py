@@ -213,7 +213,6 @@ class Adafactor8Bit(PerParamOptimizer):
 
     algorithm = "adafactor8bit"
     config_cls = Adafactor8BitConfig
-    state_cls = Adafactor8BitState
     init_fn = staticmethod(S.init)
     update_fn = staticmethod(paths.update)
     matters = MATTERS

@@ -65,7 +65,7 @@ class PerParamOptimizer:
     mutation, lazy name-keyed state with a step count per name, ``set_lr``/``lr_scale``, ``state_dict`` /
     ``load_state_dict``, threads on NumPy and the fused-kernel dispatch on CuPy — around an algorithm's update.
 
-    Subclasses set ``algorithm`` (a stable id), ``config_cls`` and ``state_cls``, and implement ``_init`` and
+    Subclasses set ``algorithm`` (a stable id) and ``config_cls``, and implement ``_init`` and
     ``_update``; elementwise algorithms set ``elementwise = True`` and then receive contiguous chunks of the
     param, grad and state arrays plus chunk-sized scratch buffers.  ``matters`` lists the config fields that must
     agree for a snapshot to load (everything else is a hyper-parameter the current object keeps).
@@ -73,7 +73,6 @@ class PerParamOptimizer:
 
     algorithm: ClassVar[str]
     config_cls: ClassVar[type]
-    state_cls: ClassVar[type]
     elementwise: ClassVar[bool] = False
     scratch_buffers: ClassVar[int] = 0  # chunk-sized scratch buffers an elementwise update needs
     matters: ClassVar[tuple[str, ...]] = ()

@@ -262,7 +262,6 @@ class KronPsgd(PerParamOptimizer):
 
     algorithm = "kron_psgd"
     config_cls = KronPsgdConfig
-    state_cls = KronPsgdState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(_fused.kernel_update)

@@ -227,7 +227,6 @@ class Muon(PerParamOptimizer):
 
     algorithm = "muon"
     config_cls = MuonConfig
-    state_cls = MuonState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(_fused.kernel_update)

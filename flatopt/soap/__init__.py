@@ -187,7 +187,6 @@ class Soap(PerParamOptimizer):
 
     algorithm = "soap"
     config_cls = SoapConfig
-    state_cls = SoapState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     matters = ("max_precond_dim", "precondition_1d")
