@@ -149,12 +149,12 @@ def test_small_items_share_one_bucket_and_plans_are_reused():
     params = _params([64] * 50)
     items = [OptItem(k, p.shape, p, _grads(params, 0)[k]) for k, p in sorted(params.items())]
     opt.step_batch(items)
-    plans = dict(opt._bucket_plans)  # noqa: SLF001
+    plans = dict(opt.plan_cache.bucket_plans)
     assert len(plans) == 1
     plan = next(iter(plans.values()))
     assert plan.size == 50 * 64
     arena = opt._slots["w0"].state.m.base  # noqa: SLF001
     assert all(opt._slots[k].state.m.base is arena for k in params)  # noqa: SLF001
     opt.step_batch(items)
-    assert next(iter(opt._bucket_plans.values())) is plan  # noqa: SLF001
+    assert next(iter(opt.plan_cache.bucket_plans.values())) is plan
     assert cpu_plan.SMALL >= 64

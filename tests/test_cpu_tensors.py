@@ -119,7 +119,7 @@ def test_phases_and_row_buckets_are_the_twin_on_any_thread_count(algo, dtype, mo
             for f in ("m", "v", "g_prev"):
                 if hasattr(want_states[k], f):
                     assert_bits_equal(getattr(opt._slots[k].state, f), getattr(want_states[k], f), f)  # noqa: SLF001
-        plans = [p for p in opt._bucket_plans.values() if isinstance(p, cpu_tensors.RowsPlan)]  # noqa: SLF001
+        plans = [p for p in opt.plan_cache.bucket_plans.values() if isinstance(p, cpu_tensors.RowsPlan)]
         assert {p.p.shape for p in plans} >= {(4, 64), (2, 4097), (2, 8192)}
 
 
@@ -130,7 +130,7 @@ def test_row_buckets_pack_the_state_and_are_reused(algo):
     params = {f"w{i:02d}": rng_arrays(i, (64,), np.float32) for i in range(30)}
     items = [OptItem(k, p.shape, p, _grad(i, 0, 64, np.float32)) for i, (k, p) in enumerate(sorted(params.items()))]
     opt.step_batch(items)
-    (plan,) = opt._bucket_plans.values()  # noqa: SLF001
+    (plan,) = opt.plan_cache.bucket_plans.values()
     assert isinstance(plan, cpu_tensors.RowsPlan) and plan.p.shape == (30, 64)
     arena = opt._slots["w00"].state.m.base  # noqa: SLF001
     assert all(opt._slots[k].state.m.base is arena for k in params)  # noqa: SLF001
@@ -138,6 +138,6 @@ def test_row_buckets_pack_the_state_and_are_reused(algo):
     assert all(f.name in ("m", "v", "g_prev") for f in dataclasses.fields(plan.state)
                if getattr(plan.state, f.name) is not None)
     opt.step_batch(items)
-    assert next(iter(opt._bucket_plans.values())) is plan  # noqa: SLF001
+    assert next(iter(opt.plan_cache.bucket_plans.values())) is plan
     snap = opt.state_dict()
     assert snap.buffers["m/w03"].base is None and snap.buffers["m/w03"].shape == (64,)

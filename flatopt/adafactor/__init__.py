@@ -228,6 +228,3 @@ class Adafactor(PerParamOptimizer):
         fused.run(self, self._step_cfg, gpu)
         return True
 
-    def _forget_plans(self) -> None:
-        super()._forget_plans()
-        fused.forget(self)

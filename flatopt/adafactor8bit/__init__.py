@@ -319,9 +319,6 @@ class Adafactor8Bit(PerParamOptimizer):
             gpu_run.run_gpu(self, rest)
         return True
 
-    def _forget_plans(self) -> None:
-        super()._forget_plans()
-        segmented.forget(self)
 
     def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
                        lr: tuple[float, float]) -> bool:

@@ -256,7 +256,7 @@ def run(opt, items: list) -> list:
     batch composition; returns the items left to step per tensor."""
     if not ENABLED:
         return items
-    plans = opt.__dict__.setdefault("_a8_plans", {})
+    plans = opt.plan_cache.family_plans("adafactor8bit.segmented")
     key = tuple(it.name for it, _, _ in items)
     plan = plans.get(key)
     if plan is None or not plan.matches(items):
@@ -267,7 +267,3 @@ def run(opt, items: list) -> list:
     plan.launch(items)
     return [items[i] for i in plan.rest]
 
-
-def forget(opt) -> None:
-    """Drop every plan of ``opt`` (states replaced or reset)."""
-    opt.__dict__.pop("_a8_plans", None)

@@ -160,9 +160,8 @@ class BucketTask(cpu_tensors.PackedTask):
 
 
 def _plan_for(opt, slots: list, sizes: list, chunk: int, factory=BucketPlan):
-    plans = opt.__dict__.get("_bucket_plans")
-    if plans is None:
-        plans = opt.__dict__["_bucket_plans"] = {}
+    cache = opt.plan_cache
+    plans = cache.bucket_plans
     key = (chunk, *map(id, slots))  # the plan holds its slots, so these ids stay theirs
     plan = plans.get(key)
     if plan is None or not plan.valid():
@@ -170,13 +169,8 @@ def _plan_for(opt, slots: list, sizes: list, chunk: int, factory=BucketPlan):
         while len(plans) >= MAX_PLANS:
             plans.pop(next(iter(plans)))
         plan = plans[key] = factory(slots, sizes, chunk)
-        opt.__dict__["_bucket_epoch"] = opt.__dict__.get("_bucket_epoch", 0) + 1  # (StaticPlan.valid)
+        cache.bucket_epoch += 1  # (StaticPlan.valid)
     return plan
-
-
-def forget_plans(opt) -> None:
-    """Drop the cached bucket plans (after ``reset``/``load_state_dict``: their slots are gone)."""
-    opt.__dict__.pop("_bucket_plans", None)
 
 
 # --------------------------------------------------------------------------------------------- the tasks
@@ -314,14 +308,14 @@ class StaticPlan:
         """``entries``: ``[(index, name, param, grad, slot, scale)]`` (state created, ``t`` advanced)."""
         made = _make(opt, [(i, n, p, g, s, opt._effective_lr(c), c) for i, n, p, g, s, c in entries],  # noqa: SLF001
                      chunk)
-        self.epoch = opt.__dict__.get("_bucket_epoch", 0)
+        self.epoch = opt.plan_cache.bucket_epoch
         self.run_list = [(cost, name, fn) for cost, name, fn, _ in made]
         self.fill = [(fn, ref) for _, _, fn, ref in made]
         for fn, _ in self.fill:
             _clear(fn)
 
     def valid(self, opt) -> bool:
-        return opt.__dict__.get("_bucket_epoch", 0) == self.epoch
+        return opt.plan_cache.bucket_epoch == self.epoch
 
     def run(self, opt, params: list, grads: list) -> None:
         """One step: ``params``/``grads`` are this call's arrays in item order (``t`` already advanced)."""

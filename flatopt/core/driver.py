@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import IncompatibleStateError
 from . import backend as _backend, cpu_plan, gpu_run, step_plan
+from .plan_cache import PlanCache
 from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
 from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
@@ -105,7 +106,7 @@ class PerParamOptimizer:
         self.iteration = 0
         self.last_load_notes: list[str] = []
         self._lock = threading.RLock()
-        self._plan_serial = 0  # step_batch calls so far (core.step_plan: did another step run since a plan's?)
+        self.plan_cache = PlanCache()  # every plan and cache derived from batches (core.plan_cache)
 
     # ----------------------------------------------------------------------------------------------- hooks
     # An algorithm module provides ``init(xp, cfg, shape, dtype) -> State``, the array-agnostic
@@ -224,7 +225,7 @@ class PerParamOptimizer:
 
     def _step_batch(self, items: Sequence[OptItem]) -> None:
         """``step_batch`` of ``items`` (a list or tuple) under ``self._lock``."""
-        self._plan_serial += 1
+        self.plan_cache.serial += 1
         plan = self._find_plan(items)
         if plan is None:
             if not self._plannable:
@@ -259,7 +260,7 @@ class PerParamOptimizer:
 
     def _find_plan(self, items: Sequence[Any]) -> Any:
         """The cached plan ``items`` repeat, or ``None`` (then the full path runs)."""
-        plans = self.__dict__.get("_step_plans")
+        plans = self.plan_cache.step_plans
         if not plans or len(items) < 2:
             return None
         try:
@@ -276,7 +277,7 @@ class PerParamOptimizer:
         """A plan for the batch that just passed validation (re-used when an equal one exists), or ``None``."""
         if len(checked) < 2 or not self._plannable:
             return None
-        plans = self.__dict__.setdefault("_step_plans", {})
+        plans = self.plan_cache.step_plans
         key = tuple(c[0].name for c in checked)
         old = plans.pop(key, None)
         if old is not None and not old.hits and not old.groups and old.skips < step_plan.MAX_SKIPS:
@@ -292,8 +293,7 @@ class PerParamOptimizer:
         return plan
 
     def _forget_plans(self) -> None:
-        cpu_plan.forget_plans(self)
-        step_plan.forget(self)
+        self.plan_cache.forget()
 
     def reset(self, name: str) -> None:
         """Forget the state of ``name`` (its next step starts from fresh state, e.g. after a shape change)."""
@@ -358,8 +358,7 @@ class PerParamOptimizer:
                                  f"in {it.param.dtype}")
             checked.append((it, shape, backend, float(scale)))
         if len(checked) > 1:
-            cache = self.__dict__.setdefault("_alias_cache", [])  # the last batch that passed (weak references)
-            check_batch_aliasing([c[0] for c in checked], cache)
+            check_batch_aliasing([c[0] for c in checked], self.plan_cache.alias)
         return checked
 
     def validate_batch(self, items: Sequence[OptItem]) -> None:

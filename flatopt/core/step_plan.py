@@ -177,7 +177,7 @@ class StepPlan:
             members = [(params[i], grads[i], self.slots[i], self.scales[i]) for i in idx]
             self.groups.append((self.slots[idx[0]], mt.Group(spec, members, mt.CHUNK)))
         self.gpu_rest.sort()
-        self.epoch = opt._plan_serial  # noqa: SLF001
+        self.epoch = opt.plan_cache.serial
 
     def run(self, opt, items) -> None:
         """One step of the batch ``matches`` accepted."""
@@ -188,13 +188,13 @@ class StepPlan:
             opt._run(list(zip(map(_as_item, items), slots, self.scales)))  # noqa: SLF001
             return
         rebuild = self.cpu is not None and not self.cpu.valid(opt)
-        if not rebuild and self.epoch != opt._plan_serial - 1:  # noqa: SLF001 - another step ran since ours
+        if not rebuild and self.epoch != opt.plan_cache.serial - 1:  # another step ran since ours
             base = self.t_ref
             d = slots[0].t - base[0]
             rebuild = any(s.t - b != d for s, b in zip(slots, base))
         if rebuild:
             self._build_exec(opt, params, grads)
-        self.epoch = opt._plan_serial  # noqa: SLF001
+        self.epoch = opt.plan_cache.serial
         for s in slots:
             s.t += 1
         if self.cpu is not None:
@@ -258,7 +258,3 @@ def _as_item(it):
 
 _DTYPE_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float32, np.float64)}
 
-
-def forget(opt: Any) -> None:
-    """Drop every plan of ``opt`` (after ``reset``/``load_state_dict``: slots replaced)."""
-    opt.__dict__.pop("_step_plans", None)
