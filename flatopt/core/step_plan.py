@@ -157,7 +157,9 @@ class StepPlan:
             if slot.backend == "cupy":
                 gpu_items.append(i)
             else:
-                cpu_entries.append((i, self.names[i], params[i], grads[i], slot, self.scales[i]))
+                scale = self.scales[i]
+                cpu_entries.append(cpu_plan.Entry(i, self.names[i], params[i], grads[i], slot,
+                                                  opt._effective_lr(scale), scale))  # noqa: SLF001
         self.gpu_all = gpu_items
         if cpu_entries:  # (grouped by t: only the differences between the slots' t matter, see run())
             self.cpu = cpu_plan.StaticPlan(opt, cpu_entries, self.chunk)
