@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import backend, blocks as sq, kernels
+from . import backend, kernels, sqsum as sq
 
 # Elements per chunk (one block each); 256 threads per block: 128 elements per thread.
 CHUNK = 1 << 15

@@ -279,7 +279,7 @@ def global_norm(buffers: Sequence[Array], comm: Any, *, allow_empty: bool = Fals
     """√(Σ over the ranks of Σ over their ``buffers`` of Σ x²), accumulated in float64: the norm of the union of
     disjoint per-rank buffers (e.g. gradient shards).  NumPy: a NumPy float64; CuPy: a 0-d device array (no host
     synchronisation).  Every rank must call it.  The local sum adds in one documented order on both backends
-    (``core.norms.sumsq64``: each buffer in ``core.blocks.sq_sum``'s blocked order over float64(x)², the buffers in
+    (``core.norms.sumsq64``: each buffer in ``core.sqsum.sq_sum``'s blocked order over float64(x)², the buffers in
     order): the same bits on NumPy and CuPy; on CuPy two launches per buffer (then the all-reduce and the root)."""
     be = comm.backend if isinstance(comm, Sharded) else as_backend(comm)
     if not buffers and not allow_empty:
