@@ -168,6 +168,8 @@ class Adafactor(PerParamOptimizer):
         super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
         self._scale_spec = scale_parameter  # what the caller asked for (None: follows the lr mode in with_lr)
         self._step_cfg = cfg
+        self.hooks = self.hooks.replace(effective_lr=self._rho_lr, run=self._run_all, update=self._update_item,
+                                        kernel_batch=self._kernel_batch)
 
     # ------------------------------------------------------------------------------------------- builders
     def _copy(self, **changes: Any) -> "Adafactor":
@@ -195,10 +197,10 @@ class Adafactor(PerParamOptimizer):
         with self._lock:
             self._lr = None if lr is None else check_lr(lr)
 
-    def _effective_lr(self, scale: float) -> float:
+    def _rho_lr(self, scale: float) -> float:
         return (self._lr if self._lr is not None else 1.0) * scale
 
-    def _run(self, prepared: list[Any]) -> None:
+    def _run_all(self, prepared: list[Any]) -> None:
         cfg = self.config
         if cfg.lr != self._lr:
             cfg = dataclasses.replace(cfg, lr=self._lr, warmup_init=cfg.warmup_init and self._lr is None)
@@ -207,7 +209,7 @@ class Adafactor(PerParamOptimizer):
         gpu: list[Any] = []
         for it, slot, scale in prepared:
             slot.t += 1
-            lr = self._effective_lr(scale)
+            lr = self._rho_lr(scale)
             (gpu if slot.backend == "cupy" else cpu).append((it, slot, lr))
         if cpu:
             # every item's blocked passes, phase by phase, on the threads (bits independent of the threads); with
@@ -219,7 +221,7 @@ class Adafactor(PerParamOptimizer):
         if gpu:
             gpu_run.run_gpu(self, gpu)
 
-    def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
+    def _update_item(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
                 scratch: list[Array]) -> None:
         update(xp, self._step_cfg, state, param, grad, t=t, lr=lr, scratch=scratch)
 

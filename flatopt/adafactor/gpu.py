@@ -210,7 +210,7 @@ class Plan:
 def run(opt, cfg, items: list) -> None:
     """Step ``[(item, slot, lr)]`` of CuPy items (``slot.t`` advanced; ``cfg``: this step's config, with the current
     manual lr or None) with the segmented kernels, through the cached plan of this batch composition."""
-    base = float(opt._lr) if opt._lr is not None else 1.0  # noqa: SLF001 - the driver's base of _effective_lr
+    base = float(opt._lr) if opt._lr is not None else 1.0  # noqa: SLF001 - the driver's base of Adafactor's hooks.effective_lr
     plans = opt.plan_cache.family_plans("adafactor.gpu")
     key = tuple(it.name for it, _, _ in items)
     plan = plans.get(key)

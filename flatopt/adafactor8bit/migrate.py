@@ -227,7 +227,7 @@ def build(opt, state) -> tuple[dict, list, Report] | None:
         for name in sorted(state.params):
             meta = state.params[name]
             shape, dtype, t = tuple(int(d) for d in meta["shape"]), np.dtype(meta["dtype"]), int(meta["t"])
-            opt._check_shape(name, shape)  # noqa: SLF001
+            opt.hooks.check_shape(name, shape)
             if any(d < 0 for d in shape) or t < 0:
                 return None
             a = _resolve_a(base, routes, name, shape, dtype, meta, state.buffers)

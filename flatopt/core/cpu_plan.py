@@ -103,7 +103,7 @@ def scratch(dtype: np.dtype, k: int, chunk: int) -> list:
 
 def _run_views(opt, views, p, g, t, lr, chunk) -> None:
     """``update`` on ``views`` (chunks of state) with the matching slices of ``p`` and ``g``."""
-    upd = opt._update  # noqa: SLF001
+    upd = opt.hooks.update
     full = scratch(p.dtype, opt.scratch_buffers, chunk)
     for lo, hi, st in views:
         n = hi - lo
@@ -347,7 +347,7 @@ class StaticPlan:
             for fn, (idx, slot, scale) in self.fill:
                 lr = lrs.get(scale)
                 if lr is None:
-                    lr = lrs[scale] = opt._effective_lr(scale)  # noqa: SLF001
+                    lr = lrs[scale] = opt.hooks.effective_lr(scale)
                 fn.t, fn.lr = slot.t, lr
                 if type(idx) is list:
                     fn.params = [params[i] for i in idx]
@@ -376,4 +376,4 @@ class _WholeTask:
         self.opt, self.st, self.p, self.g, self.t, self.lr = opt, st, p, g, t, lr
 
     def __call__(self) -> None:
-        self.opt._update(np, self.st, self.p, self.g, t=self.t, lr=self.lr, scratch=[])  # noqa: SLF001
+        self.opt.hooks.update(np, self.st, self.p, self.g, t=self.t, lr=self.lr, scratch=[])

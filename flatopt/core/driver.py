@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import IncompatibleStateError
 from . import backend as _backend, cpu_plan, gpu_run, step_plan
+from .hooks import Hooks
 from .plan_cache import PlanCache
 from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
@@ -66,8 +67,9 @@ class PerParamOptimizer:
     mutation, lazy name-keyed state with a step count per name, ``set_lr``/``lr_scale``, ``state_dict`` /
     ``load_state_dict``, threads on NumPy and the fused-kernel dispatch on CuPy — around an algorithm's update.
 
-    Subclasses set ``algorithm`` (a stable id) and ``config_cls``, and implement ``_init`` and
-    ``_update``; elementwise algorithms set ``elementwise = True`` and then receive contiguous chunks of the
+    Subclasses set ``algorithm`` (a stable id), ``config_cls``, ``init_fn`` and ``update_fn`` (optionally
+    ``kernel_fn``), and change anything else the driver does for them through ``self.hooks`` (``core.hooks``);
+    elementwise algorithms set ``elementwise = True`` and then receive contiguous chunks of the
     param, grad and state arrays plus chunk-sized scratch buffers.  ``matters`` lists the config fields that must
     agree for a snapshot to load (everything else is a hyper-parameter the current object keeps).
     """
@@ -107,11 +109,15 @@ class PerParamOptimizer:
         self.last_load_notes: list[str] = []
         self._lock = threading.RLock()
         self.plan_cache = PlanCache()  # every plan and cache derived from batches (core.plan_cache)
+        # the extension points (core.hooks): an algorithm replaces fields in its __init__, never a driver method
+        self.hooks: Hooks[Any] = Hooks(init=self._init_named, update=self._update, effective_lr=self._effective_lr,
+                                       kernel_update=self._kernel_update, check_shape=self._check_shape)
 
     # ----------------------------------------------------------------------------------------------- hooks
     # An algorithm module provides ``init(xp, cfg, shape, dtype) -> State``, the array-agnostic
     # ``update(xp, cfg, state, param, grad, *, t, lr, scratch)`` and optionally the fused CUDA
     # ``kernel_update(cfg, state, param, grad, *, t, lr) -> bool`` (False: use the twin); the class binds them.
+    # The methods below are the driver's defaults of ``self.hooks`` (core.hooks): the driver calls the hooks.
     init_fn: ClassVar[Callable[..., Any]]
     update_fn: ClassVar[Callable[..., None]]
     kernel_fn: ClassVar[Callable[..., bool] | None] = None
@@ -120,7 +126,7 @@ class PerParamOptimizer:
         return type(self).init_fn(xp, self.config, shape, dtype)
 
     def _init_named(self, name: str, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
-        """Fresh state for parameter ``name`` (override for per-name configuration; default: ``_init``)."""
+        """Fresh state for parameter ``name`` (the default ``hooks.init``: ``_init``)."""
         return self._init(xp, shape, dtype)
 
     def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
@@ -229,9 +235,9 @@ class PerParamOptimizer:
         plan = self._find_plan(items)
         if plan is None:
             if not self._plannable:
-                prepared = self._prepare(items)
+                prepared = (self.hooks.prepare or self._prepare)(items)
                 if prepared:
-                    self._run(prepared)
+                    self._execute(prepared)
                 return
             checked = self._check_items(items)
             prepared = self._create_states(checked)
@@ -239,7 +245,7 @@ class PerParamOptimizer:
                 return
             plan = self._plan_for(checked, prepared)
             if plan is None:
-                self._run(prepared)
+                self._execute(prepared)
                 return
             plan.params = [c[0].param for c in checked]
             plan.grads = [c[0].grad for c in checked]
@@ -249,14 +255,13 @@ class PerParamOptimizer:
     @property
     def _plannable(self) -> bool:
         """Whether batches may be cached as step plans (``core.step_plan``): the driver's own validation and
-        preparation, which the plan's checks mirror."""
-        cls = type(self)
-        return cls._check_items is PerParamOptimizer._check_items and cls._prepare is PerParamOptimizer._prepare
+        preparation (no ``hooks.prepare``), which the plan's checks mirror."""
+        return self.hooks.prepare is None
 
-    @property
-    def _plan_runs(self) -> bool:
-        """Whether a plan also keeps the execution (the driver's own ``_run``); otherwise it calls ``_run``."""
-        return type(self)._run is PerParamOptimizer._run
+    def _execute(self, prepared: list[Any]) -> None:
+        """Run the prepared ``(item, slot, lr_scale)`` entries: ``hooks.run`` where the algorithm replaced the
+        driver's execution, else ``_run``."""
+        (self.hooks.run or self._run)(prepared)
 
     def _find_plan(self, items: Sequence[Any]) -> Any:
         """The cached plan ``items`` repeat, or ``None`` (then the full path runs)."""
@@ -347,7 +352,7 @@ class PerParamOptimizer:
                         f"parameter {it.name!r}: the parameter is on GPU {it.param.device.id}, its state lives on GPU "
                         f"{slot.device} (states are not moved between GPUs: reset({it.name!r}) to start afresh, "
                         f"or load a state_dict)")
-            self._check_shape(it.name, shape)
+            self.hooks.check_shape(it.name, shape)
             scale = self._lr_scale(it.name)
             if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not (
                 math.isfinite(scale) and math.copysign(1.0, scale) > 0  # (>= 0, and not -0.0: see check_lr)
@@ -394,7 +399,7 @@ class PerParamOptimizer:
         xp = _backend.array_module(like)
         on_gpu = backend == "cupy"
         with like.device if on_gpu else contextlib.nullcontext():
-            state = self._init_named(name, xp, shape, like.dtype)
+            state = self.hooks.init(name, xp, shape, like.dtype)
         slot = self._slots[name] = _Slot(shape, like.dtype, backend, 0, state,
                                          device=like.device.id if on_gpu else None)
         return slot
@@ -416,11 +421,13 @@ class PerParamOptimizer:
         return (self._lr if self._lr is not None else 0.0) * scale
 
     def _run(self, prepared: list[Any]) -> None:
+        """The driver's execution (``hooks.run`` replaces it; a replacement may still call it)."""
         cpu: list[Any] = []
         gpu: list[Any] = []
+        effective_lr = self.hooks.effective_lr
         for it, slot, scale in prepared:
             slot.t += 1
-            lr = self._effective_lr(scale)
+            lr = effective_lr(scale)
             if slot.backend == "cupy":
                 gpu.append((it, slot, lr))
             else:
@@ -532,7 +539,8 @@ class PerParamOptimizer:
         """``(slots, notes)`` for ``state``, changing nothing; :class:`IncompatibleStateError` when it does not fit."""
         check_compatible(state, self.algorithm, self._config_key())
         slots = slotlib.restore(state.params, state.buffers,
-                               lambda name, shape, dtype: self._init_named(name, np, shape, dtype), self._check_shape)
+                               lambda name, shape, dtype: self.hooks.init(name, np, shape, dtype),
+                               self.hooks.check_shape)
         cur = self._config_dict()
         notes = [
             f"{k}: kept {cur[k]!r} (snapshot had {v!r})" for k, v in state.config.items() if k in cur and cur[k] != v

@@ -101,7 +101,7 @@ class StepPlan:
             dt = c[0].param.dtype
             self.max_scale[dt] = max(self.max_scale.get(dt, 0.0), c[3])
         self.slots = slots
-        self.custom_run = not opt._plan_runs  # noqa: SLF001
+        self.custom_run = opt.hooks.run
         self._build_exec(opt, params, grads)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -159,7 +159,7 @@ class StepPlan:
             else:
                 scale = self.scales[i]
                 cpu_entries.append(cpu_plan.Entry(i, self.names[i], params[i], grads[i], slot,
-                                                  opt._effective_lr(scale), scale))  # noqa: SLF001
+                                                  opt.hooks.effective_lr(scale), scale))
         self.gpu_all = gpu_items
         if cpu_entries:  # (grouped by t: only the differences between the slots' t matter, see run())
             self.cpu = cpu_plan.StaticPlan(opt, cpu_entries, self.chunk)
@@ -187,7 +187,7 @@ class StepPlan:
         self.params = self.grads = None
         slots = self.slots
         if self.custom_run:
-            opt._run(list(zip(map(_as_item, items), slots, self.scales)))  # noqa: SLF001
+            self.custom_run(list(zip(map(_as_item, items), slots, self.scales)))
             return
         rebuild = self.cpu is not None and not self.cpu.valid(opt)
         if not rebuild and self.epoch != opt.plan_cache.serial - 1:  # another step ran since ours
@@ -212,7 +212,7 @@ class StepPlan:
                     for slot, group in self.groups:
                         group.launch(opt.config, slot.t, base_lr)
             if rest:
-                gpu_run.run_gpu(opt, [(_as_item(items[i]), slots[i], opt._effective_lr(self.scales[i]))  # noqa: SLF001
+                gpu_run.run_gpu(opt, [(_as_item(items[i]), slots[i], opt.hooks.effective_lr(self.scales[i]))
                                       for i in rest])
 
 

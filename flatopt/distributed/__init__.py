@@ -144,7 +144,7 @@ class Sharded(ShardedCheckpoints):
             err: BaseException | None = None
             work: tuple[Plan, list[OptItem], list[tuple[int, Array]], Any] | None = None
             try:
-                work = self._prepare(items)
+                work = self._prepare_pieces(items)
             except Exception as exc:  # noqa: BLE001 - voted on below, re-raised on this rank
                 err = exc
             self._vote(err, digest(items), "rejected the batch (nothing was changed on any rank)")
@@ -168,7 +168,7 @@ class Sharded(ShardedCheckpoints):
             if raising is not None:
                 raise raising
 
-    def _prepare(self, items: Sequence[OptItem]) -> tuple[Plan, list[OptItem], list[tuple[int, Array]], Any]:
+    def _prepare_pieces(self, items: Sequence[OptItem]) -> tuple[Plan, list[OptItem], list[tuple[int, Array]], Any]:
         """Validate the batch on this rank (nothing changes) and work out the pieces: ``(plan, items this rank
         steps, [(owner, param range)] to broadcast, APOLLO seeds of new names)``.  The wrapped optimizer checks
         the items this rank owns first (so its own error types and messages surface, as in a single process);

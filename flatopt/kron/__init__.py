@@ -277,6 +277,7 @@ class KronPsgd(PerParamOptimizer):
                  probe: Callable[[str, tuple[int, ...], int], Array] | None = None, **knobs: Any) -> None:
         super().__init__(KronPsgdConfig(lr, precond_lr, momentum, weight_decay, eps, clip, **knobs),
                          lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        self.hooks = self.hooks.replace(prepare=self._prepare_with_ctx)
         self.set_probe(probe)
 
     def with_momentum(self, mu: float) -> KronPsgd:
@@ -301,8 +302,9 @@ class KronPsgd(PerParamOptimizer):
         self._hook = fn
         self._ctx: dict[str, tuple[Any, ...]] = {}
 
-    def _prepare(self, items: Sequence[OptItem]) -> list[Any]:
-        prepared = super()._prepare(items)
+    def _prepare_with_ctx(self, items: Sequence[OptItem]) -> list[Any]:
+        """``hooks.prepare``: the driver's, then each state's noise stream and probe (``ctx``)."""
+        prepared = self._prepare(items)
         for it, slot, _ in prepared:  # serial, before any worker runs
             ctx = self._ctx.get(it.name)
             if ctx is None:
