@@ -201,7 +201,7 @@ class PerParamOptimizer:
         kernels and multi-tensor launches), the others as another with it unchanged; the whole batch is validated
         first.  Items are independent, so the bits are those of ``step`` on each item in order."""
         try:
-            names = [step_plan._NAME(it) for it in items]  # noqa: SLF001
+            names = [step_plan.item_name(it) for it in items]
             if not all(type(n) is str for n in names):
                 raise TypeError
         except Exception:  # noqa: BLE001 - a malformed item: the validation says what is wrong
@@ -269,7 +269,7 @@ class PerParamOptimizer:
         if not plans or len(items) < 2:
             return None
         try:
-            names = list(map(step_plan._NAME, items))  # noqa: SLF001
+            names = list(map(step_plan.item_name, items))
             plan = plans.get(tuple(names))
             if plan is not None and plan.matches(self, items, names):
                 plan.hits += 1

@@ -53,7 +53,7 @@ from . import backend, cpu_plan, gpu_run
 from . import multi_tensor as mt
 from .types import OptItem
 
-_NAME, _SHAPE, _PARAM, _GRAD = (itemgetter(i) for i in range(4))
+item_name, _SHAPE, _PARAM, _GRAD = (itemgetter(i) for i in range(4))
 _NP_ATTRS = attrgetter("shape", "strides", "dtype")
 _CP_ATTRS = attrgetter("shape")
 _WRITEABLE = attrgetter("flags.writeable")
@@ -92,6 +92,8 @@ class StepPlan:
             self.attrs = list(map(_NP_ATTRS, params + grads))
         self.np_params = itemgetter(*self.numpy) if len(self.numpy) > 1 else None
         self.config = opt.config
+        # the driver's validated lr_scale callable and what the caller gave (the plan mirrors the driver's checks:
+        # core.step_plan is the driver's own plan, the one module besides it that reads them)
         self.lr_scale_fn = opt._lr_scale  # noqa: SLF001
         spec = opt._lr_scale_spec  # noqa: SLF001
         self.scale_callable = spec is not None and callable(spec)
@@ -109,7 +111,7 @@ class StepPlan:
         """Whether ``items`` (whose names are ``names``, already compared equal to the plan's) is this plan's batch,
         every check of the full validation that could change still passing (never raises for a bad item: any doubt
         is a mismatch)."""
-        if self.dead or opt.config is not self.config or opt._lr_scale is not self.lr_scale_fn:  # noqa: SLF001
+        if self.dead or opt.config is not self.config or opt._lr_scale is not self.lr_scale_fn:  # noqa: SLF001 - see __init__
             return False
         shapes = list(map(_SHAPE, items))
         if shapes != self.shapes:
@@ -137,7 +139,7 @@ class StepPlan:
             scales = list(map(self.lr_scale_fn, names))
             if scales != self.scales or bool in set(map(type, scales)):
                 return False
-        lr = opt._lr or 0.0  # noqa: SLF001
+        lr = opt.lr or 0.0
         for dt, s in self.max_scale.items():
             if not lr * s <= _DTYPE_MAX[dt]:
                 return False
@@ -208,7 +210,7 @@ class StepPlan:
                 if twin:  # FLATOPT_FORCE_TWIN: every CuPy item runs its twin
                     rest = self.gpu_all
                 else:
-                    base_lr = opt._lr if opt._lr is not None else 0.0  # noqa: SLF001
+                    base_lr = opt.lr if opt.lr is not None else 0.0
                     for slot, group in self.groups:
                         group.launch(opt.config, slot.t, base_lr)
             if rest:
