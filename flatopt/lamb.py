@@ -254,8 +254,11 @@ MULTI = MultiTensor("lamb.cu", "lamb_apply_multi", lambda st, p: (st.m, st.v), _
                     norms=Norms(2, "lamb_partials_multi", "lamb_ratio_multi", _partial_args))
 
 
+_D = LambConfig  # the constructor's defaults: written once, in the config
+
+
 class Lamb(PerParamOptimizer):
-    """``Lamb(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2)``: see the module doc."""
+    """``Lamb(...)``: see the module doc."""
 
     algorithm = "lamb"
     config_cls = LambConfig
@@ -266,7 +269,8 @@ class Lamb(PerParamOptimizer):
     np_phases_fn = staticmethod(np_phases)
     np_rows_fn = staticmethod(np_rows)
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+    def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
+                 weight_decay: float = _D.weight_decay, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
         super().__init__(LambConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)

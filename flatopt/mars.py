@@ -252,9 +252,11 @@ MULTI = MultiTensor("mars.cu", "mars_multi", lambda st, p: (st.g_prev, st.m, st.
                                 lambda cfg, t, dt: (dt(_scalars(cfg, t, 0.0)[0]),), lambda cfg: cfg.clip_c))
 
 
+_D = MarsConfig  # the constructor's defaults: written once, in the config
+
+
 class Mars(PerParamOptimizer):
-    """``Mars(lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, gamma=0.025, clip_c=True)``: see the
-    module doc."""
+    """``Mars(...)``: see the module doc."""
 
     algorithm = "mars"
     config_cls = MarsConfig
@@ -265,8 +267,8 @@ class Mars(PerParamOptimizer):
     np_phases_fn = staticmethod(np_phases)
     np_rows_fn = staticmethod(np_rows)
 
-    def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
-                 weight_decay: float = 0.0, gamma: float = 0.025, clip_c: bool = True, *,
+    def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
+                 weight_decay: float = _D.weight_decay, gamma: float = _D.gamma, clip_c: bool = _D.clip_c, *,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(MarsConfig(lr, betas, eps, weight_decay, gamma, clip_c), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)

@@ -145,8 +145,11 @@ def update(xp: Any, cfg: StiefelConfig, st: StiefelState, p: Array, g: Array, *,
         _project(xp, x, b, b)
 
 
+_D = StiefelConfig  # the constructor's defaults: written once, in the config
+
+
 class Stiefel(PerParamOptimizer):
-    """``Stiefel(lr, momentum=0.0)``: see the module doc."""
+    """``Stiefel(...)``: see the module doc."""
 
     algorithm = "stiefel"
     config_cls = StiefelConfig
@@ -155,7 +158,7 @@ class Stiefel(PerParamOptimizer):
     threaded = False  # BLAS/LAPACK work (see the module doc)
     blas_bound = True  # ... held at one thread
 
-    def __init__(self, lr: float, momentum: float = 0.0, *, lr_scale: LrScale | None = None) -> None:
+    def __init__(self, lr: float, momentum: float = _D.momentum, *, lr_scale: LrScale | None = None) -> None:
         super().__init__(StiefelConfig(lr, momentum), lr_scale=lr_scale)
         self.hooks = self.hooks.replace(check_shape=self._check_matrix)
 

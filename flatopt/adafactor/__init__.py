@@ -145,9 +145,11 @@ def phases(xp: Any, cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array
         yield from fm.unfactored_phases(xp, st, p, g, **kw)
 
 
+_D = AdafactorConfig  # the constructor's defaults: written once, in the config
+
+
 class Adafactor(PerParamOptimizer):
-    """``Adafactor(lr=None, beta2_decay=-0.8, eps1=1e-30, eps2=1e-3, clip_threshold=1.0, weight_decay=0.0, *,
-    beta1=None, beta2=None, scale_parameter=None, warmup_init=False, factored=True, lr_scale=None)``.
+    """``Adafactor(...)``.
 
     ``Adafactor()`` is the paper's default (relative step); ``.with_lr(lr)`` and ``.with_weight_decay(wd)`` return a
     configured copy (a new optimizer without state).  See the module documentation for the rule and ``set_lr``."""
@@ -159,10 +161,12 @@ class Adafactor(PerParamOptimizer):
     elementwise = False
     matters = ("factored",)
 
-    def __init__(self, lr: float | None = None, beta2_decay: float = -0.8, eps1: float = 1e-30, eps2: float = 1e-3,
-                 clip_threshold: float = 1.0, weight_decay: float = 0.0, *, beta1: float | None = None,
-                 beta2: float | None = None, scale_parameter: bool | None = None, warmup_init: bool = False,
-                 factored: bool = True, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+    def __init__(self, lr: float | None = _D.lr, beta2_decay: float = _D.beta2_decay, eps1: float = _D.eps1,
+                 eps2: float = _D.eps2, clip_threshold: float = _D.clip_threshold,
+                 weight_decay: float = _D.weight_decay, *, beta1: float | None = _D.beta1,
+                 beta2: float | None = _D.beta2, scale_parameter: bool | None = _D.scale_parameter,
+                 warmup_init: bool = _D.warmup_init, factored: bool = _D.factored, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
         cfg = AdafactorConfig(lr, beta2_decay, eps1, eps2, clip_threshold, weight_decay, beta1, beta2,
                               scale_parameter, warmup_init, factored)
         super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)

@@ -203,8 +203,11 @@ def _without_decay(cfg: Adafactor8BitConfig) -> Adafactor8BitConfig:
     return cfg if cfg.weight_decay == 0 else dataclasses.replace(cfg, weight_decay=0.0)
 
 
+_D = Adafactor8BitConfig  # the constructor's defaults: written once, in the config
+
+
 class Adafactor8Bit(PerParamOptimizer):
-    """``Adafactor8Bit(lr=1e-2, ..., groups=None)``: the options of adafactor8bit 0.4.6 (see the module doc).
+    """``Adafactor8Bit(...)``: the options of adafactor8bit 0.4.6 (see the module doc).
 
     ``groups``: per-group options by parameter name, a sequence of ``(selector, overrides)``; the selector is a
     :class:`flatopt.routing.Select`, a glob pattern, a list of names or a predicate ``(name, shape) -> bool``;
@@ -221,7 +224,7 @@ class Adafactor8Bit(PerParamOptimizer):
 
     _migration: migration.Report | Literal[False] | None  # during load_state_dict (see there)
 
-    def __init__(self, lr: float = 1e-2, *, groups: Sequence[tuple[Selector, Mapping[str, Any]]] | None = None,
+    def __init__(self, lr: float = _D.lr, *, groups: Sequence[tuple[Selector, Mapping[str, Any]]] | None = None,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
                  apollo_proj_fn: Callable[[int, tuple[int, ...]], Array] | None = None,
                  apollo_next_seed: Callable[[int], int] | None = None, **options: Any) -> None:

@@ -586,14 +586,41 @@ _DECAY_ARG = (
 
 
 def class_doc(cls: type, own: str, *, has_decay: bool) -> str:
-    """``cls``'s docstring for ``help()``: its own (the signature line that points at the module doc), then its
-    module's docstring (the update rule, the deviations, the defaults; written once, there), then the keyword
-    arguments every optimizer shares."""
+    """``cls``'s docstring for ``help()``: its own (the signature line that points at the module doc; a leading
+    ````Name(...)```` is replaced by :func:`signature_line`, so that the defaults are written once, in the config
+    the constructor's defaults refer to), then its module's docstring (the update rule, the deviations), then the
+    keyword arguments every optimizer shares."""
     module = sys.modules.get(cls.__module__)
     text = inspect.cleandoc(getattr(module, "__doc__", None) or "")
     common = textwrap.fill(_COMMON_ARGS.format(decay=_DECAY_ARG if has_decay else ""), 116)
     own = re.sub(r"see the\s+module\s+doc(string)?", "see below", inspect.cleandoc(own))
+    head = f"``{cls.__name__}("
+    first, _, rest = own.partition("\n\n")
+    if first.startswith(head) and ")``" in first:
+        first = f"``{signature_line(cls)}``" + first[first.index(")``") + 3:]
+        own = "\n\n".join(part for part in (textwrap.fill(first.replace("\n", " "), 116), rest) if part)
     return "\n\n".join(part for part in (own, text, common) if part)
+
+
+def signature_line(cls: type) -> str:
+    """``Name(arg=default, ..., *, kw=default, **rest)`` from ``cls``'s constructor, without the keyword arguments
+    every optimizer shares (``lr_scale``, ``weight_decay_mask``: described after it)."""
+    parts: list[str] = []
+    star = False
+    for p in list(inspect.signature(cls).parameters.values()):
+        if p.name in ("lr_scale", "weight_decay_mask"):
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.kind is p.VAR_POSITIONAL:
+            star = True
+            parts.append(f"*{p.name}")
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+        else:
+            parts.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return f"{cls.__name__}({', '.join(parts)})"
 
 
 def _make_decay_mask(spec: DecayMask, config: Any, owner: str) -> Any:

@@ -220,10 +220,11 @@ def update(xp: Any, cfg: MuonConfig, st: MuonState, p: Array, g: Array, *, t: in
 
 
 
+_D = MuonConfig  # the constructor's defaults: written once, in the config
+
+
 class Muon(PerParamOptimizer):
-    """``Muon(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5, ns_coefficients=(3.4445,
-    -4.7750, 2.0315), eps=1e-7, adjust_lr="original", momentum_convention="ema", eps_mode="clamp",
-    layout="out_in", *, lr_scale=None, workers=None)``: see the module doc.  2-D parameters only."""
+    """``Muon(...)``: see the module doc.  2-D parameters only."""
 
     algorithm = "muon"
     config_cls = MuonConfig
@@ -234,12 +235,12 @@ class Muon(PerParamOptimizer):
     matters = ("momentum_convention",)
     threaded = False  # the driver's pool over multi-threaded BLAS oversubscribes; ``workers`` shards instead
 
-    def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
-                 ns_steps: int = 5, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
-                 eps: float = 1e-7, adjust_lr: str | None = "original", momentum_convention: str = "ema",
-                 eps_mode: str = "clamp", layout: str = "out_in", *, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None,
-                 workers: int | None = None) -> None:
+    def __init__(self, lr: float = _D.lr, momentum: float = _D.momentum, nesterov: bool = _D.nesterov,
+                 weight_decay: float = _D.weight_decay, ns_steps: int = _D.ns_steps,
+                 ns_coefficients: tuple[float, float, float] = _D.ns_coefficients, eps: float = _D.eps,
+                 adjust_lr: str | None = _D.adjust_lr, momentum_convention: str = _D.momentum_convention,
+                 eps_mode: str = _D.eps_mode, layout: str = _D.layout, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None, workers: int | None = None) -> None:
         cfg = MuonConfig(lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr,
                          momentum_convention, eps_mode, layout)
         super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
