@@ -181,7 +181,7 @@ class _Group:
             self.table.order(cp)
             if self.path == FACTORED:
                 need_u = cfg.d > 0 or fira
-                lo = fused._lo(b)  # noqa: SLF001
+                lo = fused.weight_lo(b)
                 k("a8f_rows_seg", nb["rows"], (v["tab"], v["rows"], f32(b), lo, f32(eps1), i32(cfg.scale_parameter)))
                 k("a8f_cols_seg", nb["cols"], (v["tab"], v["cols"]), 128)
                 k("a8f_colfin_seg", nb["fin"], (v["tab"], v["fin"], f32(b), lo, f32(eps1)))
