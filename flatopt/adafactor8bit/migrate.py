@@ -239,7 +239,7 @@ def build(opt, state) -> tuple[dict, list, Report] | None:
         return None
     if set(state.buffers) - used:
         return None
-    cur = opt._config_dict()  # noqa: SLF001
+    cur = opt._config_dict()  # noqa: SLF001 - the Adafactor8Bit this migration builds the state of
     notes = [f"{k}: kept {cur[k]!r} (snapshot had {v!r})" for k, v in state.config.items() if k in cur and cur[k] != v]
     return slots, notes + report.notes(), report
 

@@ -94,8 +94,8 @@ class StepPlan:
         self.config = opt.config
         # the driver's validated lr_scale callable and what the caller gave (the plan mirrors the driver's checks:
         # core.step_plan is the driver's own plan, the one module besides it that reads them)
-        self.lr_scale_fn = opt._lr_scale  # noqa: SLF001
-        spec = opt._lr_scale_spec  # noqa: SLF001
+        self.lr_scale_fn = opt._lr_scale  # noqa: SLF001 - see the comment above
+        spec = opt._lr_scale_spec  # noqa: SLF001 - see the comment above
         self.scale_callable = spec is not None and callable(spec)
         self.scales = [c[3] for c in checked]
         self.max_scale: dict = {}

@@ -42,7 +42,10 @@ def get(xp, key: str, n: int, dtype) -> object:
     if buf is None or buf.size < n:
         buf = pool[k] = xp.empty(max(n, 1), dtype)
         if xp is not np:
-            _tls.__dict__.setdefault("streams", {})[k[2:]] = stream  # keep its handle from re-use
+            streams = getattr(_tls, "streams", None)
+            if streams is None:
+                streams = _tls.streams = {}
+            streams[k[2:]] = stream  # keep its handle from re-use
     return buf[:n]
 
 

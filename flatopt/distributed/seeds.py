@@ -13,14 +13,14 @@ class ApolloSeeds:
 
     def __init__(self, opt):
         self.opt = opt
-        self.counter = int(opt._apollo_seed_counter)  # noqa: SLF001
+        self.counter = int(opt._apollo_seed_counter)  # noqa: SLF001 - Adafactor8Bit's counter, replayed
         self.pending: dict[str, int] = {}
         base = opt.hooks.init
 
         def init_named(name, xp, shape, dtype):
             seed = self.pending.pop(name, None)
             if seed is not None:
-                opt._apollo_seed_counter = seed  # noqa: SLF001
+                opt._apollo_seed_counter = seed  # noqa: SLF001 - Adafactor8Bit's counter, replayed
             return base(name, xp, shape, dtype)
 
         opt.hooks = opt.hooks.replace(init=init_named)
@@ -42,8 +42,8 @@ class ApolloSeeds:
 
     def settle(self) -> None:
         self.pending = {}
-        self.opt._apollo_seed_counter = self.counter  # noqa: SLF001
+        self.opt._apollo_seed_counter = self.counter  # noqa: SLF001 - Adafactor8Bit's counter, replayed
 
     def reset(self) -> None:
-        self.counter = int(self.opt._apollo_seed_counter)  # noqa: SLF001
+        self.counter = int(self.opt._apollo_seed_counter)  # noqa: SLF001 - Adafactor8Bit's counter, replayed
         self.pending = {}
