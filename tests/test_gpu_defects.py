@@ -129,9 +129,9 @@ def test_a8_signed_state_of_a_block_with_a_nonfinite_value(xp, fmt, bad):
 
 # ------------------------------------------------------- the quantization map's upload, ordered on every stream
 def test_a_device_constant_is_ordered_before_its_reads_on_every_stream(monkeypatch):
-    """quant._qmap uploaded the map on whatever stream was current (a worker's non-blocking stream) with no event
-    for the other workers' kernels, into an unlocked dict.  Now: one upload (under a lock) on its own stream, an
-    event recorded after it, and every read makes the reading stream wait for that event."""
+    """quant.qmap (then _qmap) uploaded the map on whatever stream was current (a worker's non-blocking stream) with
+    no event for the other workers' kernels, into an unlocked dict.  Now: one upload (under a lock) on its own stream,
+    an event recorded after it, and every read makes the reading stream wait for that event."""
     import threading
 
     from flatopt.adafactor8bit import quant
@@ -152,7 +152,7 @@ def test_a_device_constant_is_ordered_before_its_reads_on_every_stream(monkeypat
     def worker(stream):
         barrier.wait()
         with stream:
-            got.append(quant._qmap(xp, 8))
+            got.append(quant.qmap(xp, 8))
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in (a, b, a, b)]
     for t in threads:
