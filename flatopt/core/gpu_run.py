@@ -18,8 +18,8 @@ from . import backend, parallel
 
 def run_gpu(opt, gpu: list) -> None:
     """Step ``[(item, slot, lr)]`` of CuPy items (``slot.t`` already advanced).  An optimizer whose
-    ``hooks.kernel_batch(gpu)`` returns True has stepped them all itself (segmented kernels over every item of the step, on
-    the caller's current stream); otherwise each item runs its fused kernel or its twin."""
+    ``hooks.kernel_batch(gpu)`` returns True has stepped them all itself (segmented kernels over every item of the
+    step, on the caller's current stream); otherwise each item runs its fused kernel or its twin."""
     cp = backend.cupy()
     twin = backend.force_twin()
     hooks = opt.hooks

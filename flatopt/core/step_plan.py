@@ -111,7 +111,8 @@ class StepPlan:
         """Whether ``items`` (whose names are ``names``, already compared equal to the plan's) is this plan's batch,
         every check of the full validation that could change still passing (never raises for a bad item: any doubt
         is a mismatch)."""
-        if self.dead or opt.config is not self.config or opt._lr_scale is not self.lr_scale_fn:  # noqa: SLF001 - see __init__
+        scale_fn = opt._lr_scale  # noqa: SLF001 - see __init__
+        if self.dead or opt.config is not self.config or scale_fn is not self.lr_scale_fn:
             return False
         shapes = list(map(_SHAPE, items))
         if shapes != self.shapes:

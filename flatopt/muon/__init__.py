@@ -134,8 +134,8 @@ def init(xp: Any, cfg: MuonConfig, shape: tuple[int, ...], dtype: Any) -> MuonSt
 
 
 # NumPy: the Newton–Schulz products A·A and B·X are cut into row blocks fixed by the shape alone (``_row_blocks``;
-# the Gram matrix stays one syrk call) and run with the BLAS held at one thread (``Muon._run_sharded``): on the threads when
-# matrices are stepped one at a time, one block after another inside a worker that steps several
+# the Gram matrix stays one syrk call) and run with the BLAS held at one thread (``Muon._run_sharded``):
+# on the threads when matrices are stepped one at a time, one block after another inside a worker that steps several
 # (``_local.serial``).  The same BLAS calls in every mode, so the bits depend neither on the mode nor on the cores,
 # and a matrix stepped alone still uses the cores for two of its three products.
 ROW_BLOCK = 128
