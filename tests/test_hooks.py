@@ -87,3 +87,11 @@ def test_private_reads_across_modules_are_justified_and_no_cache_hides_in_dict()
                 dicts.append(f"{p.relative_to(root)}:{i}")
     assert not bare, bare
     assert not dicts, dicts
+
+
+def test_no_unread_state_cls():
+    """``state_cls`` was set by every algorithm and read by nothing: it is gone (the state is what ``init`` builds)."""
+    for spec in REGISTRY.values():
+        spec.make()
+    assert not [c.__qualname__ for c in [PerParamOptimizer, *_subclasses(PerParamOptimizer)] if "state_cls" in vars(c)]
+    assert "state_cls" not in PerParamOptimizer.__annotations__
