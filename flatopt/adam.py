@@ -158,7 +158,6 @@ class Adam(PerParamOptimizer):
 
     algorithm = "adam"
     config_cls = AdamConfig
-    state_cls = AdamState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

@@ -144,7 +144,6 @@ class AdamW(PerParamOptimizer):
 
     algorithm = "adamw"
     config_cls = AdamWConfig
-    state_cls = AdamWState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

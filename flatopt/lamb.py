@@ -8,7 +8,7 @@ Update rule, per tensor, with t the step count of this parameter and η = lr · 
     p  = p + u·(−η·r)
 
 There is no clamp on φ (φ(z) = z).  The norms are sums of squares added in the fused kernel's fixed blocked order
-(``core.blocks.sq_sum``: the same bits on NumPy, CuPy and the kernel), and r stays a device array on CuPy (``where``, never ``if``), so a step never
+(``core.sqsum.sq_sum``: the same bits on NumPy, CuPy and the kernel), and r stays a device array on CuPy (``where``, never ``if``), so a step never
 synchronises with the host.  Defaults lr 1e-3 and weight_decay 1e-2 (flatopt AdamW's), betas (0.9, 0.999),
 eps 1e-6 (rlx-optim's).
 
@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .adam import bias_corrections, check_common, moments
-from .core import backend, blocks, cpu_plan, driver, kernels, native, norms
+from .core import backend, blocks, cpu_plan, driver, kernels, native, norms, sqsum
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, DecayMask, LrScale
@@ -82,13 +82,13 @@ def _scalars(cfg: LambConfig, t: int) -> tuple[Any, ...]:
 
 
 def trust_ratio(xp: Any, p: Array, u: Array, s: Array) -> Array:
-    """where(‖p‖ > 0 and ‖u‖ > 0, ‖p‖/‖u‖, 1), a 1-element array on the device (``s``: ``blocks.sq_scratch``; the
+    """where(‖p‖ > 0 and ‖u‖ > 0, ‖p‖/‖u‖, 1), a 1-element array on the device (``s``: ``sqsum.sq_scratch``; the
     sums of squares in the blocked order of ``kernels/lamb.cu``)."""
     n = p.size
     xp.multiply(p, p, s[:n])
-    phi = xp.sqrt(blocks.sq_sum(xp, s, n))
+    phi = xp.sqrt(sqsum.sq_sum(xp, s, n))
     xp.multiply(u, u, s[:n])
-    psi = xp.sqrt(blocks.sq_sum(xp, s, n))
+    psi = xp.sqrt(sqsum.sq_sum(xp, s, n))
     return _ratio(xp, phi, psi)
 
 
@@ -99,7 +99,7 @@ def _ratio(xp: Any, phi: Array, psi: Array) -> Array:
 
 # ----------------------------------------------------------------------------------------------- NumPy paths
 # ``update``'s operations per element, in cache-sized blocks (a sweep for the moments, u, p² and u², a sweep for the
-# step, instead of ~17 sweeps over whole buffers), the sums of squares in ``blocks.sq_sum``'s order
+# step, instead of ~17 sweeps over whole buffers), the sums of squares in ``sqsum.sq_sum``'s order
 # (``core.norms``), the trust ratio on NumPy values of the dtype: the bits of ``update``.
 def _direction(m: Array, v: Array, p: Array, g: Array, u: Array, s: Array, scal: tuple[Any, ...], wd: float) -> None:
     """The moments, then u = (m / bc1) / (sqrt(v / bc2) + eps) + p * wd (arrays of any one shape; ``s`` scratch)."""
@@ -176,7 +176,7 @@ def np_rows(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: f
     rows, n = p.shape
     bufs = work.get("lamb")
     if bufs is None:
-        bufs = work["lamb"] = (np.empty_like(p), np.empty_like(p), np.zeros((rows, blocks.sq_layout(n)[2]), p.dtype),
+        bufs = work["lamb"] = (np.empty_like(p), np.empty_like(p), np.zeros((rows, sqsum.sq_layout(n)[2]), p.dtype),
                                np.empty(norms.rows_len(rows, n), p.dtype), np.empty((2, rows), p.dtype))
     u, s, x, w, nrm = bufs
     _direction(st.m, st.v, p, g, u, s, _scalars(cfg, t), cfg.weight_decay)
@@ -199,7 +199,7 @@ def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: in
     omb1, b2, omb2, bc1, bc2, eps = _scalars(cfg, t)
     n = p.size
     if st.u is None or st.u.size != n:
-        st.s, st.u = blocks.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
+        st.s, st.u = sqsum.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
     s, u = st.s[:n], st.u
     moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
     xp.divide(st.v, bc2, s)  # u = (m / bc1) / (sqrt(v / bc2) + eps) + p * wd
@@ -221,14 +221,14 @@ def kernel_update(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int,
     n = p.size
     if n == 0:
         return True
-    nb = blocks.sq_blocks(n)
+    nb = sqsum.sq_blocks(n)
     if st.parts is None or st.parts.size != 2 * nb + 1:
         st.parts = backend.cupy().empty(2 * nb + 1, p.dtype)
     parts, scal = st.parts[:2 * nb], st.parts[2 * nb:]
     omb1, b2, omb2, bc1, bc2, eps = _scalars(cfg, t)
     dt, i64 = p.dtype.type, np.int64
     wd, has_wd = dt(cfg.weight_decay), np.int32(cfg.weight_decay != 0)
-    threads = blocks.SQ_THREADS
+    threads = sqsum.SQ_THREADS
     kernels.get("lamb.cu", "lamb_moments", p.dtype)((nb,), (threads,), (
         p, g, st.m, st.v, i64(n), dt(omb1), dt(b2), dt(omb2), dt(bc1), dt(bc2), dt(eps), wd, has_wd, parts))
     kernels.get("lamb.cu", "lamb_ratio", p.dtype)((1,), (threads,), (parts, i64(nb), dt(-lr), scal))
@@ -254,12 +254,14 @@ MULTI = MultiTensor("lamb.cu", "lamb_apply_multi", lambda st, p: (st.m, st.v), _
                     norms=Norms(2, "lamb_partials_multi", "lamb_ratio_multi", _partial_args))
 
 
+_D = LambConfig  # the constructor's defaults: written once, in the config
+
+
 class Lamb(PerParamOptimizer):
-    """``Lamb(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2)``: see the module doc."""
+    """``Lamb(...)``: see the module doc."""
 
     algorithm = "lamb"
     config_cls = LambConfig
-    state_cls = LambState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
@@ -267,7 +269,8 @@ class Lamb(PerParamOptimizer):
     np_phases_fn = staticmethod(np_phases)
     np_rows_fn = staticmethod(np_rows)
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+    def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
+                 weight_decay: float = _D.weight_decay, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
         super().__init__(LambConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)

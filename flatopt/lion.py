@@ -120,7 +120,6 @@ class Lion(PerParamOptimizer):
 
     algorithm = "lion"
     config_cls = LionConfig
-    state_cls = LionState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

@@ -10,7 +10,7 @@ Update rule, per tensor, with t the step count of this parameter and η = lr · 
     p  = p + (m / (√v/√(1 − β2^t) + ε))·(−η/(1 − β1^t))  (= p − η·m̂/(√v̂ + ε))
     g_prev = g
 
-The norm is a sum of squares added in the fused kernel's fixed blocked order (``core.blocks.sq_sum``: the same
+The norm is a sum of squares added in the fused kernel's fixed blocked order (``core.sqsum.sq_sum``: the same
 bits on NumPy, CuPy and the kernel) and stays a device scalar on CuPy.
 Defaults lr 3e-3 (official), betas (0.95, 0.99), eps 1e-8, weight_decay 0, gamma 0.025, clip_c True (rlx-optim's).
 
@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .adam import bias_corrections, check_bool, check_common, moments
-from .core import backend, blocks, cpu_plan, driver, kernels, native, norms
+from .core import backend, blocks, cpu_plan, driver, kernels, native, norms, sqsum
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, DecayMask, LrScale
@@ -104,7 +104,7 @@ def _adam_part(xp: Any, cfg: MarsConfig, m: Array, v: Array, p: Array, c: Array,
 
 # ----------------------------------------------------------------------------------------------- NumPy paths
 # ``update``'s operations per element, in cache-sized blocks (with clip_c a sweep for c², the norm, a sweep that makes c
-# again and does the rest; without, one sweep), ‖c‖² in ``blocks.sq_sum``'s order (``core.norms``), max(‖c‖, 1) on
+# again and does the rest; without, one sweep), ‖c‖² in ``sqsum.sq_sum``'s order (``core.norms``), max(‖c‖, 1) on
 # NumPy values of the dtype: the bits of ``update``.  c is never stored whole (it is made twice, the same way).
 def _c(g: Array, gp: Array, c: Array, coef: float) -> None:
     np.subtract(g, gp, c)  # c = g + (g - g_prev) * coef
@@ -180,7 +180,7 @@ def np_rows(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: f
     rows, n = p.shape
     bufs = work.get("mars")
     if bufs is None:
-        bufs = work["mars"] = (np.empty_like(p), np.empty_like(p), np.zeros((rows, blocks.sq_layout(n)[2]), p.dtype),
+        bufs = work["mars"] = (np.empty_like(p), np.empty_like(p), np.zeros((rows, sqsum.sq_layout(n)[2]), p.dtype),
                                np.empty(norms.rows_len(rows, n), p.dtype), np.empty(rows, p.dtype))
     c, s, x, w, nrm = bufs
     _c(g, st.g_prev, c, coef)
@@ -202,14 +202,14 @@ def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: in
     coef = _scalars(cfg, t, lr)[0]
     n = p.size
     if st.c is None or st.c.size != n:
-        st.s, st.c = blocks.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
+        st.s, st.c = sqsum.sq_scratch(xp, n, p.dtype), xp.empty_like(p)
     s, c = st.s[:n], st.c
     xp.subtract(g, st.g_prev, c)  # c = g + (g - g_prev) * coef
     xp.multiply(c, coef, c)
     xp.add(g, c, c)
     if cfg.clip_c:  # c = c / max(||c||, 1), ||c||² in the blocked order of kernels/mars.cu
         xp.multiply(c, c, s)
-        xp.divide(c, xp.maximum(xp.sqrt(blocks.sq_sum(xp, st.s, n)), 1), c)
+        xp.divide(c, xp.maximum(xp.sqrt(sqsum.sq_sum(xp, st.s, n)), 1), c)
     _adam_part(xp, cfg, st.m, st.v, p, c, s, _scalars(cfg, t, lr))
     st.g_prev[...] = g
 
@@ -222,10 +222,10 @@ def kernel_update(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int,
         return True
     coef, omb1, b2, omb2, decay, bc2_sqrt, eps, neg_step = _scalars(cfg, t, lr)
     dt, i64 = p.dtype.type, np.int64
-    threads = blocks.SQ_THREADS
+    threads = sqsum.SQ_THREADS
     scal = p  # unread without clipping
     if cfg.clip_c:
-        nb = blocks.sq_blocks(n)
+        nb = sqsum.sq_blocks(n)
         if st.parts is None or st.parts.size != nb + 1:
             st.parts = backend.cupy().empty(nb + 1, p.dtype)
         parts, scal = st.parts[:nb], st.parts[nb:]
@@ -252,13 +252,14 @@ MULTI = MultiTensor("mars.cu", "mars_multi", lambda st, p: (st.g_prev, st.m, st.
                                 lambda cfg, t, dt: (dt(_scalars(cfg, t, 0.0)[0]),), lambda cfg: cfg.clip_c))
 
 
+_D = MarsConfig  # the constructor's defaults: written once, in the config
+
+
 class Mars(PerParamOptimizer):
-    """``Mars(lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, gamma=0.025, clip_c=True)``: see the
-    module doc."""
+    """``Mars(...)``: see the module doc."""
 
     algorithm = "mars"
     config_cls = MarsConfig
-    state_cls = MarsState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
@@ -266,8 +267,8 @@ class Mars(PerParamOptimizer):
     np_phases_fn = staticmethod(np_phases)
     np_rows_fn = staticmethod(np_rows)
 
-    def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
-                 weight_decay: float = 0.0, gamma: float = 0.025, clip_c: bool = True, *,
+    def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
+                 weight_decay: float = _D.weight_decay, gamma: float = _D.gamma, clip_c: bool = _D.clip_c, *,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(MarsConfig(lr, betas, eps, weight_decay, gamma, clip_c), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)

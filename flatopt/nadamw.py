@@ -117,7 +117,6 @@ class NAdamW(PerParamOptimizer):
 
     algorithm = "nadamw"
     config_cls = NAdamWConfig
-    state_cls = NAdamWState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

@@ -126,7 +126,6 @@ class QHAdamW(PerParamOptimizer):
 
     algorithm = "qhadamw"
     config_cls = QHAdamWConfig
-    state_cls = QHAdamWState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

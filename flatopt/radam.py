@@ -151,7 +151,6 @@ class RAdam(PerParamOptimizer):
 
     algorithm = "radam"
     config_cls = RAdamConfig
-    state_cls = RAdamState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

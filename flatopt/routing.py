@@ -41,7 +41,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -116,18 +115,6 @@ class Group:
     select: Select
     lr_ratio: float | None = 1.0
     cost: Callable[[tuple[int, ...]], int] | None = None
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _group_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="flatopt-group")
-        return _pool
 
 
 class Router:
@@ -245,8 +232,8 @@ class Router:
             for j in jobs:
                 j()
             return
-        # a pool of its own: the groups' optimizers use core.parallel's pool inside (sharing it could deadlock)
-        parallel.run_jobs(jobs, _group_pool())
+        # core.parallel's group pool: the groups' optimizers use its task pool inside (sharing it could deadlock)
+        parallel.run_jobs(jobs, parallel.group_pool())
 
     def end_iteration(self) -> None:
         """Count one iteration here and in every group's optimizer."""

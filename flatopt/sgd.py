@@ -121,7 +121,6 @@ class SGD(PerParamOptimizer):
 
     algorithm = "sgd"
     config_cls = SGDConfig
-    state_cls = SGDState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)

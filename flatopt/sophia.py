@@ -118,13 +118,14 @@ def _multi_args(cfg: SophiaConfig, t: int, dt: Any) -> tuple[Any, ...]:
 MULTI = MultiTensor("sophia.cu", "sophia_multi", lambda st, p: (st.m, st.h), _multi_args)
 
 
+_D = SophiaConfig  # the constructor's defaults: written once, in the config
+
+
 class Sophia(PerParamOptimizer):
-    """``Sophia(lr=1e-4, betas=(0.965, 0.99), rho=0.04, weight_decay=1e-1, eps=1e-15)`` plus
-    ``update_hessian(name, shape, h_hat)``: see the module doc."""
+    """``Sophia(...)`` plus ``update_hessian(name, shape, h_hat)``: see the module doc."""
 
     algorithm = "sophia"
     config_cls = SophiaConfig
-    state_cls = SophiaState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(kernel_update)
@@ -132,8 +133,8 @@ class Sophia(PerParamOptimizer):
     elementwise = True
     scratch_buffers = 2
 
-    def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
-                 weight_decay: float = 1e-1, eps: float = 1e-15, *, lr_scale: LrScale = None,
+    def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, rho: float = _D.rho,
+                 weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, lr_scale: LrScale = None,
                  weight_decay_mask: DecayMask = None) -> None:
         super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)

@@ -145,24 +145,27 @@ def update(xp: Any, cfg: StiefelConfig, st: StiefelState, p: Array, g: Array, *,
         _project(xp, x, b, b)
 
 
+_D = StiefelConfig  # the constructor's defaults: written once, in the config
+
+
 class Stiefel(PerParamOptimizer):
-    """``Stiefel(lr, momentum=0.0)``: see the module doc."""
+    """``Stiefel(...)``: see the module doc."""
 
     algorithm = "stiefel"
     config_cls = StiefelConfig
-    state_cls = StiefelState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     threaded = False  # BLAS/LAPACK work (see the module doc)
     blas_bound = True  # ... held at one thread
 
-    def __init__(self, lr: float, momentum: float = 0.0, *, lr_scale: LrScale | None = None) -> None:
+    def __init__(self, lr: float, momentum: float = _D.momentum, *, lr_scale: LrScale | None = None) -> None:
         super().__init__(StiefelConfig(lr, momentum), lr_scale=lr_scale)
+        self.hooks = self.hooks.replace(check_shape=self._check_matrix)
 
     def _config_key(self) -> dict[str, Any]:  # the state layout: a momentum buffer or none
         return {"has_momentum": self.config.has_momentum}
 
-    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+    def _check_matrix(self, name: str, shape: tuple[int, ...]) -> None:
         if len(shape) < 2:
             raise ValueError(f"parameter {name!r}: Stiefel needs a matrix (or a batch of matrices), got shape "
                              f"{shape}; route vectors and scalars to another optimizer (flatopt.routing)")

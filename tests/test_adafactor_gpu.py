@@ -286,7 +286,7 @@ def test_plan_keeps_no_gradient_alive(monkeypatch):
     opt = flatopt.Adafactor()
     opt.step_batch(items)
     ref = weakref.ref(items[0].grad)
-    plan = opt._gpu_plans[("w0", "w1")]  # noqa: SLF001
+    plan = opt.plan_cache.family["adafactor.gpu"][("w0", "w1")]
     items[0] = items[0]._replace(grad=None)
     gc.collect()
     assert ref() is None and plan.dead

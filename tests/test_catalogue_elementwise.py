@@ -509,10 +509,10 @@ def test_lamb_trust_ratio_is_one_for_a_zero_parameter():
 
 # ---------------------------------------------------------------------------------------------- Lamb/Mars norms
 def _sq_reference(x, nb):
-    """A scalar transcription of the blocked order (core/blocks.py, kernels/lamb.cu and mars.cu): the nb partials."""
-    from flatopt.core import blocks
+    """A scalar transcription of the blocked order (core/sqsum.py, kernels/lamb.cu and mars.cu): the nb partials."""
+    from flatopt.core import sqsum
 
-    n, lanes, threads = x.size, blocks.SQ_LANES, blocks.SQ_THREADS
+    n, lanes, threads = x.size, sqsum.SQ_LANES, sqsum.SQ_THREADS
     g = nb * threads
     zero = x.dtype.type(0)
     parts = []
@@ -539,28 +539,28 @@ def _sq_reference(x, nb):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_lamb_mars_blocked_sumsq_order(dtype):
-    """``blocks.sq_sum`` (the Lamb and Mars twins' norms) adds in the kernels' order: its NumPy path (reduce/accumulate
+    """``sqsum.sq_sum`` (the Lamb and Mars twins' norms) adds in the kernels' order: its NumPy path (reduce/accumulate
     over leading axes) and its elementwise path (CuPy's) against a scalar transcription, over one block, several
     blocks and a fold over more than one row of partials; the scratch stays reusable (a second sum, same bits)."""
     import types
 
-    from flatopt.core import blocks
+    from flatopt.core import sqsum
 
     rng = np.random.default_rng(5)
     elementwise = types.SimpleNamespace(add=np.add)  # not numpy: the in-place elementwise path
     for n in (0, 1, 2, 17, 256, 257, 4095, 4097, 5 * 4096 + 77, 257 * 4096 + 3):
         x = (rng.standard_normal(n) ** 2).astype(dtype)
-        nb = blocks.sq_blocks(n)
+        nb = sqsum.sq_blocks(n)
         want = None
         if n < 30000:  # the transcription is slow; the largest (258 partials: a fold over 2 rows) checks the paths
             parts = _sq_reference(x, nb)
             want = np.asarray(parts[0] if nb == 1 else _sq_reference(parts, 1)[0], dtype).tobytes()
         got = []
         for xp in (np, elementwise):
-            buf = blocks.sq_scratch(np, n, dtype)
+            buf = sqsum.sq_scratch(np, n, dtype)
             for _ in range(2):
                 buf[:n] = x
-                got.append(blocks.sq_sum(xp, buf, n)[0].tobytes())
+                got.append(sqsum.sq_sum(xp, buf, n)[0].tobytes())
         if want is None:
             want = got[0]
             assert np.frombuffer(want, dtype)[0] == pytest.approx(np.sum(x, dtype=np.float64), rel=1e-5)

@@ -132,3 +132,20 @@ def test_run_beside_tasks_runs_every_task_once_and_reraises(threads, monkeypatch
     with pytest.raises(ValueError, match="boom"):
         parallel.run_beside_tasks(bad, tasks)
     assert sorted(seen) == list(range(50))
+
+
+def test_thread_pools_live_in_core_parallel_and_core_shards():
+    """One thread-pool module: every pool is created in ``core.parallel`` (the task pool, the group pool) or
+    ``core.shards`` (the stable shard workers), each listed with its reason in ``core.parallel``'s docstring."""
+    import pathlib
+    import re
+
+    from flatopt.core import parallel
+
+    root = pathlib.Path(flatopt.__file__).parent
+    makers = re.compile(r"\b(ThreadPoolExecutor|ProcessPoolExecutor|threading\.Thread|multiprocessing\.Pool)\(")
+    found = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if makers.search(p.read_text()))
+    assert found == ["core/parallel.py", "core/shards.py"], found
+    doc = parallel.__doc__
+    assert "task pool" in doc and "group pool" in doc and "core.shards" in doc
+    assert parallel.group_pool() is parallel.group_pool()

@@ -149,12 +149,42 @@ def test_small_items_share_one_bucket_and_plans_are_reused():
     params = _params([64] * 50)
     items = [OptItem(k, p.shape, p, _grads(params, 0)[k]) for k, p in sorted(params.items())]
     opt.step_batch(items)
-    plans = dict(opt._bucket_plans)  # noqa: SLF001
+    plans = dict(opt.plan_cache.bucket_plans)
     assert len(plans) == 1
     plan = next(iter(plans.values()))
     assert plan.size == 50 * 64
     arena = opt._slots["w0"].state.m.base  # noqa: SLF001
     assert all(opt._slots[k].state.m.base is arena for k in params)  # noqa: SLF001
     opt.step_batch(items)
-    assert next(iter(opt._bucket_plans.values())) is plan  # noqa: SLF001
+    assert next(iter(opt.plan_cache.bucket_plans.values())) is plan
     assert cpu_plan.SMALL >= 64
+
+
+def test_tasks_are_named_records():
+    """The planner's records are named (``cpu_plan.Entry`` in, ``cpu_plan.Task`` with its ``Refill`` out), not
+    positional 7- and 4-tuples: a kept plan's tasks say by name where they find their arrays in a later step."""
+    opt = flatopt.AdamW(lr=1e-3)
+    rng = np.random.default_rng(0)
+    sizes = [40, 40, 3 * driver.CHUNK]
+    items = [OptItem(f"p{i}", (n,), rng.standard_normal(n).astype(np.float32),
+                     rng.standard_normal(n).astype(np.float32)) for i, n in enumerate(sizes)]
+    opt.step_batch(items)
+    slots = opt._slots  # noqa: SLF001 - the driver's slots, as the planner receives them
+    entries = [cpu_plan.Entry(i, it.name, it.param, it.grad, slots[it.name], 1e-3, 1.0) for i, it in enumerate(items)]
+    made = cpu_plan._make(opt, entries, driver.CHUNK)  # noqa: SLF001
+    assert made and all(type(t) is cpu_plan.Task and type(t.refill) is cpu_plan.Refill for t in made)
+    assert [t.refill.index for t in made] == [2, 2, [0, 1]]  # the large item in two tasks (TASK = 2 CHUNK), a bucket
+    assert made[2].name == "p0 .. p1 (a bucket of 2 small parameters)"
+    assert made[0].cost + made[1].cost == sizes[2] and made[2].refill.slot is slots["p0"]
+
+
+def test_chunk_scratch_is_the_workspace():
+    """One scratch mechanism: the chunk-sized scratch of the elementwise updates is this thread's
+    ``core.workspace`` buffers (one key each), not a second per-thread cache."""
+    from flatopt.core import workspace
+
+    bufs = cpu_plan.scratch(np.dtype(np.float32), 3, driver.CHUNK)
+    assert len(bufs) == 3 and all(b.size == driver.CHUNK for b in bufs)
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(bufs) for b in bufs[i + 1:])
+    for i, b in enumerate(bufs):
+        assert np.shares_memory(b, workspace.get(np, f"cpu_plan.chunk{i}", driver.CHUNK, np.float32))

@@ -1,5 +1,5 @@
 """The NumPy paths of the per-tensor algorithms (flatopt/core/cpu_tensors.py, norms.py; Lamb and Mars): the blocked
-sums of squares from column sums and per row equal ``blocks.sq_sum``; a large tensor's phases on 1, 2 or 3 threads
+sums of squares from column sums and per row equal ``sqsum.sq_sum``; a large tensor's phases on 1, 2 or 3 threads
 and buckets of small tensors of one size (rows of (T, n) arenas) give the bits of the array-agnostic twin stepping
 each tensor alone."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import flatopt
 from flatopt import OptItem, lamb, mars
-from flatopt.core import blocks, cpu_tensors, driver, norms, parallel
+from flatopt.core import blocks, cpu_tensors, driver, norms, parallel, sqsum
 
 from .helpers import assert_bits_equal, rng_arrays
 
@@ -48,9 +48,9 @@ def test_column_and_row_sums_are_sq_sum(dtype):
     for n in (1, 17, 256, 257, 4095, 4096, 4097, 8192, 9000, 5 * 4096 + 77, 257 * 4096 + 3):
         root = rng.standard_normal(n).astype(dtype)
         x = root * root  # the terms
-        buf = blocks.sq_scratch(np, n, dtype)
+        buf = sqsum.sq_scratch(np, n, dtype)
         buf[:n] = x
-        want = blocks.sq_sum(np, buf, n)[0].tobytes()
+        want = sqsum.sq_sum(np, buf, n)[0].tobytes()
         lay = norms.columns(n)
         a = np.zeros(lay.cols, dtype)
         for k in range(lay.full):  # rows in order, as a column-range task adds them
@@ -67,14 +67,14 @@ def test_column_and_row_sums_are_sq_sum(dtype):
             assert got.tobytes() == (a if lay.full else np.where(np.arange(lay.cols) < lay.tail, a, 0)).tobytes()
         work = np.full(norms.fold_len(lay.nb), np.nan, dtype)  # the work area need not be clean
         assert norms.sq_fold(a, lay.nb, work)[0].tobytes() == want, n
-        if n <= blocks.SQ_ROWS * blocks.SQ_THREADS * 2:
+        if n <= sqsum.SQ_ROWS * sqsum.SQ_THREADS * 2:
             rows = np.stack([(rng.standard_normal(n) ** 2).astype(dtype) for _ in range(3)] + [x])
-            padded = np.zeros((4, blocks.sq_layout(n)[2]), dtype)
+            padded = np.zeros((4, sqsum.sq_layout(n)[2]), dtype)
             padded[:, :n] = rows
             got = norms.sq_rows(padded, n, np.full(norms.rows_len(4, n), np.nan, dtype))
             for i in range(4):
                 buf[:n] = rows[i]
-                assert got[i].tobytes() == blocks.sq_sum(np, buf, n)[0].tobytes(), (n, i)
+                assert got[i].tobytes() == sqsum.sq_sum(np, buf, n)[0].tobytes(), (n, i)
 
 
 def _twin_run(mod, cls, kw, dtype, steps):
@@ -119,7 +119,7 @@ def test_phases_and_row_buckets_are_the_twin_on_any_thread_count(algo, dtype, mo
             for f in ("m", "v", "g_prev"):
                 if hasattr(want_states[k], f):
                     assert_bits_equal(getattr(opt._slots[k].state, f), getattr(want_states[k], f), f)  # noqa: SLF001
-        plans = [p for p in opt._bucket_plans.values() if isinstance(p, cpu_tensors.RowsPlan)]  # noqa: SLF001
+        plans = [p for p in opt.plan_cache.bucket_plans.values() if isinstance(p, cpu_tensors.RowsPlan)]
         assert {p.p.shape for p in plans} >= {(4, 64), (2, 4097), (2, 8192)}
 
 
@@ -130,7 +130,7 @@ def test_row_buckets_pack_the_state_and_are_reused(algo):
     params = {f"w{i:02d}": rng_arrays(i, (64,), np.float32) for i in range(30)}
     items = [OptItem(k, p.shape, p, _grad(i, 0, 64, np.float32)) for i, (k, p) in enumerate(sorted(params.items()))]
     opt.step_batch(items)
-    (plan,) = opt._bucket_plans.values()  # noqa: SLF001
+    (plan,) = opt.plan_cache.bucket_plans.values()
     assert isinstance(plan, cpu_tensors.RowsPlan) and plan.p.shape == (30, 64)
     arena = opt._slots["w00"].state.m.base  # noqa: SLF001
     assert all(opt._slots[k].state.m.base is arena for k in params)  # noqa: SLF001
@@ -138,6 +138,17 @@ def test_row_buckets_pack_the_state_and_are_reused(algo):
     assert all(f.name in ("m", "v", "g_prev") for f in dataclasses.fields(plan.state)
                if getattr(plan.state, f.name) is not None)
     opt.step_batch(items)
-    assert next(iter(opt._bucket_plans.values())) is plan  # noqa: SLF001
+    assert next(iter(opt.plan_cache.bucket_plans.values())) is plan
     snap = opt.state_dict()
     assert snap.buffers["m/w03"].base is None and snap.buffers["m/w03"].shape == (64,)
+
+
+def test_blocked_layout_and_blocked_sum_are_two_modules():
+    """``core.blocks`` is the blocked layout and phase runner of the Adafactor family; the blocked sum of squares of
+    Lamb, Mars and ``global_norm`` (the kernels' fixed order) is ``core.sqsum``, which knows nothing of blocks."""
+    import importlib
+
+    assert not [n for n in vars(blocks) if n.lower().startswith("sq_") or n == "_cdiv"]
+    mod = importlib.import_module("flatopt.core.sqsum")
+    assert mod is sqsum and {"sq_sum", "sq_scratch", "sq_layout", "sq_blocks", "cdiv"} <= set(vars(sqsum))
+    assert "blocks" not in {getattr(v, "__name__", "").rsplit(".", 1)[-1] for v in vars(sqsum).values()}

@@ -36,10 +36,10 @@ def _device_steps(opt, params, steps, dtype):
         grads = grads_for(params, it)
         for n, (s, p) in sorted(dev.items()):
             if n not in states:
-                states[n] = opt._init_named(n, XP, s, np.dtype(dtype))
+                states[n] = opt.hooks.init(n, XP, s, np.dtype(dtype))
                 if hasattr(states[n], "ctx"):  # KronPsgd: its probe stream, as its driver sets it
                     states[n].ctx = (n, layout.stream_key(opt.config.seed, n), opt._hook)
-            opt._update(XP, states[n], p, XP.asarray(grads[n]), t=it + 1, lr=opt._effective_lr(opt.lr_scale(n)),
+            opt.hooks.update(XP, states[n], p, XP.asarray(grads[n]), t=it + 1, lr=opt.hooks.effective_lr(opt.lr_scale(n)),
                         scratch=[XP.empty_like(p) for _ in range(opt.scratch_buffers)])
     return {n: XP.asnumpy(p) for n, (_, p) in dev.items()}
 
@@ -109,10 +109,10 @@ def test_every_driver_hands_device_items_to_the_gpu_runner(name, monkeypatch):
     shape = (4, 3)
     p, g = rng_arrays(0, shape), rng_arrays(1, shape)
     before = p.copy()
-    state = opt._init_named("w", np, shape, np.dtype(np.float32))
+    state = opt.hooks.init("w", np, shape, np.dtype(np.float32))
     slot = slots.Slot(shape=shape, dtype=np.dtype(np.float32), backend="cupy", t=0, state=state)
     seen = []
     monkeypatch.setattr(gpu_run, "run_gpu", lambda o, items: seen.extend((o, it.name, s.t) for it, s, _ in items))
-    opt._run([(OptItem("w", shape, p, g), slot, 1.0)])
+    opt._execute([(OptItem("w", shape, p, g), slot, 1.0)])
     assert seen == [(opt, "w", 1)]
     np.testing.assert_array_equal(p, before)

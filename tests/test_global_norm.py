@@ -1,5 +1,5 @@
 """``distributed.global_norm``'s local sum (``core.norms.sumsq64``): one documented order on NumPy and CuPy (each
-buffer in ``core.blocks.sq_sum``'s blocked order over float64(x)², the buffers in order), the same bits on both, and
+buffer in ``core.sqsum.sq_sum``'s blocked order over float64(x)², the buffers in order), the same bits on both, and
 on CuPy a bounded number of launches (issue #26, M3: 3 per 64K chunk before, 768 for a 16M shard)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flatopt.core import backend, blocks, norms
+from flatopt.core import backend, norms, sqsum
 from flatopt.distributed import NcclBackend, global_norm
 from flatopt.distributed.comm import NCCL_TYPES
 from tests.cuda_emu import emu, fakecupy
@@ -16,11 +16,11 @@ SIZES = [0, 1, 5, 4095, 4096, 4097, 65536 + 3, 300_001]
 
 
 def _reference(b: np.ndarray) -> np.float64:
-    """``blocks.sq_sum`` over the float64 squares (the documented order, its own implementation)."""
+    """``sqsum.sq_sum`` over the float64 squares (the documented order, its own implementation)."""
     n = b.size
-    buf = blocks.sq_scratch(np, n, np.float64)
+    buf = sqsum.sq_scratch(np, n, np.float64)
     np.multiply(b.astype(np.float64), b.astype(np.float64), out=buf[:n])
-    return np.float64(blocks.sq_sum(np, buf, n)[0])
+    return np.float64(sqsum.sq_sum(np, buf, n)[0])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -193,7 +193,7 @@ def test_adafactor_kernel_is_its_twin_where_no_sum_can_differ(kw, dtype, monkeyp
 
 
 # Lamb and Mars: the fused path runs (launches counted on the stand-in), over several pass-1 blocks (4096 elements a
-# block: blocks.SQ_ROWS × SQ_THREADS) and a 1-element tensor, bit-identical to the twin, with no host
+# block: sqsum.SQ_ROWS × SQ_THREADS) and a 1-element tensor, bit-identical to the twin, with no host
 # synchronisation and no allocation once the partials' buffers exist.
 SQ_SHAPES = [(1,), (3 * 4096 + 77,), (64, 300), (2,)]
 

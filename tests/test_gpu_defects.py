@@ -6,6 +6,7 @@ themselves are compared with their twins by ``tests/test_gpu.py`` (on a GPU, or 
 from __future__ import annotations
 
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def test_apollo_steps_on_the_device_branch_for_every_orientation(shape):
 def _a8_state(xp, fmt="uf8", n=300):
     opt = flatopt.Adafactor8Bit(lr=1e-3, relative_step=False, beta1=0.9, min_8bit_size=0, block_size=128,
                                 m_block_size=32, m_quant_type=fmt)
-    return opt._init_named("w", xp, (n,), np.dtype(np.float32))
+    return opt.hooks.init("w", xp, (n,), np.dtype(np.float32))
 
 
 def _stored(st):
@@ -128,9 +129,9 @@ def test_a8_signed_state_of_a_block_with_a_nonfinite_value(xp, fmt, bad):
 
 # ------------------------------------------------------- the quantization map's upload, ordered on every stream
 def test_a_device_constant_is_ordered_before_its_reads_on_every_stream(monkeypatch):
-    """quant._qmap uploaded the map on whatever stream was current (a worker's non-blocking stream) with no event
-    for the other workers' kernels, into an unlocked dict.  Now: one upload (under a lock) on its own stream, an
-    event recorded after it, and every read makes the reading stream wait for that event."""
+    """quant.qmap (then _qmap) uploaded the map on whatever stream was current (a worker's non-blocking stream) with
+    no event for the other workers' kernels, into an unlocked dict.  Now: one upload (under a lock) on its own stream,
+    an event recorded after it, and every read makes the reading stream wait for that event."""
     import threading
 
     from flatopt.adafactor8bit import quant
@@ -151,7 +152,7 @@ def test_a_device_constant_is_ordered_before_its_reads_on_every_stream(monkeypat
     def worker(stream):
         barrier.wait()
         with stream:
-            got.append(quant._qmap(xp, 8))
+            got.append(quant.qmap(xp, 8))
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in (a, b, a, b)]
     for t in threads:
@@ -238,8 +239,8 @@ def test_apollo_checkpoint_moves_from_the_device_to_numpy(tmp_path):
         grads = grads_for(params, it)
         for n, (s, p) in sorted(dev.items()):
             if n not in states:
-                states[n] = opt._init_named(n, XP, s, np.dtype(np.float32))
-            opt._update(XP, states[n], p, XP.asarray(grads[n]), t=it + 1, lr=opt._effective_lr(opt.lr_scale(n)),
+                states[n] = opt.hooks.init(n, XP, s, np.dtype(np.float32))
+            opt.hooks.update(XP, states[n], p, XP.asarray(grads[n]), t=it + 1, lr=opt.hooks.effective_lr(opt.lr_scale(n)),
                         scratch=[XP.empty_like(p) for _ in range(opt.scratch_buffers)])
         opt.end_iteration()
     for n, st in states.items():  # the device state as the driver would snapshot it
@@ -351,12 +352,13 @@ def test_a_batch_on_two_gpus_is_ordered_on_each(monkeypatch):
         def __init__(self, dev):
             self.device = gpu.Device(dev)
 
+    def kernel_update(state, param, grad, *, t, lr):
+        ran[state] = (gpu.current_device(), gpu.get_current_stream())
+        return True
+
     class Opt:
         scratch_buffers = 0
-
-        def _kernel_update(self, state, param, grad, *, t, lr):
-            ran[state] = (gpu.current_device(), gpu.get_current_stream())
-            return True
+        hooks = types.SimpleNamespace(kernel_batch=None, kernel_update=kernel_update, update=None)
 
     class Slot:
         def __init__(self, name):

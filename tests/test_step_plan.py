@@ -16,6 +16,7 @@ from flatopt import OptItem
 from flatopt.core import backend
 
 from .cuda_emu import emu, fakecupy
+from .registry import REGISTRY
 
 SIZES = [64] * 6 + [3, 1, 0, 5000]
 
@@ -79,12 +80,12 @@ def test_repeated_batch_reuses_its_plan_and_equals_serial(xp):
     grads = _data(xp, 1)
     for _ in range(4):
         _step_both(oa, pa, ob, pb, grads)
-    plans = oa._step_plans  # noqa: SLF001
+    plans = oa.plan_cache.step_plans
     assert len(plans) == 1
     plan = next(iter(plans.values()))
     for _ in range(2):
         _step_both(oa, pa, ob, pb, grads)
-    assert next(iter(oa._step_plans.values())) is plan  # noqa: SLF001
+    assert next(iter(oa.plan_cache.step_plans.values())) is plan
     _same(_snapshot(oa, pa), _snapshot(ob, pb))
 
 
@@ -93,14 +94,14 @@ def test_new_grad_array_name_or_batch_is_noticed(xp):
     grads = _data(xp, 1)
     _step_both(oa, pa, ob, pb, grads)
     _step_both(oa, pa, ob, pb, grads)
-    plan = next(iter(oa._step_plans.values()))  # noqa: SLF001
+    plan = next(iter(oa.plan_cache.step_plans.values()))
     hits = plan.hits
     assert hits == 1
     grads2 = _data(xp, 2)  # new arrays, other values: the plan is not used
     _step_both(oa, pa, ob, pb, grads2)
     assert plan.hits == hits
     _step_both(oa, pa, ob, pb, grads2)  # a new plan for the new arrays, re-used
-    assert next(iter(oa._step_plans.values())).hits == 1  # noqa: SLF001
+    assert next(iter(oa.plan_cache.step_plans.values())).hits == 1
     names = [f"v{i}" for i in range(len(pa))]  # new names: fresh states
     _step_both(oa, pa, ob, pb, grads2, names)
     del grads  # a freed array kills the plans that knew it
@@ -223,3 +224,22 @@ def test_validate_batch_uses_the_plan_and_still_rejects(xp):
     opt.validate_batch(_items(params, grads))
     with pytest.raises(ValueError):
         opt.validate_batch(_items(params, grads) + [_items(params, grads)[0]])
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_stepping_stores_no_cache_on_the_optimizer(name):
+    """Every plan and cache a batch derives lives in the driver's ``plan_cache``: stepping (a batch twice, so that
+    its plan is built and re-used), ``validate_batch`` and ``reset`` add no attribute to the optimizer object."""
+    spec = REGISTRY[name]
+    opt = spec.make()
+    before = set(vars(opt))
+    rng = np.random.default_rng(0)
+    arrays = [(f"w{s}", s, rng.standard_normal(int(np.prod(s))).astype(np.float32),
+               rng.standard_normal(int(np.prod(s))).astype(np.float32)) for s in spec.shapes]
+    items = [OptItem(n, s, p, g) for n, s, p, g in arrays]
+    for _ in range(3):
+        opt.step_batch(items)
+    opt.validate_batch(items)
+    opt.reset(items[0].name)
+    opt.step_batch(items)
+    assert set(vars(opt)) == before, sorted(set(vars(opt)) ^ before)

@@ -145,30 +145,35 @@ def phases(xp: Any, cfg: AdafactorConfig, st: AdafactorState, p: Array, g: Array
         yield from fm.unfactored_phases(xp, st, p, g, **kw)
 
 
+_D = AdafactorConfig  # the constructor's defaults: written once, in the config
+
+
 class Adafactor(PerParamOptimizer):
-    """``Adafactor(lr=None, beta2_decay=-0.8, eps1=1e-30, eps2=1e-3, clip_threshold=1.0, weight_decay=0.0, *,
-    beta1=None, beta2=None, scale_parameter=None, warmup_init=False, factored=True, lr_scale=None)``.
+    """``Adafactor(...)``.
 
     ``Adafactor()`` is the paper's default (relative step); ``.with_lr(lr)`` and ``.with_weight_decay(wd)`` return a
     configured copy (a new optimizer without state).  See the module documentation for the rule and ``set_lr``."""
 
     algorithm = "adafactor"
     config_cls = AdafactorConfig
-    state_cls = AdafactorState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     elementwise = False
     matters = ("factored",)
 
-    def __init__(self, lr: float | None = None, beta2_decay: float = -0.8, eps1: float = 1e-30, eps2: float = 1e-3,
-                 clip_threshold: float = 1.0, weight_decay: float = 0.0, *, beta1: float | None = None,
-                 beta2: float | None = None, scale_parameter: bool | None = None, warmup_init: bool = False,
-                 factored: bool = True, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+    def __init__(self, lr: float | None = _D.lr, beta2_decay: float = _D.beta2_decay, eps1: float = _D.eps1,
+                 eps2: float = _D.eps2, clip_threshold: float = _D.clip_threshold,
+                 weight_decay: float = _D.weight_decay, *, beta1: float | None = _D.beta1,
+                 beta2: float | None = _D.beta2, scale_parameter: bool | None = _D.scale_parameter,
+                 warmup_init: bool = _D.warmup_init, factored: bool = _D.factored, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
         cfg = AdafactorConfig(lr, beta2_decay, eps1, eps2, clip_threshold, weight_decay, beta1, beta2,
                               scale_parameter, warmup_init, factored)
         super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
         self._scale_spec = scale_parameter  # what the caller asked for (None: follows the lr mode in with_lr)
         self._step_cfg = cfg
+        self.hooks = self.hooks.replace(effective_lr=self._rho_lr, run=self._run_all, update=self._update_item,
+                                        kernel_batch=self._kernel_batch)
 
     # ------------------------------------------------------------------------------------------- builders
     def _copy(self, **changes: Any) -> "Adafactor":
@@ -196,10 +201,10 @@ class Adafactor(PerParamOptimizer):
         with self._lock:
             self._lr = None if lr is None else check_lr(lr)
 
-    def _effective_lr(self, scale: float) -> float:
+    def _rho_lr(self, scale: float) -> float:
         return (self._lr if self._lr is not None else 1.0) * scale
 
-    def _run(self, prepared: list[Any]) -> None:
+    def _run_all(self, prepared: list[Any]) -> None:
         cfg = self.config
         if cfg.lr != self._lr:
             cfg = dataclasses.replace(cfg, lr=self._lr, warmup_init=cfg.warmup_init and self._lr is None)
@@ -208,7 +213,7 @@ class Adafactor(PerParamOptimizer):
         gpu: list[Any] = []
         for it, slot, scale in prepared:
             slot.t += 1
-            lr = self._effective_lr(scale)
+            lr = self._rho_lr(scale)
             (gpu if slot.backend == "cupy" else cpu).append((it, slot, lr))
         if cpu:
             # every item's blocked passes, phase by phase, on the threads (bits independent of the threads); with
@@ -220,7 +225,7 @@ class Adafactor(PerParamOptimizer):
         if gpu:
             gpu_run.run_gpu(self, gpu)
 
-    def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
+    def _update_item(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
                 scratch: list[Array]) -> None:
         update(xp, self._step_cfg, state, param, grad, t=t, lr=lr, scratch=scratch)
 
@@ -229,6 +234,3 @@ class Adafactor(PerParamOptimizer):
         fused.run(self, self._step_cfg, gpu)
         return True
 
-    def _forget_plans(self) -> None:
-        super()._forget_plans()
-        fused.forget(self)

@@ -173,7 +173,7 @@ class Plan:
         lrs = list(map(_LR, items))
         # the kernels compute each lr as base · lr_scale in double, as the driver: keep the lr_scales when they give
         # this step's lrs exactly, else the lrs themselves (with a base of 1: the plan then holds for these lrs only)
-        scales = [float(opt._lr_scale(it.name)) for it in its]  # noqa: SLF001
+        scales = [float(opt.lr_scale(it.name)) for it in its]
         self.by_scale = list(map(base.__mul__, scales)) == lrs
         self.scales = scales if self.by_scale else lrs
         need_rms = bool(opt.config.scale_parameter)
@@ -210,8 +210,8 @@ class Plan:
 def run(opt, cfg, items: list) -> None:
     """Step ``[(item, slot, lr)]`` of CuPy items (``slot.t`` advanced; ``cfg``: this step's config, with the current
     manual lr or None) with the segmented kernels, through the cached plan of this batch composition."""
-    base = float(opt._lr) if opt._lr is not None else 1.0  # noqa: SLF001 - the driver's base of _effective_lr
-    plans = opt.__dict__.setdefault("_gpu_plans", {})
+    base = float(opt.lr) if opt.lr is not None else 1.0  # the base of Adafactor's hooks.effective_lr
+    plans = opt.plan_cache.family_plans("adafactor.gpu")
     key = tuple(it.name for it, _, _ in items)
     plan = plans.get(key)
     if plan is None or not plan.matches(opt, items, base):
@@ -220,9 +220,4 @@ def run(opt, cfg, items: list) -> None:
             plans.pop(next(k for k in plans if len(k) > 1))
         plan = plans[key] = Plan(opt, items, base)
     plan.launch(cfg, list(map(_SLOT, items)), base)
-
-
-def forget(opt) -> None:
-    """Drop every plan of ``opt`` (states replaced or reset)."""
-    opt.__dict__.pop("_gpu_plans", None)
 

@@ -77,6 +77,7 @@ from ..adafactor import factored_passes
 from . import state as S
 from . import migrate as migration
 from ..core.driver import PerParamOptimizer, config_from_dict
+from ..core.hooks import Hooks
 from ..core.types import FORMAT_VERSION, Array, DecayMask, JSONDict, LrScale, OptimizerState, OptItem
 from ..errors import IncompatibleStateError
 from ..core.validate import check_lr, check_range, normalize_numbers
@@ -202,8 +203,11 @@ def _without_decay(cfg: Adafactor8BitConfig) -> Adafactor8BitConfig:
     return cfg if cfg.weight_decay == 0 else dataclasses.replace(cfg, weight_decay=0.0)
 
 
+_D = Adafactor8BitConfig  # the constructor's defaults: written once, in the config
+
+
 class Adafactor8Bit(PerParamOptimizer):
-    """``Adafactor8Bit(lr=1e-2, ..., groups=None)``: the options of adafactor8bit 0.4.6 (see the module doc).
+    """``Adafactor8Bit(...)``: the options of adafactor8bit 0.4.6 (see the module doc).
 
     ``groups``: per-group options by parameter name, a sequence of ``(selector, overrides)``; the selector is a
     :class:`flatopt.routing.Select`, a glob pattern, a list of names or a predicate ``(name, shape) -> bool``;
@@ -213,7 +217,6 @@ class Adafactor8Bit(PerParamOptimizer):
 
     algorithm = "adafactor8bit"
     config_cls = Adafactor8BitConfig
-    state_cls = Adafactor8BitState
     init_fn = staticmethod(S.init)
     update_fn = staticmethod(paths.update)
     matters = MATTERS
@@ -221,7 +224,7 @@ class Adafactor8Bit(PerParamOptimizer):
 
     _migration: migration.Report | Literal[False] | None  # during load_state_dict (see there)
 
-    def __init__(self, lr: float = 1e-2, *, groups: Sequence[tuple[Selector, Mapping[str, Any]]] | None = None,
+    def __init__(self, lr: float = _D.lr, *, groups: Sequence[tuple[Selector, Mapping[str, Any]]] | None = None,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
                  apollo_proj_fn: Callable[[int, tuple[int, ...]], Array] | None = None,
                  apollo_next_seed: Callable[[int], int] | None = None, **options: Any) -> None:
@@ -238,6 +241,11 @@ class Adafactor8Bit(PerParamOptimizer):
             self._groups.append((_as_select(sel), dict(overrides), dataclasses.replace(base, **overrides)))
         self._projector = apollo.ApolloProjector(apollo_proj_fn, apollo_next_seed)
         self._apollo_seed_counter = 1
+        # lr: the pair (base lr, lr_scale), which paths/apollo apply themselves
+        self.hooks = Hooks[tuple[float, float]](
+            init=self._init_seeded, update=self._update_item, effective_lr=self._lr_pair,
+            kernel_update=self._kernel_item, check_shape=self.hooks.check_shape, kernel_batch=self._kernel_batch,
+            run=self._run_all)
 
     # ---------------------------------------------------------------------------------------- routing
     def config_for(self, name: str, shape: tuple[int, ...]) -> Adafactor8BitConfig:
@@ -250,7 +258,8 @@ class Adafactor8Bit(PerParamOptimizer):
                 break
         return cfg if self.decays(name) else _without_decay(cfg)
 
-    def _init_named(self, name: str, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
+    def _init_seeded(self, name: str, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any], /) -> Any:
+        """``hooks.init``: the state of ``name`` with its group's configuration (and the next APOLLO seed)."""
         cfg = self.config_for(name, shape)
         seed = None
         if cfg.apollo_rank > 0 and len(shape) >= 2:
@@ -270,17 +279,16 @@ class Adafactor8Bit(PerParamOptimizer):
         return d
 
     # --------------------------------------------------------------------------------------- stepping
-    # the driver's lr is a float; here it is the pair (base lr, lr_scale), which paths/apollo apply themselves (the
-    # two private hooks below differ from the base class's in that one respect)
-    def _effective_lr(self, scale: float) -> tuple[float, float]:  # type: ignore[override]
+    # the driver's lr is a float; here it is the pair (base lr, lr_scale), which paths/apollo apply themselves
+    def _lr_pair(self, scale: float) -> tuple[float, float]:
         return (self._lr if self._lr is not None else 0.0, scale)
 
-    def _run(self, prepared: list[Any]) -> None:
+    def _run_all(self, prepared: list[Any]) -> None:
         cpu: list[Any] = []
         gpu: list[Any] = []
         for it, slot, scale in prepared:
             slot.t += 1
-            (gpu if slot.backend == "cupy" else cpu).append((it, slot, self._effective_lr(scale)))
+            (gpu if slot.backend == "cupy" else cpu).append((it, slot, self._lr_pair(scale)))
         whole: list[Any] = []
         split: list[Any] = []
         for it, slot, lr in cpu:
@@ -307,7 +315,7 @@ class Adafactor8Bit(PerParamOptimizer):
             gpu_run.run_gpu(self, gpu)
 
     def _step_whole(self, it: OptItem, slot: Any, lr: tuple[float, float], blas: bool = False) -> None:
-        self._update(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[], blas=blas)
+        self._update_item(np, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=[], blas=blas)
 
     def _kernel_batch(self, gpu: list[Any]) -> bool:
         """``core.gpu_run.run_gpu``'s hook: the segmentable items by segmented kernels over all tensors of a group
@@ -320,17 +328,13 @@ class Adafactor8Bit(PerParamOptimizer):
             gpu_run.run_gpu(self, rest)
         return True
 
-    def _forget_plans(self) -> None:
-        super()._forget_plans()
-        segmented.forget(self)
 
-    def _kernel_update(self, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
-                       lr: tuple[float, float]) -> bool:
+    def _kernel_item(self, state: Any, param: Array, grad: Array, /, *, t: int, lr: tuple[float, float]) -> bool:
         """The fused CUDA step of the non-APOLLO paths (``adafactor8bit.fused``); False: the twin runs."""
         return fused.kernel_step(state.cfg, state, param, grad, t=t, lr=lr)
 
-    def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int,  # type: ignore[override]
-                lr: tuple[float, float], scratch: list[Array], blas: bool = False) -> None:
+    def _update_item(self, xp: Any, state: Any, param: Array, grad: Array, /, *, t: int, lr: tuple[float, float],
+                     scratch: list[Array], blas: bool = False) -> None:
         cfg = state.cfg
         shape = state.sizes["shape"]
         if param.size == 0:  # nothing to update (the step count still advances)

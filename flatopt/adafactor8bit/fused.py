@@ -95,7 +95,8 @@ def _ws(cp, key, n, dtype=np.float32):
     return workspace.get(cp, "a8k." + key, n, dtype)
 
 
-def _lo(w: float) -> _i32:
+def weight_lo(w: float) -> _i32:
+    """The kernels' ``lo`` flag of a lerp weight ``w``: which of state.lerp_'s two forms runs."""
     return _i32(abs(w) < 0.5)  # state.lerp_'s branch
 
 
@@ -140,10 +141,10 @@ def _m_step(cp, cfg, st, g, mode, rf, cf, r, c, scal, clip, res, m2parts=None):
         q, am, quantized = st.m_q, st.m_scale, 1
         mx = _ws(cp, "m", n)
         fmt = ("uf8", "uf4", "d8", "d4").index(cfg.m_quant_type)
-    mp = quant._qmap(cp, quant.m_bits(cfg.m_quant_type))  # noqa: SLF001
+    mp = quant.qmap(cp, quant.m_bits(cfg.m_quant_type))
     _k("a8f_m_step", g.dtype)((quant.nblocks(n, mb),), (THREADS,),
                               (g, _i32(mode), rf, cf, _i64(r), _i64(c), scal, _i32(clip), q, am, _i32(quantized),
-                               mx, res, _i64(n), _i32(mb), _i32(fmt), _f32(w), _lo(w), mp, _i32(mp.size),
+                               mx, res, _i64(n), _i32(mb), _i32(fmt), _f32(w), weight_lo(w), mp, _i32(mp.size),
                                _i32(cfg.maximize and mode != 2), scal if m2parts is None else m2parts,
                                _i32(m2parts is not None)))
     return mx
@@ -195,7 +196,7 @@ def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
         """Row and column statistics of x² (mode 0: G, fused with W; mode 1: U − m) and the two EMAs."""
         ra, ca = _slot(cp, st, rslot), _slot(cp, st, cslot)
         rows((min(nr, MAX_GRID),), (THREADS,), (x, _i32(mode), _i64(nr), _i64(c)) + ra
-             + (_f32(w), _lo(w), _f32(add), inv, p, prow, _i32(need_p and mode == 0)))
+             + (_f32(w), weight_lo(w), _f32(add), inv, p, prow, _i32(need_p and mode == 0)))
         if momentum and mode == 0:
             m = _m_step(cp, cfg, st, g, 0, rf, cf, r, c, scal, 0, scal)
         fused = _i32(mode == 0)
@@ -203,7 +204,7 @@ def _factored(cfg, st, p, g, shape, t, lr, b) -> None:
              (x, _i32(mode), m if m is not None else scal, _i32(m is not None), inv, fused, _i64(bdim), _i64(r),
               _i64(c), cparts, wparts))
         backend.launch(fin, nc, (cparts, wparts, fused, _i64(parts), _i64(nc), _i64(r)) + ca
-                       + (_f32(w), _lo(w), _f32(add), wsum))
+                       + (_f32(w), weight_lo(w), _f32(add), wsum))
         _encode(cp, st, (rslot, cslot), floor)
         return ra[5], ca[5], m
 

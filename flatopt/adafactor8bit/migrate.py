@@ -227,7 +227,7 @@ def build(opt, state) -> tuple[dict, list, Report] | None:
         for name in sorted(state.params):
             meta = state.params[name]
             shape, dtype, t = tuple(int(d) for d in meta["shape"]), np.dtype(meta["dtype"]), int(meta["t"])
-            opt._check_shape(name, shape)  # noqa: SLF001
+            opt.hooks.check_shape(name, shape)
             if any(d < 0 for d in shape) or t < 0:
                 return None
             a = _resolve_a(base, routes, name, shape, dtype, meta, state.buffers)
@@ -239,7 +239,7 @@ def build(opt, state) -> tuple[dict, list, Report] | None:
         return None
     if set(state.buffers) - used:
         return None
-    cur = opt._config_dict()  # noqa: SLF001
+    cur = opt._config_dict()  # noqa: SLF001 - the Adafactor8Bit this migration builds the state of
     notes = [f"{k}: kept {cur[k]!r} (snapshot had {v!r})" for k, v in state.config.items() if k in cur and cur[k] != v]
     return slots, notes + report.notes(), report
 

@@ -171,7 +171,7 @@ def m_init(xp, n: int, mblock: int, fmt: str):
     return xp.full(size, fill, np.uint8), xp.ones(nb, np.float32)
 
 
-def _qmap(xp, bits: int):
+def qmap(xp, bits: int):
     """The map on the array module's device: uploaded once per device, ordered before its reads on every stream
     (``core.backend.device_constant``: the workers' non-blocking streams wait for the upload's event)."""
     if xp is np:
@@ -226,10 +226,10 @@ def m_encode(xp, m, q, scale, *, mblock: int, fmt: str) -> None:
         if bad is not None:
             xp.copyto(w2, _F32(0.0), where=bad[:, None])
         if bits == 8:
-            _nearest_into(xp, w, _qmap(xp, bits), q[lo : lo + k * mblock])
+            _nearest_into(xp, w, qmap(xp, bits), q[lo : lo + k * mblock])
         else:
             c = workspace.get(xp, "m_c", k * mblock, np.uint8)
-            _nearest_into(xp, w, _qmap(xp, bits), c)
+            _nearest_into(xp, w, qmap(xp, bits), c)
             out = q[lo // 2 : (lo + k * mblock) // 2]
             xp.left_shift(c[0::2], 4, out=out)
             xp.bitwise_or(out, c[1::2], out=out)
@@ -293,9 +293,9 @@ def m_decode(xp, q, scale, out, *, mblock: int, fmt: str) -> None:
                 # default mode="raise" it writes straight into ``out`` (no buffer); intp indices are not converted
                 idx = workspace.get(xp, "m_idx", k * mblock, np.intp)
                 idx[...] = codes
-                np.take(_qmap(xp, bits), idx, out=w, mode="clip")
+                np.take(qmap(xp, bits), idx, out=w, mode="clip")
             else:
-                xp.take(_qmap(xp, bits), codes, out=w)
+                xp.take(qmap(xp, bits), codes, out=w)
             xp.multiply(w2, scale[b0:b1, None], out=w2)
         if not full:
             out[lo : lo + cnt] = w[:cnt]

@@ -181,7 +181,7 @@ class _Group:
             self.table.order(cp)
             if self.path == FACTORED:
                 need_u = cfg.d > 0 or fira
-                lo = fused._lo(b)  # noqa: SLF001
+                lo = fused.weight_lo(b)
                 k("a8f_rows_seg", nb["rows"], (v["tab"], v["rows"], f32(b), lo, f32(eps1), i32(cfg.scale_parameter)))
                 k("a8f_cols_seg", nb["cols"], (v["tab"], v["cols"]), 128)
                 k("a8f_colfin_seg", nb["fin"], (v["tab"], v["fin"], f32(b), lo, f32(eps1)))
@@ -256,7 +256,7 @@ def run(opt, items: list) -> list:
     batch composition; returns the items left to step per tensor."""
     if not ENABLED:
         return items
-    plans = opt.__dict__.setdefault("_a8_plans", {})
+    plans = opt.plan_cache.family_plans("adafactor8bit.segmented")
     key = tuple(it.name for it, _, _ in items)
     plan = plans.get(key)
     if plan is None or not plan.matches(items):
@@ -267,7 +267,3 @@ def run(opt, items: list) -> list:
     plan.launch(items)
     return [items[i] for i in plan.rest]
 
-
-def forget(opt) -> None:
-    """Drop every plan of ``opt`` (states replaced or reset)."""
-    opt.__dict__.pop("_a8_plans", None)

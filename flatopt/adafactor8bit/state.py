@@ -173,7 +173,7 @@ def _ema_kernel(xp, st, slot, x, w, *, floor, square, add, first, out=None):
     if slot in SIGNED:
         k = kernels.get("adafactor8bit.cu", "a8_m_ema", x.dtype)
         fmt = ("uf8", "uf4", "d8", "d4").index(cfg.m_quant_type)
-        mp = quant._qmap(xp, quant.m_bits(cfg.m_quant_type))  # noqa: SLF001
+        mp = quant.qmap(xp, quant.m_bits(cfg.m_quant_type))
         k((scale.size,), (128,), (q, scale, x, out, np.int64(n), np.int32(cfg.m_block_size), np.int32(fmt),
                                   np.float32(w), mp, np.int32(mp.size)))
     else:

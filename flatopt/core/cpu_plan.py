@@ -22,12 +22,11 @@ scalars, so the bits equal the serial ``step`` loop and unchunked execution.
 from __future__ import annotations
 
 import dataclasses
-import threading
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from . import cpu_tensors, shards
+from . import cpu_tensors, shards, workspace
 
 # Items of at most this many elements are bucketed (per-call overhead dominates below it).
 SMALL = 1 << 13
@@ -37,6 +36,35 @@ BUCKET = 1 << 18
 TASK = 1 << 18
 # Bucket plans kept per optimizer (one per distinct composition of small items in recent batches).
 MAX_PLANS = 32
+
+
+class Entry(NamedTuple):
+    """One NumPy item of a batch as the planner sees it (state created, ``t`` advanced)."""
+
+    index: int  # its position in the batch (where a kept task finds its arrays in a later step)
+    name: str
+    param: Any
+    grad: Any
+    slot: Any  # its core.slots.Slot
+    lr: Any  # what the algorithm's update receives as ``lr`` (the driver's effective lr)
+    group: Any  # items of one group value may share a bucket: the lr, or the lr_scale for kept tasks (StaticPlan)
+
+
+class Refill(NamedTuple):
+    """Where a kept task (:class:`StaticPlan`) finds its arrays, ``t`` and lr in a later step."""
+
+    index: int | list[int]  # the batch position of its item, or of each item of its bucket
+    slot: Any  # the (first) item's slot: its ``t``
+    group: Any  # the lr_scale its lr is derived from
+
+
+class Task(NamedTuple):
+    """A unit of NumPy work of one step: ``(cost, name, fn)`` is what ``core.parallel.run_tasks`` takes."""
+
+    cost: int  # about its number of elements
+    name: str  # the parameter (or bucket) an error names
+    fn: Callable[[], None]
+    refill: Refill
 
 
 def _is_np(x) -> bool:
@@ -63,24 +91,19 @@ def chunk_views(state, n: int, chunk: int) -> list:
 
 
 # ----------------------------------------------------------------------------------------------- scratch
-_tls = threading.local()
+_SCRATCH_KEYS = [f"cpu_plan.chunk{i}" for i in range(8)]
 
 
 def scratch(dtype: np.dtype, k: int, chunk: int) -> list:
-    """``k`` chunk-sized scratch buffers of ``dtype``, allocated once per thread (and chunk size)."""
-    cache = getattr(_tls, "scratch", None)
-    if cache is None:
-        cache = _tls.scratch = {}
-    key = (dtype, chunk)
-    bufs = cache.get(key)
-    if bufs is None or len(bufs) < k:
-        bufs = cache[key] = [np.empty(chunk, dtype) for _ in range(max(k, 1))]
-    return bufs[:k]
+    """``k`` chunk-sized scratch buffers of ``dtype``: this thread's ``core.workspace`` buffers (one key each, so
+    they do not overlap), allocated once per thread and grown on demand."""
+    keys = _SCRATCH_KEYS if k <= len(_SCRATCH_KEYS) else [f"cpu_plan.chunk{i}" for i in range(k)]
+    return [workspace.get(np, keys[i], chunk, dtype) for i in range(k)]
 
 
 def _run_views(opt, views, p, g, t, lr, chunk) -> None:
     """``update`` on ``views`` (chunks of state) with the matching slices of ``p`` and ``g``."""
-    upd = opt._update  # noqa: SLF001
+    upd = opt.hooks.update
     full = scratch(p.dtype, opt.scratch_buffers, chunk)
     for lo, hi, st in views:
         n = hi - lo
@@ -160,9 +183,8 @@ class BucketTask(cpu_tensors.PackedTask):
 
 
 def _plan_for(opt, slots: list, sizes: list, chunk: int, factory=BucketPlan):
-    plans = opt.__dict__.get("_bucket_plans")
-    if plans is None:
-        plans = opt.__dict__["_bucket_plans"] = {}
+    cache = opt.plan_cache
+    plans = cache.bucket_plans
     key = (chunk, *map(id, slots))  # the plan holds its slots, so these ids stay theirs
     plan = plans.get(key)
     if plan is None or not plan.valid():
@@ -170,13 +192,8 @@ def _plan_for(opt, slots: list, sizes: list, chunk: int, factory=BucketPlan):
         while len(plans) >= MAX_PLANS:
             plans.pop(next(iter(plans)))
         plan = plans[key] = factory(slots, sizes, chunk)
-        opt.__dict__["_bucket_epoch"] = opt.__dict__.get("_bucket_epoch", 0) + 1  # (StaticPlan.valid)
+        cache.bucket_epoch += 1  # (StaticPlan.valid)
     return plan
-
-
-def forget_plans(opt) -> None:
-    """Drop the cached bucket plans (after ``reset``/``load_state_dict``: their slots are gone)."""
-    opt.__dict__.pop("_bucket_plans", None)
 
 
 # --------------------------------------------------------------------------------------------- the tasks
@@ -195,24 +212,20 @@ def run_for(opt, tasks: list) -> None:
 def tasks(opt, items: list, chunk: int) -> list:
     """``(cost, name, fn)`` tasks for the NumPy ``(item, slot, lr)`` triples of one batch (state already created,
     ``t`` already advanced)."""
-    entries = [(i, it.name, it.param, it.grad, slot, lr, lr) for i, (it, slot, lr) in enumerate(items)]
-    return [(cost, name, fn) for cost, name, fn, _ in _make(opt, entries, chunk)]
+    entries = [Entry(i, it.name, it.param, it.grad, slot, lr, lr) for i, (it, slot, lr) in enumerate(items)]
+    return [task[:3] for task in _make(opt, entries, chunk)]
 
 
-def _make(opt, entries: list, chunk: int) -> list:
-    """``(cost, name, fn, refill)`` for ``entries`` = ``[(index, name, param, grad, slot, lr, group)]``: items of
-    one ``group`` value (and bucket key and ``t``) may share a bucket (``group`` is the lr, or the lr_scale when
-    the tasks are kept for later steps, see :class:`StaticPlan`).  ``refill`` = ``(index or indices, slot,
-    group)`` says where a kept task finds its arrays, ``t`` and lr in a later step."""
+def _make(opt, entries: list[Entry], chunk: int) -> list[Task]:
+    """The tasks of ``entries``: items of one ``group`` value (and bucket key and ``t``) may share a bucket."""
     if not opt.elementwise:
         return _tensor_tasks(opt, entries, chunk)
     out = []
     groups: dict = {}
     for entry in entries:
-        i, name, p, g, slot, lr, grp = entry
-        n = p.size
-        if n <= SMALL and len(entries) > 1 and bucket_key(slot) is not None:
-            groups.setdefault((slot.bucket_key, slot.t, grp), []).append(entry)
+        slot = entry.slot
+        if entry.param.size <= SMALL and len(entries) > 1 and bucket_key(slot) is not None:
+            groups.setdefault((slot.bucket_key, slot.t, entry.group), []).append(entry)
             continue
         out.extend(_large_tasks(opt, entry, chunk))
     for members in groups.values():
@@ -221,30 +234,30 @@ def _make(opt, entries: list, chunk: int) -> list:
             continue
         start, acc = 0, 0
         for k, entry in enumerate(members):
-            acc += entry[2].size
+            acc += entry.param.size
             if acc >= BUCKET or k == len(members) - 1:
                 out.append(_bucket_task(opt, members[start:k + 1], chunk))
                 start, acc = k + 1, 0
     return out
 
 
-def _tensor_tasks(opt, entries: list, chunk: int) -> list:
+def _tensor_tasks(opt, entries: list[Entry], chunk: int) -> list[Task]:
     """``_make`` for a per-tensor algorithm: small items of one size share a ``cpu_tensors.RowsPlan`` when the
     algorithm has ``np_rows_fn``; every other item is a ``PhasedTask`` (with ``np_phases_fn``) or a whole task."""
     out = []
     rows = type(opt).np_rows_fn is not None and len(entries) > 1
-    total = sum(e[2].size for e in entries)
+    total = sum(e.param.size for e in entries)
     groups: dict = {}
     for entry in entries:
-        slot, n = entry[4], entry[2].size
+        slot, n = entry.slot, entry.param.size
         if rows and 0 < n <= SMALL and cpu_tensors.rows_key(slot) is not None:
-            groups.setdefault((slot.bucket_key, n, slot.t, entry[6]), []).append(entry)
+            groups.setdefault((slot.bucket_key, n, slot.t, entry.group), []).append(entry)
         else:
             out.append(_whole_task(opt, entry, chunk, split=4 * n > total))
     for members in groups.values():
         start, acc = 0, 0
         for k, entry in enumerate(members):
-            acc += entry[2].size
+            acc += entry.param.size
             if acc >= BUCKET or k == len(members) - 1:
                 part = members[start:k + 1]
                 out.append(_rows_task(opt, part, chunk) if len(part) > 1 else _whole_task(opt, part[0], chunk))
@@ -252,34 +265,37 @@ def _tensor_tasks(opt, entries: list, chunk: int) -> list:
     return out
 
 
-def _whole_task(opt, entry, chunk: int, split: bool = False):
-    i, name, p, g, slot, lr, grp = entry
+def _whole_task(opt, e: Entry, chunk: int, split: bool = False) -> Task:
+    slot = e.slot
     if type(opt).np_phases_fn is not None:
-        fn: Any = cpu_tensors.PhasedTask(opt, slot.state, p, g, slot.t, lr, chunk, split)
+        fn: Any = cpu_tensors.PhasedTask(opt, slot.state, e.param, e.grad, slot.t, e.lr, chunk, split)
     else:
-        fn = _WholeTask(opt, slot.state, p, g, slot.t, lr)
-    return (p.size, name, fn, (i, slot, grp))
+        fn = _WholeTask(opt, slot.state, e.param, e.grad, slot.t, e.lr)
+    return Task(e.param.size, e.name, fn, Refill(e.index, slot, e.group))
 
 
-def _rows_task(opt, part: list, chunk: int):
-    _, _, _, _, slot0, lr, grp = part[0]
-    params = [e[2] for e in part]
-    plan = _plan_for(opt, [e[4] for e in part], [p.size for p in params], chunk, cpu_tensors.RowsPlan)
-    name = f"{part[0][1]} .. {part[-1][1]} (a bucket of {len(part)} small parameters)"
-    task = cpu_tensors.RowsTask(opt, plan, params, [e[3] for e in part], slot0.t, lr)
-    return (plan.size, name, task, ([e[0] for e in part], slot0, grp))
+def _bucket_name(part: list[Entry]) -> str:
+    return f"{part[0].name} .. {part[-1].name} (a bucket of {len(part)} small parameters)"
 
 
-def _bucket_task(opt, part: list, chunk: int):
+def _rows_task(opt, part: list[Entry], chunk: int) -> Task:
+    e0 = part[0]
+    params = [e.param for e in part]
+    plan = _plan_for(opt, [e.slot for e in part], [p.size for p in params], chunk, cpu_tensors.RowsPlan)
+    task = cpu_tensors.RowsTask(opt, plan, params, [e.grad for e in part], e0.slot.t, e0.lr)
+    return Task(plan.size, _bucket_name(part), task, Refill([e.index for e in part], e0.slot, e0.group))
+
+
+def _bucket_task(opt, part: list[Entry], chunk: int) -> Task:
+    e0 = part[0]
     if len(part) == 1:
-        i, name, p, g, slot, lr, grp = part[0]
-        return (p.size, name, RangeTask(opt, _slot_views(slot, p.size, chunk), p, g, slot.t, lr, chunk), (i, slot, grp))
-    _, _, _, _, slot0, lr, grp = part[0]
-    params = [e[2] for e in part]
-    plan = _plan_for(opt, [e[4] for e in part], [p.size for p in params], chunk)
-    grads = [e[3] for e in part]
-    name = f"{part[0][1]} .. {part[-1][1]} (a bucket of {len(part)} small parameters)"
-    return (plan.size, name, BucketTask(opt, plan, params, grads, slot0.t, lr), ([e[0] for e in part], slot0, grp))
+        slot, n = e0.slot, e0.param.size
+        return Task(n, e0.name, RangeTask(opt, _slot_views(slot, n, chunk), e0.param, e0.grad, slot.t, e0.lr, chunk),
+                    Refill(e0.index, slot, e0.group))
+    params = [e.param for e in part]
+    plan = _plan_for(opt, [e.slot for e in part], [p.size for p in params], chunk)
+    task = BucketTask(opt, plan, params, [e.grad for e in part], e0.slot.t, e0.lr)
+    return Task(plan.size, _bucket_name(part), task, Refill([e.index for e in part], e0.slot, e0.group))
 
 
 def _slot_views(slot, n: int, chunk: int) -> list:
@@ -289,18 +305,19 @@ def _slot_views(slot, n: int, chunk: int) -> list:
     return views
 
 
-def _large_tasks(opt, entry, chunk: int) -> list:
-    i, name, p, g, slot, lr, grp = entry
+def _large_tasks(opt, e: Entry, chunk: int) -> list[Task]:
+    p, g, slot, lr = e.param, e.grad, e.slot, e.lr
     n = p.size
     views = _slot_views(slot, n, chunk)
     per = max(1, TASK // chunk)
     t = slot.t
+    refill = Refill(e.index, slot, e.group)
     if len(views) <= per:
-        return [(n, name, RangeTask(opt, views, p, g, t, lr, chunk), (i, slot, grp))]
+        return [Task(n, e.name, RangeTask(opt, views, p, g, t, lr, chunk), refill)]
     out = []
     for k in range(0, len(views), per):
         part = views[k:k + per]
-        out.append((part[-1][1] - part[0][0], name, RangeTask(opt, part, p, g, t, lr, chunk), (i, slot, grp)))
+        out.append(Task(part[-1][1] - part[0][0], e.name, RangeTask(opt, part, p, g, t, lr, chunk), refill))
     return out
 
 
@@ -310,18 +327,18 @@ class StaticPlan:
     each step only fills in the tasks' arrays, ``t`` and lr.  ``valid()`` is False once a bucket plan of another
     composition has taken over some of these slots (their state arrays moved: rebuild)."""
 
-    def __init__(self, opt, entries: list, chunk: int):
-        """``entries``: ``[(index, name, param, grad, slot, scale)]`` (state created, ``t`` advanced)."""
-        made = _make(opt, [(i, n, p, g, s, opt._effective_lr(c), c) for i, n, p, g, s, c in entries],  # noqa: SLF001
-                     chunk)
-        self.epoch = opt.__dict__.get("_bucket_epoch", 0)
-        self.run_list = [(cost, name, fn) for cost, name, fn, _ in made]
-        self.fill = [(fn, ref) for _, _, fn, ref in made]
+    def __init__(self, opt, entries: list[Entry], chunk: int):
+        """``entries``: the batch's NumPy items with ``group`` = their lr_scale and ``lr`` the effective lr of it
+        (state created, ``t`` advanced)."""
+        made = _make(opt, entries, chunk)
+        self.epoch = opt.plan_cache.bucket_epoch
+        self.run_list = [task[:3] for task in made]
+        self.fill = [(task.fn, task.refill) for task in made]
         for fn, _ in self.fill:
             _clear(fn)
 
     def valid(self, opt) -> bool:
-        return opt.__dict__.get("_bucket_epoch", 0) == self.epoch
+        return opt.plan_cache.bucket_epoch == self.epoch
 
     def run(self, opt, params: list, grads: list) -> None:
         """One step: ``params``/``grads`` are this call's arrays in item order (``t`` already advanced)."""
@@ -330,7 +347,7 @@ class StaticPlan:
             for fn, (idx, slot, scale) in self.fill:
                 lr = lrs.get(scale)
                 if lr is None:
-                    lr = lrs[scale] = opt._effective_lr(scale)  # noqa: SLF001
+                    lr = lrs[scale] = opt.hooks.effective_lr(scale)
                 fn.t, fn.lr = slot.t, lr
                 if type(idx) is list:
                     fn.params = [params[i] for i in idx]
@@ -359,4 +376,4 @@ class _WholeTask:
         self.opt, self.st, self.p, self.g, self.t, self.lr = opt, st, p, g, t, lr
 
     def __call__(self) -> None:
-        self.opt._update(np, self.st, self.p, self.g, t=self.t, lr=self.lr, scratch=[])  # noqa: SLF001
+        self.opt.hooks.update(np, self.st, self.p, self.g, t=self.t, lr=self.lr, scratch=[])

@@ -34,6 +34,8 @@ import numpy as np
 
 from ..errors import IncompatibleStateError
 from . import backend as _backend, cpu_plan, gpu_run, step_plan
+from .hooks import Hooks
+from .plan_cache import PlanCache
 from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
 from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
@@ -61,15 +63,15 @@ class PerParamOptimizer:
     mutation, lazy name-keyed state with a step count per name, ``set_lr``/``lr_scale``, ``state_dict`` /
     ``load_state_dict``, threads on NumPy and the fused-kernel dispatch on CuPy — around an algorithm's update.
 
-    Subclasses set ``algorithm`` (a stable id), ``config_cls`` and ``state_cls``, and implement ``_init`` and
-    ``_update``; elementwise algorithms set ``elementwise = True`` and then receive contiguous chunks of the
+    Subclasses set ``algorithm`` (a stable id), ``config_cls``, ``init_fn`` and ``update_fn`` (optionally
+    ``kernel_fn``), and change anything else the driver does for them through ``self.hooks`` (``core.hooks``);
+    elementwise algorithms set ``elementwise = True`` and then receive contiguous chunks of the
     param, grad and state arrays plus chunk-sized scratch buffers.  ``matters`` lists the config fields that must
     agree for a snapshot to load (everything else is a hyper-parameter the current object keeps).
     """
 
     algorithm: ClassVar[str]
     config_cls: ClassVar[type]
-    state_cls: ClassVar[type]
     elementwise: ClassVar[bool] = False
     scratch_buffers: ClassVar[int] = 0  # chunk-sized scratch buffers an elementwise update needs
     matters: ClassVar[tuple[str, ...]] = ()
@@ -102,12 +104,16 @@ class PerParamOptimizer:
         self.iteration = 0
         self.last_load_notes: list[str] = []
         self._lock = threading.RLock()
-        self._plan_serial = 0  # step_batch calls so far (core.step_plan: did another step run since a plan's?)
+        self.plan_cache = PlanCache()  # every plan and cache derived from batches (core.plan_cache)
+        # the extension points (core.hooks): an algorithm replaces fields in its __init__, never a driver method
+        self.hooks: Hooks[Any] = Hooks(init=self._init_named, update=self._update, effective_lr=self._effective_lr,
+                                       kernel_update=self._kernel_update, check_shape=self._check_shape)
 
     # ----------------------------------------------------------------------------------------------- hooks
     # An algorithm module provides ``init(xp, cfg, shape, dtype) -> State``, the array-agnostic
     # ``update(xp, cfg, state, param, grad, *, t, lr, scratch)`` and optionally the fused CUDA
     # ``kernel_update(cfg, state, param, grad, *, t, lr) -> bool`` (False: use the twin); the class binds them.
+    # The methods below are the driver's defaults of ``self.hooks`` (core.hooks): the driver calls the hooks.
     init_fn: ClassVar[Callable[..., Any]]
     update_fn: ClassVar[Callable[..., None]]
     kernel_fn: ClassVar[Callable[..., bool] | None] = None
@@ -116,7 +122,7 @@ class PerParamOptimizer:
         return type(self).init_fn(xp, self.config, shape, dtype)
 
     def _init_named(self, name: str, xp: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Any:
-        """Fresh state for parameter ``name`` (override for per-name configuration; default: ``_init``)."""
+        """Fresh state for parameter ``name`` (the default ``hooks.init``: ``_init``)."""
         return self._init(xp, shape, dtype)
 
     def _update(self, xp: Any, state: Any, param: Array, grad: Array, *, t: int, lr: float,
@@ -191,7 +197,7 @@ class PerParamOptimizer:
         kernels and multi-tensor launches), the others as another with it unchanged; the whole batch is validated
         first.  Items are independent, so the bits are those of ``step`` on each item in order."""
         try:
-            names = [step_plan._NAME(it) for it in items]  # noqa: SLF001
+            names = [step_plan.item_name(it) for it in items]
             if not all(type(n) is str for n in names):
                 raise TypeError
         except Exception:  # noqa: BLE001 - a malformed item: the validation says what is wrong
@@ -221,13 +227,13 @@ class PerParamOptimizer:
 
     def _step_batch(self, items: Sequence[OptItem]) -> None:
         """``step_batch`` of ``items`` (a list or tuple) under ``self._lock``."""
-        self._plan_serial += 1
+        self.plan_cache.serial += 1
         plan = self._find_plan(items)
         if plan is None:
             if not self._plannable:
-                prepared = self._prepare(items)
+                prepared = (self.hooks.prepare or self._prepare)(items)
                 if prepared:
-                    self._run(prepared)
+                    self._execute(prepared)
                 return
             checked = self._check_items(items)
             prepared = self._create_states(checked)
@@ -235,7 +241,7 @@ class PerParamOptimizer:
                 return
             plan = self._plan_for(checked, prepared)
             if plan is None:
-                self._run(prepared)
+                self._execute(prepared)
                 return
             plan.params = [c[0].param for c in checked]
             plan.grads = [c[0].grad for c in checked]
@@ -245,22 +251,21 @@ class PerParamOptimizer:
     @property
     def _plannable(self) -> bool:
         """Whether batches may be cached as step plans (``core.step_plan``): the driver's own validation and
-        preparation, which the plan's checks mirror."""
-        cls = type(self)
-        return cls._check_items is PerParamOptimizer._check_items and cls._prepare is PerParamOptimizer._prepare
+        preparation (no ``hooks.prepare``), which the plan's checks mirror."""
+        return self.hooks.prepare is None
 
-    @property
-    def _plan_runs(self) -> bool:
-        """Whether a plan also keeps the execution (the driver's own ``_run``); otherwise it calls ``_run``."""
-        return type(self)._run is PerParamOptimizer._run
+    def _execute(self, prepared: list[Any]) -> None:
+        """Run the prepared ``(item, slot, lr_scale)`` entries: ``hooks.run`` where the algorithm replaced the
+        driver's execution, else ``_run``."""
+        (self.hooks.run or self._run)(prepared)
 
     def _find_plan(self, items: Sequence[Any]) -> Any:
         """The cached plan ``items`` repeat, or ``None`` (then the full path runs)."""
-        plans = self.__dict__.get("_step_plans")
+        plans = self.plan_cache.step_plans
         if not plans or len(items) < 2:
             return None
         try:
-            names = list(map(step_plan._NAME, items))  # noqa: SLF001
+            names = list(map(step_plan.item_name, items))
             plan = plans.get(tuple(names))
             if plan is not None and plan.matches(self, items, names):
                 plan.hits += 1
@@ -273,7 +278,7 @@ class PerParamOptimizer:
         """A plan for the batch that just passed validation (re-used when an equal one exists), or ``None``."""
         if len(checked) < 2 or not self._plannable:
             return None
-        plans = self.__dict__.setdefault("_step_plans", {})
+        plans = self.plan_cache.step_plans
         key = tuple(c[0].name for c in checked)
         old = plans.pop(key, None)
         if old is not None and not old.hits and not old.groups and old.skips < step_plan.MAX_SKIPS:
@@ -289,8 +294,7 @@ class PerParamOptimizer:
         return plan
 
     def _forget_plans(self) -> None:
-        cpu_plan.forget_plans(self)
-        step_plan.forget(self)
+        self.plan_cache.forget()
 
     def reset(self, name: str) -> None:
         """Forget the state of ``name`` (its next step starts from fresh state, e.g. after a shape change)."""
@@ -344,7 +348,7 @@ class PerParamOptimizer:
                         f"parameter {it.name!r}: the parameter is on GPU {it.param.device.id}, its state lives on GPU "
                         f"{slot.device} (states are not moved between GPUs: reset({it.name!r}) to start afresh, "
                         f"or load a state_dict)")
-            self._check_shape(it.name, shape)
+            self.hooks.check_shape(it.name, shape)
             scale = self._lr_scale(it.name)
             if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) or not (
                 math.isfinite(scale) and math.copysign(1.0, scale) > 0  # (>= 0, and not -0.0: see check_lr)
@@ -355,8 +359,7 @@ class PerParamOptimizer:
                                  f"in {it.param.dtype}")
             checked.append((it, shape, backend, float(scale)))
         if len(checked) > 1:
-            cache = self.__dict__.setdefault("_alias_cache", [])  # the last batch that passed (weak references)
-            check_batch_aliasing([c[0] for c in checked], cache)
+            check_batch_aliasing([c[0] for c in checked], self.plan_cache.alias)
         return checked
 
     def validate_batch(self, items: Sequence[OptItem]) -> None:
@@ -392,7 +395,7 @@ class PerParamOptimizer:
         xp = _backend.array_module(like)
         on_gpu = backend == "cupy"
         with like.device if on_gpu else contextlib.nullcontext():
-            state = self._init_named(name, xp, shape, like.dtype)
+            state = self.hooks.init(name, xp, shape, like.dtype)
         slot = self._slots[name] = _Slot(shape, like.dtype, backend, 0, state,
                                          device=like.device.id if on_gpu else None)
         return slot
@@ -414,11 +417,13 @@ class PerParamOptimizer:
         return (self._lr if self._lr is not None else 0.0) * scale
 
     def _run(self, prepared: list[Any]) -> None:
+        """The driver's execution (``hooks.run`` replaces it; a replacement may still call it)."""
         cpu: list[Any] = []
         gpu: list[Any] = []
+        effective_lr = self.hooks.effective_lr
         for it, slot, scale in prepared:
             slot.t += 1
-            lr = self._effective_lr(scale)
+            lr = effective_lr(scale)
             if slot.backend == "cupy":
                 gpu.append((it, slot, lr))
             else:
@@ -530,7 +535,8 @@ class PerParamOptimizer:
         """``(slots, notes)`` for ``state``, changing nothing; :class:`IncompatibleStateError` when it does not fit."""
         check_compatible(state, self.algorithm, self._config_key())
         slots = slotlib.restore(state.params, state.buffers,
-                               lambda name, shape, dtype: self._init_named(name, np, shape, dtype), self._check_shape)
+                               lambda name, shape, dtype: self.hooks.init(name, np, shape, dtype),
+                               self.hooks.check_shape)
         cur = self._config_dict()
         notes = [
             f"{k}: kept {cur[k]!r} (snapshot had {v!r})" for k, v in state.config.items() if k in cur and cur[k] != v
@@ -576,14 +582,41 @@ _DECAY_ARG = (
 
 
 def class_doc(cls: type, own: str, *, has_decay: bool) -> str:
-    """``cls``'s docstring for ``help()``: its own (the signature line that points at the module doc), then its
-    module's docstring (the update rule, the deviations, the defaults; written once, there), then the keyword
-    arguments every optimizer shares."""
+    """``cls``'s docstring for ``help()``: its own (the signature line that points at the module doc; a leading
+    ````Name(...)```` is replaced by :func:`signature_line`, so that the defaults are written once, in the config
+    the constructor's defaults refer to), then its module's docstring (the update rule, the deviations), then the
+    keyword arguments every optimizer shares."""
     module = sys.modules.get(cls.__module__)
     text = inspect.cleandoc(getattr(module, "__doc__", None) or "")
     common = textwrap.fill(_COMMON_ARGS.format(decay=_DECAY_ARG if has_decay else ""), 116)
     own = re.sub(r"see the\s+module\s+doc(string)?", "see below", inspect.cleandoc(own))
+    head = f"``{cls.__name__}("
+    first, _, rest = own.partition("\n\n")
+    if first.startswith(head) and ")``" in first:
+        first = f"``{signature_line(cls)}``" + first[first.index(")``") + 3:]
+        own = "\n\n".join(part for part in (textwrap.fill(first.replace("\n", " "), 116), rest) if part)
     return "\n\n".join(part for part in (own, text, common) if part)
+
+
+def signature_line(cls: type) -> str:
+    """``Name(arg=default, ..., *, kw=default, **rest)`` from ``cls``'s constructor, without the keyword arguments
+    every optimizer shares (``lr_scale``, ``weight_decay_mask``: described after it)."""
+    parts: list[str] = []
+    star = False
+    for p in list(inspect.signature(cls).parameters.values()):
+        if p.name in ("lr_scale", "weight_decay_mask"):
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.kind is p.VAR_POSITIONAL:
+            star = True
+            parts.append(f"*{p.name}")
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+        else:
+            parts.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return f"{cls.__name__}({', '.join(parts)})"
 
 
 def _make_decay_mask(spec: DecayMask, config: Any, owner: str) -> Any:

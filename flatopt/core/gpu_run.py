@@ -18,18 +18,19 @@ from . import backend, parallel
 
 def run_gpu(opt, gpu: list) -> None:
     """Step ``[(item, slot, lr)]`` of CuPy items (``slot.t`` already advanced).  An optimizer whose
-    ``_kernel_batch(gpu)`` returns True has stepped them all itself (segmented kernels over every item of the step, on
-    the caller's current stream); otherwise each item runs its fused kernel or its twin."""
+    ``hooks.kernel_batch(gpu)`` returns True has stepped them all itself (segmented kernels over every item of the
+    step, on the caller's current stream); otherwise each item runs its fused kernel or its twin."""
     cp = backend.cupy()
     twin = backend.force_twin()
-    batch = getattr(opt, "_kernel_batch", None)
+    hooks = opt.hooks
+    batch = hooks.kernel_batch
     if batch is not None and not twin and batch(gpu):
         return
 
     def one(it, slot, lr):
-        if twin or not opt._kernel_update(slot.state, it.param, it.grad, t=slot.t, lr=lr):
+        if twin or not hooks.kernel_update(slot.state, it.param, it.grad, t=slot.t, lr=lr):
             scratch = [cp.empty_like(it.param) for _ in range(opt.scratch_buffers)]
-            opt._update(cp, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=scratch)
+            hooks.update(cp, slot.state, it.param, it.grad, t=slot.t, lr=lr, scratch=scratch)
 
     if len(gpu) == 1:
         it = gpu[0][0]

@@ -31,7 +31,7 @@ long* blocks, const double* scales, long long chunk, double base_lr, <args>)``, 
 ``core.kernels.KERNELS``), and the class attribute above: ``arrays(state, p)`` gives the state arrays of a row (a
 stand-in address such as ``p`` for an absent one the kernel does not touch) and ``args(config, t, dtype)`` the
 launch's arguments after ``base_lr``.  The algorithm's learning rate must be the driver's ``base_lr * lr_scale``
-(``_effective_lr`` not overridden) and its state updated in place.
+(``hooks.effective_lr`` not replaced) and its state updated in place.
 
 **Per-tensor norms** (Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a :class:`Norms` in ``MultiTensor(..., norms=...)`` runs two
 passes before the elementwise kernel, so a group costs three launches whatever its number of tensors.  The per-tensor
@@ -56,7 +56,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import backend, blocks as sq, kernels
+from . import backend, kernels, sqsum as sq
 
 # Elements per chunk (one block each); 256 threads per block: 128 elements per thread.
 CHUNK = 1 << 15

@@ -1,8 +1,8 @@
-"""The NumPy paths of the per-tensor norms of Lamb and Mars: ``core.blocks.sq_sum``'s blocked order, bit for bit, computed
+"""The NumPy paths of the per-tensor norms of Lamb and Mars: ``core.sqsum.sq_sum``'s blocked order, bit for bit, computed
 so that the sweeps which make the squares can run on many threads (one large tensor) or for many tensors at once (a
 bucket of small ones).
 
-``blocks.sq_sum`` reads the n terms of a tensor as a zero-padded (K, G) matrix (G = nb·SQ_THREADS columns) and first
+``sqsum.sq_sum`` reads the n terms of a tensor as a zero-padded (K, G) matrix (G = nb·SQ_THREADS columns) and first
 sums every column in row order: ``a[g] = x[0, g] + x[1, g] + ... + x[K-1, g]``.  Here that matrix is the *column
 layout* of the flat buffer: ``full`` = n // G complete rows, then a ``tail`` row of n − full·G terms (the padding is
 +0, and adding +0 to a sum of squares changes nothing, so absent terms are skipped).  A task that owns the columns
@@ -11,7 +11,7 @@ columns in row order (:func:`add_squares`): exactly ``a[c0:c1]``, whichever thre
 the sum from ``a`` (the lane sums and the fold of the partials, ``blocks._sq_np``'s steps).  :func:`sq_rows` is
 ``sq_sum`` on every row of a (T, K·G) matrix of T tensors' padded squares, with a leading axis added to each step
 (sequential sums only: ``add.reduce`` over a leading axis or ``add.accumulate``; never a pairwise inner loop).
-tests/test_cpu_tensors.py checks them against ``blocks.sq_sum``.
+tests/test_cpu_tensors.py checks them against ``sqsum.sq_sum``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .blocks import SQ_LANES, SQ_THREADS, _cdiv, sq_layout
+from .sqsum import SQ_LANES, SQ_THREADS, cdiv as _cdiv, sq_layout
 
 
 class Columns(NamedTuple):
@@ -125,7 +125,7 @@ def fold_len(nb: int) -> int:
 
 
 def sq_fold(a: np.ndarray, nb: int, work: np.ndarray) -> np.ndarray:
-    """``blocks.sq_sum``'s result (a 1-element view of ``work``) from the column sums ``a`` (nb·SQ_THREADS of them,
+    """``sqsum.sq_sum``'s result (a 1-element view of ``work``) from the column sums ``a`` (nb·SQ_THREADS of them,
     not written); ``work`` holds ``fold_len(nb)`` free elements."""
     return _finish(a.reshape(1, -1), nb, work)
 
@@ -137,7 +137,7 @@ def rows_len(t: int, n: int) -> int:
 
 
 def sq_rows(x: np.ndarray, n: int, work: np.ndarray) -> np.ndarray:
-    """``blocks.sq_sum`` of every row of ``x`` (T, xlen of ``sq_layout(n)``: each row n terms ≥ +0, then zeros; not
+    """``sqsum.sq_sum`` of every row of ``x`` (T, xlen of ``sq_layout(n)``: each row n terms ≥ +0, then zeros; not
     written): a (T,) view of ``work`` (``rows_len(T, n)`` free elements)."""
     nb, k, xlen = sq_layout(n)[:3]
     t = x.shape[0]
@@ -164,7 +164,7 @@ def column_ranges(lay: Columns, width: int) -> list[tuple[int, int, int]]:
 
 # ---------------------------------------------------------------------------------------------------------
 # Σ x² over several buffers in float64 (``distributed.global_norm``'s local sum): each buffer's sum in
-# ``blocks.sq_sum``'s blocked order over the terms float64(x)², then total = ((0 + S₀) + S₁) + ... in buffer order.
+# ``sqsum.sq_sum``'s blocked order over the terms float64(x)², then total = ((0 + S₀) + S₁) + ... in buffer order.
 # NumPy sweeps the column layout in pieces of at most ``SUMSQ_CHUNK`` terms (no full-size float64 copy); CuPy runs
 # ``kernels/sq_norm.cu`` (two launches per buffer, no host synchronisation).  Same bits on both, any thread count.
 SUMSQ_CHUNK = 1 << 16

@@ -1,5 +1,19 @@
 """Thread-pool execution of independent tasks: a fixed set of workers claims them in order.
 
+The thread pools of flatopt, each for a reason the others cannot serve:
+
+* the **task pool** (here, ``run_tasks``/``run_beside_tasks``, threads ``flatopt_*``): ``num_threads() - 1`` workers
+  beside the caller claim a step's tasks in order; a task running on it never submits to it again (``in_worker``:
+  nested work runs inline), so it cannot deadlock;
+* the **group pool** (here, ``group_pool()``, threads ``flatopt-group_*``): ``flatopt.routing.Router`` steps its
+  groups concurrently on it, and each group's optimizer uses the task pool inside; on the task pool itself a group
+  would run its tasks inline (``in_worker``) or, waiting for workers that wait for it, deadlock;
+* the **shard workers** (``core.shards``, one single-thread executor per worker ``flatopt-shard<k>``): Muon's
+  matrices keep the same OS thread on every call (a stable assignment, with the BLAS capped at one thread while
+  they run), which a claim-in-order pool cannot promise.
+
+No other module creates threads.
+
 A *task* is a callable with a cost (about its number of elements).  Work too small to pay for threads runs on the
 calling thread; otherwise ``num_threads()`` workers (the caller and a persistent pool) claim the tasks in order, one
 at a time, so callers should cut large work into tasks of a few hundred thousand elements.  Tasks must be
@@ -20,7 +34,11 @@ from typing import Callable, Sequence
 PARALLEL_MIN_COST = 1 << 18
 
 _pool: ThreadPoolExecutor | None = None
+_pool_workers = 0
 _pool_lock = threading.Lock()
+_groups: ThreadPoolExecutor | None = None
+# Groups of a Router stepped at once at most (each group's own work is spread over the task pool).
+GROUP_WORKERS = 16
 
 
 def num_threads() -> int:
@@ -34,13 +52,23 @@ def num_threads() -> int:
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool
+    global _pool, _pool_workers
     with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:  # noqa: SLF001
+        if _pool is None or _pool_workers < workers:
             if _pool is not None:  # FLATOPT_NUM_THREADS grew: retire the old pool's threads once idle
                 _pool.shutdown(wait=False)
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flatopt", initializer=_mark_worker)
+            _pool_workers = workers
         return _pool
+
+
+def group_pool() -> ThreadPoolExecutor:
+    """The pool ``flatopt.routing.Router`` steps its groups on (see the module doc: not the task pool)."""
+    global _groups
+    with _pool_lock:
+        if _groups is None:
+            _groups = ThreadPoolExecutor(max_workers=GROUP_WORKERS, thread_name_prefix="flatopt-group")
+        return _groups
 
 
 _local = threading.local()

@@ -53,7 +53,7 @@ from . import backend, cpu_plan, gpu_run
 from . import multi_tensor as mt
 from .types import OptItem
 
-_NAME, _SHAPE, _PARAM, _GRAD = (itemgetter(i) for i in range(4))
+item_name, _SHAPE, _PARAM, _GRAD = (itemgetter(i) for i in range(4))
 _NP_ATTRS = attrgetter("shape", "strides", "dtype")
 _CP_ATTRS = attrgetter("shape")
 _WRITEABLE = attrgetter("flags.writeable")
@@ -92,8 +92,10 @@ class StepPlan:
             self.attrs = list(map(_NP_ATTRS, params + grads))
         self.np_params = itemgetter(*self.numpy) if len(self.numpy) > 1 else None
         self.config = opt.config
-        self.lr_scale_fn = opt._lr_scale  # noqa: SLF001
-        spec = opt._lr_scale_spec  # noqa: SLF001
+        # the driver's validated lr_scale callable and what the caller gave (the plan mirrors the driver's checks:
+        # core.step_plan is the driver's own plan, the one module besides it that reads them)
+        self.lr_scale_fn = opt._lr_scale  # noqa: SLF001 - see the comment above
+        spec = opt._lr_scale_spec  # noqa: SLF001 - see the comment above
         self.scale_callable = spec is not None and callable(spec)
         self.scales = [c[3] for c in checked]
         self.max_scale: dict = {}
@@ -101,7 +103,7 @@ class StepPlan:
             dt = c[0].param.dtype
             self.max_scale[dt] = max(self.max_scale.get(dt, 0.0), c[3])
         self.slots = slots
-        self.custom_run = not opt._plan_runs  # noqa: SLF001
+        self.custom_run = opt.hooks.run
         self._build_exec(opt, params, grads)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -109,7 +111,8 @@ class StepPlan:
         """Whether ``items`` (whose names are ``names``, already compared equal to the plan's) is this plan's batch,
         every check of the full validation that could change still passing (never raises for a bad item: any doubt
         is a mismatch)."""
-        if self.dead or opt.config is not self.config or opt._lr_scale is not self.lr_scale_fn:  # noqa: SLF001
+        scale_fn = opt._lr_scale  # noqa: SLF001 - see __init__
+        if self.dead or opt.config is not self.config or scale_fn is not self.lr_scale_fn:
             return False
         shapes = list(map(_SHAPE, items))
         if shapes != self.shapes:
@@ -137,7 +140,7 @@ class StepPlan:
             scales = list(map(self.lr_scale_fn, names))
             if scales != self.scales or bool in set(map(type, scales)):
                 return False
-        lr = opt._lr or 0.0  # noqa: SLF001
+        lr = opt.lr or 0.0
         for dt, s in self.max_scale.items():
             if not lr * s <= _DTYPE_MAX[dt]:
                 return False
@@ -157,7 +160,9 @@ class StepPlan:
             if slot.backend == "cupy":
                 gpu_items.append(i)
             else:
-                cpu_entries.append((i, self.names[i], params[i], grads[i], slot, self.scales[i]))
+                scale = self.scales[i]
+                cpu_entries.append(cpu_plan.Entry(i, self.names[i], params[i], grads[i], slot,
+                                                  opt.hooks.effective_lr(scale), scale))
         self.gpu_all = gpu_items
         if cpu_entries:  # (grouped by t: only the differences between the slots' t matter, see run())
             self.cpu = cpu_plan.StaticPlan(opt, cpu_entries, self.chunk)
@@ -177,7 +182,7 @@ class StepPlan:
             members = [(params[i], grads[i], self.slots[i], self.scales[i]) for i in idx]
             self.groups.append((self.slots[idx[0]], mt.Group(spec, members, mt.CHUNK)))
         self.gpu_rest.sort()
-        self.epoch = opt._plan_serial  # noqa: SLF001
+        self.epoch = opt.plan_cache.serial
 
     def run(self, opt, items) -> None:
         """One step of the batch ``matches`` accepted."""
@@ -185,16 +190,16 @@ class StepPlan:
         self.params = self.grads = None
         slots = self.slots
         if self.custom_run:
-            opt._run(list(zip(map(_as_item, items), slots, self.scales)))  # noqa: SLF001
+            self.custom_run(list(zip(map(_as_item, items), slots, self.scales)))
             return
         rebuild = self.cpu is not None and not self.cpu.valid(opt)
-        if not rebuild and self.epoch != opt._plan_serial - 1:  # noqa: SLF001 - another step ran since ours
+        if not rebuild and self.epoch != opt.plan_cache.serial - 1:  # another step ran since ours
             base = self.t_ref
             d = slots[0].t - base[0]
             rebuild = any(s.t - b != d for s, b in zip(slots, base))
         if rebuild:
             self._build_exec(opt, params, grads)
-        self.epoch = opt._plan_serial  # noqa: SLF001
+        self.epoch = opt.plan_cache.serial
         for s in slots:
             s.t += 1
         if self.cpu is not None:
@@ -206,11 +211,11 @@ class StepPlan:
                 if twin:  # FLATOPT_FORCE_TWIN: every CuPy item runs its twin
                     rest = self.gpu_all
                 else:
-                    base_lr = opt._lr if opt._lr is not None else 0.0  # noqa: SLF001
+                    base_lr = opt.lr if opt.lr is not None else 0.0
                     for slot, group in self.groups:
                         group.launch(opt.config, slot.t, base_lr)
             if rest:
-                gpu_run.run_gpu(opt, [(_as_item(items[i]), slots[i], opt._effective_lr(self.scales[i]))  # noqa: SLF001
+                gpu_run.run_gpu(opt, [(_as_item(items[i]), slots[i], opt.hooks.effective_lr(self.scales[i]))
                                       for i in rest])
 
 
@@ -258,7 +263,3 @@ def _as_item(it):
 
 _DTYPE_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float32, np.float64)}
 
-
-def forget(opt: Any) -> None:
-    """Drop every plan of ``opt`` (after ``reset``/``load_state_dict``: slots replaced)."""
-    opt.__dict__.pop("_step_plans", None)

@@ -1,4 +1,11 @@
-"""Per-thread scratch buffers shared by the quantized optimizers (allocated once, grown on demand, never saved).
+"""Per-thread scratch buffers: the one scratch mechanism of flatopt (allocated once, grown on demand, never saved).
+
+Every temporary that outlives one call but not one step comes from here: the chunk-sized scratch of the elementwise
+updates (``core.cpu_plan.scratch``), the matrix temporaries of the per-tensor algorithms (``core.linalg.scratch``;
+on CuPy it takes CuPy's stream-ordered pool instead), the quantized optimizers' and Kron's work areas. What is *not*
+scratch lives in the state: buffers whose contents must survive to the next step (e.g. the blocked sums' zero
+padding of ``core.sqsum.sq_scratch``, a bucket's packed arenas in ``core.cpu_plan``) are per parameter, created with
+the state and owned by it.
 
 ``get(xp, key, n, dtype)`` returns a 1-D view of ``n`` elements of a buffer owned by the calling thread; two calls
 with the same key return overlapping memory, so a caller uses one key per live temporary.  Buffers are per thread
@@ -35,7 +42,10 @@ def get(xp, key: str, n: int, dtype) -> object:
     if buf is None or buf.size < n:
         buf = pool[k] = xp.empty(max(n, 1), dtype)
         if xp is not np:
-            _tls.__dict__.setdefault("streams", {})[k[2:]] = stream  # keep its handle from re-use
+            streams = getattr(_tls, "streams", None)
+            if streams is None:
+                streams = _tls.streams = {}
+            streams[k[2:]] = stream  # keep its handle from re-use
     return buf[:n]
 
 

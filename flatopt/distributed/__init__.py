@@ -144,7 +144,7 @@ class Sharded(ShardedCheckpoints):
             err: BaseException | None = None
             work: tuple[Plan, list[OptItem], list[tuple[int, Array]], Any] | None = None
             try:
-                work = self._prepare(items)
+                work = self._prepare_pieces(items)
             except Exception as exc:  # noqa: BLE001 - voted on below, re-raised on this rank
                 err = exc
             self._vote(err, digest(items), "rejected the batch (nothing was changed on any rank)")
@@ -168,7 +168,7 @@ class Sharded(ShardedCheckpoints):
             if raising is not None:
                 raise raising
 
-    def _prepare(self, items: Sequence[OptItem]) -> tuple[Plan, list[OptItem], list[tuple[int, Array]], Any]:
+    def _prepare_pieces(self, items: Sequence[OptItem]) -> tuple[Plan, list[OptItem], list[tuple[int, Array]], Any]:
         """Validate the batch on this rank (nothing changes) and work out the pieces: ``(plan, items this rank
         steps, [(owner, param range)] to broadcast, APOLLO seeds of new names)``.  The wrapped optimizer checks
         the items this rank owns first (so its own error types and messages surface, as in a single process);
@@ -279,7 +279,7 @@ def global_norm(buffers: Sequence[Array], comm: Any, *, allow_empty: bool = Fals
     """√(Σ over the ranks of Σ over their ``buffers`` of Σ x²), accumulated in float64: the norm of the union of
     disjoint per-rank buffers (e.g. gradient shards).  NumPy: a NumPy float64; CuPy: a 0-d device array (no host
     synchronisation).  Every rank must call it.  The local sum adds in one documented order on both backends
-    (``core.norms.sumsq64``: each buffer in ``core.blocks.sq_sum``'s blocked order over float64(x)², the buffers in
+    (``core.norms.sumsq64``: each buffer in ``core.sqsum.sq_sum``'s blocked order over float64(x)², the buffers in
     order): the same bits on NumPy and CuPy; on CuPy two launches per buffer (then the all-reduce and the root)."""
     be = comm.backend if isinstance(comm, Sharded) else as_backend(comm)
     if not buffers and not allow_empty:

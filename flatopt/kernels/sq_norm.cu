@@ -1,5 +1,5 @@
 // Sum of squares of a buffer in double (distributed.global_norm's local sum; twin: core/norms.py `sumsq64`), in the
-// blocked order of core/blocks.py `sq_sum` (documented there; sq_sum.cuh): the terms are double(x)^2, so the result
+// blocked order of core/sqsum.py `sq_sum` (documented there; sq_sum.cuh): the terms are double(x)^2, so the result
 // is the twin's, bit for bit, on any device and thread count.  Two launches per buffer on the current stream, no
 // host synchronisation, no atomics:
 //   sq64_partials (sq_blocks(n) blocks): the block partials -> parts[c]

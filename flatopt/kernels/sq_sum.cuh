@@ -1,5 +1,5 @@
 // The blocked sum of squares shared by the kernels with per-tensor norms (lamb.cu, mars.cu): the order of
-// flatopt/core/blocks.py `sq_sum` (its twin), documented there.  Included textually by the loader
+// flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
 // (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
 #pragma once
 #define SQ_THREADS 256
@@ -34,7 +34,7 @@ __device__ T sq_fold(const T* __restrict__ parts, const long long nb, T* sh) {
   return sq_block(acc, sh);
 }
 
-// The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/blocks.py): i * nb * L + c * L + j.
+// The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/sqsum.py): i * nb * L + c * L + j.
 // (A multi-tensor pass, core/multi_tensor.py `Norms`, runs block c of a tensor as block b of its launch.)
 __device__ __forceinline__ long long sq_column(const long long nb, const long long c) {
   const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;

@@ -256,13 +256,15 @@ def _update_nd(xp: Any, cfg: KronPsgdConfig, st: KronPsgdState, lay: L.Layout, p
     param += step
 
 
+_D = KronPsgdConfig  # the constructor's defaults: written once, in the config
+
+
 class KronPsgd(PerParamOptimizer):
-    """``KronPsgd(lr, precond_lr=0.1, momentum=0.9, weight_decay=0.0, eps=1e-8, clip=1.0, **knobs)``; see the
-    module doc.  Builders: ``.with_momentum(mu)``, ``.with_weight_decay(wd)``; ``probe=fn`` injects the probes."""
+    """``KronPsgd(...)``; see the module doc.  Builders: ``.with_momentum(mu)``, ``.with_weight_decay(wd)``;
+    ``probe=fn`` injects the probes."""
 
     algorithm = "kron_psgd"
     config_cls = KronPsgdConfig
-    state_cls = KronPsgdState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(_fused.kernel_update)
@@ -272,12 +274,13 @@ class KronPsgd(PerParamOptimizer):
     matters = ("max_size_triangular", "min_ndim_triangular", "memory_save_mode", "merge_dims", "merge_rule",
                "precond_dtype", "seed", "balance_seed")
 
-    def __init__(self, lr: float, precond_lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-                 eps: float = 1e-8, clip: float | None = 1.0, *, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None,
+    def __init__(self, lr: float, precond_lr: float = _D.precond_lr, momentum: float = _D.momentum,
+                 weight_decay: float = _D.weight_decay, eps: float = _D.eps, clip: float | None = _D.clip, *,
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
                  probe: Callable[[str, tuple[int, ...], int], Array] | None = None, **knobs: Any) -> None:
         super().__init__(KronPsgdConfig(lr, precond_lr, momentum, weight_decay, eps, clip, **knobs),
                          lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        self.hooks = self.hooks.replace(prepare=self._prepare_with_ctx)
         self.set_probe(probe)
 
     def with_momentum(self, mu: float) -> KronPsgd:
@@ -302,8 +305,9 @@ class KronPsgd(PerParamOptimizer):
         self._hook = fn
         self._ctx: dict[str, tuple[Any, ...]] = {}
 
-    def _prepare(self, items: Sequence[OptItem]) -> list[Any]:
-        prepared = super()._prepare(items)
+    def _prepare_with_ctx(self, items: Sequence[OptItem]) -> list[Any]:
+        """``hooks.prepare``: the driver's, then each state's noise stream and probe (``ctx``)."""
+        prepared = self._prepare(items)
         for it, slot, _ in prepared:  # serial, before any worker runs
             ctx = self._ctx.get(it.name)
             if ctx is None:

@@ -131,8 +131,8 @@ def init(xp: Any, cfg: MuonConfig, shape: tuple[int, ...], dtype: Any) -> MuonSt
 
 
 # NumPy: the Newton–Schulz products A·A and B·X are cut into row blocks fixed by the shape alone (``_row_blocks``;
-# the Gram matrix stays one syrk call) and run with the BLAS held at one thread (``Muon._run``): on the threads when
-# matrices are stepped one at a time, one block after another inside a worker that steps several
+# the Gram matrix stays one syrk call) and run with the BLAS held at one thread (``Muon._run_sharded``):
+# on the threads when matrices are stepped one at a time, one block after another inside a worker that steps several
 # (``_local.serial``).  The same BLAS calls in every mode, so the bits depend neither on the mode nor on the cores,
 # and a matrix stepped alone still uses the cores for two of its three products.
 ROW_BLOCK = 128
@@ -217,14 +217,14 @@ def update(xp: Any, cfg: MuonConfig, st: MuonState, p: Array, g: Array, *, t: in
 
 
 
+_D = MuonConfig  # the constructor's defaults: written once, in the config
+
+
 class Muon(PerParamOptimizer):
-    """``Muon(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5, ns_coefficients=(3.4445,
-    -4.7750, 2.0315), eps=1e-7, adjust_lr="original", momentum_convention="ema", eps_mode="clamp",
-    layout="out_in", *, lr_scale=None, workers=None)``: see the module doc.  2-D parameters only."""
+    """``Muon(...)``: see the module doc.  2-D parameters only."""
 
     algorithm = "muon"
     config_cls = MuonConfig
-    state_cls = MuonState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     kernel_fn = staticmethod(_fused.kernel_update)
@@ -232,15 +232,16 @@ class Muon(PerParamOptimizer):
     matters = ("momentum_convention",)
     threaded = False  # the driver's pool over multi-threaded BLAS oversubscribes; ``workers`` shards instead
 
-    def __init__(self, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
-                 ns_steps: int = 5, ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
-                 eps: float = 1e-7, adjust_lr: str | None = "original", momentum_convention: str = "ema",
-                 eps_mode: str = "clamp", layout: str = "out_in", *, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None,
-                 workers: int | None = None) -> None:
+    def __init__(self, lr: float = _D.lr, momentum: float = _D.momentum, nesterov: bool = _D.nesterov,
+                 weight_decay: float = _D.weight_decay, ns_steps: int = _D.ns_steps,
+                 ns_coefficients: tuple[float, float, float] = _D.ns_coefficients, eps: float = _D.eps,
+                 adjust_lr: str | None = _D.adjust_lr, momentum_convention: str = _D.momentum_convention,
+                 eps_mode: str = _D.eps_mode, layout: str = _D.layout, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None, workers: int | None = None) -> None:
         cfg = MuonConfig(lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr,
                          momentum_convention, eps_mode, layout)
         super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        self.hooks = self.hooks.replace(check_shape=self._check_matrix, run=self._run_sharded)
         if workers is None:
             workers = shards.default_workers()
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -253,7 +254,8 @@ class Muon(PerParamOptimizer):
         matrix on one worker for the whole run).  Names not listed get a worker at their first step."""
         self._shard.update(shards.assign([(n, _cost(s)) for n, s in order], self.workers))
 
-    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+    def _check_matrix(self, name: str, shape: tuple[int, ...]) -> None:
+        """``hooks.check_shape``: non-empty 2-D matrices whose lr·s and lr·weight_decay are finite in float32."""
         if len(shape) != 2 or min(shape) == 0:
             raise ValueError(
                 f"parameter {name!r}: Muon updates non-empty 2-D matrices only, got shape {shape}; route biases, "
@@ -266,7 +268,8 @@ class Muon(PerParamOptimizer):
             if not (lr * shape_scale(self.config, shape) <= _F32_MAX and lr * self.config.weight_decay <= _F32_MAX):
                 raise ValueError(f"parameter {name!r}: lr·s or lr·weight_decay overflows float32 (lr {lr!r})")
 
-    def _run(self, prepared: list[Any]) -> None:
+    def _run_sharded(self, prepared: list[Any]) -> None:
+        """``hooks.run``: the driver's execution, with the BLAS capped, on the shard workers when they pay."""
         # NumPy: every Newton–Schulz GEMM runs with the BLAS held at one thread, in every mode (the serial loop, one
         # item, the workers), because a GEMM's bits depend on the BLAS thread count on some CPUs; without
         # threadpoolctl nothing can hold it, so the items run serially on the BLAS's own threads (same calls either way)
@@ -275,7 +278,7 @@ class Muon(PerParamOptimizer):
                 or any(slot.backend == "cupy" for _, slot, _ in prepared)
                 or sum(_cost(slot.shape) for _, slot, _ in prepared) < parallel.PARALLEL_MIN_COST):
             with shards.blas_capped(on_cpu):
-                super()._run(prepared)
+                self._run(prepared)
             return
         for it, _, _ in prepared:
             if it.name not in self._shard:
@@ -291,7 +294,7 @@ class Muon(PerParamOptimizer):
         """A worker's matrices, one after another, each GEMM's row blocks in turn (``_mm``)."""
         _local.serial = True
         try:
-            PerParamOptimizer._run(self, bucket)
+            self._run(bucket)
         finally:
             _local.serial = False
 

@@ -214,12 +214,12 @@ class MuonAdamW:
 
     def state_names(self) -> list[str]:
         """The parameters that have state (stepped at least once) in either group, sorted (canonical names)."""
-        with self._router._lock:  # noqa: SLF001
+        with self._router._lock:  # noqa: SLF001 - the Router this object owns: one lock for both halves
             return sorted(self._muon.state_names() + self._adamw.state_names())
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state held by both groups (persistent arrays)."""
-        with self._router._lock:  # noqa: SLF001
+        with self._router._lock:  # noqa: SLF001 - the Router this object owns: one lock for both halves
             return self._muon.state_nbytes() + self._adamw.state_nbytes()
 
     def reset(self, name: str) -> None:
@@ -228,7 +228,7 @@ class MuonAdamW:
         canon = self._aliases.get(name, name)
         if canon not in self._manifest:
             raise E.UnknownParameter(f"parameter {name!r} is not in the manifest")
-        with self._router._lock:  # noqa: SLF001
+        with self._router._lock:  # noqa: SLF001 - the Router this object owns: one lock for both halves
             (self._muon if canon in self._muon_set else self._adamw).reset(canon)
 
     # ------------------------------------------------------------------------------------------- stepping
@@ -291,7 +291,7 @@ class MuonAdamW:
 
     def validate_batch(self, items: Sequence[OptItem]) -> None:
         """Raise what ``step_batch(items)`` would raise for bad input, changing nothing."""
-        with self._router._lock:  # noqa: SLF001
+        with self._router._lock:  # noqa: SLF001 - the Router this object owns: one lock for both halves
             self._check(self._items(items, None), self._lr)
 
     def _check(self, items: list[OptItem], muon_lr: float) -> tuple[list[OptItem], dict[str, list[OptItem]]]:
@@ -329,7 +329,7 @@ class MuonAdamW:
     def state_dict(self) -> OptimizerState:
         """A versioned record of both groups (Muon momentum buffers, AdamW moments, step counts), the manifest and
         the configuration key that ``try_load_record`` checks."""
-        with self._router._lock:  # noqa: SLF001
+        with self._router._lock:  # noqa: SLF001 - the Router this object owns: one lock for both halves
             st = self._router.state_dict()
             st.config = {**st.config, **self._config, "lr": self._lr}
             st.extra["lr"] = self._lr  # the lr in effect (training state: load_state_dict restores it)
@@ -349,7 +349,7 @@ class MuonAdamW:
         except IncompatibleState as exc:
             raise E.StateMismatch(str(exc)) from None
         if "lr" in state.extra:  # (checked by the router before anything changed)
-            self._lr = self._router._lr = float(state.extra["lr"])  # noqa: SLF001
+            self._lr = self._router._lr = float(state.extra["lr"])  # noqa: SLF001 - the Router this object owns
 
     def load_state_dict(self, state: OptimizerState, *, strict: bool = False) -> bool:
         """``try_load_record`` that answers ``False`` instead of raising (the exception: ``last_load_error``, its

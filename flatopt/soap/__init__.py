@@ -180,24 +180,25 @@ def update(xp: Any, cfg: SoapConfig, st: SoapState, p: Array, g: Array, *, t: in
         N.refresh(xp, stats, bases, v.reshape(shape))
 
 
+_D = SoapConfig  # the constructor's defaults: written once, in the config
+
+
 class Soap(PerParamOptimizer):
-    """``Soap(lr=3e-3, betas=(0.95, 0.95), shampoo_beta=None, eps=1e-8, weight_decay=1e-2,
-    precondition_frequency=10, max_precond_dim=10000, precondition_1d=False)``: see the module doc."""
+    """``Soap(...)``: see the module doc."""
 
     algorithm = "soap"
     config_cls = SoapConfig
-    state_cls = SoapState
     init_fn = staticmethod(init)
     update_fn = staticmethod(update)
     matters = ("max_precond_dim", "precondition_1d")
     threaded = False  # matrix products on the BLAS (see the module doc)
     blas_bound = True  # ... held at one thread
 
-    def __init__(self, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float | None = None,
-                 eps: float = 1e-8, weight_decay: float = 1e-2, precondition_frequency: int = 10,
-                 max_precond_dim: int = 10000, precondition_1d: bool = False, *, lr_scale: LrScale | None = None,
-                 weight_decay_mask: DecayMask = None
-                 ) -> None:
+    def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas,
+                 shampoo_beta: float | None = _D.shampoo_beta, eps: float = _D.eps,
+                 weight_decay: float = _D.weight_decay, precondition_frequency: int = _D.precondition_frequency,
+                 max_precond_dim: int = _D.max_precond_dim, precondition_1d: bool = _D.precondition_1d, *,
+                 lr_scale: LrScale | None = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(SoapConfig(lr, betas, shampoo_beta, eps, weight_decay, precondition_frequency,
                                     max_precond_dim, precondition_1d), lr_scale=lr_scale,
                                     weight_decay_mask=weight_decay_mask)
