@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from .adam import adam_moments, adam_step
 from .core import backend, kernels, native
+from .core.elementwise import define, run
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
@@ -83,8 +85,40 @@ def _scalars(cfg: AdamWConfig, t: int, lr: float) -> tuple[float, float, float, 
     return 1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, cfg.eps, -(lr / bc1)
 
 
-def update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: AdamWConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: the multi-tensor kernel derives ``decay`` and
+    ``neg_step`` per tensor with these operations)."""
+    b1, b2 = cfg.betas
+    bc1, bc2_sqrt = _bias(cfg, t)
+    return dict(decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc2_sqrt=bc2_sqrt,
+                eps=cfg.eps, neg_step=-(lr / bc1))
+
+
+def flags(cfg: AdamWConfig, t: int) -> dict[str, bool]:
+    return dict(wd=cfg.weight_decay != 0, ams=cfg.amsgrad)
+
+
+def step(e: Any, p: Any, g: Any, m: Any, v: Any, vmax: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it."""
+    if f.wd:
+        p = p * s.decay
+    m, v = adam_moments(g, m, v, s)
+    src = v
+    if f.ams:
+        vmax = src = e.maximum(vmax, v)
+    p = adam_step(e, p, m, src, s)
+    return dict(p=p, m=m, v=v, vmax=vmax)
+
+
+DEF = define("adamw", step, scalars=scalars, flags=flags, flag_names=("wd", "ams"), slots=("m", "v", "vmax"),
+             example=AdamWConfig())
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
+def hand_update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds one buffer the size of ``p``.
 
     Fourteen in-place ufunc passes (13 without weight decay, one more with amsgrad), each rounded to the dtype, in
@@ -118,7 +152,7 @@ def update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: 
     add(p, s, p)
 
 
-def kernel_update(cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("adamw.cu", "adamw_step", p.dtype)
     vmax = st.vmax if st.vmax is not None else st.v
@@ -135,7 +169,7 @@ def _multi_args(cfg: AdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
             np.int32(cfg.amsgrad))
 
 
-MULTI = MultiTensor("adamw.cu", "adamw_multi",
+HAND_MULTI = MultiTensor("adamw.cu", "adamw_multi",
                     lambda st, p: (st.m, st.v, st.vmax if st.vmax is not None else st.v), _multi_args)
 
 
@@ -146,11 +180,11 @@ class AdamW(PerParamOptimizer):
     config_cls = AdamWConfig
     state_cls = AdamWState
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
-    scratch_buffers = 1
+    scratch_buffers = _scratch
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
