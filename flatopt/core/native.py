@@ -43,7 +43,6 @@ from . import native_cache
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "elementwise.c"
 # the loops generated from the definitions (core/elementwise), compiled into the same library
 GENERATED = Path(__file__).resolve().parent.parent / "kernels" / "generated" / "elementwise.c"
-SOURCES = (SOURCE, GENERATED)
 # No -ffast-math and no FMA contraction: each operation rounds as NumPy's ufunc does (the twin's bits).
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fvisibility=hidden")
 # elementwise entry -> its arrays (p, g, state...; Lamb's apply: p, u): (dt, arrays..., n, scalars, flags)
@@ -58,13 +57,17 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "lib": {entry: bound function} or None, "why": a line
 
 
+def _sources() -> tuple[Path, Path]:
+    return SOURCE, GENERATED
+
+
 def _compiler(exe: str) -> Any:
     """``compile_to(path, pass_fds)`` for ``native_cache.load``: builds SOURCE at ``path``; None, or why it failed."""
     def compile_to(path: str, fds: tuple[int, ...]) -> str | None:
-        res = subprocess.run([exe, *FLAGS, "-o", path, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+        res = subprocess.run([exe, *FLAGS, "-o", path, *map(str, _sources()), "-lm"], capture_output=True, text=True,
                              timeout=native_cache.COMPILE_TIMEOUT_S, pass_fds=fds)
         if res.returncode != 0:
-            return f"{Path(exe).name} failed on {' and '.join(s.name for s in SOURCES)}: {res.stderr.strip()[-500:]}"
+            return f"{Path(exe).name} failed on {' and '.join(s.name for s in _sources())}: {res.stderr.strip()[-500:]}"
         return None
     return compile_to
 
@@ -98,7 +101,7 @@ def _build() -> tuple[Any, str]:
         return None, "no /proc/self/fd: the library is only loaded through its checked descriptor"
     try:
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(), version.encode(),
+        key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _sources()), " ".join(FLAGS).encode(), version.encode(),
                                          platform.machine().encode()])).hexdigest()[:20]
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
