@@ -142,7 +142,7 @@ ELEMS = 4  # elements per thread loaded before any is stored
 
 
 def cuda_name(d, fs: int, kind: str) -> str:
-    return f"{d.name}_{kind}_f{fs}"
+    return f"{d.name}_f{fs}_{kind}"
 
 
 def multi_params(d, prog: tr.Program, shape: tuple) -> tuple[tuple, tuple]:
@@ -171,7 +171,7 @@ def cuda_source(d, shape: tuple, path: str) -> str:
     src = src[src.rfind("flatopt/"):] if "flatopt/" in src else d.source.name
     L = [f"// flatopt's generated CUDA kernels of {d.name}: {GENERATED}.",
          f"// The step is {src} `{d.step_fn.__name__}`; per flag set (flags: {', '.join(d.flag_names)}; kernel",
-         "// suffix _f<k>: bit j of k is flag j) a per-tensor kernel and a multi-tensor kernel (core/multi_tensor.py:",
+         "// <algo>_f<k>_step/_multi: bit j of k is flag j) a per-tensor kernel and a multi-tensor kernel (core/multi_tensor.py:",
          "// the table, one launch per dtype group, one chunk per block) share one element-group function: each",
          f"// thread loads {ELEMS} elements of every array it reads before it stores any; 64-bit indices.",
          "// The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)",
