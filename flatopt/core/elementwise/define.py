@@ -66,6 +66,10 @@ class Definition:
         return self._program(self.index(f))
 
     def flags_of(self, cfg: Any, t: int) -> int:
+        return self._flags_of(cfg, t)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019
+    def _flags_of(self, cfg: Any, t: int) -> int:
         f = self.flags_fn(cfg, t)
         if tuple(f) != self.flag_names:
             raise ValueError(f"{self.name}.flags returned {tuple(f)}, declared {self.flag_names}")

@@ -93,36 +93,42 @@ def allocate(prog: tr.Program) -> Plan:
 
 
 class Runner:
-    """A plan bound to an array module: ``run(arrays, scalars, scratch, bools)``."""
+    """A plan bound to an array module, as one straight-line Python function (``source`` shows it):
+    ``run(arrays, scalars, scratch, bools)`` with the arrays in the definition's order and the scalars a dict of
+    values of the dtype."""
 
-    def __init__(self, plan: Plan, xp: Any):
-        self.plan = plan
-        self.ops = [(getattr(xp, _UFUNC[op]) if op != "where" else None, args, dst) for op, args, dst in plan.steps]
-        self.xp = xp
+    def __init__(self, plan: Plan, xp: Any, arrays: tuple):
+        self.plan, self.xp = plan, xp
+        names = {("arr", a): a for a in arrays}
+        env: dict = {"copyto": xp.copyto}
+        consts: dict = {}
+        body = []
 
-    def run(self, arrays: dict, scalars: dict, scratch: list, bools: list) -> None:
-        dt = arrays["p"].dtype.type
+        def ref(L: tuple) -> str:
+            if L in names:
+                return names[L]
+            if L[0] == "scr":
+                return f"_s{L[1]}"
+            if L[0] == "bool":
+                return f"_b{L[1]}"
+            if L[0] == "s":
+                return f"sc[{L[1]!r}]"
+            return consts.setdefault(L[1], f"_c{len(consts)}")
 
-        def val(L):
-            kind = L[0]
-            if kind == "arr":
-                return arrays[L[1]]
-            if kind == "scr":
-                return scratch[L[1]]
-            if kind == "bool":
-                return bools[L[1]]
-            if kind == "s":
-                return scalars[L[1]]
-            return dt(L[1])
-
-        for uf, args, dst in self.ops:
-            out = val(dst)
-            if uf is None:  # where(c, a, b): out = b, then a where c (out is never a's buffer: allocate bans it)
-                c, a, b = (val(x) for x in args)
+        for op, args, dst in plan.steps:
+            a = [ref(x) for x in args]
+            if op == "where":  # out = b, then a where c (out is never a's buffer: allocate bans it)
                 if dst != args[2]:
-                    self.xp.copyto(out, b)
-                self.xp.copyto(out, a, where=c)
+                    body.append(f"copyto({ref(dst)}, {a[2]})")
+                body.append(f"copyto({ref(dst)}, {a[1]}, where={a[0]})")
             else:
-                uf(*(val(x) for x in args), out)
-        for name, src in self.plan.copies:
-            self.xp.copyto(arrays[name], val(src))
+                env[_UFUNC[op]] = getattr(xp, _UFUNC[op])
+                body.append(f"{_UFUNC[op]}({', '.join(a)}, {ref(dst)})")
+        body += [f"copyto({name}, {ref(src)})" for name, src in plan.copies]
+        head = [f"{', '.join(arrays)}, = arrays"]
+        head += [f"_s{j} = scratch[{j}]" for j in range(plan.scratch)]
+        head += [f"_b{j} = bools[{j}]" for j in range(plan.bools)]
+        head += [f"{name} = dt({value!r})" for value, name in consts.items()]
+        self.source = "def run(arrays, sc, scratch, bools, dt):\n" + "".join(f"    {x}\n" for x in head + body)
+        exec(compile(self.source, "<flatopt.core.elementwise.lower_numpy>", "exec"), env)  # noqa: S102
+        self.run = env["run"]

@@ -48,7 +48,14 @@ def plan(d: Definition, fs: int) -> lower_numpy.Plan:
 
 @functools.lru_cache(maxsize=None)
 def _runner(d: Definition, fs: int, xp: Any) -> lower_numpy.Runner:
-    return lower_numpy.Runner(plan(d, fs), xp)
+    return lower_numpy.Runner(plan(d, fs), xp, d.arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _prepared(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, xp: Any) -> tuple:
+    """(the straight-line function of this step's flag set, its scalars of the dtype, its boolean scratch count)."""
+    r = _runner(d, d.flags_of(cfg, t), xp)
+    return r.run, _cast(d, cfg, t, lr, dtype), r.plan.bools
 
 
 def scratch_needed(d: Definition) -> int:
@@ -75,10 +82,8 @@ def _bools(xp: Any, k: int, n: int) -> list:
 def numpy_update(d: Definition, xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float,
                  scratch: list) -> None:
     """The NumPy/CuPy path alone (the reference)."""
-    fs = d.flags_of(cfg, t)
-    r = _runner(d, fs, xp)
-    arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
-    r.run(arrays, _cast(d, cfg, t, lr, p.dtype), scratch, _bools(xp, r.plan.bools, p.size))
+    fn, sc, nb = _prepared(d, cfg, t, lr, p.dtype, xp)
+    fn((p, g, *d.state_arrays(st, p)), sc, scratch, _bools(xp, nb, p.size) if nb else (), p.dtype.type)
 
 
 def native_update(d: Definition, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
