@@ -16,14 +16,14 @@ import types
 import numpy as np
 import pytest
 
-from flatopt import adam, adamw, sgd
+from flatopt import adam, adamw, nadamw, sgd
 from flatopt.core import backend, native
 from flatopt.core import multi_tensor as mt
 from flatopt.core.elementwise import run
 
 from .cuda_emu import fakecupy
 
-PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd}
+PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw}
 DTYPES = (np.float32, np.float64)
 N = 1000
 STEPS = 3  # t = 1, 2, 3: SGD's first step and the ones after
@@ -35,6 +35,10 @@ def _configs(name: str):
             if nest and (mom == 0 or damp != 0):
                 continue
             yield sgd.SGDConfig(lr=1e-2, momentum=mom, dampening=damp, nesterov=nest, weight_decay=wd)
+        return
+    if name == "nadamw":
+        for wd in (0.0, 0.1):
+            yield nadamw.NAdamWConfig(lr=1e-2, betas=(0.8, 0.95), weight_decay=wd)
         return
     cls = adamw.AdamWConfig if name == "adamw" else adam.AdamConfig
     for wd, ams in itertools.product((0.0, 0.1), (False, True)):
@@ -182,8 +186,8 @@ def test_kernels(name, device):
 
 
 def type_of(mod):
-    return {"adamw": mod.__dict__.get("AdamW"), "adam": mod.__dict__.get("Adam"), "sgd": mod.__dict__.get("SGD")}[
-        mod.__name__.rsplit(".", 1)[-1]]
+    return {"adamw": mod.__dict__.get("AdamW"), "adam": mod.__dict__.get("Adam"), "sgd": mod.__dict__.get("SGD"),
+            "nadamw": mod.__dict__.get("NAdamW")}[mod.__name__.rsplit(".", 1)[-1]]
 
 
 def test_print_table():

@@ -548,6 +548,160 @@ __attribute__((visibility("default"))) int flatopt_gen_adamw(int dt, int fs, voi
     }
 }
 
+/* ---- nadamw: nadamw.py `step` (flags: wd) */
+struct nadamw_scalars {
+    double decay;
+    double omb1;
+    double b2;
+    double omb2;
+    double bc2;
+    double eps;
+    double c_g;
+    double c_m;
+};
+
+CLONES static void nadamw_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct nadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float c_g = (float)s->c_g;
+    const float c_m = (float)s->c_m;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = g_i - m_i;
+        const float t1 = t0 * omb1;
+        const float t2 = m_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = g_i * omb2;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = t6 / bc2;
+        const float t8 = sqrtf(t7);
+        const float t9 = t8 + eps;
+        const float t10 = g_i / t9;
+        const float t11 = t10 * c_g;
+        const float t12 = p_i + t11;
+        const float t13 = t2 / t9;
+        const float t14 = t13 * c_m;
+        const float t15 = t12 + t14;
+        p[i] = t15;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void nadamw_f0_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct nadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double c_g = (double)s->c_g;
+    const double c_m = (double)s->c_m;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = g_i - m_i;
+        const double t1 = t0 * omb1;
+        const double t2 = m_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = g_i * omb2;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = t6 / bc2;
+        const double t8 = sqrt(t7);
+        const double t9 = t8 + eps;
+        const double t10 = g_i / t9;
+        const double t11 = t10 * c_g;
+        const double t12 = p_i + t11;
+        const double t13 = t2 / t9;
+        const double t14 = t13 * c_m;
+        const double t15 = t12 + t14;
+        p[i] = t15;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void nadamw_f1_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct nadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float c_g = (float)s->c_g;
+    const float c_m = (float)s->c_m;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i - m_i;
+        const float t2 = t1 * omb1;
+        const float t3 = m_i + t2;
+        const float t4 = v_i * b2;
+        const float t5 = g_i * omb2;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = t7 / bc2;
+        const float t9 = sqrtf(t8);
+        const float t10 = t9 + eps;
+        const float t11 = g_i / t10;
+        const float t12 = t11 * c_g;
+        const float t13 = t0 + t12;
+        const float t14 = t3 / t10;
+        const float t15 = t14 * c_m;
+        const float t16 = t13 + t15;
+        p[i] = t16;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void nadamw_f1_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct nadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double c_g = (double)s->c_g;
+    const double c_m = (double)s->c_m;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i - m_i;
+        const double t2 = t1 * omb1;
+        const double t3 = m_i + t2;
+        const double t4 = v_i * b2;
+        const double t5 = g_i * omb2;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = t7 / bc2;
+        const double t9 = sqrt(t8);
+        const double t10 = t9 + eps;
+        const double t11 = g_i / t10;
+        const double t12 = t11 * c_g;
+        const double t13 = t0 + t12;
+        const double t14 = t3 / t10;
+        const double t15 = t14 * c_m;
+        const double t16 = t13 + t15;
+        p[i] = t16;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_nadamw(int dt, int fs, void *const *a, int64_t n, const struct nadamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: nadamw_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 1: nadamw_f0_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 2: nadamw_f1_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 3: nadamw_f1_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
 /* ---- sgd: sgd.py `step` (flags: wd, mom, first, damp, nest) */
 struct sgd_scalars {
     double wd;
