@@ -16,14 +16,14 @@ import types
 import numpy as np
 import pytest
 
-from flatopt import adam, adamw, nadamw, sgd
+from flatopt import adam, adamw, nadamw, qhadamw, sgd
 from flatopt.core import backend, native
 from flatopt.core import multi_tensor as mt
 from flatopt.core.elementwise import run
 
 from .cuda_emu import fakecupy
 
-PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw}
+PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw, "qhadamw": qhadamw}
 DTYPES = (np.float32, np.float64)
 N = 1000
 STEPS = 3  # t = 1, 2, 3: SGD's first step and the ones after
@@ -39,6 +39,10 @@ def _configs(name: str):
     if name == "nadamw":
         for wd in (0.0, 0.1):
             yield nadamw.NAdamWConfig(lr=1e-2, betas=(0.8, 0.95), weight_decay=wd)
+        return
+    if name == "qhadamw":
+        for wd, nu1, nu2 in itertools.product((0.0, 0.1), (0.7, 1.0), (0.8, 1.0)):
+            yield qhadamw.QHAdamWConfig(lr=1e-2, betas=(0.8, 0.95), nus=(nu1, nu2), weight_decay=wd)
         return
     cls = adamw.AdamWConfig if name == "adamw" else adam.AdamConfig
     for wd, ams in itertools.product((0.0, 0.1), (False, True)):
@@ -118,7 +122,7 @@ def test_numpy_and_c_pass(name, monkeypatch):
             p, st = p0.copy(), _copy(st0)
             for t, g in enumerate(grads, 1):
                 g = g.copy()
-                scratch = [np.empty(N, dt) for _ in range(2)]
+                scratch = [np.empty(N, dt) for _ in range(3)]
                 if path == "hand_numpy":
                     with monkeypatch.context() as m:
                         m.setattr(native, "step", lambda *a: False)
@@ -187,7 +191,7 @@ def test_kernels(name, device):
 
 def type_of(mod):
     return {"adamw": mod.__dict__.get("AdamW"), "adam": mod.__dict__.get("Adam"), "sgd": mod.__dict__.get("SGD"),
-            "nadamw": mod.__dict__.get("NAdamW")}[mod.__name__.rsplit(".", 1)[-1]]
+            "nadamw": mod.__dict__.get("NAdamW"), "qhadamw": mod.__dict__.get("QHAdamW")}[mod.__name__.rsplit(".", 1)[-1]]
 
 
 def test_print_table():

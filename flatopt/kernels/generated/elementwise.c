@@ -702,6 +702,594 @@ __attribute__((visibility("default"))) int flatopt_gen_nadamw(int dt, int fs, vo
     }
 }
 
+/* ---- qhadamw: qhadamw.py `step` (flags: wd, nu1, nu2) */
+struct qhadamw_scalars {
+    double decay;
+    double omb1;
+    double b2;
+    double omb2;
+    double c_m;
+    double c_g;
+    double c_v;
+    double c_gg;
+    double eps;
+    double neg_lr;
+};
+
+CLONES static void qhadamw_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = g_i - m_i;
+        const float t1 = t0 * omb1;
+        const float t2 = m_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = g_i * omb2;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = t2 * c_m;
+        const float t8 = t6 * c_v;
+        const float t9 = sqrtf(t8);
+        const float t10 = t9 + eps;
+        const float t11 = t7 / t10;
+        const float t12 = t11 * neg_lr;
+        const float t13 = p_i + t12;
+        p[i] = t13;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void qhadamw_f0_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = g_i - m_i;
+        const double t1 = t0 * omb1;
+        const double t2 = m_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = g_i * omb2;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = t2 * c_m;
+        const double t8 = t6 * c_v;
+        const double t9 = sqrt(t8);
+        const double t10 = t9 + eps;
+        const double t11 = t7 / t10;
+        const double t12 = t11 * neg_lr;
+        const double t13 = p_i + t12;
+        p[i] = t13;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void qhadamw_f1_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i - m_i;
+        const float t2 = t1 * omb1;
+        const float t3 = m_i + t2;
+        const float t4 = v_i * b2;
+        const float t5 = g_i * omb2;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = t3 * c_m;
+        const float t9 = t7 * c_v;
+        const float t10 = sqrtf(t9);
+        const float t11 = t10 + eps;
+        const float t12 = t8 / t11;
+        const float t13 = t12 * neg_lr;
+        const float t14 = t0 + t13;
+        p[i] = t14;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void qhadamw_f1_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i - m_i;
+        const double t2 = t1 * omb1;
+        const double t3 = m_i + t2;
+        const double t4 = v_i * b2;
+        const double t5 = g_i * omb2;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = t3 * c_m;
+        const double t9 = t7 * c_v;
+        const double t10 = sqrt(t9);
+        const double t11 = t10 + eps;
+        const double t12 = t8 / t11;
+        const double t13 = t12 * neg_lr;
+        const double t14 = t0 + t13;
+        p[i] = t14;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void qhadamw_f2_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = g_i - m_i;
+        const float t1 = t0 * omb1;
+        const float t2 = m_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = g_i * omb2;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = t2 * c_m;
+        const float t8 = g_i * c_g;
+        const float t9 = t7 + t8;
+        const float t10 = t6 * c_v;
+        const float t11 = sqrtf(t10);
+        const float t12 = t11 + eps;
+        const float t13 = t9 / t12;
+        const float t14 = t13 * neg_lr;
+        const float t15 = p_i + t14;
+        p[i] = t15;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void qhadamw_f2_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = g_i - m_i;
+        const double t1 = t0 * omb1;
+        const double t2 = m_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = g_i * omb2;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = t2 * c_m;
+        const double t8 = g_i * c_g;
+        const double t9 = t7 + t8;
+        const double t10 = t6 * c_v;
+        const double t11 = sqrt(t10);
+        const double t12 = t11 + eps;
+        const double t13 = t9 / t12;
+        const double t14 = t13 * neg_lr;
+        const double t15 = p_i + t14;
+        p[i] = t15;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void qhadamw_f3_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i - m_i;
+        const float t2 = t1 * omb1;
+        const float t3 = m_i + t2;
+        const float t4 = v_i * b2;
+        const float t5 = g_i * omb2;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = t3 * c_m;
+        const float t9 = g_i * c_g;
+        const float t10 = t8 + t9;
+        const float t11 = t7 * c_v;
+        const float t12 = sqrtf(t11);
+        const float t13 = t12 + eps;
+        const float t14 = t10 / t13;
+        const float t15 = t14 * neg_lr;
+        const float t16 = t0 + t15;
+        p[i] = t16;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void qhadamw_f3_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i - m_i;
+        const double t2 = t1 * omb1;
+        const double t3 = m_i + t2;
+        const double t4 = v_i * b2;
+        const double t5 = g_i * omb2;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = t3 * c_m;
+        const double t9 = g_i * c_g;
+        const double t10 = t8 + t9;
+        const double t11 = t7 * c_v;
+        const double t12 = sqrt(t11);
+        const double t13 = t12 + eps;
+        const double t14 = t10 / t13;
+        const double t15 = t14 * neg_lr;
+        const double t16 = t0 + t15;
+        p[i] = t16;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void qhadamw_f4_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = g_i - m_i;
+        const float t1 = t0 * omb1;
+        const float t2 = m_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = g_i * omb2;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = t2 * c_m;
+        const float t8 = t6 * c_v;
+        const float t9 = g_i * c_gg;
+        const float t10 = t9 * g_i;
+        const float t11 = t8 + t10;
+        const float t12 = sqrtf(t11);
+        const float t13 = t12 + eps;
+        const float t14 = t7 / t13;
+        const float t15 = t14 * neg_lr;
+        const float t16 = p_i + t15;
+        p[i] = t16;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void qhadamw_f4_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = g_i - m_i;
+        const double t1 = t0 * omb1;
+        const double t2 = m_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = g_i * omb2;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = t2 * c_m;
+        const double t8 = t6 * c_v;
+        const double t9 = g_i * c_gg;
+        const double t10 = t9 * g_i;
+        const double t11 = t8 + t10;
+        const double t12 = sqrt(t11);
+        const double t13 = t12 + eps;
+        const double t14 = t7 / t13;
+        const double t15 = t14 * neg_lr;
+        const double t16 = p_i + t15;
+        p[i] = t16;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void qhadamw_f5_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i - m_i;
+        const float t2 = t1 * omb1;
+        const float t3 = m_i + t2;
+        const float t4 = v_i * b2;
+        const float t5 = g_i * omb2;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = t3 * c_m;
+        const float t9 = t7 * c_v;
+        const float t10 = g_i * c_gg;
+        const float t11 = t10 * g_i;
+        const float t12 = t9 + t11;
+        const float t13 = sqrtf(t12);
+        const float t14 = t13 + eps;
+        const float t15 = t8 / t14;
+        const float t16 = t15 * neg_lr;
+        const float t17 = t0 + t16;
+        p[i] = t17;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void qhadamw_f5_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i - m_i;
+        const double t2 = t1 * omb1;
+        const double t3 = m_i + t2;
+        const double t4 = v_i * b2;
+        const double t5 = g_i * omb2;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = t3 * c_m;
+        const double t9 = t7 * c_v;
+        const double t10 = g_i * c_gg;
+        const double t11 = t10 * g_i;
+        const double t12 = t9 + t11;
+        const double t13 = sqrt(t12);
+        const double t14 = t13 + eps;
+        const double t15 = t8 / t14;
+        const double t16 = t15 * neg_lr;
+        const double t17 = t0 + t16;
+        p[i] = t17;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void qhadamw_f6_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = g_i - m_i;
+        const float t1 = t0 * omb1;
+        const float t2 = m_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = g_i * omb2;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = t2 * c_m;
+        const float t8 = g_i * c_g;
+        const float t9 = t7 + t8;
+        const float t10 = t6 * c_v;
+        const float t11 = g_i * c_gg;
+        const float t12 = t11 * g_i;
+        const float t13 = t10 + t12;
+        const float t14 = sqrtf(t13);
+        const float t15 = t14 + eps;
+        const float t16 = t9 / t15;
+        const float t17 = t16 * neg_lr;
+        const float t18 = p_i + t17;
+        p[i] = t18;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void qhadamw_f6_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = g_i - m_i;
+        const double t1 = t0 * omb1;
+        const double t2 = m_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = g_i * omb2;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = t2 * c_m;
+        const double t8 = g_i * c_g;
+        const double t9 = t7 + t8;
+        const double t10 = t6 * c_v;
+        const double t11 = g_i * c_gg;
+        const double t12 = t11 * g_i;
+        const double t13 = t10 + t12;
+        const double t14 = sqrt(t13);
+        const double t15 = t14 + eps;
+        const double t16 = t9 / t15;
+        const double t17 = t16 * neg_lr;
+        const double t18 = p_i + t17;
+        p[i] = t18;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void qhadamw_f7_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i - m_i;
+        const float t2 = t1 * omb1;
+        const float t3 = m_i + t2;
+        const float t4 = v_i * b2;
+        const float t5 = g_i * omb2;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = t3 * c_m;
+        const float t9 = g_i * c_g;
+        const float t10 = t8 + t9;
+        const float t11 = t7 * c_v;
+        const float t12 = g_i * c_gg;
+        const float t13 = t12 * g_i;
+        const float t14 = t11 + t13;
+        const float t15 = sqrtf(t14);
+        const float t16 = t15 + eps;
+        const float t17 = t10 / t16;
+        const float t18 = t17 * neg_lr;
+        const float t19 = t0 + t18;
+        p[i] = t19;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void qhadamw_f7_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i - m_i;
+        const double t2 = t1 * omb1;
+        const double t3 = m_i + t2;
+        const double t4 = v_i * b2;
+        const double t5 = g_i * omb2;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = t3 * c_m;
+        const double t9 = g_i * c_g;
+        const double t10 = t8 + t9;
+        const double t11 = t7 * c_v;
+        const double t12 = g_i * c_gg;
+        const double t13 = t12 * g_i;
+        const double t14 = t11 + t13;
+        const double t15 = sqrt(t14);
+        const double t16 = t15 + eps;
+        const double t17 = t10 / t16;
+        const double t18 = t17 * neg_lr;
+        const double t19 = t0 + t18;
+        p[i] = t19;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_qhadamw(int dt, int fs, void *const *a, int64_t n, const struct qhadamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: qhadamw_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 1: qhadamw_f0_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 2: qhadamw_f1_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 3: qhadamw_f1_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 4: qhadamw_f2_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 5: qhadamw_f2_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 6: qhadamw_f3_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 7: qhadamw_f3_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 8: qhadamw_f4_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 9: qhadamw_f4_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 10: qhadamw_f5_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 11: qhadamw_f5_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 12: qhadamw_f6_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 13: qhadamw_f6_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 14: qhadamw_f7_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 15: qhadamw_f7_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
 /* ---- sgd: sgd.py `step` (flags: wd, mom, first, damp, nest) */
 struct sgd_scalars {
     double wd;
