@@ -16,17 +16,17 @@ import types
 import numpy as np
 import pytest
 
-from flatopt import adam, adamw, nadamw, qhadamw, sgd
+from flatopt import adam, adamw, nadamw, qhadamw, radam, sgd
 from flatopt.core import backend, native
 from flatopt.core import multi_tensor as mt
 from flatopt.core.elementwise import run
 
 from .cuda_emu import fakecupy
 
-PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw, "qhadamw": qhadamw}
+PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw, "qhadamw": qhadamw, "radam": radam}
 DTYPES = (np.float32, np.float64)
 N = 1000
-STEPS = 3  # t = 1, 2, 3: SGD's first step and the ones after
+STEPS = 6  # t = 1 .. 6: SGD's first step and the ones after; RAdam (threshold 4, β2 0.9) rectifies from t = 5
 
 
 def _configs(name: str):
@@ -43,6 +43,11 @@ def _configs(name: str):
     if name == "qhadamw":
         for wd, nu1, nu2 in itertools.product((0.0, 0.1), (0.7, 1.0), (0.8, 1.0)):
             yield qhadamw.QHAdamWConfig(lr=1e-2, betas=(0.8, 0.95), nus=(nu1, nu2), weight_decay=wd)
+        return
+    if name == "radam":
+        for wd, dec in itertools.product((0.0, 0.1), (False, True)):
+            yield radam.RAdamConfig(lr=1e-2, betas=(0.8, 0.9), weight_decay=wd, decoupled_weight_decay=dec,
+                                    threshold=4.0)
         return
     cls = adamw.AdamWConfig if name == "adamw" else adam.AdamConfig
     for wd, ams in itertools.product((0.0, 0.1), (False, True)):
@@ -122,7 +127,7 @@ def test_numpy_and_c_pass(name, monkeypatch):
             p, st = p0.copy(), _copy(st0)
             for t, g in enumerate(grads, 1):
                 g = g.copy()
-                scratch = [np.empty(N, dt) for _ in range(3)]
+                scratch = [np.empty(N, dt) for _ in range(type_of(mod).scratch_buffers)]  # as the driver
                 if path == "hand_numpy":
                     with monkeypatch.context() as m:
                         m.setattr(native, "step", lambda *a: False)
@@ -191,7 +196,8 @@ def test_kernels(name, device):
 
 def type_of(mod):
     return {"adamw": mod.__dict__.get("AdamW"), "adam": mod.__dict__.get("Adam"), "sgd": mod.__dict__.get("SGD"),
-            "nadamw": mod.__dict__.get("NAdamW"), "qhadamw": mod.__dict__.get("QHAdamW")}[mod.__name__.rsplit(".", 1)[-1]]
+            "nadamw": mod.__dict__.get("NAdamW"), "qhadamw": mod.__dict__.get("QHAdamW"),
+            "radam": mod.__dict__.get("RAdam")}[mod.__name__.rsplit(".", 1)[-1]]
 
 
 def test_print_table():

@@ -1290,6 +1290,344 @@ __attribute__((visibility("default"))) int flatopt_gen_qhadamw(int dt, int fs, v
     }
 }
 
+/* ---- radam: radam.py `step` (flags: wd, dec, rect) */
+struct radam_scalars {
+    double wd;
+    double decay;
+    double omb1;
+    double b2;
+    double omb2;
+    double eps;
+    double factor;
+    double factor_rect;
+};
+
+CLONES static void radam_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float factor = (float)s->factor;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = g_i - m_i;
+        const float t1 = t0 * omb1;
+        const float t2 = m_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = g_i * omb2;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = t2 * factor;
+        const float t8 = p_i + t7;
+        p[i] = t8;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void radam_f0_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double factor = (double)s->factor;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = g_i - m_i;
+        const double t1 = t0 * omb1;
+        const double t2 = m_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = g_i * omb2;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = t2 * factor;
+        const double t8 = p_i + t7;
+        p[i] = t8;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void radam_f1_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float factor = (float)s->factor;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = t1 - m_i;
+        const float t3 = t2 * omb1;
+        const float t4 = m_i + t3;
+        const float t5 = v_i * b2;
+        const float t6 = t1 * omb2;
+        const float t7 = t6 * t1;
+        const float t8 = t5 + t7;
+        const float t9 = t4 * factor;
+        const float t10 = p_i + t9;
+        p[i] = t10;
+        m[i] = t4;
+        v[i] = t8;
+    }
+}
+
+CLONES static void radam_f1_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double factor = (double)s->factor;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = t1 - m_i;
+        const double t3 = t2 * omb1;
+        const double t4 = m_i + t3;
+        const double t5 = v_i * b2;
+        const double t6 = t1 * omb2;
+        const double t7 = t6 * t1;
+        const double t8 = t5 + t7;
+        const double t9 = t4 * factor;
+        const double t10 = p_i + t9;
+        p[i] = t10;
+        m[i] = t4;
+        v[i] = t8;
+    }
+}
+
+CLONES static void radam_f3_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float decay = (float)s->decay;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float factor = (float)s->factor;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i - m_i;
+        const float t2 = t1 * omb1;
+        const float t3 = m_i + t2;
+        const float t4 = v_i * b2;
+        const float t5 = g_i * omb2;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = t3 * factor;
+        const float t9 = t0 + t8;
+        p[i] = t9;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void radam_f3_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double decay = (double)s->decay;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double factor = (double)s->factor;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i - m_i;
+        const double t2 = t1 * omb1;
+        const double t3 = m_i + t2;
+        const double t4 = v_i * b2;
+        const double t5 = g_i * omb2;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = t3 * factor;
+        const double t9 = t0 + t8;
+        p[i] = t9;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void radam_f4_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float eps = (float)s->eps;
+    const float factor_rect = (float)s->factor_rect;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = g_i - m_i;
+        const float t1 = t0 * omb1;
+        const float t2 = m_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = g_i * omb2;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = sqrtf(t6);
+        const float t8 = t7 + eps;
+        const float t9 = t2 / t8;
+        const float t10 = t9 * factor_rect;
+        const float t11 = p_i + t10;
+        p[i] = t11;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void radam_f4_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double eps = (double)s->eps;
+    const double factor_rect = (double)s->factor_rect;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = g_i - m_i;
+        const double t1 = t0 * omb1;
+        const double t2 = m_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = g_i * omb2;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = sqrt(t6);
+        const double t8 = t7 + eps;
+        const double t9 = t2 / t8;
+        const double t10 = t9 * factor_rect;
+        const double t11 = p_i + t10;
+        p[i] = t11;
+        m[i] = t2;
+        v[i] = t6;
+    }
+}
+
+CLONES static void radam_f5_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float eps = (float)s->eps;
+    const float factor_rect = (float)s->factor_rect;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = t1 - m_i;
+        const float t3 = t2 * omb1;
+        const float t4 = m_i + t3;
+        const float t5 = v_i * b2;
+        const float t6 = t1 * omb2;
+        const float t7 = t6 * t1;
+        const float t8 = t5 + t7;
+        const float t9 = sqrtf(t8);
+        const float t10 = t9 + eps;
+        const float t11 = t4 / t10;
+        const float t12 = t11 * factor_rect;
+        const float t13 = p_i + t12;
+        p[i] = t13;
+        m[i] = t4;
+        v[i] = t8;
+    }
+}
+
+CLONES static void radam_f5_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double eps = (double)s->eps;
+    const double factor_rect = (double)s->factor_rect;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = t1 - m_i;
+        const double t3 = t2 * omb1;
+        const double t4 = m_i + t3;
+        const double t5 = v_i * b2;
+        const double t6 = t1 * omb2;
+        const double t7 = t6 * t1;
+        const double t8 = t5 + t7;
+        const double t9 = sqrt(t8);
+        const double t10 = t9 + eps;
+        const double t11 = t4 / t10;
+        const double t12 = t11 * factor_rect;
+        const double t13 = p_i + t12;
+        p[i] = t13;
+        m[i] = t4;
+        v[i] = t8;
+    }
+}
+
+CLONES static void radam_f7_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float decay = (float)s->decay;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float eps = (float)s->eps;
+    const float factor_rect = (float)s->factor_rect;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i - m_i;
+        const float t2 = t1 * omb1;
+        const float t3 = m_i + t2;
+        const float t4 = v_i * b2;
+        const float t5 = g_i * omb2;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = sqrtf(t7);
+        const float t9 = t8 + eps;
+        const float t10 = t3 / t9;
+        const float t11 = t10 * factor_rect;
+        const float t12 = t0 + t11;
+        p[i] = t12;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+CLONES static void radam_f7_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double decay = (double)s->decay;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double eps = (double)s->eps;
+    const double factor_rect = (double)s->factor_rect;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i - m_i;
+        const double t2 = t1 * omb1;
+        const double t3 = m_i + t2;
+        const double t4 = v_i * b2;
+        const double t5 = g_i * omb2;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = sqrt(t7);
+        const double t9 = t8 + eps;
+        const double t10 = t3 / t9;
+        const double t11 = t10 * factor_rect;
+        const double t12 = t0 + t11;
+        p[i] = t12;
+        m[i] = t3;
+        v[i] = t7;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_radam(int dt, int fs, void *const *a, int64_t n, const struct radam_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: radam_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 1: radam_f0_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 2: radam_f1_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 3: radam_f1_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 6: radam_f3_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 7: radam_f3_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 8: radam_f4_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 9: radam_f4_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 10: radam_f5_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 11: radam_f5_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 14: radam_f7_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 15: radam_f7_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
 /* ---- sgd: sgd.py `step` (flags: wd, mom, first, damp, nest) */
 struct sgd_scalars {
     double wd;
