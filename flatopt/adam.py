@@ -75,9 +75,28 @@ def adam_moments(g: Any, m: Any, v: Any, s: Any) -> tuple[Any, Any]:
     return m + (g - m) * s.omb1, v * s.b2 + (g * s.omb2) * g
 
 
-def adam_step(e: Any, p: Any, m: Any, src: Any, s: Any) -> Any:
-    """p + (m / (sqrt(src) / bc2_sqrt + eps)) * neg_step, inside a definition's step."""
-    return p + (m / (e.sqrt(src) / s.bc2_sqrt + s.eps)) * s.neg_step
+def adam_family_step(decoupled: bool) -> Any:
+    """The step of Adam (L2 decay: g' = g + p·wd) or, ``decoupled``, of AdamW (p = p·decay first): flags ``wd``,
+    ``ams``; scalars ``decay`` or ``wd``, ``omb1``, ``b2``, ``omb2``, ``bc2_sqrt``, ``eps``, ``neg_step``."""
+    def step(e: Any, p: Any, g: Any, m: Any, v: Any, vmax: Any, *, s: Any, f: Any) -> dict[str, Any]:
+        if f.wd and decoupled:
+            p = p * s.decay
+        elif f.wd:
+            g = g + p * s.wd
+        m, v = adam_moments(g, m, v, s)
+        src = v
+        if f.ams:
+            vmax = src = e.maximum(vmax, v)  # NumPy's NaN rule
+        p = p + (m / (e.sqrt(src) / s.bc2_sqrt + s.eps)) * s.neg_step
+        return dict(p=p, m=m, v=v, vmax=vmax)
+    return step
+
+
+def adam_family(name: str, scalars: Any, example: Any, *, decoupled: bool) -> Any:
+    """The definition of Adam or AdamW (``adam_family_step``)."""
+    return define(name, adam_family_step(decoupled), scalars=scalars,
+                  flags=lambda cfg, t: dict(wd=cfg.weight_decay != 0, ams=cfg.amsgrad), flag_names=("wd", "ams"),
+                  slots=("m", "v", "vmax"), example=example)
 
 
 def bias_corrections(betas: tuple[float, float], t: int) -> tuple[float, float]:
@@ -131,24 +150,7 @@ def scalars(cfg: AdamConfig, t: int, lr: Any) -> dict[str, Any]:
                 neg_step=-(lr / bc1))
 
 
-def flags(cfg: AdamConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0, ams=cfg.amsgrad)
-
-
-def step(e: Any, p: Any, g: Any, m: Any, v: Any, vmax: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
-    if f.wd:
-        g = g + p * s.wd
-    m, v = adam_moments(g, m, v, s)
-    src = v
-    if f.ams:
-        vmax = src = e.maximum(vmax, v)
-    p = adam_step(e, p, m, src, s)
-    return dict(p=p, m=m, v=v, vmax=vmax)
-
-
-DEF = define("adam", step, scalars=scalars, flags=flags, flag_names=("wd", "ams"), slots=("m", "v", "vmax"),
-             example=AdamConfig())
+DEF = adam_family("adam", scalars, AdamConfig(), decoupled=False)
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .adam import adam_moments, adam_step
+from .adam import adam_family
 from .core import backend, kernels, native
-from .core.elementwise import define, run
+from .core.elementwise import run
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
@@ -95,24 +95,7 @@ def scalars(cfg: AdamWConfig, t: int, lr: Any) -> dict[str, Any]:
                 eps=cfg.eps, neg_step=-(lr / bc1))
 
 
-def flags(cfg: AdamWConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0, ams=cfg.amsgrad)
-
-
-def step(e: Any, p: Any, g: Any, m: Any, v: Any, vmax: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
-    if f.wd:
-        p = p * s.decay
-    m, v = adam_moments(g, m, v, s)
-    src = v
-    if f.ams:
-        vmax = src = e.maximum(vmax, v)
-    p = adam_step(e, p, m, src, s)
-    return dict(p=p, m=m, v=v, vmax=vmax)
-
-
-DEF = define("adamw", step, scalars=scalars, flags=flags, flag_names=("wd", "ams"), slots=("m", "v", "vmax"),
-             example=AdamWConfig())
+DEF = adam_family("adamw", scalars, AdamWConfig(), decoupled=True)  # the step: adam.py `adam_family_step`
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 

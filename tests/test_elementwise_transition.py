@@ -84,8 +84,21 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint32 if a.dtype == np.float32 else np.uint64)
 
 
-def _same(xs, ys) -> bool:
-    return all(_bits(np.asarray(x)).tobytes() == _bits(np.asarray(y)).tobytes() for x, y in zip(xs, ys))
+def _same(xs, ys) -> str:
+    """"bits": every element's bits equal; "nan": equal but for the sign or payload of a NaN (NaN in the same
+    elements: a compiler may swap the operands of a commutative operation, and x86 passes on the first NaN); else
+    "differ"."""
+    verdict = "bits"
+    for x, y in zip(xs, ys):
+        x, y = np.asarray(x), np.asarray(y)
+        if _bits(x).tobytes() == _bits(y).tobytes():
+            continue
+        both_nan = np.isnan(x) & np.isnan(y)
+        if not np.array_equal(_bits(x)[~both_nan], _bits(y)[~both_nan]) or not np.array_equal(np.isnan(x),
+                                                                                             np.isnan(y)):
+            return "differ"
+        verdict = "nan"
+    return verdict
 
 
 def _arrays(p, st):
@@ -103,10 +116,12 @@ def _cases(name):
             yield mod, cfg, dt, p0, st0, grads
 
 
-def _row(table, name, path, mod, cfg, t, equal):
-    fs = mod.DEF.flags_of(cfg, t)
-    key = (name, path, fs)
-    table[key] = table.get(key, True) and equal
+_RANK = {"bits": 0, "nan": 1, "differ": 2}
+
+
+def _row(table, name, path, mod, cfg, t, verdict):
+    key = (name, path, mod.DEF.flags_of(cfg, t))
+    table[key] = max(table.get(key, "bits"), verdict, key=_RANK.get)
 
 
 CPU_TABLE: dict = {}
@@ -144,7 +159,7 @@ def test_numpy_and_c_pass(name, monkeypatch):
             _row(CPU_TABLE, name, "c", mod, cfg, t, _same(runs["hand_c"][t - 1], runs["gen_c"][t - 1]))
     covered = {fs for (n, _, fs) in CPU_TABLE if n == name}
     assert covered == {d.index(f) for f in d.flag_sets()}, "every flag set of the definition is exercised"
-    bad = [k for k, ok in CPU_TABLE.items() if not ok and k[0] == name]
+    bad = [k for k, v in CPU_TABLE.items() if v != "bits" and k[0] == name]
     assert not bad, f"bits differ: {bad}"
 
 
@@ -190,7 +205,7 @@ def test_kernels(name, device):
             _row(GPU_TABLE, name, "cuda_step", mod, cfg, t, _same(out["hand_step"][t - 1], out["gen_step"][t - 1]))
             _row(GPU_TABLE, name, "cuda_multi", mod, cfg, t,
                  _same(out["hand_multi"][t - 1], out["gen_multi"][t - 1]))
-    bad = [k for k, ok in GPU_TABLE.items() if not ok and k[0] == name]
+    bad = [k for k, v in GPU_TABLE.items() if v == "differ" and k[0] == name]
     assert not bad, f"bits differ: {bad}"
 
 
@@ -205,9 +220,10 @@ def test_print_table():
     rows = sorted({**CPU_TABLE, **GPU_TABLE}.items())
     if not rows:
         pytest.skip("run with the tests above")
-    print("\nalgorithm  path        flag set                                          bits equal")
+    print("\nalgorithm  path        flag set                                          bits equal "
+          "(nan: but for a NaN's sign or payload)")
     for (name, path, fs), ok in rows:
         f = {n: bool(fs >> k & 1) for k, n in enumerate(PORTED[name].DEF.flag_names)}
         on = ",".join(n for n, v in f.items() if v) or "-"
-        print(f"{name:<10} {path:<11} f{fs:<3} {on:<45} {'yes' if ok else 'NO'}")
-    assert all(ok for _, ok in rows)
+        print(f"{name:<10} {path:<11} f{fs:<3} {on:<45} {dict(bits='yes', nan='yes (nan)').get(ok, 'NO')}")
+    assert all(v != "differ" for _, v in rows)

@@ -283,7 +283,7 @@ __attribute__((visibility("default"))) int flatopt_gen_adam(int dt, int fs, void
     }
 }
 
-/* ---- adamw: adamw.py `step` (flags: wd, ams) */
+/* ---- adamw: adam.py `step` (flags: wd, ams) */
 struct adamw_scalars {
     double decay;
     double omb1;
