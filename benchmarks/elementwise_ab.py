@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from flatopt import adam, adamw, sgd
+from flatopt import adam, adamw, nadamw, qhadamw, radam, sgd
 from flatopt.core import driver, native
 from flatopt.core.elementwise import run
 
@@ -20,6 +20,9 @@ CASES = {
     "adamw": (adamw, adamw.AdamWConfig(lr=1e-3, weight_decay=1e-2)),
     "adam": (adam, adam.AdamConfig(lr=1e-3, weight_decay=1e-2)),
     "sgd": (sgd, sgd.SGDConfig(lr=1e-3, momentum=0.9, weight_decay=1e-4)),
+    "nadamw": (nadamw, nadamw.NAdamWConfig(lr=1e-3)),
+    "qhadamw": (qhadamw, qhadamw.QHAdamWConfig(lr=1e-3, nus=(0.7, 0.8))),
+    "radam": (radam, radam.RAdamConfig(lr=1e-3, weight_decay=1e-2)),
 }
 
 
@@ -38,14 +41,17 @@ def main() -> None:
         p = rng.standard_normal(n).astype(np.float32)
         g = (rng.standard_normal(n) * 1e-2).astype(np.float32)
         st = mod.init(np, cfg, (n,), np.float32)
-        scratch = [np.empty(ch, np.float32) for _ in range(2)]
+        scratch = [np.empty(ch, np.float32) for _ in range(3)]
         d = mod.DEF
+        cls_name = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "nadamw": "NAdamW", "qhadamw": "QHAdamW",
+                    "radam": "RAdam"}[name]
+        nscr = getattr(mod, cls_name).scratch_buffers  # the hand twins took as many
 
         def chunks(fn, t):
             for lo in range(0, n, ch):
                 hi = min(lo + ch, n)
                 sv = type(st)(**{k: (None if v is None else v[lo:hi]) for k, v in vars(st).items()})
-                fn(sv, p[lo:hi], g[lo:hi], t, [s[:hi - lo] for s in scratch])
+                fn(sv, p[lo:hi], g[lo:hi], t, [s[:hi - lo] for s in scratch[:nscr]])
 
         def hand_np(sv, pc, gc, t, sc):
             native.step = lambda *x: False
