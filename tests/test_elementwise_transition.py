@@ -16,14 +16,14 @@ import types
 import numpy as np
 import pytest
 
-from flatopt import adam, adamw, nadamw, qhadamw, radam, sgd
+from flatopt import adam, adamw, lion, nadamw, qhadamw, radam, sgd
 from flatopt.core import backend, native
 from flatopt.core import multi_tensor as mt
 from flatopt.core.elementwise import run
 
 from .cuda_emu import fakecupy
 
-PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw, "qhadamw": qhadamw, "radam": radam}
+PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw, "qhadamw": qhadamw, "radam": radam, "lion": lion}
 DTYPES = (np.float32, np.float64)
 N = 1000
 STEPS = 6  # t = 1 .. 6: SGD's first step and the ones after; RAdam (threshold 4, β2 0.9) rectifies from t = 5
@@ -48,6 +48,10 @@ def _configs(name: str):
         for wd, dec in itertools.product((0.0, 0.1), (False, True)):
             yield radam.RAdamConfig(lr=1e-2, betas=(0.8, 0.9), weight_decay=wd, decoupled_weight_decay=dec,
                                     threshold=4.0)
+        return
+    if name == "lion":
+        for wd in (0.0, 0.5):
+            yield lion.LionConfig(lr=1e-2, betas=(0.8, 0.95), weight_decay=wd)
         return
     cls = adamw.AdamWConfig if name == "adamw" else adam.AdamConfig
     for wd, ams in itertools.product((0.0, 0.1), (False, True)):
@@ -212,7 +216,7 @@ def test_kernels(name, device):
 def type_of(mod):
     return {"adamw": mod.__dict__.get("AdamW"), "adam": mod.__dict__.get("Adam"), "sgd": mod.__dict__.get("SGD"),
             "nadamw": mod.__dict__.get("NAdamW"), "qhadamw": mod.__dict__.get("QHAdamW"),
-            "radam": mod.__dict__.get("RAdam")}[mod.__name__.rsplit(".", 1)[-1]]
+            "radam": mod.__dict__.get("RAdam"), "lion": mod.__dict__.get("Lion")}[mod.__name__.rsplit(".", 1)[-1]]
 
 
 def test_print_table():

@@ -588,7 +588,7 @@ def test_the_compiled_scalars_are_keyed_on_their_bits(order):
         try:
             p = np.full(4, -0.0, np.float32)
             scratch = [np.empty(4, np.float32), np.empty(4, np.float32)]
-            lion.update(np, cfg, lion.init(np, cfg, (4,), np.float32), p, g, t=1, lr=lr, scratch=scratch)
+            lion.Lion.update_fn(np, cfg, lion.init(np, cfg, (4,), np.float32), p, g, t=1, lr=lr, scratch=scratch)
             return p.view(np.uint32).tolist()
         finally:
             native.reset()

@@ -24,19 +24,28 @@ def cuda_file(d: Definition) -> str:
     return f"{GENERATED_DIR}/{d.name}.cu"
 
 
-@functools.lru_cache(maxsize=256)
 def _scalars(d: Definition, cfg: Any, t: int, lr: float) -> dict:
+    return _scalars_keyed(d, cfg, t, lr, math.copysign(1.0, lr))
+
+
+@functools.lru_cache(maxsize=256)
+def _scalars_keyed(d: Definition, cfg: Any, t: int, lr: float, sign: float) -> dict:
+    """Cached on the value and the sign of lr (``-0.0 == 0.0``, but ``-lr`` differs in its bits)."""
     return {k: float(v) for k, v in d.scalars_fn(cfg, t, lr).items()}
 
 
-@functools.lru_cache(maxsize=256)
 def _packed(d: Definition, cfg: Any, t: int, lr: float) -> bytes:
+    return _packed_keyed(d, cfg, t, lr, math.copysign(1.0, lr))
+
+
+@functools.lru_cache(maxsize=256)
+def _packed_keyed(d: Definition, cfg: Any, t: int, lr: float, sign: float) -> bytes:
     sc = _scalars(d, cfg, t, lr)
     return struct.pack(f"{len(d.scalar_names)}d", *(sc[k] for k in d.scalar_names))
 
 
 @functools.lru_cache(maxsize=256)
-def _cast(d: Definition, cfg: Any, t: int, lr: float, dtype: Any) -> dict:
+def _cast(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, sign: float) -> dict:
     dt = np.dtype(dtype).type
     return {k: dt(v) for k, v in _scalars(d, cfg, t, lr).items()}
 
@@ -52,10 +61,10 @@ def _runner(d: Definition, fs: int, xp: Any) -> lower_numpy.Runner:
 
 
 @functools.lru_cache(maxsize=256)
-def _prepared(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, xp: Any) -> tuple:
+def _prepared(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, xp: Any, sign: float) -> tuple:
     """(the straight-line function of this step's flag set, its scalars of the dtype, its boolean scratch count)."""
     r = _runner(d, d.flags_of(cfg, t), xp)
-    return r.run, _cast(d, cfg, t, lr, dtype), r.plan.bools
+    return r.run, _cast(d, cfg, t, lr, dtype, sign), r.plan.bools
 
 
 def scratch_needed(d: Definition) -> int:
@@ -82,7 +91,7 @@ def _bools(xp: Any, k: int, n: int) -> list:
 def numpy_update(d: Definition, xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float,
                  scratch: list) -> None:
     """The NumPy/CuPy path alone (the reference)."""
-    fn, sc, nb = _prepared(d, cfg, t, lr, p.dtype, xp)
+    fn, sc, nb = _prepared(d, cfg, t, lr, p.dtype, xp, math.copysign(1.0, lr))
     fn((p, g, *d.state_arrays(st, p)), sc, scratch, _bools(xp, nb, p.size) if nb else (), p.dtype.type)
 
 

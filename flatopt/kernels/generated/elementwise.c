@@ -548,6 +548,118 @@ __attribute__((visibility("default"))) int flatopt_gen_adamw(int dt, int fs, voi
     }
 }
 
+/* ---- lion: lion.py `step` (flags: wd) */
+struct lion_scalars {
+    double decay;
+    double b1;
+    double omb1;
+    double b2;
+    double omb2;
+    double neg_lr;
+};
+
+CLONES static void lion_f0_float(float *restrict p, const float *restrict g, float *restrict m, int64_t n, const struct lion_scalars *s) {
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i];
+        const float t0 = m_i * b1;
+        const float t1 = g_i * omb1;
+        const float t2 = t0 + t1;
+        const float t3 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
+        const float t4 = t3 * neg_lr;
+        const float t5 = p_i + t4;
+        const float t6 = m_i * b2;
+        const float t7 = g_i * omb2;
+        const float t8 = t6 + t7;
+        p[i] = t5;
+        m[i] = t8;
+    }
+}
+
+CLONES static void lion_f0_double(double *restrict p, const double *restrict g, double *restrict m, int64_t n, const struct lion_scalars *s) {
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i];
+        const double t0 = m_i * b1;
+        const double t1 = g_i * omb1;
+        const double t2 = t0 + t1;
+        const double t3 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
+        const double t4 = t3 * neg_lr;
+        const double t5 = p_i + t4;
+        const double t6 = m_i * b2;
+        const double t7 = g_i * omb2;
+        const double t8 = t6 + t7;
+        p[i] = t5;
+        m[i] = t8;
+    }
+}
+
+CLONES static void lion_f1_float(float *restrict p, const float *restrict g, float *restrict m, int64_t n, const struct lion_scalars *s) {
+    const float decay = (float)s->decay;
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i];
+        const float t0 = p_i * decay;
+        const float t1 = m_i * b1;
+        const float t2 = g_i * omb1;
+        const float t3 = t1 + t2;
+        const float t4 = (t3 != t3 ? t3 : (float)(t3 > (float)0) - (float)(t3 < (float)0));
+        const float t5 = t4 * neg_lr;
+        const float t6 = t0 + t5;
+        const float t7 = m_i * b2;
+        const float t8 = g_i * omb2;
+        const float t9 = t7 + t8;
+        p[i] = t6;
+        m[i] = t9;
+    }
+}
+
+CLONES static void lion_f1_double(double *restrict p, const double *restrict g, double *restrict m, int64_t n, const struct lion_scalars *s) {
+    const double decay = (double)s->decay;
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i];
+        const double t0 = p_i * decay;
+        const double t1 = m_i * b1;
+        const double t2 = g_i * omb1;
+        const double t3 = t1 + t2;
+        const double t4 = (t3 != t3 ? t3 : (double)(t3 > (double)0) - (double)(t3 < (double)0));
+        const double t5 = t4 * neg_lr;
+        const double t6 = t0 + t5;
+        const double t7 = m_i * b2;
+        const double t8 = g_i * omb2;
+        const double t9 = t7 + t8;
+        p[i] = t6;
+        m[i] = t9;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_lion(int dt, int fs, void *const *a, int64_t n, const struct lion_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: lion_f0_float(a[0], a[1], a[2], n, s); return 0;
+    case 1: lion_f0_double(a[0], a[1], a[2], n, s); return 0;
+    case 2: lion_f1_float(a[0], a[1], a[2], n, s); return 0;
+    case 3: lion_f1_double(a[0], a[1], a[2], n, s); return 0;
+    default: return -1;
+    }
+}
+
 /* ---- nadamw: nadamw.py `step` (flags: wd) */
 struct nadamw_scalars {
     double decay;
