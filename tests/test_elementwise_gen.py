@@ -41,3 +41,29 @@ def test_data_dependent_branch_is_refused():
     REGISTRY.pop("branchy", None)
     with pytest.raises(trace.DataDependentBranch, match=r"data-dependent branch in branchy\.step"):
         d.program({})
+
+
+@pytest.mark.parametrize("order", [(0.0, -0.0), (-0.0, 0.0)], ids=["+0 first", "-0 first"])
+def test_the_scalar_caches_key_on_the_sign_of_lr(order):
+    """``-0.0 == 0.0``, but ``-lr`` differs in its bits: each lr gets its own scalars (C struct, NumPy values)
+    whatever ran before (Lion: neg_lr = -lr)."""
+    import math
+
+    import numpy as np
+
+    from flatopt import lion
+    from flatopt.core.elementwise import run
+
+    cfg = lion.LionConfig(1e-2, (0.9, 0.99), 0.0)
+    for lr in order:
+        want = math.copysign(1.0, -lr)
+        assert math.copysign(1.0, run._scalars(lion.DEF, cfg, 1, lr)["neg_lr"]) == want  # noqa: SLF001
+        packed = np.frombuffer(run._packed(lion.DEF, cfg, 1, lr), np.float64)  # noqa: SLF001
+        assert math.copysign(1.0, packed[lion.DEF.scalar_names.index("neg_lr")]) == want
+        p = np.full(4, -0.0, np.float32)
+        g = np.array([1, -1, 1, -1], np.float32)
+        scratch = [np.empty(4, np.float32) for _ in range(2)]
+        run.numpy_update(lion.DEF, np, cfg, lion.init(np, cfg, (4,), np.float32), p, g, t=1, lr=lr,
+                         scratch=scratch)
+        expect = np.float32(-0.0) + np.sign(np.float32(0.1) * g) * np.float32(-lr)
+        assert p.view(np.uint32).tolist() == expect.view(np.uint32).tolist(), lr
