@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from flatopt import adam, adamw, nadamw, qhadamw, radam, sgd
+from flatopt import adam, adamw, lion, nadamw, qhadamw, radam, sgd
 from flatopt.core import driver, native
 from flatopt.core.elementwise import run
 
@@ -23,6 +23,7 @@ CASES = {
     "nadamw": (nadamw, nadamw.NAdamWConfig(lr=1e-3)),
     "qhadamw": (qhadamw, qhadamw.QHAdamWConfig(lr=1e-3, nus=(0.7, 0.8))),
     "radam": (radam, radam.RAdamConfig(lr=1e-3, weight_decay=1e-2)),
+    "lion": (lion, lion.LionConfig(lr=1e-4, weight_decay=1e-2)),
 }
 
 
@@ -44,7 +45,7 @@ def main() -> None:
         scratch = [np.empty(ch, np.float32) for _ in range(3)]
         d = mod.DEF
         cls_name = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "nadamw": "NAdamW", "qhadamw": "QHAdamW",
-                    "radam": "RAdam"}[name]
+                    "radam": "RAdam", "lion": "Lion"}[name]
         nscr = getattr(mod, cls_name).scratch_buffers  # the hand twins took as many
 
         def chunks(fn, t):
