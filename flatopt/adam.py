@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .core import backend, kernels, native
+from .core.elementwise import define, run
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
@@ -66,6 +67,36 @@ def moments(xp: Any, m: Array, v: Array, g: Array, omb1: float, b2: float, omb2:
     xp.multiply(s, g, s)
     xp.multiply(v, b2, v)
     xp.add(v, s, v)
+
+
+def adam_moments(g: Any, m: Any, v: Any, s: Any) -> tuple[Any, Any]:
+    """The moments inside a definition's step (scalars ``omb1``, ``b2``, ``omb2``): torch's lerp and addcmul
+    forms, the order of ``moments`` above."""
+    return m + (g - m) * s.omb1, v * s.b2 + (g * s.omb2) * g
+
+
+def adam_family_step(decoupled: bool) -> Any:
+    """The step of Adam (L2 decay: g' = g + p·wd) or, ``decoupled``, of AdamW (p = p·decay first): flags ``wd``,
+    ``ams``; scalars ``decay`` or ``wd``, ``omb1``, ``b2``, ``omb2``, ``bc2_sqrt``, ``eps``, ``neg_step``."""
+    def step(e: Any, p: Any, g: Any, m: Any, v: Any, vmax: Any, *, s: Any, f: Any) -> dict[str, Any]:
+        if f.wd and decoupled:
+            p = p * s.decay
+        elif f.wd:
+            g = g + p * s.wd
+        m, v = adam_moments(g, m, v, s)
+        src = v
+        if f.ams:
+            vmax = src = e.maximum(vmax, v)  # NumPy's NaN rule
+        p = p + (m / (e.sqrt(src) / s.bc2_sqrt + s.eps)) * s.neg_step
+        return dict(p=p, m=m, v=v, vmax=vmax)
+    return step
+
+
+def adam_family(name: str, scalars: Any, example: Any, *, decoupled: bool) -> Any:
+    """The definition of Adam or AdamW (``adam_family_step``)."""
+    return define(name, adam_family_step(decoupled), scalars=scalars,
+                  flags=lambda cfg, t: dict(wd=cfg.weight_decay != 0, ams=cfg.amsgrad), flag_names=("wd", "ams"),
+                  slots=("m", "v", "vmax"), example=example)
 
 
 def bias_corrections(betas: tuple[float, float], t: int) -> tuple[float, float]:
@@ -111,8 +142,21 @@ def _scalars(cfg: AdamConfig, t: int, lr: float) -> tuple[Any, ...]:
     return cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2 ** 0.5, cfg.eps, -(lr / bc1)
 
 
-def update(xp: Any, cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
+def scalars(cfg: AdamConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
+    b1, b2 = cfg.betas
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    return dict(wd=cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc2_sqrt=bc2 ** 0.5, eps=cfg.eps,
+                neg_step=-(lr / bc1))
+
+
+DEF = adam_family("adam", scalars, AdamConfig(), decoupled=False)
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
+def hand_update(xp: Any, cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p`` (the decayed
     gradient and a temporary), in the operation order of ``kernels/adam.cu``."""
     sc = _scalars(cfg, t, lr)
@@ -137,7 +181,7 @@ def update(xp: Any, cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: in
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("adam.cu", "adam_step", p.dtype)
     vmax = st.vmax if st.vmax is not None else st.v
@@ -153,18 +197,21 @@ def _multi_args(cfg: AdamConfig, t: int, dt: Any) -> tuple[Any, ...]:
             np.int32(cfg.amsgrad))
 
 
+HAND_MULTI = MultiTensor("adam.cu", "adam_multi",
+                         lambda st, p: (st.m, st.v, st.vmax if st.vmax is not None else st.v), _multi_args)
+
+
 class Adam(PerParamOptimizer):
     """``Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False)``: see the module doc."""
 
     algorithm = "adam"
     config_cls = AdamConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MultiTensor("adam.cu", "adam_multi",  # one launch for many tensors on CuPy (core/multi_tensor.py)
-                               lambda st, p: (st.m, st.v, st.vmax if st.vmax is not None else st.v), _multi_args)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
-    scratch_buffers = 2
+    scratch_buffers = _scratch
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

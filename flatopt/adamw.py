@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from .adam import adam_family
 from .core import backend, kernels, native
+from .core.elementwise import run
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
@@ -83,8 +85,23 @@ def _scalars(cfg: AdamWConfig, t: int, lr: float) -> tuple[float, float, float, 
     return 1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, cfg.eps, -(lr / bc1)
 
 
-def update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: AdamWConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: the multi-tensor kernel derives ``decay`` and
+    ``neg_step`` per tensor with these operations)."""
+    b1, b2 = cfg.betas
+    bc1, bc2_sqrt = _bias(cfg, t)
+    return dict(decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc2_sqrt=bc2_sqrt,
+                eps=cfg.eps, neg_step=-(lr / bc1))
+
+
+DEF = adam_family("adamw", scalars, AdamWConfig(), decoupled=True)  # the step: adam.py `adam_family_step`
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
+def hand_update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds one buffer the size of ``p``.
 
     Fourteen in-place ufunc passes (13 without weight decay, one more with amsgrad), each rounded to the dtype, in
@@ -118,7 +135,7 @@ def update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: 
     add(p, s, p)
 
 
-def kernel_update(cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("adamw.cu", "adamw_step", p.dtype)
     vmax = st.vmax if st.vmax is not None else st.v
@@ -135,7 +152,7 @@ def _multi_args(cfg: AdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
             np.int32(cfg.amsgrad))
 
 
-MULTI = MultiTensor("adamw.cu", "adamw_multi",
+HAND_MULTI = MultiTensor("adamw.cu", "adamw_multi",
                     lambda st, p: (st.m, st.v, st.vmax if st.vmax is not None else st.v), _multi_args)
 
 
@@ -145,11 +162,11 @@ class AdamW(PerParamOptimizer):
     algorithm = "adamw"
     config_cls = AdamWConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
-    scratch_buffers = 1
+    scratch_buffers = _scratch
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

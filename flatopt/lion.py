@@ -26,6 +26,7 @@ import numpy as np
 
 from .adam import check_common
 from .core import backend, kernels, native
+from .core.elementwise import define, run
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
@@ -57,6 +58,33 @@ def _scalars(cfg: LionConfig, lr: float) -> tuple[Any, ...]:
     return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, b2, 1.0 - b2, -lr
 
 
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: LionConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
+    b1, b2 = cfg.betas
+    return dict(decay=1.0 - lr * cfg.weight_decay, b1=b1, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, neg_lr=-lr)
+
+
+def flags(cfg: LionConfig, t: int) -> dict[str, bool]:
+    return dict(wd=cfg.weight_decay != 0)
+
+
+def step(e: Any, p: Any, g: Any, m: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it (the NumPy
+    path computes sign(c)·(−η) branch-free: ``core/elementwise/lower_numpy.py`` ``signed_mul``)."""
+    if f.wd:
+        p = p * s.decay
+    c = m * s.b1 + g * s.omb1
+    p = p + e.sign(c) * s.neg_lr
+    m = m * s.b2 + g * s.omb2
+    return dict(p=p, m=m)
+
+
+DEF = define("lion", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m",), example=LionConfig())
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
 def _signed_step(c: np.ndarray, s: np.ndarray, neg_lr: float) -> bool:
     """NumPy: c <- sign(c)·neg_lr with the bits of ``numpy.sign`` then the multiply, branch-free: (c > 0) − (c < 0)
     as int8 in the bytes of the free scratch ``s``, times neg_lr (the int8 → dtype conversion is exact, so every
@@ -77,7 +105,7 @@ def _signed_step(c: np.ndarray, s: np.ndarray, neg_lr: float) -> bool:
     return True
 
 
-def update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float,
+def hand_update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/lion.cu``."""
@@ -101,7 +129,7 @@ def update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: in
     xp.add(m, s, m)
 
 
-def kernel_update(cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("lion.cu", "lion_step", p.dtype)
     scal = tuple(dt(x) for x in _scalars(cfg, lr))
@@ -115,18 +143,20 @@ def _multi_args(cfg: LionConfig, t: int, dt: Any) -> tuple[Any, ...]:
     return (float(cfg.weight_decay), *(dt(x) for x in scal), np.int32(cfg.weight_decay != 0))
 
 
+HAND_MULTI = MultiTensor("lion.cu", "lion_multi", lambda st, p: (st.m,), _multi_args)
+
+
 class Lion(PerParamOptimizer):
     """``Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)``: see the module doc."""
 
     algorithm = "lion"
     config_cls = LionConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MultiTensor("lion.cu", "lion_multi",  # one launch for many tensors on CuPy
-                               lambda st, p: (st.m,), _multi_args)  # (core/multi_tensor.py)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
-    scratch_buffers = 2
+    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from .adam import bias_corrections, check_common, moments, zeros_state
+from .adam import adam_moments, bias_corrections, check_common, moments, zeros_state
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
+from .core.elementwise import define, run
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
@@ -69,8 +70,39 @@ def _scalars(cfg: NAdamWConfig, t: int, lr: float) -> tuple[Any, ...]:
             -lr * (1.0 - b1) / bc1, -lr * b1 / bc1_next)
 
 
-def update(xp: Any, cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: NAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
+    b1, b2 = cfg.betas
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    bc1_next = 1.0 - b1 ** (t + 1)
+    return dict(decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc2=bc2, eps=cfg.eps,
+                c_g=-lr * (1.0 - b1) / bc1, c_m=-lr * b1 / bc1_next)
+
+
+def flags(cfg: NAdamWConfig, t: int) -> dict[str, bool]:
+    return dict(wd=cfg.weight_decay != 0)
+
+
+def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it."""
+    if f.wd:
+        p = p * s.decay
+    m, v = adam_moments(g, m, v, s)
+    d = e.sqrt(v / s.bc2) + s.eps
+    p = p + (g / d) * s.c_g
+    p = p + (m / d) * s.c_m
+    return dict(p=p, m=m, v=v)
+
+
+DEF = define("nadamw", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v"),
+             example=NAdamWConfig())
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
+def hand_update(xp: Any, cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/nadamw.cu``."""
     sc = _scalars(cfg, t, lr)
@@ -92,7 +124,7 @@ def update(xp: Any, cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("nadamw.cu", "nadamw_step", p.dtype)
     scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
@@ -109,7 +141,7 @@ def _multi_args(cfg: NAdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
             dt(b2), dt(omb2), dt(bc2), dt(eps), np.int32(cfg.weight_decay != 0))
 
 
-MULTI = MultiTensor("nadamw.cu", "nadamw_multi", lambda st, p: (st.m, st.v), _multi_args)
+HAND_MULTI = MultiTensor("nadamw.cu", "nadamw_multi", lambda st, p: (st.m, st.v), _multi_args)
 
 
 class NAdamW(PerParamOptimizer):
@@ -118,11 +150,11 @@ class NAdamW(PerParamOptimizer):
     algorithm = "nadamw"
     config_cls = NAdamWConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
-    scratch_buffers = 2
+    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:

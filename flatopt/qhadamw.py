@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from .adam import bias_corrections, check_common, moments, zeros_state
+from .adam import adam_moments, bias_corrections, check_common, moments, zeros_state
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
+from .core.elementwise import define, run
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
@@ -72,8 +73,43 @@ def _scalars(cfg: QHAdamWConfig, t: int, lr: float) -> tuple[Any, ...]:
             cfg.eps, -lr)
 
 
-def update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: QHAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
+    b1, b2 = cfg.betas
+    nu1, nu2 = cfg.nus
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    return dict(decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, c_m=nu1 / bc1,
+                c_g=1.0 - nu1, c_v=nu2 / bc2, c_gg=1.0 - nu2, eps=cfg.eps, neg_lr=-lr)
+
+
+def flags(cfg: QHAdamWConfig, t: int) -> dict[str, bool]:
+    return dict(wd=cfg.weight_decay != 0, nu1=cfg.nus[0] != 1.0, nu2=cfg.nus[1] != 1.0)
+
+
+def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it."""
+    if f.wd:
+        p = p * s.decay
+    m, v = adam_moments(g, m, v, s)
+    num = m * s.c_m
+    if f.nu1:
+        num = num + g * s.c_g
+    den = v * s.c_v
+    if f.nu2:
+        den = den + (g * s.c_gg) * g
+    p = p + (num / (e.sqrt(den) + s.eps)) * s.neg_lr
+    return dict(p=p, m=m, v=v)
+
+
+DEF = define("qhadamw", step, scalars=scalars, flags=flags, flag_names=("wd", "nu1", "nu2"), slots=("m", "v"),
+             example=QHAdamWConfig())
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
+def hand_update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds three buffers the size of ``p`` (the third only read
     when ν2 != 1, so that a chunk's operands are six arrays, not seven), in the operation order of
     ``kernels/qhadamw.cu``."""
@@ -104,7 +140,7 @@ def update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *,
     xp.add(p, num, p)
 
 
-def kernel_update(cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("qhadamw.cu", "qhadamw_step", p.dtype)
     scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
@@ -120,6 +156,9 @@ def _multi_args(cfg: QHAdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
     return (float(cfg.weight_decay), *(dt(x) for x in scal), dt(eps), np.int32(flags))
 
 
+HAND_MULTI = MultiTensor("qhadamw.cu", "qhadamw_multi", lambda st, p: (st.m, st.v), _multi_args)
+
+
 class QHAdamW(PerParamOptimizer):
     """``QHAdamW(lr=1e-3, betas=(0.995, 0.999), nus=(0.7, 1.0), eps=1e-8, weight_decay=1e-2)``: see the module
     doc."""
@@ -127,12 +166,11 @@ class QHAdamW(PerParamOptimizer):
     algorithm = "qhadamw"
     config_cls = QHAdamWConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MultiTensor("qhadamw.cu", "qhadamw_multi",  # one launch for many tensors on CuPy
-                               lambda st, p: (st.m, st.v), _multi_args)  # (core/multi_tensor.py)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
-    scratch_buffers = 3
+    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.995, 0.999),
                  nus: tuple[float, float] = (0.7, 1.0), eps: float = 1e-8, weight_decay: float = 1e-2, *,

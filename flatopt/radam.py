@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from .adam import bias_corrections, check_bool, check_common, moments, zeros_state
+from .adam import adam_moments, bias_corrections, check_bool, check_common, moments, zeros_state
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
+from .core.elementwise import define, run
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
@@ -93,8 +94,44 @@ def _scalars(cfg: RAdamConfig, t: int, lr: float) -> tuple[Any, ...]:
     return wd, decay, 1.0 - b1, b2, 1.0 - b2, cfg.eps, rect, factor
 
 
-def update(xp: Any, cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: RAdamConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``); both
+    step factors, the flag ``rect`` picks one, so that the operations that derive them never depend on t."""
+    b1, b2 = cfg.betas
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    _, r = _rectification(cfg, t)
+    return dict(wd=cfg.weight_decay, decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2,
+                eps=cfg.eps, factor=-lr / bc1, factor_rect=-lr * r * math.sqrt(bc2) / bc1)
+
+
+def flags(cfg: RAdamConfig, t: int) -> dict[str, bool]:
+    wd = cfg.weight_decay != 0
+    return dict(wd=wd, dec=wd and cfg.decoupled_weight_decay, rect=_rectification(cfg, t)[0])
+
+
+def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it."""
+    if f.dec:
+        p = p * s.decay
+    elif f.wd:
+        g = g + p * s.wd
+    m, v = adam_moments(g, m, v, s)
+    if f.rect:
+        p = p + (m / (e.sqrt(v) + s.eps)) * s.factor_rect
+    else:
+        p = p + m * s.factor
+    return dict(p=p, m=m, v=v)
+
+
+DEF = define("radam", step, scalars=scalars, flags=flags, flag_names=("wd", "dec", "rect"), slots=("m", "v"),
+             example=RAdamConfig(), valid=lambda f: f["wd"] or not f["dec"])
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
+def hand_update(xp: Any, cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/radam.cu``."""
     sc = _scalars(cfg, t, lr)
@@ -121,7 +158,7 @@ def update(xp: Any, cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: 
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("radam.cu", "radam_step", p.dtype)
     wd, decay, omb1, b2, omb2, eps, rect, factor = _scalars(cfg, t, lr)
@@ -142,7 +179,7 @@ def _multi_args(cfg: RAdamConfig, t: int, dt: Any) -> tuple[Any, ...]:
             np.int32(mode), np.int32(rect))
 
 
-MULTI = MultiTensor("radam.cu", "radam_multi", lambda st, p: (st.m, st.v), _multi_args)
+HAND_MULTI = MultiTensor("radam.cu", "radam_multi", lambda st, p: (st.m, st.v), _multi_args)
 
 
 class RAdam(PerParamOptimizer):
@@ -152,11 +189,11 @@ class RAdam(PerParamOptimizer):
     algorithm = "radam"
     config_cls = RAdamConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
-    scratch_buffers = 2
+    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False, threshold: float = 5.0, *,

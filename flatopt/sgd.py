@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .core import backend, kernels, native
+from .core.elementwise import define, run
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, JSONDict, LrScale
@@ -61,8 +62,45 @@ def init(xp: Any, cfg: SGDConfig, shape: tuple[int, ...], dtype: Any) -> SGDStat
     return SGDState(buf=xp.zeros(n, dtype) if cfg.momentum != 0 else None)
 
 
-def update(xp: Any, cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: SGDConfig, t: int, lr: Any) -> dict[str, Any]:
+    return dict(wd=cfg.weight_decay, mom=cfg.momentum, omd=1.0 - cfg.dampening, neg_lr=-lr)
+
+
+def flags(cfg: SGDConfig, t: int) -> dict[str, bool]:
+    mom = cfg.momentum != 0
+    first = mom and t == 1
+    return dict(wd=cfg.weight_decay != 0, mom=mom, first=first, damp=mom and not first and cfg.dampening != 0,
+                nest=mom and cfg.nesterov)
+
+
+def _valid(f: dict[str, bool]) -> bool:
+    return (f["mom"] or not (f["first"] or f["damp"] or f["nest"])) and not (f["damp"] and (f["first"] or f["nest"]))
+
+
+def step(e: Any, p: Any, g: Any, buf: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it."""
+    d = g
+    if f.wd:
+        d = p * s.wd + d
+    if f.mom:
+        if f.first:
+            buf = d
+        else:
+            buf = buf * s.mom + (d * s.omd if f.damp else d)
+        d = d + buf * s.mom if f.nest else buf
+    p = p + d * s.neg_lr
+    return dict(p=p, buf=buf)
+
+
+DEF = define("sgd", step, scalars=scalars, flags=flags, flag_names=("wd", "mom", "first", "damp", "nest"),
+             slots=("buf",), example=SGDConfig(lr=1e-2, momentum=0.9), valid=_valid)
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
+def hand_update(xp: Any, cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``."""
     flags = (cfg.weight_decay != 0) | (cfg.momentum != 0) << 1 | (t == 1) << 2 | (cfg.dampening != 0) << 3 \
         | bool(cfg.nesterov) << 4
@@ -97,7 +135,7 @@ def update(xp: Any, cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int,
     p += s2
 
 
-def kernel_update(cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("sgd.cu", "sgd_step", p.dtype)
     buf = st.buf if st.buf is not None else p  # unused when momentum == 0
@@ -113,7 +151,7 @@ def _multi_args(cfg: SGDConfig, t: int, dt: Any) -> tuple[Any, ...]:
     return (dt(cfg.weight_decay), dt(cfg.momentum), dt(1.0 - cfg.dampening), *(np.int32(f) for f in flags))
 
 
-MULTI = MultiTensor("sgd.cu", "sgd_multi", lambda st, p: (st.buf if st.buf is not None else p,), _multi_args)
+HAND_MULTI = MultiTensor("sgd.cu", "sgd_multi", lambda st, p: (st.buf if st.buf is not None else p,), _multi_args)
 
 
 class SGD(PerParamOptimizer):
@@ -122,11 +160,11 @@ class SGD(PerParamOptimizer):
     algorithm = "sgd"
     config_cls = SGDConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
     elementwise = True
-    scratch_buffers = 2
+    scratch_buffers = _scratch
     matters = ("momentum",)  # whether a momentum buffer exists
 
     def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,

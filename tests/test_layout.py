@@ -7,7 +7,7 @@ Floors, lowest first; a module may import its own room and anything on a lower f
 2. the public utilities ``checkpoint``, ``gradients``, ``routing``;
 3. the algorithms: single files beside ``adamw.py`` and the family folders; a family imports the engine, the
    utilities, its own folder, and only the other algorithms listed in ``ALGORITHM_USES`` (composition: the 8-bit
-   family reuses Adafactor's passes, MuonAdamW routes to AdamW);
+   family reuses Adafactor's passes, MuonAdamW routes to AdamW, the Adam family shares adam.py's pieces);
 4. ``flatopt.distributed`` (shards any optimizer);
 5. ``flatopt/__init__.py``.
 
@@ -32,7 +32,7 @@ UTILITIES = {"buffers", "checkpoint", "gradients", "routing", "schedules"}
 # composition between algorithms: the 8-bit family reuses Adafactor's passes, MuonAdamW composes AdamW, the Adam
 # family's single-file algorithms share adam.py's moments, bias corrections and config checks
 ALGORITHM_USES = {"adafactor8bit": {"adafactor"}, "muon": {"adamw"},
-                  **{k: {"adam"} for k in ("nadamw", "radam", "qhadamw", "lion", "lamb", "mars", "sophia")}}
+                  **{k: {"adam"} for k in ("adamw", "nadamw", "radam", "qhadamw", "lion", "lamb", "mars", "sophia")}}
 
 
 def _room(mod: str) -> str:

@@ -52,6 +52,18 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "sophia.cu": ("sophia_step", "sophia_multi"),
 }
 
+
+def _generated() -> dict[str, tuple[str, ...]]:
+    """The generated sources (``kernels/generated/*.cu``, written by ``core/elementwise``) and their kernels."""
+    out = {}
+    for path in sorted((KERNEL_DIR / "generated").glob("*.cu")):
+        names = re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", path.read_text())
+        out[f"generated/{path.name}"] = tuple(names)
+    return out
+
+
+KERNELS.update(_generated())
+
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 

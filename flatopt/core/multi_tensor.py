@@ -87,6 +87,8 @@ class MultiTensor:
     arrays: Callable[[Any, Any], tuple]  # (state, p) -> the state arrays of a table row, after p and g
     args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after base_lr
     norms: Norms | None = None  # per-tensor sums of squares before the elementwise kernel (Lamb, Mars)
+    # (config, t) -> the kernel of this launch, when it depends on them (a generated definition's flag set)
+    pick: Callable[[Any, int], str] | None = None
 
 
 def _ptr(a) -> int:
@@ -158,7 +160,9 @@ class Group:
             if stream.ptr not in self.streams:  # the table was uploaded on another stream: order after it
                 stream.wait_event(self.uploaded)
                 self.streams.add(stream.ptr)
-            if self.spec.norms is None:
+            if self.spec.pick is not None:
+                kernels.get(self.spec.source, self.spec.pick(config, t), self.dtype)((self.nblocks,), (BLOCK,), args)
+            elif self.spec.norms is None:
                 self.fn((self.nblocks,), (BLOCK,), args)
             else:
                 self._launch_norms(config, t, base_lr, args)

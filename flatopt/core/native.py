@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import struct
 import subprocess
@@ -38,6 +39,8 @@ import numpy as np
 from . import native_cache
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "elementwise.c"
+# the loops generated from the definitions (core/elementwise), compiled into the same library
+GENERATED = Path(__file__).resolve().parent.parent / "kernels" / "generated" / "elementwise.c"
 # No -ffast-math and no FMA contraction: each operation rounds as NumPy's ufunc does (the twin's bits).
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fvisibility=hidden")
 # elementwise entry -> its arrays (p, g, state...; Lamb's apply: p, u): (dt, arrays..., n, scalars, flags)
@@ -52,13 +55,17 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "lib": {entry: bound function} or None, "why": a line
 
 
+def _sources() -> tuple[Path, Path]:
+    return SOURCE, GENERATED
+
+
 def _compiler(exe: str) -> Any:
     """``compile_to(path, pass_fds)`` for ``native_cache.load``: builds SOURCE at ``path``; None, or why it failed."""
     def compile_to(path: str, fds: tuple[int, ...]) -> str | None:
-        res = subprocess.run([exe, *FLAGS, "-o", path, str(SOURCE), "-lm"], capture_output=True, text=True,
+        res = subprocess.run([exe, *FLAGS, "-o", path, *map(str, _sources()), "-lm"], capture_output=True, text=True,
                              timeout=native_cache.COMPILE_TIMEOUT_S, pass_fds=fds)
         if res.returncode != 0:
-            return f"{Path(exe).name} failed on {SOURCE.name}: {res.stderr.strip()[-500:]}"
+            return f"{Path(exe).name} failed on {' and '.join(s.name for s in _sources())}: {res.stderr.strip()[-500:]}"
         return None
     return compile_to
 
@@ -72,6 +79,11 @@ def _bind(handle: Any) -> dict[str, Any]:
         fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * k + sizes * (2 if name in COLUMNS else 1) + tail
         fn.restype = ctypes.c_int
         fns[name] = fn
+    for name in re.findall(r"\bint flatopt_gen_(\w+)\(", GENERATED.read_text()):
+        fn = getattr(handle, f"flatopt_gen_{name}")  # (dt, flag set, arrays, n, struct of named doubles)
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        fns["gen_" + name] = fn
     return fns
 
 
@@ -87,7 +99,7 @@ def _build() -> tuple[Any, str]:
         return None, "no /proc/self/fd: the library is only loaded through its checked descriptor"
     try:
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+        key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _sources()), " ".join(FLAGS).encode(), version.encode(),
                                          platform.machine().encode()])).hexdigest()[:20]
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
@@ -173,4 +185,27 @@ def _call(name: str, arrays: Sequence[np.ndarray], sizes: Sequence[int], extents
                    _scalars(struct.pack(f"{len(scalars)}d", *scalars)), int(flags))
     if rc != 0:  # pragma: no cover - the dtype is checked above
         raise RuntimeError(f"flatopt_{name} returned {rc}")
+    return True
+
+
+def gen_step(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) -> bool:
+    """Run the generated loop of ``algo`` for flag set ``fs`` (``core/elementwise``) on ``arrays`` (its definition's
+    p, g and slots; a stand-in for a slot the flag set does not use), ``packed``: its scalars struct; False (nothing
+    touched) when it cannot: the caller runs the NumPy path."""
+    fns = _lib()
+    if fns is None:
+        return False
+    fn = fns.get("gen_" + algo)
+    dtype = arrays[0].dtype
+    dt = _DT.get(dtype)
+    if fn is None or dt is None:
+        return False
+    n = arrays[0].size
+    for a in arrays:
+        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != n:
+            return False
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.__array_interface__["data"][0] for a in arrays])
+    rc = fn(dt, fs, ptrs, n, _scalars(packed))
+    if rc != 0:
+        raise RuntimeError(f"flatopt_gen_{algo} has no loop for flag set {fs}")
     return True

@@ -94,7 +94,7 @@ def _wrapper_source(kernels: tuple[str, ...], cu_path: Path) -> str:
 
 
 def _compile(cu_path: Path, kernels: tuple[str, ...], out_dir: Path) -> Path:
-    stem = cu_path.name.replace(".", "_")
+    stem = ("generated_" if cu_path.parent.name == "generated" else "") + cu_path.name.replace(".", "_")
     lib = out_dir / (stem + ".so")
     if lib.exists():
         return lib

@@ -501,7 +501,8 @@ class RawModule:
         m = re.match(r'#line 1 "([^"]+)"', code)
         if not m:
             raise ValueError("the stand-in maps a RawModule to a .cu file through its leading #line directive")
-        self.filename = m.group(1).replace("\\", "/").rsplit("/", 1)[-1]
+        path = m.group(1).replace("\\", "/")  # the file's name relative to flatopt/kernels (generated/x.cu)
+        self.filename = path.rsplit("/kernels/", 1)[-1] if "/kernels/" in path else path.rsplit("/", 1)[-1]
         self.name_expressions = tuple(name_expressions or ())
         self.options = tuple(options)
 

@@ -1,0 +1,68 @@
+"""``python -m flatopt.core.elementwise show <algo> <trace|numpy|c|cuda>`` prints one lowering of a definition;
+``python -m flatopt.core.elementwise regen`` rewrites the snapshots in ``flatopt/kernels/generated/``.
+
+The command imports the package ``flatopt`` by name at run time (so that every definition registers itself); the
+engine's modules import no algorithm."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from . import emit, run
+from .define import REGISTRY
+
+OUT = Path(__file__).resolve().parent.parent.parent / "kernels" / "generated"
+
+
+def sources() -> dict[str, str]:
+    """{file name under kernels/generated: its text}, from every registered definition."""
+    importlib.import_module("flatopt")
+    defs = [REGISTRY[k] for k in sorted(REGISTRY)]
+    out = {"elementwise.c": emit.c_source(defs)}
+    for d in defs:
+        name = run.cuda_file(d)
+        out[name.split("/", 1)[1]] = emit.cuda_source(d, run.generated_shape(d), f"flatopt/kernels/{name}")
+    return out
+
+
+def show(algo: str, lowering: str) -> str:
+    importlib.import_module("flatopt")
+    d = REGISTRY[algo]
+    if lowering == "c":
+        return emit.c_source([d])
+    if lowering == "cuda":
+        return emit.cuda_source(d, run.generated_shape(d), f"flatopt/kernels/{run.cuda_file(d)}")
+    lines = []
+    for f in d.flag_sets():
+        fs = d.index(f)
+        prog = d.program(f)
+        lines.append(f"# {algo} flag set {fs}: {f}")
+        if lowering == "numpy":
+            p = run.plan(d, fs)
+            lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
+            lines += [f"copy {src} -> {name}" for name, src in p.copies]
+            lines.append(f"# scratch buffers: {p.scratch}, boolean: {p.bools}")
+        else:
+            lines += [f"t{k} = {i.op}{i.args}    # line {i.line}" for k, i in enumerate(prog.instrs)]
+            lines += [f"{name} <- {ref}" for name, ref in prog.outputs]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["show"] and len(argv) == 3:
+        sys.stdout.write(show(argv[1], argv[2]))
+        return 0
+    if argv == ["regen"]:
+        OUT.mkdir(exist_ok=True)
+        for name, text in sources().items():
+            (OUT / name).write_text(text)
+            print(f"wrote {OUT / name}")
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,260 @@
+"""The tracer: an algorithm's ``step`` run on symbolic values becomes a list of instructions.
+
+Each instruction is one rounded operation (or a comparison, a select, a cast), recorded in the order the step
+function performs it; every lowering (``lower_numpy``, ``emit_c``, ``emit_cuda``) executes the list as it is, so
+the NumPy path, the C pass and the CUDA kernels make the same rounded operations in the same order by construction.
+A value is referred to by an ``Ref``: an input array (``("in", name)``), a per-step scalar (``("s", name)``), a
+literal (``("c", float)``) or the result of instruction k (``("v", k)``).  ``bool()`` of a symbolic value raises:
+a step may branch on its flags (plain Python bools), never on its data.
+
+The host scalars are traced too (:func:`trace_scalars`): ``scalars(cfg, t, lr)`` run with a symbolic ``lr`` says
+which scalars depend on the learning rate, and the double-precision expression that derives each one; the
+multi-tensor kernel evaluates those expressions per tensor on the device (``lr = base_lr * lr_scale``), with the
+other numbers they use passed as double arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Callable
+
+Ref = tuple  # ("in", name) | ("s", name) | ("c", float) | ("v", index)
+
+# op -> arity; "bool" results: the comparisons and isfinite
+ARITY = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "sqrt": 1, "abs": 1, "sign": 1, "copysign": 2,
+         "maximum": 2, "minimum": 2, "where": 3, "isfinite": 1, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2,
+         "ne": 2, "not": 1, "and": 2, "or": 2, "cast": 1}
+BOOL_OPS = frozenset({"isfinite", "lt", "le", "gt", "ge", "eq", "ne", "not", "and", "or"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    op: str
+    args: tuple  # Refs
+    is_bool: bool
+    line: int  # the line of the step function that performed it (the #line of the generated sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One flag set's instruction list: the inputs read, the outputs (array name -> the Ref of its new value)."""
+
+    algo: str
+    flags: tuple  # ((name, bool), ...)
+    instrs: tuple  # Instr
+    outputs: tuple  # ((array name, Ref), ...): only the arrays whose value changed
+    reads: tuple  # the input arrays read, in the definition's order
+    scalars: tuple  # the scalar names used, in the definition's order
+
+    def out(self) -> dict:
+        return dict(self.outputs)
+
+
+class DataDependentBranch(TypeError):
+    pass
+
+
+class Sym:
+    """A symbolic array value inside a traced step."""
+
+    __slots__ = ("t", "ref", "is_bool")
+    __array_priority__ = 1000  # a NumPy scalar on the left defers to us
+
+    def __init__(self, t: "_Tracer", ref: Ref, is_bool: bool = False):
+        self.t, self.ref, self.is_bool = t, ref, is_bool
+
+    def __bool__(self) -> bool:
+        raise DataDependentBranch(f"data-dependent branch in {self.t.algo}.step: a symbolic value was used as a "
+                                  f"Python bool (branch on the flags `f`, or use e.where)")
+
+    def _bin(self, op: str, other: Any, reverse: bool = False) -> "Sym":
+        a, b = self, self.t.lift(other)
+        return self.t.emit(op, (b, a) if reverse else (a, b))
+
+    __add__ = lambda s, o: s._bin("add", o)  # noqa: E731
+    __radd__ = lambda s, o: s._bin("add", o, True)  # noqa: E731
+    __sub__ = lambda s, o: s._bin("sub", o)  # noqa: E731
+    __rsub__ = lambda s, o: s._bin("sub", o, True)  # noqa: E731
+    __mul__ = lambda s, o: s._bin("mul", o)  # noqa: E731
+    __rmul__ = lambda s, o: s._bin("mul", o, True)  # noqa: E731
+    __truediv__ = lambda s, o: s._bin("div", o)  # noqa: E731
+    __rtruediv__ = lambda s, o: s._bin("div", o, True)  # noqa: E731
+    __lt__ = lambda s, o: s._bin("lt", o)  # noqa: E731
+    __le__ = lambda s, o: s._bin("le", o)  # noqa: E731
+    __gt__ = lambda s, o: s._bin("gt", o)  # noqa: E731
+    __ge__ = lambda s, o: s._bin("ge", o)  # noqa: E731
+    __and__ = lambda s, o: s._bin("and", o)  # noqa: E731
+    __or__ = lambda s, o: s._bin("or", o)  # noqa: E731
+    __invert__ = lambda s: s.t.emit("not", (s,))  # noqa: E731
+    __neg__ = lambda s: s.t.emit("neg", (s,))  # noqa: E731
+
+    def __eq__(self, o: Any) -> "Sym":  # type: ignore[override]
+        return self._bin("eq", o)
+
+    def __ne__(self, o: Any) -> "Sym":  # type: ignore[override]
+        return self._bin("ne", o)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Intrinsics:
+    """``e``: the operations a step may use besides + - * / and the comparisons; each has NumPy's semantics
+    (``maximum``/``minimum`` propagate a NaN, ``sign`` of ±0 is 0 and of a NaN the NaN)."""
+
+    def __init__(self, t: "_Tracer"):
+        self._t = t
+
+    def _u(self, op: str, x: Any) -> Sym:
+        return self._t.emit(op, (self._t.lift(x),))
+
+    def sqrt(self, x: Any) -> Sym:
+        return self._u("sqrt", x)
+
+    def abs(self, x: Any) -> Sym:
+        return self._u("abs", x)
+
+    def sign(self, x: Any) -> Sym:
+        return self._u("sign", x)
+
+    def isfinite(self, x: Any) -> Sym:
+        return self._u("isfinite", x)
+
+    def cast(self, x: Any) -> Sym:
+        return self._u("cast", x)
+
+    def copysign(self, x: Any, y: Any) -> Sym:
+        return self._t.emit("copysign", (self._t.lift(x), self._t.lift(y)))
+
+    def maximum(self, x: Any, y: Any) -> Sym:
+        return self._t.emit("maximum", (self._t.lift(x), self._t.lift(y)))
+
+    def minimum(self, x: Any, y: Any) -> Sym:
+        return self._t.emit("minimum", (self._t.lift(x), self._t.lift(y)))
+
+    def where(self, c: Any, x: Any, y: Any) -> Sym:
+        return self._t.emit("where", (self._t.lift(c), self._t.lift(x), self._t.lift(y)))
+
+
+class _Tracer:
+    def __init__(self, algo: str, step: Callable):
+        self.algo, self.instrs = algo, []
+        code = step.__code__
+        self.code = code
+
+    def lift(self, x: Any) -> Sym:
+        if isinstance(x, Sym):
+            return x
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"{self.algo}.step: {x!r} ({type(x).__name__}) is neither a traced value nor a number")
+        return Sym(self, ("c", float(x)))
+
+    def emit(self, op: str, args: tuple) -> Sym:
+        if op in ("where",) and not args[0].is_bool:
+            raise TypeError(f"{self.algo}.step: e.where's condition must be a comparison or e.isfinite")
+        line = _caller_line(self.code)
+        is_bool = op in BOOL_OPS
+        self.instrs.append(Instr(op, tuple(a.ref for a in args), is_bool, line))
+        return Sym(self, ("v", len(self.instrs) - 1), is_bool)
+
+
+def _caller_line(code: types.CodeType) -> int:
+    import sys  # noqa: PLC0415
+
+    f = sys._getframe(2)  # noqa: SLF001
+    while f is not None and f.f_code is not code:
+        f = f.f_back
+    return f.f_lineno if f is not None else code.co_firstlineno
+
+
+class _Named:
+    """``s`` and ``f`` inside a traced step: attribute access by name."""
+
+    def __init__(self, what: str, values: dict):
+        self._what, self._values = what, values
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no {self._what} named {name!r} (declared: {sorted(self._values)})") from None
+
+
+def trace(algo: str, step: Callable, arrays: tuple, scalar_names: tuple, flags: dict) -> Program:
+    """The instruction list of ``step`` for one flag set.  ``arrays``: the array names in the definition's order
+    (p, g, then the state slots); every array but ``g`` may be written."""
+    t = _Tracer(algo, step)
+    ins = {a: Sym(t, ("in", a)) for a in arrays}
+    s = _Named("scalar", {k: Sym(t, ("s", k)) for k in scalar_names})
+    out = step(Intrinsics(t), *ins.values(), s=s, f=_Named("flag", dict(flags)))
+    if not isinstance(out, dict):
+        raise TypeError(f"{algo}.step must return a dict of the arrays it writes")
+    outputs = []
+    for name, val in out.items():
+        if name not in ins or name == arrays[1]:
+            raise ValueError(f"{algo}.step returns {name!r}, which is not one of its writable arrays")
+        if val is None:
+            continue
+        ref = t.lift(val).ref
+        if ref != ("in", name):
+            outputs.append((name, ref))
+    used = {r for i in t.instrs for r in i.args} | {r for _, r in outputs}
+    reads = tuple(a for a in arrays if ("in", a) in used)
+    scal = tuple(k for k in scalar_names if ("s", k) in used)
+    return Program(algo, tuple(flags.items()), tuple(t.instrs), tuple(outputs), reads, scal)
+
+
+# ------------------------------------------------------------------------------------------------ host scalars
+class HostSym:
+    """A double on the host that depends on the learning rate: a node of a small expression tree."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: tuple):
+        self.node = node  # ("lr",) | ("k", index) | (op, a, b) | ("neg", a)
+
+    def __bool__(self) -> bool:
+        raise DataDependentBranch("a scalar that depends on the learning rate was used as a Python bool")
+
+    def _b(self, op: str, o: Any, rev: bool = False) -> "HostSym":
+        other = o.node if isinstance(o, HostSym) else ("num", float(o))
+        return HostSym((op, other, self.node) if rev else (op, self.node, other))
+
+    __add__ = lambda s, o: s._b("+", o)  # noqa: E731
+    __radd__ = lambda s, o: s._b("+", o, True)  # noqa: E731
+    __sub__ = lambda s, o: s._b("-", o)  # noqa: E731
+    __rsub__ = lambda s, o: s._b("-", o, True)  # noqa: E731
+    __mul__ = lambda s, o: s._b("*", o)  # noqa: E731
+    __rmul__ = lambda s, o: s._b("*", o, True)  # noqa: E731
+    __truediv__ = lambda s, o: s._b("/", o)  # noqa: E731
+    __rtruediv__ = lambda s, o: s._b("/", o, True)  # noqa: E731
+    __neg__ = lambda s: HostSym(("neg", s.node))  # noqa: E731
+
+
+def trace_scalars(scalars: Callable, cfg: Any, t: int) -> tuple[tuple, tuple]:
+    """``(shape, numbers)``: for each scalar, in the order ``scalars`` returns them, ``(name, expr)`` with expr
+    None for a scalar independent of lr (passed as a number of the dtype) or a C expression in ``lr`` and the
+    double arguments ``<name>_<j>``; ``numbers``: ``(argument name, value)`` of those arguments, and of the
+    lr-independent scalars ``(name, value)``."""
+    shape, numbers = [], []
+    for name, val in scalars(cfg, t, HostSym(("lr",))).items():
+        if not isinstance(val, HostSym):
+            shape.append((name, None))
+            numbers.append((name, float(val)))
+            continue
+        k = [0]
+
+        def render(node: tuple) -> str:
+            if node[0] == "lr":
+                return "lr"
+            if node[0] == "num":
+                arg = f"{name}_{k[0]}"
+                k[0] += 1
+                numbers.append((arg, node[1]))
+                return arg
+            if node[0] == "neg":
+                return f"(-{render(node[1])})"
+            return f"({render(node[1])} {node[0]} {render(node[2])})"
+
+        shape.append((name, render(val.node)))
+    return tuple(shape), tuple(numbers)

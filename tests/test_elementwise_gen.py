@@ -1,0 +1,69 @@
+"""The generated sources (``flatopt/kernels/generated/``) are current: regenerating them from the definitions
+changes nothing; ``python -m flatopt.core.elementwise show`` prints every lowering; a data-dependent branch in a
+step is refused with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import flatopt  # noqa: F401 - registers the definitions
+from flatopt.core.elementwise import REGISTRY, trace
+from flatopt.core.elementwise.define import Definition
+from flatopt.core.elementwise.__main__ import OUT, sources
+
+
+def test_snapshots_are_current():
+    gen = sources()
+    on_disk = {p.name: p.read_text() for p in OUT.iterdir() if p.suffix in (".c", ".cu")}
+    assert sorted(on_disk) == sorted(gen), "one snapshot per generated file"
+    stale = [name for name, text in gen.items() if on_disk[name] != text]
+    assert not stale, f"regenerate with `python -m flatopt.core.elementwise regen`: {stale}"
+
+
+@pytest.mark.parametrize("lowering", ["trace", "numpy", "c", "cuda"])
+def test_show_prints_each_lowering(lowering):
+    res = subprocess.run([sys.executable, "-m", "flatopt.core.elementwise", "show", "adamw", lowering],
+                         capture_output=True, text=True, check=True)
+    assert "adamw" in res.stdout or "sqrt" in res.stdout
+
+
+def test_data_dependent_branch_is_refused():
+    def step(e, p, g, m, *, s, f):
+        if g > 0:  # a branch on the data
+            p = p + g
+        return dict(p=p, m=m)
+
+    d = Definition("branchy", step, scalars=lambda c, t, lr: {"a": 1.0}, flags=lambda c, t: {},
+                          flag_names=(), slots=("m",), example=None)
+    REGISTRY.pop("branchy", None)
+    with pytest.raises(trace.DataDependentBranch, match=r"data-dependent branch in branchy\.step"):
+        d.program({})
+
+
+@pytest.mark.parametrize("order", [(0.0, -0.0), (-0.0, 0.0)], ids=["+0 first", "-0 first"])
+def test_the_scalar_caches_key_on_the_sign_of_lr(order):
+    """``-0.0 == 0.0``, but ``-lr`` differs in its bits: each lr gets its own scalars (C struct, NumPy values)
+    whatever ran before (Lion: neg_lr = -lr)."""
+    import math
+
+    import numpy as np
+
+    from flatopt import lion
+    from flatopt.core.elementwise import run
+
+    cfg = lion.LionConfig(1e-2, (0.9, 0.99), 0.0)
+    for lr in order:
+        want = math.copysign(1.0, -lr)
+        assert math.copysign(1.0, run._scalars(lion.DEF, cfg, 1, lr)["neg_lr"]) == want  # noqa: SLF001
+        packed = np.frombuffer(run._packed(lion.DEF, cfg, 1, lr), np.float64)  # noqa: SLF001
+        assert math.copysign(1.0, packed[lion.DEF.scalar_names.index("neg_lr")]) == want
+        p = np.full(4, -0.0, np.float32)
+        g = np.array([1, -1, 1, -1], np.float32)
+        scratch = [np.empty(4, np.float32) for _ in range(2)]
+        run.numpy_update(lion.DEF, np, cfg, lion.init(np, cfg, (4,), np.float32), p, g, t=1, lr=lr,
+                         scratch=scratch)
+        expect = np.float32(-0.0) + np.sign(np.float32(0.1) * g) * np.float32(-lr)
+        assert p.view(np.uint32).tolist() == expect.view(np.uint32).tolist(), lr
