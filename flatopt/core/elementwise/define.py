@@ -58,12 +58,13 @@ class Definition:
         return sum(1 << k for k, n in enumerate(self.flag_names) if f[n])
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one Definition per algorithm, alive as long as its module
-    def _program(self, fs: int) -> tr.Program:
+    def program_at(self, fs: int) -> tr.Program:
+        """The traced program of flag set number ``fs`` (cached)."""
         f = {n: bool(fs >> k & 1) for k, n in enumerate(self.flag_names)}
         return tr.trace(self.name, self.step_fn, self.arrays, self.scalar_names, f)
 
     def program(self, f: dict) -> tr.Program:
-        return self._program(self.index(f))
+        return self.program_at(self.index(f))
 
     def flags_of(self, cfg: Any, t: int) -> int:
         return self._flags_of(cfg, t)

@@ -52,7 +52,7 @@ def _cast(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, sign: float) -
 
 @functools.lru_cache(maxsize=None)
 def plan(d: Definition, fs: int) -> lower_numpy.Plan:
-    return lower_numpy.allocate(d._program(fs))  # noqa: SLF001
+    return lower_numpy.allocate(d.program_at(fs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +110,7 @@ def bind(d: Definition):
 
     def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
         fs = d.flags_of(cfg, t)
-        prog = d._program(fs)  # noqa: SLF001
+        prog = d.program_at(fs)
         n = p.size
         if n == 0:
             return True
@@ -136,7 +136,7 @@ def bind(d: Definition):
 
 @functools.lru_cache(maxsize=None)
 def _used(d: Definition, fs: int) -> tuple:
-    prog = d._program(fs)  # noqa: SLF001
+    prog = d.program_at(fs)
     written = {n for n, _ in prog.outputs}
     return tuple(a for a in d.arrays if a in written or a in prog.reads)
 
@@ -153,5 +153,5 @@ def _multi(d: Definition, cfg: Any, t: int, fs: int) -> tuple:
     if shape != generated_shape(d):
         raise RuntimeError(f"{d.name}.scalars derives its lr-dependent scalars with other operations for {cfg!r} "
                            f"than for the example config the kernels were generated from")
-    doubles, plain = emit.multi_params(d, d._program(fs), shape)  # noqa: SLF001
+    doubles, plain = emit.multi_params(d, d.program_at(fs), shape)
     return doubles, plain, dict(numbers)

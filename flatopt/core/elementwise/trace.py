@@ -89,10 +89,10 @@ class Sym:
     __invert__ = lambda s: s.t.emit("not", (s,))  # noqa: E731
     __neg__ = lambda s: s.t.emit("neg", (s,))  # noqa: E731
 
-    def __eq__(self, o: Any) -> "Sym":  # type: ignore[override]
+    def __eq__(self, o: object) -> Any:  # a symbolic comparison (NumPy's convention), not a bool
         return self._bin("eq", o)
 
-    def __ne__(self, o: Any) -> "Sym":  # type: ignore[override]
+    def __ne__(self, o: object) -> Any:
         return self._bin("ne", o)
 
     __hash__ = None  # type: ignore[assignment]
@@ -161,7 +161,7 @@ class _Tracer:
 def _caller_line(code: types.CodeType) -> int:
     import sys  # noqa: PLC0415
 
-    f = sys._getframe(2)  # noqa: SLF001
+    f = sys._getframe(2)  # noqa: SLF001 - the caller's frame, as inspect.currentframe does, without its cost
     while f is not None and f.f_code is not code:
         f = f.f_back
     return f.f_lineno if f is not None else code.co_firstlineno
