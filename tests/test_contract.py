@@ -8,8 +8,6 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import flatopt
 from flatopt import OptItem
@@ -17,6 +15,7 @@ from flatopt import OptItem
 from flatopt.core import native
 
 from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_params, rng_arrays, run_steps
+from .optional import HealthCheck, given, settings, st
 from .registry import REGISTRY
 
 NAMES = sorted(REGISTRY)

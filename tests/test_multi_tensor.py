@@ -24,6 +24,7 @@ from flatopt.core import backend
 from flatopt.core import multi_tensor as mt
 
 from .cuda_emu import emu, fakecupy
+from .helpers import transformer_shapes
 
 LAUNCHES = {"lamb": 3, "lamb_nowd": 3, "mars": 3}  # multi-tensor launches per group (default 1)
 STEPS = {"radam_l2": 5}  # batch steps (default 3): RAdam's rectification starts within them
@@ -159,18 +160,11 @@ def _workload(cp, shapes, dtype=np.float32):
                     cp.asarray(rng.standard_normal(int(np.prod(s))).astype(dtype))) for i, s in enumerate(shapes)]
 
 
-def _small_transformer():
-    """The 76-tensor layout of benchmarks/bench_adamw.py, scaled down for the emulator (d = 16)."""
-    d = 16
-    shapes = [(64, d), (32, d)]
-    for _ in range(6):
-        shapes += [(d, d)] * 4 + [(d, 4 * d), (4 * d,), (4 * d, d), (d,)] + [(d,)] * 4
-    return shapes + [(d,), (d,)]
-
-
 @pytest.mark.parametrize("kind", ["adamw", "sgd_nesterov_wd", "adam_l2", "nadamw", "radam_l2", "qhadamw", "lion",
                                   "sophia", "lamb", "mars", "mars_noclip"])
-@pytest.mark.parametrize("shapes", [_small_transformer(), [(64,)] * 500], ids=["76_tensors", "500x64"])
+# the benchmarks' 76-tensor layout scaled down for the emulator (d = 16), and many tiny tensors
+@pytest.mark.parametrize("shapes", [transformer_shapes(d=16, layers=6, vocab=64, ctx=32), [(64,)] * 500],
+                         ids=["76_tensors", "500x64"])
 def test_steady_state_launches_syncs_allocations(kind, shapes, gpu_device):
     if gpu_device != "emulated":
         pytest.skip("counted by the stand-in")
