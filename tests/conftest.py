@@ -6,8 +6,11 @@ them; ``python -m pytest -q -m "not slow"`` is the quick run):
   ``tests/cuda_emu``;
 * ``oracle``: the test, a fixture it requests or a module-level function they call imports a reference
   implementation (``optional.ORACLES``) through ``pytest.importorskip``;
-* ``slow``: every ``emulated`` test (the emulator runs each kernel thread on the CPU), and the tests or modules marked
-  ``slow`` by hand (a subprocess, a long run).
+* ``slow``: every ``emulated`` test (the emulator runs each kernel thread on the CPU), every ``oracle`` test (torch's
+  import alone takes seconds: the quick run needs no torch), every test that starts a process (``subprocess``:
+  examples, benchmarks, MPI ranks, mypy, a fresh interpreter) or builds the compiled passes afresh (a private
+  ``FLATOPT_CACHE_DIR``), found as ``oracle`` is; every Hypothesis test (``@given``: many examples); and the tests
+  and modules marked ``slow`` in their source (long runs, thread stress).
 """
 
 from __future__ import annotations
@@ -43,23 +46,37 @@ def _uses_the_emulator(item) -> bool:
     return False
 
 
+def _calls_subprocess(node) -> bool:  # subprocess.run(...), subprocess.Popen(...), ...
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "subprocess")
+
+
+def _imports_an_oracle(node) -> bool:  # pytest.importorskip("torch"), ...
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "importorskip"
+            and bool(node.args) and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).split(".")[0] in ORACLES)
+
+
+def _builds_the_library(node) -> bool:  # a private FLATOPT_CACHE_DIR: the compiled passes are built afresh
+    return isinstance(node, ast.Constant) and node.value == "FLATOPT_CACHE_DIR"
+
+
+RULES = {"oracle": _imports_an_oracle, "process": _calls_subprocess, "build": _builds_the_library}
+
+
 @functools.cache
-def _oracle_functions(module_name: str) -> frozenset:
-    """The module-level functions of a test module that import a reference implementation, directly or through
-    another module-level function they call."""
+def _functions_that(module_name: str, rule: str) -> frozenset:
+    """The module-level functions (tests, fixtures, helpers) of a test module whose body matches ``RULES[rule]``,
+    directly or through another module-level function they call."""
     tree = ast.parse(inspect.getsource(sys.modules[module_name]))
     funcs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    direct, calls = set(), {}
+    found, calls = set(), {}
     for name, fn in funcs.items():
-        calls[name] = set()
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in funcs:
-                calls[name].add(node.func.id)
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "importorskip" and node.args and isinstance(node.args[0], ast.Constant)
-                    and str(node.args[0].value).split(".")[0] in ORACLES):
-                direct.add(name)
-    found, grew = set(direct), True
+        nodes = list(ast.walk(fn))
+        calls[name] = {n.func.id for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)} & set(funcs)
+        if any(RULES[rule](n) for n in nodes):
+            found.add(name)
+    grew = True
     while grew:
         grew = False
         for name in funcs:
@@ -69,18 +86,22 @@ def _oracle_functions(module_name: str) -> frozenset:
     return frozenset(found)
 
 
-def _uses_an_oracle(item) -> bool:
+def _uses(item, rule: str) -> bool:
+    """The test, or a fixture it requests, is one of the module's functions that match ``rule``."""
     module = getattr(item, "module", None)
     if module is None:
         return False
-    oracles = _oracle_functions(module.__name__)
-    return getattr(item, "originalname", item.name) in oracles or bool(oracles & set(item.fixturenames))
+    found = _functions_that(module.__name__, rule)
+    return getattr(item, "originalname", item.name) in found or bool(found & set(item.fixturenames))
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _uses_the_emulator(item):
+        emulated, oracle = _uses_the_emulator(item), _uses(item, "oracle")
+        if emulated:
             item.add_marker(pytest.mark.emulated)
-            item.add_marker(pytest.mark.slow)
-        if _uses_an_oracle(item):
+        if oracle:
             item.add_marker(pytest.mark.oracle)
+        hypothesis = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
+        if emulated or oracle or hypothesis or _uses(item, "process") or _uses(item, "build"):
+            item.add_marker(pytest.mark.slow)

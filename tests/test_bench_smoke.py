@@ -15,6 +15,7 @@ import pytest
 from .optional import bench
 
 pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # each test runs a benchmark (tens of seconds)
 
 ROOT = Path(__file__).resolve().parents[1]
 

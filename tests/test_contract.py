@@ -252,6 +252,7 @@ def _rosenbrock(x):
     return f, g.astype(x.dtype)
 
 
+@pytest.mark.slow  # hundreds to thousands of steps per entry
 @pytest.mark.parametrize("problem", ["quadratic", "rosenbrock"])
 def test_converges(spec, problem):
     if problem not in spec.converges_on:  # Stiefel: the quadratic's minimum on St(8, 6) is 13.05 > 0.1 f0 (test_stiefel)
