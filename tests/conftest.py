@@ -9,7 +9,7 @@ them; ``python -m pytest -q -m "not slow"`` is the quick run):
 * ``slow``: every ``emulated`` test (the emulator runs each kernel thread on the CPU), every ``oracle`` test (torch's
   import alone takes seconds: the quick run needs no torch), every test that starts a process (``subprocess``:
   examples, benchmarks, MPI ranks, mypy, a fresh interpreter) or builds the compiled passes afresh (a private
-  ``FLATOPT_CACHE_DIR``), found as ``oracle`` is; every Hypothesis test (``@given``: many examples); and the tests
+  ``FLATOPT_CACHE_DIR``), or draws Hypothesis examples (``@given``), all found as ``oracle`` is; and the tests
   and modules marked ``slow`` in their source (long runs, thread stress).
 """
 
@@ -61,7 +61,12 @@ def _builds_the_library(node) -> bool:  # a private FLATOPT_CACHE_DIR: the compi
     return isinstance(node, ast.Constant) and node.value == "FLATOPT_CACHE_DIR"
 
 
-RULES = {"oracle": _imports_an_oracle, "process": _calls_subprocess, "build": _builds_the_library}
+def _draws_examples(node) -> bool:  # @given(...), on the test or on a function inside it
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "given"
+
+
+RULES = {"oracle": _imports_an_oracle, "process": _calls_subprocess, "build": _builds_the_library,
+         "hypothesis": _draws_examples}
 
 
 @functools.cache
@@ -73,7 +78,8 @@ def _functions_that(module_name: str, rule: str) -> frozenset:
     found, calls = set(), {}
     for name, fn in funcs.items():
         nodes = list(ast.walk(fn))
-        calls[name] = {n.func.id for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)} & set(funcs)
+        called = {n.func.id for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        calls[name] = called & set(funcs)
         if any(RULES[rule](n) for n in nodes):
             found.add(name)
     grew = True
@@ -102,6 +108,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.emulated)
         if oracle:
             item.add_marker(pytest.mark.oracle)
-        hypothesis = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
-        if emulated or oracle or hypothesis or _uses(item, "process") or _uses(item, "build"):
+        if emulated or oracle or any(_uses(item, rule) for rule in ("hypothesis", "process", "build")):
             item.add_marker(pytest.mark.slow)

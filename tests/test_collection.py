@@ -59,18 +59,45 @@ def test_no_test_module_imports_the_benchmarks():
     assert not found, found
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("group", sorted(OPTIONAL))
-def test_collects_without(group, tmp_path):
-    """The whole suite collects with ``group``'s packages missing: no collection error (their tests skip)."""
+# torch alone (the reference packages stay: each fails on its own import of torch), CuPy alone, and every optional
+# group at once (a bare install: NumPy and pytest)
+MISSING = {"torch": OPTIONAL["torch"], "cupy": OPTIONAL["cupy"], "all": sum(OPTIONAL.values(), [])}
+
+
+@pytest.mark.parametrize("missing", sorted(MISSING))
+def test_collects_without(missing, tmp_path):
+    """The whole suite collects with the ``missing`` packages unimportable: no collection error (their tests skip)."""
     (tmp_path / "sitecustomize.py").write_text(BLOCKER)
-    env = dict(os.environ, FLATOPT_TEST_BLOCK=",".join(OPTIONAL[group]),
+    env = dict(os.environ, FLATOPT_TEST_BLOCK=",".join(MISSING[missing]),
                PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    if group == "hypothesis":  # not installed, Hypothesis brings no pytest plugin either
+    if "hypothesis" in MISSING[missing]:  # not installed, Hypothesis brings no pytest plugin either
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            str(TESTS)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    tail = proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0 and "error" not in proc.stdout.splitlines()[-1], tail
-    probe = subprocess.run([sys.executable, "-c", f"import {OPTIONAL[group][0]}"], env=env, capture_output=True)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("ERROR")]
+    assert proc.returncode == 0 and not errors, errors or proc.stdout[-3000:] + proc.stderr[-3000:]
+    probe = subprocess.run([sys.executable, "-c", f"import {MISSING[missing][0]}"], env=env, capture_output=True)
     assert probe.returncode != 0  # the blocker did block
+
+
+def _collected(*args) -> set[str]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 5), proc.stdout[-3000:] + proc.stderr[-3000:]  # 5: every test deselected
+    return {line.split("[")[0] for line in proc.stdout.splitlines() if "::" in line}
+
+
+def test_markers_derive_from_what_a_test_uses():
+    """pyproject registers the markers (strict); conftest marks a test ``emulated`` by its fixtures, ``oracle`` by a
+    fixture that imports a reference package, and both ``slow``; ``-m "not slow"`` leaves the plain ones."""
+    codec = "tests/test_codec.py"
+    emulated, oracle = f"{codec}::test_cupy_codec_matches_numpy", f"{codec}::test_dynamic_maps_equal_the_original"
+    plain = f"{codec}::test_fresh_states_decode_to_zero"
+    assert emulated in _collected(codec, "-m", "emulated") and oracle not in _collected(codec, "-m", "emulated")
+    assert oracle in _collected(codec, "-m", "oracle") and emulated not in _collected(codec, "-m", "oracle")
+    quick = _collected(codec, "-m", "not slow")
+    assert plain in quick and emulated not in quick and oracle not in quick
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "--strict-markers" in ini["addopts"].split()
+    assert {m.split(":")[0] for m in ini["markers"]} == {"slow", "emulated", "oracle"}

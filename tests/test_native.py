@@ -16,6 +16,7 @@ buffers (refused) close the file.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import pathlib
@@ -34,7 +35,7 @@ import pytest
 import flatopt
 from flatopt.core import driver, native, native_cache
 
-from .registry import flag_cases, richest_cases
+from .registry import FLAG_SPACE, flag_cases, richest_cases
 
 HAS_CC = shutil.which("cc") is not None
 pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the compiled passes cannot be built here")
@@ -119,6 +120,17 @@ def test_the_library_builds_where_a_compiler_exists():
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the twin's NaN/inf arithmetic warns; the compiled one not
+def test_the_flag_space_covers_every_switch():
+    """The grid is every algorithm with a compiled pass (each entry of the library is some algorithm's, Adam's also
+    AdamW's) over every switch of its constructor: each boolean option and the weight decay is a dimension of its
+    flag space (tests/registry.py)."""
+    entries = {name.split("_")[0] for name in (*native.ENTRIES, *native.COLUMNS)}  # lamb_apply, mars_columns: Lamb, Mars
+    assert entries <= {case.algorithm for case in CASES.values()}, entries
+    for algo, space in FLAG_SPACE.items():
+        switches = {n for n, p in inspect.signature(space.cls).parameters.items() if isinstance(p.default, bool)}
+        assert switches | {"weight_decay"} <= set(space.options), (algo, switches)
+
+
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nonfinite"])
 @pytest.mark.parametrize("dt", [np.float32, np.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("shapes", list(SHAPES), ids=list(SHAPES))
