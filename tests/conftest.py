@@ -35,10 +35,12 @@ def gpu_or_emulated():
 
 
 def _uses_the_emulator(item) -> bool:
-    module = getattr(item, "module", None)
+    module, info = getattr(item, "module", None), getattr(item, "_fixtureinfo", None)
+    if module is None or info is None:
+        return False
     if any(getattr(v, "__name__", "").startswith(__package__ + ".cuda_emu") for v in vars(module).values()):
         return True
-    for defs in getattr(item, "_fixtureinfo").name2fixturedefs.values():
+    for defs in info.name2fixturedefs.values():
         for d in defs:
             func = inspect.unwrap(d.func)
             if func is fakecupy.device_or_emulated or "device_or_emulated" in func.__code__.co_names:
