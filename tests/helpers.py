@@ -34,6 +34,16 @@ def assert_states_equal(s1: flatopt.OptimizerState, s2: flatopt.OptimizerState):
         assert_bits_equal(s1.buffers[k], s2.buffers[k], k)
 
 
+def transformer_shapes(d: int = 512, layers: int = 6, vocab: int = 8192, ctx: int = 2048) -> list[tuple[int, ...]]:
+    """The benchmarks' transformer-like layout (``benchmarks/bench_adamw.py``, kept here so that no test imports
+    ``benchmarks/``): token and position embeddings, ``layers`` x (q, k, v, o, MLP up/down + biases, 2 norms with
+    bias), final norm: 4 + 12 per layer tensors (76, 24.2M elements for the defaults)."""
+    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d, d)] * 4 + [(d, 4 * d), (4 * d,), (4 * d, d), (d,)] + [(d,)] * 4
+    return shapes + [(d,), (d,)]
+
+
 def make_params(shapes, dtype=np.float32, seed=0):
     return {f"p{i}": (tuple(s), rng_arrays(seed + i, s, dtype)) for i, s in enumerate(shapes)}
 

@@ -7,6 +7,7 @@ accepts, and a learning rate at which it must decrease a quadratic and the Rosen
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable
 
 import flatopt
@@ -119,3 +120,101 @@ REGISTRY: dict[str, Spec] = {
     "stiefel": Spec(make=lambda lr=0.05, **kw: flatopt.Stiefel(lr=lr, **kw), shapes=((3, 5), (4, 3), (2, 3, 4), (5, 1), (1, 1)), rosenbrock_lr=1e-3, converges_on=("rosenbrock",)),
     "stiefel_momentum": Spec(make=lambda lr=0.05, **kw: flatopt.Stiefel(lr=lr, momentum=0.9, **kw), shapes=((3, 5), (4, 3), (2, 4, 2), (1, 6)), rosenbrock_lr=1e-3, converges_on=("rosenbrock",)),
 }
+
+
+# The elementwise algorithms' flag space: the options that change the operation sequence of a step (the branches of
+# the NumPy path, the flag bits of the compiled pass and of the CUDA kernels), each with its settings by label, the
+# "off" one first (label ""), over a base of non-default hyper-parameters.  flag_cases() takes every valid
+# combination; the bit-identity tables of test_native.py, test_multi_tensor.py and test_nonfinite.py derive from it.
+@dataclasses.dataclass(frozen=True)
+class FlagSpace:
+    cls: type
+    base: dict
+    options: dict  # kwarg -> {label: value}; the first label is "" (the option off)
+    policy: str | Callable[[dict], str] = "element"  # the non-finite gradient policy (test_nonfinite.py), by config
+    norms: bool = False  # a per-tensor norm (Lamb's trust ratio, Mars's clip): 3 launches per multi-tensor group
+    min_steps: int = 0  # steps a bit-identity test needs to reach every branch
+
+
+_WD = {"": 0.0, "wd": 0.1}
+FLAG_SPACE: dict[str, FlagSpace] = {
+    "sgd": FlagSpace(flatopt.SGD, dict(lr=0.05), {"weight_decay": _WD, "momentum": {"": 0.0, "momentum": 0.9},
+                                                  "dampening": {"": 0.0, "dampening": 0.3},
+                                                  "nesterov": {"": False, "nesterov": True}}),
+    "adamw": FlagSpace(flatopt.AdamW, dict(lr=1e-2, betas=(0.8, 0.95)),
+                       {"weight_decay": _WD, "amsgrad": {"": False, "amsgrad": True}}),
+    "adam": FlagSpace(flatopt.Adam, dict(lr=1e-2, betas=(0.8, 0.95)),
+                      {"weight_decay": _WD, "amsgrad": {"": False, "amsgrad": True}}),
+    "nadamw": FlagSpace(flatopt.NAdamW, dict(lr=1e-2, betas=(0.8, 0.95)), {"weight_decay": _WD}),
+    # rectified from t = 5 on (rho_inf = 19, threshold 4)
+    "radam": FlagSpace(flatopt.RAdam, dict(lr=1e-2, betas=(0.8, 0.9), threshold=4.0),
+                       {"weight_decay": _WD, "decoupled_weight_decay": {"": False, "decoupled": True}},
+                       min_steps=5),
+    "qhadamw": FlagSpace(flatopt.QHAdamW, dict(lr=1e-2, betas=(0.8, 0.95)),
+                         {"weight_decay": _WD, "nus": {"": (1.0, 1.0), "nu1_nu2": (0.6, 0.8), "nu1": (0.6, 1.0),
+                                                       "nu2": (1.0, 0.8)}}),
+    "lion": FlagSpace(flatopt.Lion, dict(lr=1e-3, betas=(0.8, 0.95)), {"weight_decay": {"": 0.0, "wd": 0.5}},
+                      policy="sign"),
+    "sophia": FlagSpace(flatopt.Sophia, dict(lr=1e-3, betas=(0.9, 0.95), rho=0.5), {"weight_decay": _WD},
+                        policy="sign"),
+    "lamb": FlagSpace(flatopt.Lamb, dict(lr=1e-2, betas=(0.8, 0.99)), {"weight_decay": _WD}, norms=True),
+    "mars": FlagSpace(flatopt.Mars, dict(lr=1e-2, betas=(0.9, 0.95), gamma=0.05),
+                      {"weight_decay": _WD, "clip_c": {"": True, "noclip": False}}, norms=True,
+                      policy=lambda cfg: "tensor" if cfg["clip_c"] else "element"),  # the clip's norm
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagCase:
+    algorithm: str
+    labels: tuple  # the options on, by label
+    kwargs: dict
+
+    @property
+    def space(self) -> FlagSpace:
+        return FLAG_SPACE[self.algorithm]
+
+    def make(self, **overrides):
+        return self.space.cls(**{**self.space.base, **self.kwargs, **overrides})
+
+    @property
+    def policy(self) -> str:
+        return policy_of(self.make())
+
+    @property
+    def launches(self) -> int:
+        """Multi-tensor launches per group: the norm's partials, folds and map when the step takes a norm."""
+        return 3 if self.space.norms and self.kwargs.get("clip_c", True) else 1
+
+
+def policy_of(opt) -> str:
+    """The non-finite gradient policy of an elementwise optimizer (its flag space's, for its config)."""
+    space = next(sp for sp in FLAG_SPACE.values() if type(opt) is sp.cls)
+    return space.policy(opt.state_dict().config) if callable(space.policy) else space.policy
+
+
+def flag_cases(algorithms=None) -> dict[str, FlagCase]:
+    """Every valid combination of the flag space (a combination the constructor refuses, e.g. Nesterov without
+    momentum, is left out), by id: ``algorithm[-label...]``."""
+    out = {}
+    for algo in algorithms or FLAG_SPACE:
+        space = FLAG_SPACE[algo]
+        for combo in itertools.product(*(opts.items() for opts in space.options.values())):
+            case = FlagCase(algo, tuple(lab for lab, _ in combo if lab),
+                            dict(zip(space.options, (v for _, v in combo))))
+            try:
+                case.make()
+            except ValueError:
+                continue
+            out["-".join((algo, *case.labels))] = case
+    return out
+
+
+def richest_cases(cases=None) -> dict[str, FlagCase]:
+    """Per algorithm, the case of ``cases`` (default: every valid one) with the most options on (ties: the first in
+    flag_cases order)."""
+    best: dict[str, tuple[str, FlagCase]] = {}
+    for cid, case in (flag_cases() if cases is None else cases).items():
+        if case.algorithm not in best or len(case.labels) > len(best[case.algorithm][1].labels):
+            best[case.algorithm] = (cid, case)
+    return dict(best.values())

@@ -23,7 +23,7 @@ import flatopt
 from flatopt import OptItem
 from flatopt.core import backend
 from tests.cuda_emu import emu, fakecupy
-from tests.helpers import assert_bits_equal
+from tests.helpers import assert_bits_equal, transformer_shapes
 
 gpu_device = pytest.fixture(scope="module", autouse=True)(fakecupy.device_or_emulated)
 
@@ -341,8 +341,6 @@ def test_segmented_launch_count_on_the_transformer_set(monkeypatch, gpu_device):
     state (the per-tensor path: 356 launches).  Counted on the stand-in with no-op kernels."""
     if gpu_device != "emulated":
         pytest.skip("counted on the stand-in")
-    from benchmarks.bench_adamw import transformer_shapes
-
     def call(self, grid, block, args, *, shared_mem=0, enable_cooperative_groups=False):
         assert len(args) == len(self.params), self.expr
         emu.stats.launches += 1

@@ -24,9 +24,8 @@ from flatopt import OptItem
 from flatopt.adafactor import gpu as af_gpu
 from flatopt.core import backend
 
-from benchmarks.bench_adamw import transformer_shapes
-
 from .cuda_emu import emu, fakecupy
+from .helpers import transformer_shapes
 
 GAP = 5
 SENTINEL = 4321.0
@@ -230,7 +229,7 @@ def _steady_state(opt, items, between=None):
 def test_76_tensors_launches_syncs_allocations(make, between, monkeypatch, gpu_device):
     """Issue #19's target for Adafactor on the 76 tensors: at most 24 launches per steady-state step (one launch per
     pass for the whole set: 6), no host synchronisation, no device allocation (the plan's tables and workspace are
-    built once).  The layout of benchmarks.bench_adamw.transformer_shapes, scaled down for the emulator."""
+    built once).  The benchmarks' layout (helpers.transformer_shapes), scaled down for the emulator."""
     if gpu_device != "emulated":
         pytest.skip("counted by the stand-in")
     monkeypatch.setenv("FLATOPT_FORCE_TWIN", "0")

@@ -1,5 +1,7 @@
 """Smoke test of the benchmark CLI: ``python -m benchmarks.run --quick --only adamw --repeats 2`` runs in seconds
-and produces the table (timings are never asserted: the CI machine is shared)."""
+and produces the table (timings are never asserted: the CI machine is shared).  The benchmarks run as subprocesses
+or are imported inside a test (``optional.bench``): the test modules never import ``benchmarks/``, whose modules
+need torch."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from .optional import bench
+
 pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # each test runs a benchmark (tens of seconds)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +48,7 @@ def test_quick_benchmark_prints_and_writes_the_table(tmp_path):
 
 
 def test_a_module_whose_reference_is_missing_is_skipped_with_a_note(monkeypatch):
-    from benchmarks import run
+    run = bench("run")
 
     real = run.importlib.import_module
 
@@ -76,7 +81,7 @@ def test_threads_probe_sizes_runs(capsys):
     """``python -m benchmarks.threads_probe sizes`` (the A/B behind ``core.blocks.BLOCK``,
     ``adafactor8bit.apollo_lowrank.TASK`` and ``core.driver.CHUNK``) runs one round and prints its nine lines (timings
     are not asserted)."""
-    from benchmarks import threads_probe
+    threads_probe = bench("threads_probe")
 
     threads_probe.sizes(repeats=1)
     out = capsys.readouterr().out
@@ -87,7 +92,7 @@ def test_threads_probe_sizes_runs(capsys):
 def test_threads_probe_native_runs(capsys):
     """``python -m benchmarks.threads_probe native`` (the A/B behind the compiled CPU passes' figures) runs one round
     at a small size and prints a line per algorithm (timings are not asserted)."""
-    from benchmarks import threads_probe
+    threads_probe = bench("threads_probe")
     from flatopt.core import native
 
     threads_probe.native(repeats=1, quick=True)

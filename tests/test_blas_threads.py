@@ -26,6 +26,7 @@ from .helpers import assert_bits_equal, make_for, make_params, run_steps
 from .registry import REGISTRY
 
 pytest.importorskip("threadpoolctl")
+pytestmark = pytest.mark.slow  # every mode of every registry entry, BLAS calls recorded; also .ci/bits
 needs_cap = pytest.mark.skipif(not shards.can_cap(), reason="threadpoolctl cannot hold this BLAS at one thread")
 
 APOLLO = dict(lr=0.01, relative_step=False, apollo_rank=8, apollo_update_proj_gap=2, min_8bit_size=0,

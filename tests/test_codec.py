@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from flatopt.core import backend
 from flatopt.adafactor8bit import quant
+
+from .optional import given, settings, st
 
 B = 128  # a small AL block keeps the examples fast; the block size is a parameter of the codec, not of its math
 

@@ -12,6 +12,8 @@ import flatopt
 from .helpers import assert_bits_equal, assert_states_equal, make_for, run_steps
 from .registry import REGISTRY
 
+pytestmark = pytest.mark.slow  # stress: many items, several threads
+
 NAMES = sorted(REGISTRY)
 
 

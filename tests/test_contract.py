@@ -8,8 +8,6 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import flatopt
 from flatopt import OptItem
@@ -17,6 +15,7 @@ from flatopt import OptItem
 from flatopt.core import native
 
 from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_params, rng_arrays, run_steps
+from .optional import HealthCheck, given, settings, st
 from .registry import REGISTRY
 
 NAMES = sorted(REGISTRY)
@@ -253,6 +252,7 @@ def _rosenbrock(x):
     return f, g.astype(x.dtype)
 
 
+@pytest.mark.slow  # hundreds to thousands of steps per entry
 @pytest.mark.parametrize("problem", ["quadratic", "rosenbrock"])
 def test_converges(spec, problem):
     if problem not in spec.converges_on:  # Stiefel: the quadratic's minimum on St(8, 6) is 13.05 > 0.1 f0 (test_stiefel)

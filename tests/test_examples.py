@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # every example trains or steps a model end to end (seconds each)
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

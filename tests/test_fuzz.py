@@ -19,13 +19,12 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import flatopt
 from flatopt import OptItem
 
 from .helpers import assert_bits_equal, assert_states_equal
+from .optional import HealthCheck, given, settings, st
 from .registry import REGISTRY
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "25"))

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from benchmarks import gpu_check
+import pytest
+
+from .optional import bench
+
+
+@pytest.fixture
+def gpu_check():
+    return bench("gpu_check")
+
 
 TITLES = ["GPU tests", "Parity on large shapes", "Subnormals (FTZ) and the 8-bit decode", "Multi-GPU placement",
           "NCCL, one process per device", "Every optimizer's step", "Timings against the references"]
 
 
-def test_dry_run_writes_every_section(tmp_path):
+def test_dry_run_writes_every_section(gpu_check, tmp_path):
     out = tmp_path / "gpu.md"
     assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
     text = out.read_text()
@@ -17,7 +25,7 @@ def test_dry_run_writes_every_section(tmp_path):
     assert text.count("not run: --dry-run") == len(TITLES)
 
 
-def test_a_failing_section_is_reported_and_the_report_written(tmp_path):
+def test_a_failing_section_is_reported_and_the_report_written(gpu_check, tmp_path):
     out, lines = tmp_path / "gpu.md", ["# report", ""]
 
     def boom():
@@ -30,7 +38,7 @@ def test_a_failing_section_is_reported_and_the_report_written(tmp_path):
     assert "## second" in text and "fine" in text and "the device fell over" in text
 
 
-def test_nccl_section_says_why_without_nccl(monkeypatch):
+def test_nccl_section_says_why_without_nccl(gpu_check, monkeypatch):
     from flatopt.core import backend
 
     def no_nccl():
@@ -41,10 +49,8 @@ def test_nccl_section_says_why_without_nccl(monkeypatch):
     assert gpu_check._nccl_check(1)[0].startswith("not run: Failure finding")  # noqa: SLF001
 
 
-def test_decode_probe_kernel_compiles():
+def test_decode_probe_kernel_compiles(gpu_check):
     """The fused-decode probe of the subnormals section (a8_codec.cuh's a8_al_value) compiles with NVRTC."""
-    import pytest
-
     from flatopt.core import backend, kernels
 
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")

@@ -13,6 +13,8 @@ import pytest
 
 from flatopt.core import backend, kernels
 
+pytestmark = pytest.mark.slow  # compiles every CUDA source (NVRTC, nvcc, ptxas): minutes
+
 
 def _nvrtc_available() -> bool:
     try:

@@ -304,6 +304,7 @@ def test_balance_stream():
     assert hits == [20, 125, 270, 291, 298, 369, 395, 428, 482, 685, 883, 1027]
 
 
+@pytest.mark.slow  # a long run
 def test_d14_balance_record_does_not_grow():
     """reliability audit D14: the balance draws' record must not grow with the step count (it kept every hit, about
     1 % of steps, forever), and stays the stream of ``random.Random(seed)``: parameters in lock-step, one that lags

@@ -17,6 +17,8 @@ from flatopt import OptItem
 from .helpers import make_params, rng_arrays
 from .registry import REGISTRY
 
+pytestmark = pytest.mark.slow  # 10,000 steps of every optimizer
+
 STEPS = int(os.environ.get("LONG_RUN_STEPS", "10000"))
 
 

@@ -15,18 +15,19 @@ when one answers, else on the emulated device (``tests/cuda_emu``), as ``tests/t
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
-import flatopt
 from flatopt import OptItem
 from flatopt.core import backend
 from flatopt.core import multi_tensor as mt
 
 from .cuda_emu import emu, fakecupy
+from .helpers import transformer_shapes
+from .registry import FLAG_SPACE, flag_cases
 
-LAUNCHES = {"lamb": 3, "lamb_nowd": 3, "mars": 3}  # multi-tensor launches per group (default 1)
-STEPS = {"radam_l2": 5}  # batch steps (default 3): RAdam's rectification starts within them
 SCALES = {"t1": 0.5, "t3": 3.0, "t5": 1.5, "d2": 0.25, "d4": 0.7}
 GAP = 7  # sentinel elements between two tensors of the shared buffer
 SENTINEL = 12345.0
@@ -36,32 +37,11 @@ SENTINEL = 12345.0
 gpu_device = pytest.fixture(scope="module", autouse=True)(fakecupy.device_or_emulated)
 
 
-MAKERS = {
-    "adamw": lambda: flatopt.AdamW(lr=1e-2, lr_scale={"t1": 0.5, "t3": 3.0, "d2": 0.25}),
-    "adamw_amsgrad_nowd": lambda: flatopt.AdamW(lr=3e-3, weight_decay=0.0, amsgrad=True),
-    "sgd_nesterov_wd": lambda: flatopt.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3,
-                                           lr_scale=lambda n: 2.0 if n.endswith("0") else 1.0),
-    "sgd_dampening": lambda: flatopt.SGD(lr=0.05, momentum=0.8, dampening=0.3),
-    "sgd_plain": lambda: flatopt.SGD(lr=0.1),
-    # the catalogue's elementwise algorithms: weight decay, non-default betas, per-tensor lr_scale
-    "adam_l2": lambda: flatopt.Adam(lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-2, lr_scale=SCALES),
-    "adam_amsgrad": lambda: flatopt.Adam(lr=3e-3, betas=(0.85, 0.95), amsgrad=True, weight_decay=0.1),
-    "nadamw": lambda: flatopt.NAdamW(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05, lr_scale=SCALES),
-    "radam_l2": lambda: flatopt.RAdam(lr=1e-2, betas=(0.8, 0.9), weight_decay=1e-2, threshold=4.0,
-                                      lr_scale=SCALES),  # rectified from t = 5 on (STEPS)
-    "radam_decoupled": lambda: flatopt.RAdam(lr=1e-2, betas=(0.9, 0.7), weight_decay=0.1,
-                                             decoupled_weight_decay=True, lr_scale=SCALES),
-    "qhadamw": lambda: flatopt.QHAdamW(lr=1e-2, betas=(0.9, 0.99), nus=(0.6, 0.8), weight_decay=0.05,
-                                       lr_scale=SCALES),
-    "qhadamw_nu1": lambda: flatopt.QHAdamW(lr=1e-2, nus=(1.0, 1.0), weight_decay=0.0),
-    "lion": lambda: flatopt.Lion(lr=1e-3, betas=(0.8, 0.95), weight_decay=0.5, lr_scale=SCALES),
-    "sophia": lambda: flatopt.Sophia(lr=1e-3, betas=(0.9, 0.95), rho=0.5, weight_decay=0.2, lr_scale=SCALES),
-    # per-tensor norms (core/multi_tensor.py `Norms`): partials, per-tensor folds, the elementwise kernel
-    "lamb": lambda: flatopt.Lamb(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05, lr_scale=SCALES),
-    "lamb_nowd": lambda: flatopt.Lamb(lr=1e-2, eps=1e-8, weight_decay=0.0),
-    "mars": lambda: flatopt.Mars(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, gamma=0.05, lr_scale=SCALES),
-    "mars_noclip": lambda: flatopt.Mars(lr=1e-2, clip_c=False, lr_scale=SCALES),
-}
+# every combination of each elementwise algorithm's flags (tests/registry.py), with a per-tensor lr_scale; the
+# combination with every flag off also without one (no scale table)
+CASES = flag_cases()
+MAKERS = {cid: functools.partial(case.make, lr_scale=SCALES) for cid, case in CASES.items()}
+MAKERS.update({f"{algo}-unscaled": CASES[algo].make for algo in FLAG_SPACE})
 
 
 def _layout(chunk):
@@ -135,12 +115,13 @@ def test_multi_tensor_bit_identical_to_per_tensor_kernel_and_twin(kind, chunk, m
     cp = backend.cupy()
     if gpu_device == "emulated":
         emu.stats.by_kernel.clear()
-    steps = STEPS.get(kind, 3)
+    case = CASES[kind.removesuffix("-unscaled")]
+    steps = max(3, case.space.min_steps)  # batch steps: RAdam's rectification starts within them
     got = {mode: _run(cp, kind, mode, chunk, monkeypatch, steps) for mode in ("single", "batch", "twin")}
     if gpu_device == "emulated":
         multi = sum(v for k, v in emu.stats.by_kernel.items() if "_multi<" in k)
         # batch steps x (2 dtypes x 2 step counts) x the launches of a group
-        assert multi == steps * 4 * LAUNCHES.get(kind, 1), emu.stats.by_kernel
+        assert multi == steps * 4 * case.launches, emu.stats.by_kernel
     ref_p, ref_s = got["single"]
     for mode in ("batch", "twin"):
         p, s = got[mode]
@@ -159,18 +140,19 @@ def _workload(cp, shapes, dtype=np.float32):
                     cp.asarray(rng.standard_normal(int(np.prod(s))).astype(dtype))) for i, s in enumerate(shapes)]
 
 
-def _small_transformer():
-    """The 76-tensor layout of benchmarks/bench_adamw.py, scaled down for the emulator (d = 16)."""
-    d = 16
-    shapes = [(64, d), (32, d)]
-    for _ in range(6):
-        shapes += [(d, d)] * 4 + [(d, 4 * d), (4 * d,), (4 * d, d), (d,)] + [(d,)] * 4
-    return shapes + [(d,), (d,)]
+# per algorithm and launch count (a norm or none), the case with the most flags on
+RICHEST = {}
+for _cid, _case in CASES.items():
+    _key = (_case.algorithm, _case.launches)
+    if _key not in RICHEST or len(_case.labels) > len(CASES[RICHEST[_key]].labels):
+        RICHEST[_key] = _cid
+RICHEST = sorted(RICHEST.values())
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd_nesterov_wd", "adam_l2", "nadamw", "radam_l2", "qhadamw", "lion",
-                                  "sophia", "lamb", "mars", "mars_noclip"])
-@pytest.mark.parametrize("shapes", [_small_transformer(), [(64,)] * 500], ids=["76_tensors", "500x64"])
+@pytest.mark.parametrize("kind", RICHEST)
+# the benchmarks' 76-tensor layout scaled down for the emulator (d = 16), and many tiny tensors
+@pytest.mark.parametrize("shapes", [transformer_shapes(d=16, layers=6, vocab=64, ctx=32), [(64,)] * 500],
+                         ids=["76_tensors", "500x64"])
 def test_steady_state_launches_syncs_allocations(kind, shapes, gpu_device):
     if gpu_device != "emulated":
         pytest.skip("counted by the stand-in")
@@ -186,25 +168,13 @@ def test_steady_state_launches_syncs_allocations(kind, shapes, gpu_device):
         opt.step_batch(items)
     launches = fakecupy.stats.launches + fakecupy.stats.ops - ops
     assert launches <= 4, launches
-    assert fakecupy.stats.launches == LAUNCHES.get(kind, 1)  # one dtype, one step count: one group
+    assert fakecupy.stats.launches == CASES[kind].launches  # one dtype, one step count: one group
     assert fakecupy.stats.syncs == 0
     assert fakecupy.stats.allocs == 0
 
 
 # weight_decay_mask on the GPU path: every elementwise kernel family, with and without the multi-tensor launch
-WD_MAKERS = {
-    "adamw": lambda **kw: flatopt.AdamW(lr=1e-2, **{"weight_decay": 0.1, **kw}),
-    "sgd": lambda **kw: flatopt.SGD(lr=0.1, momentum=0.9, nesterov=True, **{"weight_decay": 1e-2, **kw}),
-    "adam_l2": lambda **kw: flatopt.Adam(lr=1e-2, **{"weight_decay": 1e-2, **kw}),
-    "nadamw": lambda **kw: flatopt.NAdamW(lr=1e-2, **{"weight_decay": 0.05, **kw}),
-    "radam_decoupled": lambda **kw: flatopt.RAdam(lr=1e-2, decoupled_weight_decay=True,
-                                                  **{"weight_decay": 0.1, **kw}),
-    "qhadamw": lambda **kw: flatopt.QHAdamW(lr=1e-2, **{"weight_decay": 0.05, **kw}),
-    "lion": lambda **kw: flatopt.Lion(lr=1e-3, **{"weight_decay": 0.5, **kw}),
-    "sophia": lambda **kw: flatopt.Sophia(lr=1e-3, **{"weight_decay": 0.2, **kw}),
-    "lamb": lambda **kw: flatopt.Lamb(lr=1e-2, **{"weight_decay": 0.05, **kw}),
-    "mars": lambda **kw: flatopt.Mars(lr=1e-2, **{"weight_decay": 0.1, **kw}),
-}
+WD_MAKERS = {cid: CASES[cid].make for cid in RICHEST if "wd" in CASES[cid].labels}
 NO_DECAY = {"t1", "t3", "t5", "d1", "d4"}  # two or more per dtype: both parts of a batch take a multi-tensor launch
 
 
@@ -237,7 +207,7 @@ def test_weight_decay_mask_on_the_gpu_path(kind, monkeypatch, gpu_device):
         got[key] = {n: backend.to_numpy(p) for n, p in params.items()}
         if gpu_device == "emulated" and key == "batch":  # 2 steps x 2 dtypes x (with, without decay)
             multi = sum(v for k, v in emu.stats.by_kernel.items() if "_multi<" in k)
-            assert multi == 2 * 4 * LAUNCHES.get(kind, 1), emu.stats.by_kernel
+            assert multi == 2 * 4 * CASES[kind].launches, emu.stats.by_kernel
     for key in ("batch", "single"):
         for n, _, _ in layout:
             ref = got["no_decay" if n in NO_DECAY else "plain"][n]

@@ -16,6 +16,7 @@ buffers (refused) close the file.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import pathlib
@@ -34,39 +35,15 @@ import pytest
 import flatopt
 from flatopt.core import driver, native, native_cache
 
+from .registry import FLAG_SPACE, flag_cases, richest_cases
+
 HAS_CC = shutil.which("cc") is not None
 pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the compiled passes cannot be built here")
 
 CH = driver.CHUNK
-MAKERS = {
-    "adamw": lambda: flatopt.AdamW(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
-    "adamw_nowd": lambda: flatopt.AdamW(lr=1e-2, weight_decay=0.0),
-    "adam": lambda: flatopt.Adam(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
-    "adam_nowd": lambda: flatopt.Adam(lr=1e-2),
-    "nadamw": lambda: flatopt.NAdamW(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
-    "nadamw_nowd": lambda: flatopt.NAdamW(lr=1e-2, weight_decay=0.0),
-    "radam": lambda: flatopt.RAdam(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
-    "radam_decoupled": lambda: flatopt.RAdam(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
-    "radam_nowd": lambda: flatopt.RAdam(lr=1e-2),
-    "qhadamw": lambda: flatopt.QHAdamW(lr=1e-2, betas=(0.8, 0.95), nus=(0.7, 0.8), weight_decay=0.1),
-    "qhadamw_nu1": lambda: flatopt.QHAdamW(lr=1e-2, nus=(1.0, 1.0), weight_decay=0.0),
-    "qhadamw_default": lambda: flatopt.QHAdamW(lr=1e-2),
-    "qhadamw_nu2": lambda: flatopt.QHAdamW(lr=1e-2, nus=(1.0, 0.5)),
-    "lion": lambda: flatopt.Lion(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
-    "lion_nowd": lambda: flatopt.Lion(lr=1e-2),
-    "sophia": lambda: flatopt.Sophia(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
-    "sophia_nowd": lambda: flatopt.Sophia(lr=1e-2, weight_decay=0.0),
-    "sgd": lambda: flatopt.SGD(lr=1e-2),
-    "sgd_wd": lambda: flatopt.SGD(lr=1e-2, weight_decay=0.1),
-    "sgd_momentum": lambda: flatopt.SGD(lr=1e-2, momentum=0.9, weight_decay=0.1),
-    "sgd_dampening": lambda: flatopt.SGD(lr=1e-2, momentum=0.9, dampening=0.3),
-    "sgd_nesterov": lambda: flatopt.SGD(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
-    "lamb": lambda: flatopt.Lamb(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
-    "lamb_nowd": lambda: flatopt.Lamb(lr=1e-2, weight_decay=0.0),
-    "mars": lambda: flatopt.Mars(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
-    "mars_noclip": lambda: flatopt.Mars(lr=1e-2, clip_c=False),
-    "mars_nowd": lambda: flatopt.Mars(lr=1e-2, weight_decay=0.0),
-}
+# every combination of each elementwise algorithm's flags (tests/registry.py); amsgrad has no compiled pass
+CASES = flag_cases()
+COMPILED = {cid: case for cid, case in CASES.items() if "amsgrad" not in case.labels}
 # one chunk and a tail; many chunks plus a tail; small items (bucketed), a >3-D one, one element; a matrix whose
 # norm layout has several full rows
 SHAPES = {
@@ -143,22 +120,34 @@ def test_the_library_builds_where_a_compiler_exists():
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the twin's NaN/inf arithmetic warns; the compiled one not
+def test_the_flag_space_covers_every_switch():
+    """The grid is every algorithm with a compiled pass (each entry of the library is some algorithm's, Adam's also
+    AdamW's) over every switch of its constructor: each boolean option and the weight decay is a dimension of its
+    flag space (tests/registry.py)."""
+    entries = {name.split("_")[0] for name in (*native.ENTRIES, *native.COLUMNS)}  # lamb_apply, mars_columns: Lamb, Mars
+    assert entries <= {case.algorithm for case in CASES.values()}, entries
+    for algo, space in FLAG_SPACE.items():
+        switches = {n for n, p in inspect.signature(space.cls).parameters.items() if isinstance(p.default, bool)}
+        assert switches | {"weight_decay"} <= set(space.options), (algo, switches)
+
+
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nonfinite"])
 @pytest.mark.parametrize("dt", [np.float32, np.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("shapes", list(SHAPES), ids=list(SHAPES))
-@pytest.mark.parametrize("algo", list(MAKERS))
+@pytest.mark.parametrize("algo", list(CASES))
 def test_compiled_pass_gives_the_twins_bits(algo, shapes, dt, special):
-    make, sh = MAKERS[algo], SHAPES[shapes]
-    pa, sa = _run(make, sh, dt, compiled=True, special=special)
-    pb, sb = _run(make, sh, dt, compiled=False, special=special)
+    case, sh = CASES[algo], SHAPES[shapes]
+    steps = max(4, case.space.min_steps)
+    pa, sa = _run(case.make, sh, dt, compiled=True, special=special, steps=steps)
+    pb, sb = _run(case.make, sh, dt, compiled=False, special=special, steps=steps)
     _assert_same(pa, pb)
     _assert_same(_arrays(sa), _arrays(sb))
     assert not special or any(np.isnan(p).any() for p in pb)  # the NaN clause of _assert_same was exercised
 
 
-@pytest.mark.parametrize("algo", ["adamw", "lion", "qhadamw", "sgd_momentum", "sophia", "lamb", "mars"])
+@pytest.mark.parametrize("algo", list(COMPILED))
 def test_the_compiled_pass_is_taken(algo, monkeypatch):
-    """Each of these algorithms reaches the library (a call per chunk, or per column piece of a norm)."""
+    """Each of these cases reaches the library (a call per chunk, or per column piece of a norm)."""
     calls = []
     step, columns = native.step, native.columns
 
@@ -173,7 +162,7 @@ def test_the_compiled_pass_is_taken(algo, monkeypatch):
     monkeypatch.setattr(native, "columns", spy(columns))
     monkeypatch.setattr(native, "gen_step", spy(native.gen_step))  # the loops generated from a definition
     native.reset()
-    _run(MAKERS[algo], SHAPES["chunked"], np.float32, compiled=True, steps=2)
+    _run(COMPILED[algo].make, SHAPES["chunked"], np.float32, compiled=True, steps=2)
     assert calls and all(ok for _, ok in calls), calls
 
 
@@ -188,8 +177,8 @@ def test_a_mutated_library_is_caught(tmp_path, monkeypatch):
     path.write_text(mutated)
     monkeypatch.setattr(native, "GENERATED", path)
     monkeypatch.setenv("FLATOPT_CACHE_DIR", str(tmp_path / "cache"))
-    pa, _ = _run(MAKERS["adamw"], SHAPES["chunked"], np.float32, compiled=True)
-    pb, _ = _run(MAKERS["adamw"], SHAPES["chunked"], np.float32, compiled=False)
+    pa, _ = _run(CASES["adamw-wd"].make, SHAPES["chunked"], np.float32, compiled=True)
+    pb, _ = _run(CASES["adamw-wd"].make, SHAPES["chunked"], np.float32, compiled=False)
     with pytest.raises(AssertionError, match="elements differ"):
         _assert_same(pa, pb)
 
@@ -197,8 +186,7 @@ def test_a_mutated_library_is_caught(tmp_path, monkeypatch):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 instruction sets only")
 @pytest.mark.parametrize("isa", ["-mno-avx", "-mavx2"], ids=["sse2", "avx2"])
-@pytest.mark.parametrize("algo", ["adamw", "adam", "nadamw", "radam", "qhadamw", "lion", "sophia", "sgd_nesterov",
-                                  "lamb", "mars"])
+@pytest.mark.parametrize("algo", list(richest_cases(COMPILED)))
 def test_every_instruction_set_gives_the_twins_bits(algo, isa, tmp_path, monkeypatch):
     """The library runs whichever clone the CPU takes (``target_clones``: AVX2 or the baseline): each one, built
     alone (``-DFLATOPT_NO_CLONES`` plus the instruction set), gives the twin's bits.  AVX2 is skipped on a CPU
@@ -207,7 +195,7 @@ def test_every_instruction_set_gives_the_twins_bits(algo, isa, tmp_path, monkeyp
         pytest.skip("this CPU has no AVX2")
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DFLATOPT_NO_CLONES", isa))
     monkeypatch.setenv("FLATOPT_CACHE_DIR", str(tmp_path))
-    make, sh = MAKERS[algo], SHAPES["mixed"]
+    make, sh = COMPILED[algo].make, SHAPES["mixed"]
     pa, sa = _run(make, sh, np.float32, compiled=True, special=True)
     assert len(list(tmp_path.glob("*.so"))) == 1  # this build ran, not the cached default one
     pb, sb = _run(make, sh, np.float32, compiled=False, special=True)

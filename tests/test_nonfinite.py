@@ -27,11 +27,9 @@ import numpy as np
 import pytest
 
 from .helpers import make_params, rng_arrays
-from .registry import REGISTRY
+from .registry import FLAG_SPACE, REGISTRY, flag_cases, policy_of
 
 POLICY = {
-    "sgd": "element", "sgd_nesterov": "element", "sgd_dampened": "element",
-    "adamw": "element", "adamw_amsgrad": "element",
     "adafactor": "tensor", "adafactor_manual_beta1_wd": "tensor", "adafactor_beta2_unfactored_scaled": "tensor",
     "adafactor8bit": "tensor",
     "adafactor8bit_adam_d8_fira": "finite",
@@ -39,14 +37,16 @@ POLICY = {
     "kron_psgd": "tensor", "kron_psgd_knobs": "tensor",
     "muon": "tensor",
     "muon_adamw": lambda shape: "tensor" if len(shape) == 2 else "element",
-    **dict.fromkeys(["adam", "adam_amsgrad", "nadamw", "radam", "radam_decoupled", "qhadamw", "qhadamw_nu2", "lamb"],
-                    "element"),
-    "lion": "sign", "sophia": "sign", "mars": "tensor",
     "soap": lambda shape: "tensor" if len(shape) > 1 else "element",  # vectors: Adam
     "soap_1d_capped": lambda shape: "tensor" if max(shape) <= 8 else "element",
     "stiefel": lambda shape: "finite" if shape[-2:] == (1, 1) else "matrix",
     "stiefel_momentum": lambda shape: "finite" if shape[-2:] == (1, 1) else "matrix",
 }
+# the elementwise algorithms' entries: their flag space's policy (tests/registry.py)
+_ELEMENTWISE = tuple(space.cls for space in FLAG_SPACE.values())
+POLICY.update({name: policy_of(spec.make()) for name, spec in REGISTRY.items()
+               if type(spec.make()) in _ELEMENTWISE})
+CASES = flag_cases()
 
 
 def test_every_optimizer_has_a_documented_policy():
@@ -59,6 +59,17 @@ def test_nonfinite_gradient_policy(name, bad):
     spec = REGISTRY[name]
     params = make_params(spec.shapes)
     opt = spec.make_for({n: s for n, (s, _) in params.items()}) if spec.make_for else spec.make()
+    _check_policy(opt, params, POLICY[name], bad)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_nonfinite_gradient_policy_of_every_flag_combination(case, bad):
+    """The elementwise policies hold whichever flags are on (each combination is another operation sequence)."""
+    _check_policy(CASES[case].make(), make_params(REGISTRY["adamw"].shapes), CASES[case].policy, bad)
+
+
+def _check_policy(opt, params, policy_of, bad):
     for it in range(2):
         for n, (s, p) in sorted(params.items()):
             opt.step(n, s, p, rng_arrays(5 + it, s))
@@ -67,7 +78,7 @@ def test_nonfinite_gradient_policy(name, bad):
         g[0] = bad
         with np.errstate(all="ignore"):
             opt.step(n, s, p, g)
-        policy = POLICY[name](s) if callable(POLICY[name]) else POLICY[name]
+        policy = policy_of(s) if callable(policy_of) else policy_of
         nonfinite = int(np.sum(~np.isfinite(p)))
         if policy in ("tensor", "matrix") and not np.isnan(bad):  # an infinity may leave 0·inf = NaN in one place
             assert nonfinite >= 1, (n, s, policy, nonfinite)
