@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from . import trace as tr
 
 _UFUNC = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negative", "sqrt": "sqrt",
@@ -120,7 +122,7 @@ def signed_mul(xp: Any, c: Any, k: Any, out: Any, spare: Any) -> None:
     exact, so every element is the same ±1·k or +0·k product).  ``numpy.sign`` branches per element (~4 ns/element
     on random signs); this is ~0.2.  A chunk holding a NaN (sign(NaN) = NaN) takes ``numpy.sign``."""
     n = c.size
-    if xp.__name__ == "numpy" and n:
+    if xp is np and n:
         lo = xp.minimum.reduce(c)  # NaN exactly when c holds one (minimum propagates NaN)
         if lo == lo:
             b = spare.view(xp.int8)
