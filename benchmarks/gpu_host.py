@@ -15,7 +15,7 @@ steady-state step (the 3rd and later):
   the stand-in's CuPy calls (its checks and the NumPy arithmetic standing for device work: GEMMs, ufuncs,
   reductions, solves): flatopt's own Python, without CuPy's per-call cost, which the estimate adds per launch;
 * ``est_us``: an **estimate**, not a measurement: max(host_us + 5 µs × launches, GPU time), GPU time = Σ over
-  launches of max(2 µs, bytes / 4.8 TB/s) (an H200's HBM bandwidth; ../shared/reference/gpu-audit.md §2.1).
+  launches of max(2 µs, bytes / 4.8 TB/s) (an H200's HBM bandwidth, the vendor's figure).
 
 ``--numpy`` times the NumPy path of the same workloads instead (no stand-in).
 """
