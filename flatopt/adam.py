@@ -14,26 +14,22 @@ Defaults lr 1e-3, betas (0.9, 0.999), eps 1e-8 (outside the square root), weight
 rlx-optim requires lr).  This is torch's single-tensor operation order; torch's
 ``Adam(decoupled_weight_decay=True)`` is ``flatopt.AdamW``.  Deviations: none from torch or the paper (``maximize``,
 ``capturable``, ``differentiable`` are not offered); rlx-optim computes with f64 intermediates, flatopt in the
-parameter's dtype with float64 bias corrections.  On the CPU the twin's operations run fused in one compiled pass
-(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; amsgrad and machines without a C compiler run
-the twin).  ``end_iteration`` only counts iterations (bias correction uses the per-name t).  State: ``m``, ``v``
-(and ``vmax``): 8 B/param in float32 (12 with amsgrad).  Use it where a model was tuned with L2-coupled Adam;
-otherwise prefer AdamW.
+parameter's dtype with float64 bias corrections.  Every path is derived from the definition below (``step``, through
+``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
+(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
+``kernels/generated/``).  ``end_iteration`` only counts iterations (bias correction uses the per-name t).  State:
+``m``, ``v`` (and ``vmax``): 8 B/param in float32 (12 with amsgrad).  Use it where a model was tuned with L2-coupled
+Adam; otherwise prefer AdamW.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
-import numpy as np
-
-from .core import backend, kernels, native
 from .core.elementwise import define, run
 from .core.driver import PerParamOptimizer
-from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
@@ -59,7 +55,7 @@ def check_bool(owner: str, field: str, value: Any) -> None:
 
 def moments(xp: Any, m: Array, v: Array, g: Array, omb1: float, b2: float, omb2: float, s: Array) -> None:
     """m = m + (g − m)·(1 − β1);  v = v·β2 + (g·(1 − β2))·g — in place, five passes through the scratch ``s``
-    (the operation order of every family kernel: ``kernels/adam.cu`` and its siblings)."""
+    (the operation order of ``adam_moments``; Lamb's and Mars's NumPy paths)."""
     xp.subtract(g, m, s)
     xp.multiply(s, omb1, s)
     xp.add(m, s, m)
@@ -135,13 +131,6 @@ def init(xp: Any, cfg: AdamConfig, shape: tuple[int, ...], dtype: Any) -> AdamSt
     return AdamState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype) if cfg.amsgrad else None)
 
 
-@functools.lru_cache(maxsize=16)
-def _scalars(cfg: AdamConfig, t: int, lr: float) -> tuple[Any, ...]:
-    b1, b2 = cfg.betas
-    bc1, bc2 = bias_corrections(cfg.betas, t)
-    return cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2 ** 0.5, cfg.eps, -(lr / bc1)
-
-
 def scalars(cfg: AdamConfig, t: int, lr: Any) -> dict[str, Any]:
     """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
@@ -152,53 +141,6 @@ def scalars(cfg: AdamConfig, t: int, lr: Any) -> dict[str, Any]:
 
 DEF = adam_family("adam", scalars, AdamConfig(), decoupled=False)
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
-
-
-# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
-def hand_update(xp: Any, cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float,
-                scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p`` (the decayed
-    gradient and a temporary), in the operation order of ``kernels/adam.cu``."""
-    sc = _scalars(cfg, t, lr)
-    if xp is np and not cfg.amsgrad and native.step("adam", (p, g, st.m, st.v), sc, (sc[0] != 0) | 2):
-        return  # the same operations fused in one compiled pass (core/native.py); flag 2: L2 decay, not AdamW's
-    wd, omb1, b2, omb2, bc2_sqrt, eps, neg_step = sc
-    s, gd = scratch
-    if wd != 0:
-        xp.multiply(p, wd, gd)  # g' = g + p * wd
-        xp.add(g, gd, gd)
-        g = gd
-    moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
-    src = st.v
-    if cfg.amsgrad:
-        xp.maximum(st.vmax, st.v, out=st.vmax)
-        src = st.vmax
-    xp.sqrt(src, s)  # p = p + (m / (sqrt(v) / bc2_sqrt + eps)) * neg_step
-    xp.divide(s, bc2_sqrt, s)
-    xp.add(s, eps, s)
-    xp.divide(st.m, s, s)
-    xp.multiply(s, neg_step, s)
-    xp.add(p, s, p)
-
-
-def hand_kernel_update(cfg: AdamConfig, st: AdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    dt = p.dtype.type
-    k = kernels.get("adam.cu", "adam_step", p.dtype)
-    vmax = st.vmax if st.vmax is not None else st.v
-    scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
-    backend.launch(k, p.size, (p, g, st.m, st.v, vmax, np.int64(p.size), *scal, np.int32(cfg.amsgrad)))
-    return True
-
-
-def _multi_args(cfg: AdamConfig, t: int, dt: Any) -> tuple[Any, ...]:
-    """``adam_multi``'s arguments after ``base_lr`` (each tensor's step size is derived in the kernel)."""
-    wd, omb1, b2, omb2, bc2_sqrt, eps, _ = _scalars(cfg, t, 0.0)
-    return (bias_corrections(cfg.betas, t)[0], dt(wd), dt(omb1), dt(b2), dt(omb2), dt(bc2_sqrt), dt(eps),
-            np.int32(cfg.amsgrad))
-
-
-HAND_MULTI = MultiTensor("adam.cu", "adam_multi",
-                         lambda st, p: (st.m, st.v, st.vmax if st.vmax is not None else st.v), _multi_args)
 
 
 class Adam(PerParamOptimizer):

@@ -12,9 +12,10 @@ Update rule, per element, with t the step count of this parameter (advanced insi
 Defaults lr 1e-3, betas (0.9, 0.999), eps 1e-8 (outside the square root), weight_decay 1e-2, amsgrad False.
 Arithmetic is in the parameter's dtype (as torch; rlx-optim uses f64 intermediates), in the operation order of
 torch's single-tensor path.  torch's vectorised CPU kernels may contract multiply-adds, so the two agree to a few
-ulps rather than bit for bit.  On the CPU the twin's operations run fused in one compiled pass
-(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; amsgrad and machines without a C compiler run
-the twin).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
+ulps rather than bit for bit.  Every path is derived from the definition below (``step``, through
+``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
+(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
+``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,9 @@ import functools
 import math
 from typing import Any
 
-import numpy as np
-
 from .adam import adam_family
-from .core import backend, kernels, native
 from .core.elementwise import run
 from .core.driver import PerParamOptimizer
-from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
@@ -76,15 +73,6 @@ def _bias(cfg: AdamWConfig, t: int) -> tuple[float, float]:
     return 1.0 - b1**t, (1.0 - b2**t) ** 0.5
 
 
-@functools.lru_cache(maxsize=16)
-def _scalars(cfg: AdamWConfig, t: int, lr: float) -> tuple[float, float, float, float, float, float, float]:
-    """The per-step scalars (cached: ``update`` runs once per cache-sized chunk).  ``kernels/adamw.cu``'s
-    ``adamw_multi`` derives ``decay`` and the step size from ``lr`` with these operations, in double."""
-    b1, b2 = cfg.betas
-    bc1, bc2_sqrt = _bias(cfg, t)
-    return 1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, cfg.eps, -(lr / bc1)
-
-
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: AdamWConfig, t: int, lr: Any) -> dict[str, Any]:
     """The per-step scalars by name, in double (``lr`` may be traced: the multi-tensor kernel derives ``decay`` and
@@ -97,63 +85,6 @@ def scalars(cfg: AdamWConfig, t: int, lr: Any) -> dict[str, Any]:
 
 DEF = adam_family("adamw", scalars, AdamWConfig(), decoupled=True)  # the step: adam.py `adam_family_step`
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
-
-
-# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
-def hand_update(xp: Any, cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float,
-                scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds one buffer the size of ``p``.
-
-    Fourteen in-place ufunc passes (13 without weight decay, one more with amsgrad), each rounded to the dtype, in
-    the operation order of ``kernels/adamw.cu``; one temporary, so that a cache-sized chunk of p, g, m, v and the
-    temporary stays in the L2 cache from one pass to the next (the driver hands out such chunks)."""
-    sc = _scalars(cfg, t, lr)
-    if xp is np and not cfg.amsgrad and native.step("adam", (p, g, st.m, st.v), sc, cfg.weight_decay != 0):
-        return  # the same operations fused in one compiled pass (core/native.py)
-    decay, omb1, b2, omb2, bc2_sqrt, eps, neg_step = sc
-    s = scratch[0]
-    m, v = st.m, st.v
-    mul, add = xp.multiply, xp.add
-    if cfg.weight_decay != 0:
-        mul(p, decay, p)  # p = p * decay
-    xp.subtract(g, m, s)  # m = m + (g - m) * (1 - b1)
-    mul(s, omb1, s)
-    add(m, s, m)
-    mul(g, omb2, s)  # v = v * b2 + (g * (1 - b2)) * g
-    mul(s, g, s)
-    mul(v, b2, v)
-    add(v, s, v)
-    src = v
-    if cfg.amsgrad:
-        xp.maximum(st.vmax, v, out=st.vmax)
-        src = st.vmax
-    xp.sqrt(src, s)  # p = p + (m / (sqrt(v) / bc2_sqrt + eps)) * neg_step
-    xp.divide(s, bc2_sqrt, s)
-    add(s, eps, s)
-    xp.divide(m, s, s)
-    mul(s, neg_step, s)
-    add(p, s, p)
-
-
-def hand_kernel_update(cfg: AdamWConfig, st: AdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    dt = p.dtype.type
-    k = kernels.get("adamw.cu", "adamw_step", p.dtype)
-    vmax = st.vmax if st.vmax is not None else st.v
-    scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
-    backend.launch(k, p.size, (p, g, st.m, st.v, vmax, np.int64(p.size), *scal, np.int32(cfg.amsgrad)))
-    return True
-
-
-def _multi_args(cfg: AdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
-    """``adamw_multi``'s arguments after ``base_lr`` (each tensor's decay and step size are derived in the kernel)."""
-    b1, b2 = cfg.betas
-    bc1, bc2_sqrt = _bias(cfg, t)
-    return (float(cfg.weight_decay), bc1, dt(1.0 - b1), dt(b2), dt(1.0 - b2), dt(bc2_sqrt), dt(cfg.eps),
-            np.int32(cfg.amsgrad))
-
-
-HAND_MULTI = MultiTensor("adamw.cu", "adamw_multi",
-                    lambda st, p: (st.m, st.v, st.vmax if st.vmax is not None else st.v), _multi_args)
 
 
 class AdamW(PerParamOptimizer):

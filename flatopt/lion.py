@@ -11,8 +11,9 @@ Defaults lr 1e-4 (lion-pytorch's), betas (0.9, 0.99), weight_decay 0 (rlx-optim'
 element: use an lr 3-10x smaller than AdamW's and a weight decay 3-10x larger.  No bias correction, so the step
 count t is unused.  Deviations: none from lion-pytorch with ``decoupled_weight_decay=False`` (its
 ``decoupled_weight_decay=True`` divides λ by the initial lr: not offered); optax ``lion`` computes the same rule
-with other roundings.  On the CPU the twin's operations run fused in one compiled pass
-(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
+with other roundings.  Every path is derived from the definition below (``step``, through ``core/elementwise``): the
+NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists (the same bits; otherwise the
+NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in ``kernels/generated/``).
 ``end_iteration`` only counts iterations.  State: ``m`` (4 B/param in float32).
 """
 
@@ -22,13 +23,9 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
-
 from .adam import check_common
-from .core import backend, kernels, native
 from .core.elementwise import define, run
 from .core.driver import PerParamOptimizer
-from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
 
@@ -51,11 +48,6 @@ class LionState:
 
 def init(xp: Any, cfg: LionConfig, shape: tuple[int, ...], dtype: Any) -> LionState:
     return LionState(xp.zeros(math.prod(shape), dtype))
-
-
-def _scalars(cfg: LionConfig, lr: float) -> tuple[Any, ...]:
-    b1, b2 = cfg.betas
-    return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, b2, 1.0 - b2, -lr
 
 
 # ------------------------------------------------------------------------------------------------ the definition
@@ -82,68 +74,6 @@ def step(e: Any, p: Any, g: Any, m: Any, *, s: Any, f: Any) -> dict[str, Any]:
 
 DEF = define("lion", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m",), example=LionConfig())
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
-
-
-# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
-def _signed_step(c: np.ndarray, s: np.ndarray, neg_lr: float) -> bool:
-    """NumPy: c <- sign(c)·neg_lr with the bits of ``numpy.sign`` then the multiply, branch-free: (c > 0) − (c < 0)
-    as int8 in the bytes of the free scratch ``s``, times neg_lr (the int8 → dtype conversion is exact, so every
-    element is the same ±1·neg_lr or +0·neg_lr product).  ``numpy.sign`` branches per element (~4 ns/element on
-    random signs, 85% of a step); this is ~0.2.  A chunk holding a NaN (sign(NaN) = NaN) returns False untouched:
-    the caller takes the ``numpy.sign`` path."""
-    n = c.size
-    b = s.view(np.int8)
-    pos, neg = b[:n].view(np.bool_), b[n:2 * n].view(np.bool_)
-    lo = np.minimum.reduce(c) if n else c.dtype.type(0)  # NaN exactly when c holds one (minimum propagates NaN)
-    if lo != lo:
-        return False
-    np.greater(c, 0, out=pos)
-    np.less(c, 0, out=neg)
-    d = b[:n]
-    np.subtract(d, b[n:2 * n], out=d)
-    np.multiply(d, neg_lr, out=c, dtype=c.dtype)
-    return True
-
-
-def hand_update(xp: Any, cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
-    order of ``kernels/lion.cu``."""
-    sc = _scalars(cfg, lr)
-    if xp is np and native.step("lion", (p, g, st.m), sc, cfg.weight_decay != 0):
-        return  # the same operations fused in one compiled pass (core/native.py)
-    decay, b1, omb1, b2, omb2, neg_lr = sc
-    s, u = scratch
-    m = st.m
-    if cfg.weight_decay != 0:
-        xp.multiply(p, decay, p)
-    xp.multiply(m, b1, u)  # c = m * b1 + g * (1 - b1)
-    xp.multiply(g, omb1, s)
-    xp.add(u, s, u)
-    if xp is not np or not _signed_step(u, s, neg_lr):
-        xp.sign(u, u)  # p = p + sign(c) * (-lr)
-        xp.multiply(u, neg_lr, u)
-    xp.add(p, u, p)
-    xp.multiply(m, b2, m)  # m = m * b2 + g * (1 - b2)
-    xp.multiply(g, omb2, s)
-    xp.add(m, s, m)
-
-
-def hand_kernel_update(cfg: LionConfig, st: LionState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    dt = p.dtype.type
-    k = kernels.get("lion.cu", "lion_step", p.dtype)
-    scal = tuple(dt(x) for x in _scalars(cfg, lr))
-    backend.launch(k, p.size, (p, g, st.m, np.int64(p.size), *scal, np.int32(cfg.weight_decay != 0)))
-    return True
-
-
-def _multi_args(cfg: LionConfig, t: int, dt: Any) -> tuple[Any, ...]:
-    """``lion_multi``'s arguments after ``base_lr`` (each tensor's decay and −lr are derived in the kernel)."""
-    _, *scal, _ = _scalars(cfg, 0.0)
-    return (float(cfg.weight_decay), *(dt(x) for x in scal), np.int32(cfg.weight_decay != 0))
-
-
-HAND_MULTI = MultiTensor("lion.cu", "lion_multi", lambda st, p: (st.m,), _multi_args)
 
 
 class Lion(PerParamOptimizer):

@@ -16,25 +16,21 @@ Defaults lr 1e-3 and weight_decay 1e-2 (flatopt AdamW's), betas (0.9, 0.999), ep
 torch's default momentum schedule μ_t = β1(1 − ½·0.96^(t·ψ)), ψ = 4e-3 (Dozat's decaying schedule, a different
 optimizer: 0.44 apart after 10 steps) is not offered; flatopt is torch's NAdam at ψ = ∞.  torch keeps the product Π
 μ in float32; flatopt computes β1^t and β1^(t+1) in float64.  optax raises β to the power t in float32, which puts
-it ~7e-6 away at β2 = 0.999.  On the CPU the twin's operations run fused in one compiled pass
-(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
-``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+it ~7e-6 away at β2 = 0.999.  Every path is derived from the definition below (``step``, through
+``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
+(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
+``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
-import numpy as np
-
-from .adam import adam_moments, bias_corrections, check_common, moments, zeros_state
-from .core import backend, kernels, native
+from .adam import adam_moments, bias_corrections, check_common, zeros_state
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
-from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
 
@@ -59,15 +55,6 @@ class NAdamWState:
 
 def init(xp: Any, cfg: NAdamWConfig, shape: tuple[int, ...], dtype: Any) -> NAdamWState:
     return NAdamWState(*zeros_state(xp, math.prod(shape), dtype, 2))
-
-
-@functools.lru_cache(maxsize=16)
-def _scalars(cfg: NAdamWConfig, t: int, lr: float) -> tuple[Any, ...]:
-    b1, b2 = cfg.betas
-    bc1, bc2 = bias_corrections(cfg.betas, t)
-    bc1_next = 1.0 - b1 ** (t + 1)
-    return (1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, bc2, cfg.eps,
-            -lr * (1.0 - b1) / bc1, -lr * b1 / bc1_next)
 
 
 # ------------------------------------------------------------------------------------------------ the definition
@@ -98,50 +85,6 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
 DEF = define("nadamw", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v"),
              example=NAdamWConfig())
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
-
-
-# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
-def hand_update(xp: Any, cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: int, lr: float,
-                scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
-    order of ``kernels/nadamw.cu``."""
-    sc = _scalars(cfg, t, lr)
-    if xp is np and native.step("nadamw", (p, g, st.m, st.v), sc, cfg.weight_decay != 0):
-        return  # the same operations fused in one compiled pass (core/native.py)
-    decay, omb1, b2, omb2, bc2, eps, c_g, c_m = sc
-    s, d = scratch
-    if cfg.weight_decay != 0:
-        xp.multiply(p, decay, p)
-    moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
-    xp.divide(st.v, bc2, d)  # d = sqrt(v / bc2) + eps
-    xp.sqrt(d, d)
-    xp.add(d, eps, d)
-    xp.divide(g, d, s)  # p = p + (g / d) * c_g
-    xp.multiply(s, c_g, s)
-    xp.add(p, s, p)
-    xp.divide(st.m, d, s)  # p = p + (m / d) * c_m
-    xp.multiply(s, c_m, s)
-    xp.add(p, s, p)
-
-
-def hand_kernel_update(cfg: NAdamWConfig, st: NAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    dt = p.dtype.type
-    k = kernels.get("nadamw.cu", "nadamw_step", p.dtype)
-    scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
-    backend.launch(k, p.size, (p, g, st.m, st.v, np.int64(p.size), *scal, np.int32(cfg.weight_decay != 0)))
-    return True
-
-
-def _multi_args(cfg: NAdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
-    """``nadamw_multi``'s arguments after ``base_lr``: the float64 operands from which the kernel derives each
-    tensor's decay, c_g and c_m as ``_scalars`` does, then the rest rounded to the dtype."""
-    b1 = cfg.betas[0]
-    _, omb1, b2, omb2, bc2, eps, _, _ = _scalars(cfg, t, 0.0)
-    return (float(cfg.weight_decay), b1, omb1, bias_corrections(cfg.betas, t)[0], 1.0 - b1 ** (t + 1), dt(omb1),
-            dt(b2), dt(omb2), dt(bc2), dt(eps), np.int32(cfg.weight_decay != 0))
-
-
-HAND_MULTI = MultiTensor("nadamw.cu", "nadamw_multi", lambda st, p: (st.m, st.v), _multi_args)
 
 
 class NAdamW(PerParamOptimizer):

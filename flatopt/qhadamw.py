@@ -13,25 +13,21 @@ rlx-optim's), eps 1e-8, weight_decay 1e-2.  ν = (1, 1) is AdamW; ν1 = 0 is RMS
 
 Deviations: qhoptim stores already-debiased averages (its β_adj weights); flatopt stores the raw EMAs m, v and
 debiases with float64 β^t, identical in exact arithmetic (rlx-optim does the same).  qhoptim's defaults (β1 0.9, ν
-(1, 1)) differ from these.  On the CPU the twin's operations run fused in one compiled pass
-(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
-``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+(1, 1)) differ from these.  Every path is derived from the definition below (``step``, through
+``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
+(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
+``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
-import numpy as np
-
-from .adam import adam_moments, bias_corrections, check_common, moments, zeros_state
-from .core import backend, kernels, native
+from .adam import adam_moments, bias_corrections, check_common, zeros_state
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
-from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
@@ -62,15 +58,6 @@ class QHAdamWState:
 
 def init(xp: Any, cfg: QHAdamWConfig, shape: tuple[int, ...], dtype: Any) -> QHAdamWState:
     return QHAdamWState(*zeros_state(xp, math.prod(shape), dtype, 2))
-
-
-@functools.lru_cache(maxsize=16)
-def _scalars(cfg: QHAdamWConfig, t: int, lr: float) -> tuple[Any, ...]:
-    b1, b2 = cfg.betas
-    nu1, nu2 = cfg.nus
-    bc1, bc2 = bias_corrections(cfg.betas, t)
-    return (1.0 - lr * cfg.weight_decay, 1.0 - b1, b2, 1.0 - b2, nu1 / bc1, 1.0 - nu1, nu2 / bc2, 1.0 - nu2,
-            cfg.eps, -lr)
 
 
 # ------------------------------------------------------------------------------------------------ the definition
@@ -105,58 +92,6 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
 DEF = define("qhadamw", step, scalars=scalars, flags=flags, flag_names=("wd", "nu1", "nu2"), slots=("m", "v"),
              example=QHAdamWConfig())
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
-
-
-# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
-def hand_update(xp: Any, cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float,
-                scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds three buffers the size of ``p`` (the third only read
-    when ν2 != 1, so that a chunk's operands are six arrays, not seven), in the operation order of
-    ``kernels/qhadamw.cu``."""
-    sc = _scalars(cfg, t, lr)
-    flags = (cfg.weight_decay != 0) | (cfg.nus[0] != 1.0) << 1 | (cfg.nus[1] != 1.0) << 2
-    if xp is np and native.step("qhadamw", (p, g, st.m, st.v), sc, flags):
-        return  # the same operations fused in one compiled pass (core/native.py)
-    decay, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, neg_lr = sc
-    s, num = scratch[0], scratch[1]
-    if cfg.weight_decay != 0:
-        xp.multiply(p, decay, p)
-    moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
-    xp.multiply(st.m, c_m, num)  # num = m * c_m + g * c_g
-    if cfg.nus[0] != 1.0:
-        xp.multiply(g, c_g, s)
-        xp.add(num, s, num)
-    den = s  # den = sqrt(v * c_v + (g * c_gg) * g) + eps
-    xp.multiply(st.v, c_v, den)
-    if cfg.nus[1] != 1.0:
-        gg = scratch[2]
-        xp.multiply(g, c_gg, gg)
-        xp.multiply(gg, g, gg)
-        xp.add(den, gg, den)
-    xp.sqrt(den, den)
-    xp.add(den, eps, den)
-    xp.divide(num, den, num)  # p = p + (num / den) * (-lr)
-    xp.multiply(num, neg_lr, num)
-    xp.add(p, num, p)
-
-
-def hand_kernel_update(cfg: QHAdamWConfig, st: QHAdamWState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    dt = p.dtype.type
-    k = kernels.get("qhadamw.cu", "qhadamw_step", p.dtype)
-    scal = tuple(dt(x) for x in _scalars(cfg, t, lr))
-    flags = (cfg.weight_decay != 0) | (cfg.nus[0] != 1.0) << 1 | (cfg.nus[1] != 1.0) << 2
-    backend.launch(k, p.size, (p, g, st.m, st.v, np.int64(p.size), *scal, np.int32(flags)))
-    return True
-
-
-def _multi_args(cfg: QHAdamWConfig, t: int, dt: Any) -> tuple[Any, ...]:
-    """``qhadamw_multi``'s arguments after ``base_lr`` (each tensor's decay and −lr are derived in the kernel)."""
-    _, *scal, eps, _ = _scalars(cfg, t, 0.0)
-    flags = (cfg.weight_decay != 0) | (cfg.nus[0] != 1.0) << 1 | (cfg.nus[1] != 1.0) << 2
-    return (float(cfg.weight_decay), *(dt(x) for x in scal), dt(eps), np.int32(flags))
-
-
-HAND_MULTI = MultiTensor("qhadamw.cu", "qhadamw_multi", lambda st, p: (st.m, st.v), _multi_args)
 
 
 class QHAdamW(PerParamOptimizer):

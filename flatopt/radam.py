@@ -17,9 +17,11 @@ official code, torch, optax and pytorch-optimizer use 5, and flatopt does: ``thr
 ε's placement (rlx-optim and optax put ε on √v̂, i.e. ε·√b2 here).  From torch: the step scalars −η·r·√b2/b1 are
 folded into one float64 factor (torch multiplies the arrays by lr, the adaptive factor and r in turn), a few ulps.
 From the official code: its default ``degenerated_to_sgd=False`` skips the whole update (decay included) while ρ_t <
-5; flatopt (like torch) takes the SGD-momentum step.  On the CPU the twin's operations run fused in one compiled
-pass (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
-``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+5; flatopt (like torch) takes the SGD-momentum step.  Every path is derived from the definition below (``step``,
+through ``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler
+exists (the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the
+snapshots in ``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in
+float32).
 """
 
 from __future__ import annotations
@@ -29,13 +31,9 @@ import functools
 import math
 from typing import Any
 
-import numpy as np
-
-from .adam import adam_moments, bias_corrections, check_bool, check_common, moments, zeros_state
-from .core import backend, kernels, native
+from .adam import adam_moments, bias_corrections, check_bool, check_common, zeros_state
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
-from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
@@ -78,22 +76,6 @@ def _rectification(cfg: RAdamConfig, t: int) -> tuple[bool, float]:
     return False, 0.0
 
 
-@functools.lru_cache(maxsize=16)
-def _scalars(cfg: RAdamConfig, t: int, lr: float) -> tuple[Any, ...]:
-    """(wd, decay, 1 − β1, β2, 1 − β2, ε, rectified, step factor); ``kernels/radam.cu``'s ``radam_multi`` derives
-    the decay and the factor from ``lr`` with these operations, in double."""
-    b1, b2 = cfg.betas
-    bc1, bc2 = bias_corrections(cfg.betas, t)
-    rect, r = _rectification(cfg, t)
-    if rect:
-        factor = -lr * r * math.sqrt(bc2) / bc1
-    else:
-        factor = -lr / bc1
-    wd = 0.0 if cfg.decoupled_weight_decay else cfg.weight_decay
-    decay = 1.0 - lr * cfg.weight_decay if cfg.decoupled_weight_decay else 1.0
-    return wd, decay, 1.0 - b1, b2, 1.0 - b2, cfg.eps, rect, factor
-
-
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: RAdamConfig, t: int, lr: Any) -> dict[str, Any]:
     """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``); both
@@ -127,59 +109,6 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
 DEF = define("radam", step, scalars=scalars, flags=flags, flag_names=("wd", "dec", "rect"), slots=("m", "v"),
              example=RAdamConfig(), valid=lambda f: f["wd"] or not f["dec"])
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
-
-
-# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
-def hand_update(xp: Any, cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float,
-                scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
-    order of ``kernels/radam.cu``."""
-    sc = _scalars(cfg, t, lr)
-    wd, decay, omb1, b2, omb2, eps, rect, factor = sc
-    flags = (cfg.weight_decay != 0) | cfg.decoupled_weight_decay << 1 | bool(rect) << 2
-    if xp is np and native.step("radam", (p, g, st.m, st.v), sc, flags):
-        return  # the same operations fused in one compiled pass (core/native.py)
-    s, gd = scratch
-    if cfg.weight_decay != 0:
-        if cfg.decoupled_weight_decay:
-            xp.multiply(p, decay, p)
-        else:
-            xp.multiply(p, wd, gd)  # g' = g + p * wd
-            xp.add(g, gd, gd)
-            g = gd
-    moments(xp, st.m, st.v, g, omb1, b2, omb2, s)
-    if rect:
-        xp.sqrt(st.v, s)  # p = p + (m / (sqrt(v) + eps)) * factor
-        xp.add(s, eps, s)
-        xp.divide(st.m, s, s)
-    else:  # p = p + m * factor
-        s[...] = st.m
-    xp.multiply(s, factor, s)
-    xp.add(p, s, p)
-
-
-def hand_kernel_update(cfg: RAdamConfig, st: RAdamState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    dt = p.dtype.type
-    k = kernels.get("radam.cu", "radam_step", p.dtype)
-    wd, decay, omb1, b2, omb2, eps, rect, factor = _scalars(cfg, t, lr)
-    scal = tuple(dt(x) for x in (wd, decay, omb1, b2, omb2, eps, factor))
-    mode = 0 if cfg.weight_decay == 0 else (2 if cfg.decoupled_weight_decay else 1)
-    backend.launch(k, p.size, (p, g, st.m, st.v, np.int64(p.size), *scal, np.int32(mode), np.int32(rect)))
-    return True
-
-
-def _multi_args(cfg: RAdamConfig, t: int, dt: Any) -> tuple[Any, ...]:
-    """``radam_multi``'s arguments after ``base_lr``: the float64 operands of each tensor's decay and factor, then
-    the rest rounded to the dtype."""
-    wd, _, omb1, b2, omb2, eps, _, _ = _scalars(cfg, t, 0.0)
-    bc1, bc2 = bias_corrections(cfg.betas, t)
-    rect, r = _rectification(cfg, t)
-    mode = 0 if cfg.weight_decay == 0 else (2 if cfg.decoupled_weight_decay else 1)
-    return (float(cfg.weight_decay), r, math.sqrt(bc2), bc1, dt(wd), dt(omb1), dt(b2), dt(omb2), dt(eps),
-            np.int32(mode), np.int32(rect))
-
-
-HAND_MULTI = MultiTensor("radam.cu", "radam_multi", lambda st, p: (st.m, st.v), _multi_args)
 
 
 class RAdam(PerParamOptimizer):

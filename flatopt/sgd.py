@@ -10,9 +10,11 @@ Update rule, per element, with g' the decayed gradient and ``buf`` the momentum 
 
 Deviations: none from torch (``maximize`` and ``differentiable`` are not offered).  The rlx-optim seed folds the
 first step into ``momentum * 0 + g'``, which differs from torch when dampening != 0; flatopt follows torch.
-Arithmetic is in the parameter's dtype.  On the CPU the twin's operations run fused in one compiled pass
-(``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
-``end_iteration`` only counts iterations (SGD has no schedule). State: ``buf`` (only when momentum != 0).
+Arithmetic is in the parameter's dtype.  Every path is derived from the definition below (``step``, through
+``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
+(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
+``kernels/generated/``).  ``end_iteration`` only counts iterations (SGD has no schedule). State: ``buf`` (only when
+momentum != 0).
 """
 
 from __future__ import annotations
@@ -20,12 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
-from .core import backend, kernels, native
 from .core.elementwise import define, run
 from .core.driver import PerParamOptimizer
-from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, JSONDict, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
@@ -96,62 +94,6 @@ def step(e: Any, p: Any, g: Any, buf: Any, *, s: Any, f: Any) -> dict[str, Any]:
 DEF = define("sgd", step, scalars=scalars, flags=flags, flag_names=("wd", "mom", "first", "damp", "nest"),
              slots=("buf",), example=SGDConfig(lr=1e-2, momentum=0.9), valid=_valid)
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
-
-
-# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
-def hand_update(xp: Any, cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float,
-                scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``."""
-    flags = (cfg.weight_decay != 0) | (cfg.momentum != 0) << 1 | (t == 1) << 2 | (cfg.dampening != 0) << 3 \
-        | bool(cfg.nesterov) << 4
-    sc = (cfg.weight_decay, cfg.momentum, 1.0 - cfg.dampening, -lr)
-    if xp is np and native.step("sgd", (p, g, p if st.buf is None else st.buf), sc, flags):
-        return  # the same operations fused in one compiled pass (core/native.py); without momentum p stands in
-        # for buf, which is then never read or written
-    s1, s2 = scratch
-    d = g
-    if cfg.weight_decay != 0:
-        xp.multiply(p, cfg.weight_decay, out=s1)
-        xp.add(s1, g, out=s1)
-        d = s1
-    if cfg.momentum != 0:
-        buf = st.buf
-        if t == 1:
-            buf[...] = d
-        else:
-            buf *= cfg.momentum
-            if cfg.dampening != 0:
-                xp.multiply(d, 1.0 - cfg.dampening, out=s2)
-                buf += s2
-            else:
-                buf += d
-        if cfg.nesterov:
-            xp.multiply(buf, cfg.momentum, out=s2)
-            xp.add(d, s2, out=s1)
-            d = s1
-        else:
-            d = buf
-    xp.multiply(d, -lr, out=s2)
-    p += s2
-
-
-def hand_kernel_update(cfg: SGDConfig, st: SGDState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    dt = p.dtype.type
-    k = kernels.get("sgd.cu", "sgd_step", p.dtype)
-    buf = st.buf if st.buf is not None else p  # unused when momentum == 0
-    flags = (cfg.weight_decay != 0, cfg.momentum != 0, t == 1, cfg.nesterov, cfg.dampening != 0)
-    backend.launch(k, p.size, (p, g, buf, np.int64(p.size), dt(-lr), dt(cfg.weight_decay), dt(cfg.momentum),
-                                dt(1.0 - cfg.dampening), *(np.int32(f) for f in flags)))
-    return True
-
-
-def _multi_args(cfg: SGDConfig, t: int, dt: Any) -> tuple[Any, ...]:
-    """``sgd_multi``'s arguments after ``base_lr`` (each tensor's -lr is derived in the kernel)."""
-    flags = (cfg.weight_decay != 0, cfg.momentum != 0, t == 1, cfg.nesterov, cfg.dampening != 0)
-    return (dt(cfg.weight_decay), dt(cfg.momentum), dt(1.0 - cfg.dampening), *(np.int32(f) for f in flags))
-
-
-HAND_MULTI = MultiTensor("sgd.cu", "sgd_multi", lambda st, p: (st.buf if st.buf is not None else p,), _multi_args)
 
 
 class SGD(PerParamOptimizer):

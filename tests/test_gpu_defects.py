@@ -409,13 +409,13 @@ def test_a_kernel_object_is_built_once_per_kernel_dtype_and_device(monkeypatch):
     fake = type("cp", (), {"RawModule": RawModule, "cuda": type("cuda", (), {"Device": Device})})
     monkeypatch.setattr(_backend, "_cupy", fake)
     monkeypatch.setattr(_backend, "_modules", {})
-    warm = len(kernels.name_expressions("adamw.cu"))  # the module compiles every name once at creation
+    warm = len(kernels.name_expressions("generated/adamw.cu"))  # the module compiles every name once at creation
     barrier, got = threading.Barrier(4), []
 
     def worker():
         barrier.wait()
         for _ in range(50):
-            got.append(kernels.get("adamw.cu", "adamw_step", np.float32))
+            got.append(kernels.get("generated/adamw.cu", "adamw_f0_step", np.float32))
 
     threads = [threading.Thread(target=worker) for _ in range(4)]
     for t in threads:
@@ -424,7 +424,7 @@ def test_a_kernel_object_is_built_once_per_kernel_dtype_and_device(monkeypatch):
         t.join()
     assert len({id(k) for k in got}) == 1
     assert len(built) == warm + 1
-    assert kernels.get("adamw.cu", "adamw_step", np.float64) is not got[0] and len(built) == warm + 2
+    assert kernels.get("generated/adamw.cu", "adamw_f0_step", np.float64) is not got[0] and len(built) == warm + 2
     Device.id = 1  # another device: its own module and kernel
-    k1 = kernels.get("adamw.cu", "adamw_step", np.float32)
-    assert k1 is not got[0] and built[-1] == ("adamw_step<float>", 1)
+    k1 = kernels.get("generated/adamw.cu", "adamw_f0_step", np.float32)
+    assert k1 is not got[0] and built[-1] == ("adamw_f0_step<float>", 1)

@@ -161,8 +161,8 @@ def recording_cupy(monkeypatch, tmp_path):
 
 def _load_adamw(monkeypatch):
     monkeypatch.setattr(backend, "_modules", {})
-    return backend.raw_module(("flatopt", "adamw.cu"), kernels.source("adamw.cu"),
-                              kernels.name_expressions("adamw.cu"))
+    return backend.raw_module(("flatopt", "generated/adamw.cu"), kernels.source("generated/adamw.cu"),
+                              kernels.name_expressions("generated/adamw.cu"))
 
 
 def test_raw_module_loads_an_image_compiled_without_ftz(monkeypatch, recording_cupy):
@@ -171,8 +171,8 @@ def test_raw_module_loads_an_image_compiled_without_ftz(monkeypatch, recording_c
     cached on disk (``CUPY_CACHE_DIR``) and reloaded without compiling."""
     loaded = recording_cupy
     mod = _load_adamw(monkeypatch)
-    assert len(loaded) == 1 and not flushing(loaded[0]) and b"adamw_step" in loaded[0]
-    assert mod.get_function("adamw_step<float>").startswith("_Z")  # the lowered (mangled) name
+    assert len(loaded) == 1 and not flushing(loaded[0]) and b"adamw_f0_step" in loaded[0]
+    assert mod.get_function("adamw_f0_step<float>").startswith("_Z")  # the lowered (mangled) name
     monkeypatch.setattr(backend, "nvrtc_build", lambda *a: pytest.fail("compiled again: the disk cache missed"))
     _load_adamw(monkeypatch)
     assert loaded[1] == loaded[0]

@@ -1,4 +1,5 @@
-"""The compiled CPU passes (``flatopt/core/native.py``, ``kernels/cpu/elementwise.c``) give their NumPy twins' bits.
+"""The compiled CPU passes (``flatopt/core/native.py``: ``kernels/cpu/elementwise.c`` and the loops generated into
+``kernels/generated/elementwise.c``) give their NumPy twins' bits.
 
 Every algorithm with a compiled pass runs the same steps twice, once compiled and once on the twin (the library
 switched off), over flag combinations, both dtypes, sizes that straddle the driver's chunks and the norms' column
@@ -21,6 +22,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import shutil
 import signal
 import stat
@@ -34,6 +36,7 @@ import pytest
 
 import flatopt
 from flatopt.core import driver, native, native_cache
+from flatopt.core.elementwise import run
 
 from .registry import FLAG_SPACE, flag_cases, richest_cases
 
@@ -41,9 +44,10 @@ HAS_CC = shutil.which("cc") is not None
 pytestmark = pytest.mark.skipif(not HAS_CC, reason="no C compiler: the compiled passes cannot be built here")
 
 CH = driver.CHUNK
-# every combination of each elementwise algorithm's flags (tests/registry.py); amsgrad has no compiled pass
+# every combination of each elementwise algorithm's flags (tests/registry.py): each has a compiled pass (amsgrad
+# too: the generated loops cover every flag set of a definition)
 CASES = flag_cases()
-COMPILED = {cid: case for cid, case in CASES.items() if "amsgrad" not in case.labels}
+COMPILED = CASES
 # one chunk and a tail; many chunks plus a tail; small items (bucketed), a >3-D one, one element; a matrix whose
 # norm layout has several full rows
 SHAPES = {
@@ -121,10 +125,12 @@ def test_the_library_builds_where_a_compiler_exists():
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the twin's NaN/inf arithmetic warns; the compiled one not
 def test_the_flag_space_covers_every_switch():
-    """The grid is every algorithm with a compiled pass (each entry of the library is some algorithm's, Adam's also
-    AdamW's) over every switch of its constructor: each boolean option and the weight decay is a dimension of its
-    flag space (tests/registry.py)."""
+    """The grid is every algorithm with a compiled pass (each hand-written entry of the library and each generated
+    one is some algorithm's) over every switch of its constructor: each boolean option and the weight decay is a
+    dimension of its flag space (tests/registry.py)."""
     entries = {name.split("_")[0] for name in (*native.ENTRIES, *native.COLUMNS)}  # lamb_apply, mars_columns: Lamb, Mars
+    entries |= set(re.findall(r"\bint flatopt_gen_(\w+)\(", native.GENERATED.read_text()))
+    assert {"adamw", "sgd", "lion"} <= entries, entries
     assert entries <= {case.algorithm for case in CASES.values()}, entries
     for algo, space in FLAG_SPACE.items():
         switches = {n for n, p in inspect.signature(space.cls).parameters.items() if isinstance(p.default, bool)}
@@ -292,17 +298,19 @@ def _foreign(monkeypatch, *paths) -> None:
 
 @pytest.fixture(scope="module")
 def flipped_library(tmp_path_factory) -> bytes:
-    """The bytes of a valid library whose Lion steps the wrong way (1 -> 1.1): built from a modified source."""
+    """The bytes of a valid library whose Lion steps the wrong way (1 -> 1.1): built from a modified source (Lion's
+    loop is generated from its definition: core/elementwise)."""
     root = tmp_path_factory.mktemp("flipped")
-    src = native.SOURCE.read_text()
-    mutated = src.replace("p[i] = pi + SIGN(T, c) * neg_lr;", "p[i] = pi - SIGN(T, c) * neg_lr;", 1)
+    src = native.GENERATED.read_text()
+    at = src.index("lion_f0_float(")
+    mutated = src[:at] + src[at:].replace("const float t5 = p_i + t4;", "const float t5 = p_i - t4;", 1)
     assert mutated != src
     (root / "elementwise.c").write_text(mutated)
     cache = root / "cache"
     cache.mkdir(mode=0o700)
     mp = pytest.MonkeyPatch()
     try:
-        mp.setattr(native, "SOURCE", root / "elementwise.c")
+        mp.setattr(native, "GENERATED", root / "elementwise.c")
         ok, where = _status_in(cache, mp)
         assert ok, where
     finally:
@@ -592,7 +600,8 @@ def test_the_compiled_scalars_are_keyed_on_their_bits(order):
 
 def test_a_misaligned_buffer_never_reaches_the_compiled_pass():
     """A float32 view at an odd byte offset: refused by validation for param and grad, naming the parameter (the
-    registry-wide check is in test_contract.py), and ``native.step`` itself declines it (the twin would run)."""
+    registry-wide check is in test_contract.py), and the compiled pass itself declines it (the NumPy path would
+    run)."""
     n = 8
     bad = np.zeros(4 * n + 1, np.uint8)[1:].view(np.float32)
     assert not bad.flags.aligned
@@ -602,7 +611,9 @@ def test_a_misaligned_buffer_never_reaches_the_compiled_pass():
             flatopt.Lion(lr=0.1).step("w", (n,), p, g)
     native.reset()
     assert native.status()[0]
-    assert not native.step("lion", (bad, ok, np.zeros(n, np.float32)), (1.0, 0.9, 0.1, 0.99, 0.01, -0.1), 0)
+    cfg = flatopt.lion.LionConfig(lr=0.1)
+    st = flatopt.lion.init(np, cfg, (n,), np.float32)
+    assert not run.native_update(flatopt.lion.DEF, cfg, st, bad, ok, t=1, lr=0.1)
     assert bad.tolist() == [0.0] * n
 
 
