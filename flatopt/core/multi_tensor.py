@@ -1,9 +1,11 @@
 """Multi-tensor launches of the elementwise algorithms on CuPy: one kernel launch updates many tensors.
 
 An elementwise algorithm that ships a multi-tensor kernel declares it with a :class:`MultiTensor` class attribute
-(``multi_tensor = MultiTensor("adamw.cu", "adamw_multi", arrays, args)``); ``core.step_plan`` then groups the CuPy
-items of a batch by (device, dtype, step count ``t``) and launches the kernel once per group of two or more tensors
-(a lone tensor keeps the per-tensor kernel).  So a step of N tensors of one dtype in lock-step costs one launch.
+(``multi_tensor = MultiTensor("<algo>.cu", "<algo>_multi", arrays, args)``; an algorithm defined once gets its own
+from ``core.elementwise.run.bind``, whose ``pick`` chooses the kernel of the step's flag set); ``core.step_plan``
+then groups the CuPy items of a batch by (device, dtype, step count ``t``) and launches the kernel once per group of
+two or more tensors (a lone tensor keeps the per-tensor kernel).  So a step of N tensors of one dtype in lock-step
+costs one launch.
 
 **The table** (built once per plan, :class:`Group`): one int64 device buffer holding
 

@@ -3,10 +3,11 @@
 NumPy runs an update as a dozen or more ufunc passes over each cache-sized chunk; one compiled loop does the same
 operations per element in registers, so a step costs little more than reading and writing its arrays once (the
 memory floor).  Re-measure against the NumPy twins and that floor: ``python -m benchmarks.threads_probe native``.
-``kernels/cpu/elementwise.c`` keeps each twin's operations and their order,
-compiled without FMA contraction or fast-math, so every element gets the twin's bits (``tests/test_native.py``),
-except that a NaN may carry another sign or payload (a vectorised loop may pass on the other NaN operand): it is
-NaN exactly where the twin's is.
+The loops of the algorithms defined once are generated from their definitions (``kernels/generated/elementwise.c``,
+``core/elementwise``); ``kernels/cpu/elementwise.c`` holds the hand-written passes of Sophia, Lamb and Mars.  Both
+keep each twin's operations and their order, compiled into one library without FMA contraction or fast-math, so
+every element gets the twin's bits (``tests/test_native.py``), except that a NaN may carry another sign or payload
+(a vectorised loop may pass on the other NaN operand): it is NaN exactly where the twin's is.
 
 The source is compiled on first use with the system's C compiler (``cc``, or ``FLATOPT_CC``) into a cache
 directory (``FLATOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/flatopt``, else ``~/.cache/flatopt``, else a fresh private
@@ -15,8 +16,8 @@ above prints it).  ``core/native_cache.py`` builds and opens it: a directory ano
 swap or write into is refused, processes starting together compile once, and a library is loaded only after its
 bytes match the digest in its name (a damaged one is rebuilt).  Without a compiler, when the build fails, or with
 ``FLATOPT_NATIVE=0``, the NumPy twins run: the same bits, slower.  ``status()`` says which and why, and never
-raises.  This module is the only one that knows the library's entries; an algorithm calls ``step`` (or ``columns``)
-and falls back to its twin when it returns False.
+raises.  This module is the only one that knows the library's entries; ``core.elementwise.run`` calls ``gen_step``,
+a hand-written algorithm ``step`` (or ``columns``), and each falls back to its twin when it returns False.
 """
 
 from __future__ import annotations
