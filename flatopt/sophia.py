@@ -39,6 +39,7 @@ import numpy as np
 from .adam import check_common
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
+from .core.elementwise import define, run
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.slots import Slot
@@ -75,8 +76,36 @@ def _scalars(cfg: SophiaConfig, lr: float) -> tuple[Any, ...]:
     return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, cfg.rho, cfg.eps, -lr
 
 
-def update(xp: Any, cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: SophiaConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
+    b1 = cfg.betas[0]
+    return dict(decay=1.0 - lr * cfg.weight_decay, b1=b1, omb1=1.0 - b1, rho=cfg.rho, eps=cfg.eps, neg_lr=-lr)
+
+
+def flags(cfg: SophiaConfig, t: int) -> dict[str, bool]:
+    return dict(wd=cfg.weight_decay != 0)
+
+
+def step(e: Any, p: Any, g: Any, m: Any, h: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it.  ``h`` is
+    read, never written here (``update_hessian`` moves it)."""
+    if f.wd:
+        p = p * s.decay
+    m = m * s.b1 + g * s.omb1
+    ratio = e.minimum(e.abs(m) / (h * s.rho + s.eps), 1.0)  # NumPy's NaN rule: a NaN ratio stays NaN
+    p = p + (e.sign(m) * ratio) * s.neg_lr
+    return dict(p=p, m=m)
+
+
+DEF = define("sophia", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "h"),
+             example=SophiaConfig())
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+# ------------------------------------------- the hand-written paths (kept for the transition test until all match)
+def hand_update(xp: Any, cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float,
+                scratch: list[Array]) -> None:
     """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
     order of ``kernels/sophia.cu``."""
     sc = _scalars(cfg, lr)
@@ -101,7 +130,7 @@ def update(xp: Any, cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t
     xp.add(p, s, p)
 
 
-def kernel_update(cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     dt = p.dtype.type
     k = kernels.get("sophia.cu", "sophia_step", p.dtype)
     scal = tuple(dt(x) for x in _scalars(cfg, lr))
@@ -115,7 +144,7 @@ def _multi_args(cfg: SophiaConfig, t: int, dt: Any) -> tuple[Any, ...]:
     return (float(cfg.weight_decay), *(dt(x) for x in scal), np.int32(cfg.weight_decay != 0))
 
 
-MULTI = MultiTensor("sophia.cu", "sophia_multi", lambda st, p: (st.m, st.h), _multi_args)
+HAND_MULTI = MultiTensor("sophia.cu", "sophia_multi", lambda st, p: (st.m, st.h), _multi_args)
 
 
 _D = SophiaConfig  # the constructor's defaults: written once, in the config
@@ -127,11 +156,11 @@ class Sophia(PerParamOptimizer):
     algorithm = "sophia"
     config_cls = SophiaConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py); h updated in place
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py); h updated in place
     elementwise = True
-    scratch_buffers = 2
+    scratch_buffers = _scratch
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, rho: float = _D.rho,
                  weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, lr_scale: LrScale = None,
