@@ -16,15 +16,14 @@ import types
 import numpy as np
 import pytest
 
-from flatopt import adam, adamw, lion, nadamw, qhadamw, radam, sgd, sophia
+from flatopt import adam, adamw, lion, nadamw, qhadamw, radam, sgd
 from flatopt.core import backend, native
 from flatopt.core import multi_tensor as mt
 from flatopt.core.elementwise import run
 
 from .cuda_emu import fakecupy
 
-PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw, "qhadamw": qhadamw, "radam": radam, "lion": lion,
-          "sophia": sophia}
+PORTED = {"adamw": adamw, "adam": adam, "sgd": sgd, "nadamw": nadamw, "qhadamw": qhadamw, "radam": radam, "lion": lion}
 DTYPES = (np.float32, np.float64)
 N = 1000
 STEPS = 6  # t = 1 .. 6: SGD's first step and the ones after; RAdam (threshold 4, β2 0.9) rectifies from t = 5
@@ -53,10 +52,6 @@ def _configs(name: str):
     if name == "lion":
         for wd in (0.0, 0.5):
             yield lion.LionConfig(lr=1e-2, betas=(0.8, 0.95), weight_decay=wd)
-        return
-    if name == "sophia":
-        for wd in (0.0, 0.1):
-            yield sophia.SophiaConfig(lr=1e-2, betas=(0.8, 0.95), rho=0.5, weight_decay=wd)
         return
     cls = adamw.AdamWConfig if name == "adamw" else adam.AdamConfig
     for wd, ams in itertools.product((0.0, 0.1), (False, True)):
@@ -221,8 +216,7 @@ def test_kernels(name, device):
 def type_of(mod):
     return {"adamw": mod.__dict__.get("AdamW"), "adam": mod.__dict__.get("Adam"), "sgd": mod.__dict__.get("SGD"),
             "nadamw": mod.__dict__.get("NAdamW"), "qhadamw": mod.__dict__.get("QHAdamW"),
-            "radam": mod.__dict__.get("RAdam"), "lion": mod.__dict__.get("Lion"),
-            "sophia": mod.__dict__.get("Sophia")}[mod.__name__.rsplit(".", 1)[-1]]
+            "radam": mod.__dict__.get("RAdam"), "lion": mod.__dict__.get("Lion")}[mod.__name__.rsplit(".", 1)[-1]]
 
 
 def test_print_table():

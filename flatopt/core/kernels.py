@@ -49,7 +49,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "radam.cu": ("radam_step", "radam_multi"),
     "sgd.cu": ("sgd_step", "sgd_multi"),
     "sq_norm.cu": ("sq64_partials", "sq64_fold"),
-    "sophia.cu": ("sophia_step", "sophia_multi"),
 }
 
 

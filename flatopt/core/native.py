@@ -44,7 +44,7 @@ GENERATED = Path(__file__).resolve().parent.parent / "kernels" / "generated" / "
 # No -ffast-math and no FMA contraction: each operation rounds as NumPy's ufunc does (the twin's bits).
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fvisibility=hidden")
 # elementwise entry -> its arrays (p, g, state...; Lamb's apply: p, u): (dt, arrays..., n, scalars, flags)
-ENTRIES = {"adam": 4, "lion": 3, "qhadamw": 4, "nadamw": 4, "radam": 4, "sophia": 4, "sgd": 3, "mars": 5,
+ENTRIES = {"adam": 4, "lion": 3, "qhadamw": 4, "nadamw": 4, "radam": 4, "sgd": 3, "mars": 5,
            "lamb_apply": 2}
 # the norms' first phases (core/norms.py), entry -> (arrays, column accumulators):
 # (dt, arrays..., accumulators..., rows, w, scalars, flags)

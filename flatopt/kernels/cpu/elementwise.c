@@ -83,20 +83,6 @@
     ADAM_LOOP(T, if (WD && DEC) pi = pi * decay; if (WD && !DEC) gi = gi + pi * wd,                                 \
               p[i] = pi + (RECT ? mi / (SQRT(vi) + eps) : mi) * factor)
 
-/* ------------------------------------------------------------------------------------------- Sophia (sophia.py)
- * p = p*decay;  m = m*b1 + g*omb1;  ratio = min(|m| / (h*rho + eps), 1) (NaN propagates, as numpy.minimum);
- * p = p + (sign(m)*ratio)*neg_lr */
-#define SOPHIA_BODY(T, WD)                                                                                          \
-    for (int64_t i = 0; i < n; i++) {                                                                               \
-        T pi = p[i], gi = g[i], mi = m[i];                                                                          \
-        if (WD) pi = pi * decay;                                                                                    \
-        mi = mi * b1 + gi * omb1;                                                                                   \
-        T r = ABS(mi) / (h[i] * rho + eps);                                                                         \
-        r = r < (T)1 ? r : (r != r ? r : (T)1);                                                                     \
-        p[i] = pi + (SIGN(T, mi) * r) * neg_lr;                                                                     \
-        m[i] = mi;                                                                                                  \
-    }
-
 /* ---------------------------------------------------------------------------------------------------- SGD (sgd.py)
  * d = p*wd + g (WD);  buf = d (FIRST) or buf = buf*mom + d*(1 - damp) (DAMP) or buf*mom + d;
  * d = d + buf*mom (NEST) or d = buf;  p = p + d*neg_lr.  MOM off: p = p + d*neg_lr (buf is not touched). */
@@ -222,12 +208,6 @@
         default: { RADAM_BODY(T, 0, 0, 0) } break;                                                                  \
         }                                                                                                           \
     }                                                                                                               \
-    CLONES static void sophia_##T(T *restrict p, const T *restrict g, T *restrict m, const T *restrict h,           \
-                                  int64_t n, const double *sc, int flags) {                                         \
-        const T decay = (T)sc[0], b1 = (T)sc[1], omb1 = (T)sc[2], rho = (T)sc[3], eps = (T)sc[4],                   \
-                neg_lr = (T)sc[5];                                                                                  \
-        if (flags & 1) { SOPHIA_BODY(T, 1) } else { SOPHIA_BODY(T, 0) }                                             \
-    }                                                                                                               \
     CLONES static void sgd_##T(T *restrict p, const T *restrict g, T *restrict buf, int64_t n, const double *sc,    \
                                int flags) {                                                                         \
         const T wd = (T)sc[0], mom = (T)sc[1], omd = (T)sc[2], neg_lr = (T)sc[3];                                   \
@@ -297,8 +277,6 @@ EXPORT(nadamw, (int dt, void *p, const void *g, void *m, void *v, int64_t n, con
        nadamw_float(p, g, m, v, n, sc, flags), nadamw_double(p, g, m, v, n, sc, flags))
 EXPORT(radam, (int dt, void *p, const void *g, void *m, void *v, int64_t n, const double *sc, int flags),
        radam_float(p, g, m, v, n, sc, flags), radam_double(p, g, m, v, n, sc, flags))
-EXPORT(sophia, (int dt, void *p, const void *g, void *m, void *h, int64_t n, const double *sc, int flags),
-       sophia_float(p, g, m, h, n, sc, flags), sophia_double(p, g, m, h, n, sc, flags))
 EXPORT(sgd, (int dt, void *p, const void *g, void *buf, int64_t n, const double *sc, int flags),
        sgd_float(p, g, buf, n, sc, flags), sgd_double(p, g, buf, n, sc, flags))
 EXPORT(mars, (int dt, void *p, const void *g, void *gp, void *m, void *v, int64_t n, const double *sc, int flags),

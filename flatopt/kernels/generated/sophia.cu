@@ -23,17 +23,17 @@ __device__ __forceinline__ void sophia_group_f0(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/sophia.py"
+#line 87 "flatopt/sophia.py"
       const T t0 = m_r[k] * b1;
       const T t1 = g_r[k] * omb1;
       const T t2 = t0 + t1;
-#line 96 "flatopt/sophia.py"
+#line 88 "flatopt/sophia.py"
       const T t3 = fabs(t2);
       const T t4 = h_r[k] * rho;
       const T t5 = t4 + eps;
       const T t6 = t3 / t5;
       const T t7 = ((t6 <= ((T)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((T)0x1.0000000000000p+0));
-#line 97 "flatopt/sophia.py"
+#line 89 "flatopt/sophia.py"
       const T t8 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
       const T t9 = t8 * t7;
       const T t10 = t9 * neg_lr;
@@ -87,19 +87,19 @@ __device__ __forceinline__ void sophia_group_f1(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 94 "flatopt/sophia.py"
+#line 86 "flatopt/sophia.py"
       const T t0 = p_r[k] * decay;
-#line 95 "flatopt/sophia.py"
+#line 87 "flatopt/sophia.py"
       const T t1 = m_r[k] * b1;
       const T t2 = g_r[k] * omb1;
       const T t3 = t1 + t2;
-#line 96 "flatopt/sophia.py"
+#line 88 "flatopt/sophia.py"
       const T t4 = fabs(t3);
       const T t5 = h_r[k] * rho;
       const T t6 = t5 + eps;
       const T t7 = t4 / t6;
       const T t8 = ((t7 <= ((T)0x1.0000000000000p+0) || t7 != t7) ? t7 : ((T)0x1.0000000000000p+0));
-#line 97 "flatopt/sophia.py"
+#line 89 "flatopt/sophia.py"
       const T t9 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
       const T t10 = t9 * t8;
       const T t11 = t10 * neg_lr;
