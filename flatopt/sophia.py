@@ -22,9 +22,10 @@ Defaults lr 1e-4 (official), betas (0.965, 0.99), rho 0.04 (the official code's 
 (official), eps 1e-15 (the official constant).  Deviations: rlx-optim computes clip(m/max(γh, ε), ±ρ) with γ = 0.01,
 ρ = 0.04 — a mix of the paper's earlier and final forms that caps every step at 0.04·η and stops ρ from scaling h —
 flatopt follows the official code.  The official ``bs`` argument of ``step`` is folded into ĥ. pytorch-optimizer's
-``SophiaH`` follows the earlier form.  t is unused (no bias correction). On the CPU the twin's operations run fused
-in one compiled pass (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the
-twin runs).  ``end_iteration`` only counts iterations.  State: ``m``, ``h`` (8 B/param in float32).
+``SophiaH`` follows the earlier form.  t is unused (no bias correction).  ``step`` below is the one definition of
+the update: the NumPy/CuPy path, the compiled CPU pass (``kernels/generated/elementwise.c``; without a C compiler
+the NumPy path runs) and the CUDA kernels (``kernels/generated/sophia.cu``) are derived from it.
+``update_hessian``'s EMA stays two NumPy/CuPy operations on ``h`` (called every few steps, per tensor; see there).  ``end_iteration`` only counts iterations.  State: ``m``, ``h`` (8 B/param in float32).
 """
 
 from __future__ import annotations
@@ -34,14 +35,11 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
-
 from .adam import check_common
-from .core import backend, kernels, native
+from .core import backend
 from .core.driver import PerParamOptimizer
-from .core.multi_tensor import MultiTensor
+from .core.elementwise import define, run
 from .core.types import Array, DecayMask, LrScale
-from .core.slots import Slot
 from .core.validate import check_array, check_range, check_shape, normalize_numbers
 
 
@@ -70,52 +68,31 @@ def init(xp: Any, cfg: SophiaConfig, shape: tuple[int, ...], dtype: Any) -> Soph
     return SophiaState(xp.zeros(n, dtype), xp.zeros(n, dtype))
 
 
-def _scalars(cfg: SophiaConfig, lr: float) -> tuple[Any, ...]:
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: SophiaConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1 = cfg.betas[0]
-    return 1.0 - lr * cfg.weight_decay, b1, 1.0 - b1, cfg.rho, cfg.eps, -lr
+    return dict(decay=1.0 - lr * cfg.weight_decay, b1=b1, omb1=1.0 - b1, rho=cfg.rho, eps=cfg.eps, neg_lr=-lr)
 
 
-def update(xp: Any, cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float,
-           scratch: list[Array]) -> None:
-    """One step on (chunks of) flat buffers; ``scratch`` holds two buffers the size of ``p``, in the operation
-    order of ``kernels/sophia.cu``."""
-    sc = _scalars(cfg, lr)
-    if xp is np and native.step("sophia", (p, g, st.m, st.h), sc, cfg.weight_decay != 0):
-        return  # the same operations fused in one compiled pass (core/native.py)
-    decay, b1, omb1, rho, eps, neg_lr = sc
-    s, d = scratch
-    m = st.m
-    if cfg.weight_decay != 0:
-        xp.multiply(p, decay, p)
-    xp.multiply(m, b1, m)  # m = m * b1 + g * (1 - b1)
-    xp.multiply(g, omb1, s)
-    xp.add(m, s, m)
-    xp.multiply(st.h, rho, s)  # ratio = min(|m| / (h * rho + eps), 1)
-    xp.add(s, eps, s)
-    xp.absolute(m, d)
-    xp.divide(d, s, d)
-    xp.minimum(d, 1, out=d)
-    xp.sign(m, s)  # p = p + (sign(m) * ratio) * (-lr)
-    xp.multiply(s, d, s)
-    xp.multiply(s, neg_lr, s)
-    xp.add(p, s, p)
+def flags(cfg: SophiaConfig, t: int) -> dict[str, bool]:
+    return dict(wd=cfg.weight_decay != 0)
 
 
-def kernel_update(cfg: SophiaConfig, st: SophiaState, p: Array, g: Array, *, t: int, lr: float) -> bool:
-    dt = p.dtype.type
-    k = kernels.get("sophia.cu", "sophia_step", p.dtype)
-    scal = tuple(dt(x) for x in _scalars(cfg, lr))
-    backend.launch(k, p.size, (p, g, st.m, st.h, np.int64(p.size), *scal, np.int32(cfg.weight_decay != 0)))
-    return True
+def step(e: Any, p: Any, g: Any, m: Any, h: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it.  ``h`` is
+    read, never written here (``update_hessian`` moves it)."""
+    if f.wd:
+        p = p * s.decay
+    m = m * s.b1 + g * s.omb1
+    ratio = e.minimum(e.abs(m) / (h * s.rho + s.eps), 1.0)  # NumPy's NaN rule: a NaN ratio stays NaN
+    p = p + (e.sign(m) * ratio) * s.neg_lr
+    return dict(p=p, m=m)
 
 
-def _multi_args(cfg: SophiaConfig, t: int, dt: Any) -> tuple[Any, ...]:
-    """``sophia_multi``'s arguments after ``base_lr`` (each tensor's decay and −lr are derived in the kernel)."""
-    _, *scal, _ = _scalars(cfg, 0.0)
-    return (float(cfg.weight_decay), *(dt(x) for x in scal), np.int32(cfg.weight_decay != 0))
-
-
-MULTI = MultiTensor("sophia.cu", "sophia_multi", lambda st, p: (st.m, st.h), _multi_args)
+DEF = define("sophia", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "h"),
+             example=SophiaConfig())
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
 _D = SophiaConfig  # the constructor's defaults: written once, in the config
@@ -127,11 +104,11 @@ class Sophia(PerParamOptimizer):
     algorithm = "sophia"
     config_cls = SophiaConfig
     init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI  # one launch for many tensors on CuPy (core/multi_tensor.py); h updated in place
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py); h updated in place
     elementwise = True
-    scratch_buffers = 2
+    scratch_buffers = _scratch
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, rho: float = _D.rho,
                  weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, lr_scale: LrScale = None,
@@ -140,7 +117,11 @@ class Sophia(PerParamOptimizer):
                          weight_decay_mask=weight_decay_mask)
 
     def update_hessian(self, name: str, shape: tuple[int, ...], h_hat: Array) -> None:
-        """h ← β2·h + (1 − β2)·ĥ for ``name`` (state created with t = 0 if new; t is not advanced)."""
+        """h ← β2·h + (1 − β2)·ĥ for ``name`` (state created with t = 0 if new; t is not advanced).
+
+        Not a second definition: the generated paths are bound to ``step`` (lr, t, ``lr_scale``, the multi-tensor
+        table of a batch), while this is one tensor's two-operation EMA with no learning rate, called every few
+        steps; as NumPy/CuPy ufuncs it is already one pass per operation on either backend."""
         with self._lock:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"parameter name must be a non-empty str, got {name!r}")

@@ -118,3 +118,20 @@ def test_gpu_suite_runs_on_the_stand_in():
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert float(cells[2]) > 0 and cells[5].endswith("×"), r  # flatopt ms; a ratio (the reference ran)
+
+
+def test_kernel_model_prints_grid_and_waves_per_workload():
+    """``python -m benchmarks.kernel_model --quick --only sgd --chunks``: a row per workload of the GPU suite with
+    the grid and waves of the generated kernel that runs it (registers from ptxas where CuPy's NVRTC is installed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernel_model", "--quick", "--only", "sgd", "--chunks"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "| algorithm | kernel | workload | regs | spill | blk/SM | slots | grid | waves |" in proc.stdout
+    table = [ln for ln in lines if ln.startswith("| sgd |")]
+    assert [ln.split("|")[3].strip() for ln in table] == ["one 16M buffer", "76 tensors (small)", "500 x 64"]
+    assert "_step<float>" in table[0] and "_multi<float>" in table[1] and "_multi<float>" in table[2]
+    grid_500 = int(table[2].split("|")[8])
+    assert grid_500 == 500  # one block per 64-element tensor
+    assert any(ln.startswith("| persistent grid") for ln in lines)

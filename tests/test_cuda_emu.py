@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(emu.available() is not None, reason=str(emu.avai
 
 SELFTEST = Path(__file__).parent / "cuda_emu" / "selftest.cu"
 ST_KERNELS = ("st_shfl_sum", "st_shfl_modes", "st_shfl_partial", "st_divergent", "st_exit_before_barrier",
-              "st_uninit_shared", "st_race", "st_shifted_copy", "st_params")
+              "st_uninit_shared", "st_race", "st_shifted_copy", "st_params", "st_vector_copy")
 cp = fakecupy.module
 
 
@@ -97,6 +97,18 @@ def test_out_of_bounds_access_fails_the_launch(shift, side, monkeypatch):
     copy((2,), (256,), (x, out, np.int64(1000), np.int64(0), np.int64(0)))  # in bounds: fine
     copy((2,), (256,), (x[1:], out[:999], np.int64(999), np.int64(0), np.int64(0)))  # views
     copy((2,), (256,), (out[1:], out[:999], np.int64(999), np.int64(0), np.int64(0)))  # aliasing views
+
+
+def test_misaligned_vector_access_fails_the_launch():
+    """A float4 access through ``__builtin_assume_aligned(p, 16)`` at an address that is not 16-byte aligned (what
+    a GPU reports as a misaligned address) fails the launch; the aligned one copies."""
+    x = dev(np.arange(1008, dtype=np.float32))
+    out = cp.zeros(1000, np.float32)
+    copy = st("st_vector_copy")
+    with pytest.raises(emu.EmulatorError, match="misaligned 16-byte vector access"):
+        copy((2,), (64,), (x, out, np.int64(1000), np.int64(1)))
+    copy((2,), (64,), (x, out, np.int64(1000), np.int64(4)))
+    assert np.array_equal(cp.asnumpy(out), np.arange(4, 1004, dtype=np.float32))
 
 
 def test_arguments_are_packed_and_checked_as_cupy_packs_them():

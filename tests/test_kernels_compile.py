@@ -341,3 +341,21 @@ def test_no_64bit_division_per_element(filename, kernel):
     ``%`` per element (a ~20-instruction fast path plus a slow-path call each; gpu-review L2)."""
     _need_nvrtc()
     assert set(_loop_divisions(filename, kernel).values()) == {0}
+
+
+@pytest.mark.parametrize("filename", sorted(f for f in kernels.KERNELS if f.startswith("generated/")))
+def test_generated_kernels_load_and_store_16_byte_vectors(filename):
+    """Every generated kernel has its vector path in the PTX: each array it reads loaded as a float4 (``v4.f32``)
+    or two double2 (``v2.f64``), each array it writes stored so."""
+    _need_nvrtc()
+    ptx, lowered = backend.nvrtc_build(kernels.source(filename), filename, kernels.name_expressions(filename),
+                                       "compute_90")
+    text = ptx.decode()
+    for expr, low in lowered.items():
+        start = text.index(f".entry {low}")
+        end = text.find(".entry ", start + 1)
+        body = text[start: end if end > 0 else len(text)]
+        vec = r"v4\.f32" if expr.endswith("<float>") else r"v2\.f64"
+        loads = len(re.findall(rf"\bld\.global(?:\.nc)?\.{vec}", body))
+        stores = len(re.findall(rf"\bst\.global\.{vec}", body))
+        assert loads >= 1 and stores >= 1, (expr, loads, stores)

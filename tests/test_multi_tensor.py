@@ -213,3 +213,36 @@ def test_weight_decay_mask_on_the_gpu_path(kind, monkeypatch, gpu_device):
             ref = got["no_decay" if n in NO_DECAY else "plain"][n]
             assert ref.tobytes() == got[key][n].tobytes(), f"{key}: {n}"
     assert any(got["plain"][n].tobytes() != got["no_decay"][n].tobytes() for n in NO_DECAY)
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64], ids=["f32", "f64"])
+def test_the_generated_table_marks_16_byte_aligned_tensors(dt, gpu_device):
+    """The generated kernels' table has a last column per tensor: 1 where every address of the row is 16-byte
+    aligned (their vector path), else 0.  Emulated: a flag set on a misaligned tensor fails the launch, so the
+    kernel reads the flag and the emulator checks the alignment of every vector access."""
+    import types
+
+    import flatopt
+
+    cp = backend.cupy()
+    cfg = flatopt.adamw.AdamWConfig()
+    spec = flatopt.AdamW.multi_tensor
+    buf = cp.zeros(3000, dt)
+    grads = cp.ones(3000, dt)
+    offsets = [0, 1, 2, 4, 1000]  # elements: 16-byte aligned for float32 at 0, 4, 1000; for float64 at 0, 2, 4, 1000
+    members = []
+    for k, off in enumerate(offsets):
+        p, g = buf[off:off + 300 + k], grads[off:off + 300 + k]
+        st = flatopt.adamw.init(cp, cfg, (p.size,), dt)
+        members.append((p, g, types.SimpleNamespace(state=st), 1.0))
+    group = mt.Group(spec, members, 256)
+    ncol = 3 + len(spec.arrays(members[0][2].state, members[0][0])) + 1
+    table = backend.to_numpy(group.tensors).reshape(len(members), ncol)
+    per_element = np.dtype(dt).itemsize
+    assert table[:, -1].tolist() == [int(off * per_element % 16 == 0) for off in offsets]
+    assert table[:, -2].tolist() == [300 + k for k in range(len(offsets))]
+    group.launch(cfg, 1, 1e-3)
+    if gpu_device == "emulated":
+        group.tensors[ncol * 1 + ncol - 1] = 1  # tensor 1 starts 4 or 8 bytes past a 16-byte boundary
+        with pytest.raises(emu.EmulatorError, match="misaligned"):
+            group.launch(cfg, 2, 1e-3)

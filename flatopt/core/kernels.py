@@ -42,7 +42,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "mars.cu": ("mars_c_partials", "mars_clip", "mars_step", "mars_partials_multi", "mars_clip_multi", "mars_multi"),
     "muon.cu": ("muon_momentum", "muon_normalize", "muon_ns_b", "muon_ns_combine", "muon_ns_final"),
     "sq_norm.cu": ("sq64_partials", "sq64_fold"),
-    "sophia.cu": ("sophia_step", "sophia_multi"),
 }
 
 

@@ -10,7 +10,9 @@ costs one launch.
 **The table** (built once per plan, :class:`Group`): one int64 device buffer holding
 
 * ``tensors``: one row per tensor: the addresses of p, g and the state arrays ``arrays(state, p)`` returns (in that
-  order), then the tensor's size n;
+  order), then the tensor's size n, then (``aligned_flag``: the generated kernels) 1 when every one of those
+  addresses is 16-byte aligned and ``chunk`` a multiple of 4, else 0: such a tensor is read and written by 16-byte
+  vector loads and stores (``core/elementwise/emit.py``);
 * ``blocks``: one (tensor index, first element) pair per chunk of ``CHUNK`` elements (as torch's
   ``multi_tensor_apply`` walks its tensor lists): block b of the launch updates elements [lo, min(lo + CHUNK, n)) of
   tensor ti; a tensor of 0 elements has no chunk;
@@ -60,8 +62,10 @@ import numpy as np
 
 from . import backend, kernels, sqsum as sq
 
-# Elements per chunk (one block each); 256 threads per block: 128 elements per thread.
-CHUNK = 1 << 15
+# Elements per chunk (one block each; 256 threads per block: 16 elements per thread, four groups of 4): small enough
+# that the 76-tensor set is several waves of blocks, so the last wave's tail is a small part of the step; the model:
+# `python -m benchmarks.kernel_model` (benchmarks/README.md, "Generated kernels: grid and waves").
+CHUNK = 1 << 12
 BLOCK = 256
 
 
@@ -91,6 +95,8 @@ class MultiTensor:
     norms: Norms | None = None  # per-tensor sums of squares before the elementwise kernel (Lamb, Mars)
     # (config, t) -> the kernel of this launch, when it depends on them (a generated definition's flag set)
     pick: Callable[[Any, int], str] | None = None
+    # a last column per row: 1 when every address of the row is 16-byte aligned (the generated kernels' vector path)
+    aligned_flag: bool = False
 
 
 def _ptr(a) -> int:
@@ -106,14 +112,17 @@ class Group:
         p0 = members[0][0]
         self.spec, self.chunk, self.dtype = spec, chunk, p0.dtype
         self.device = p0.device
-        ncol = 3 + len(spec.arrays(members[0][2].state, p0))
+        ncol = 3 + len(spec.arrays(members[0][2].state, p0)) + spec.aligned_flag
         rows = np.empty((len(members), ncol), np.int64)
         blocks = []
         keep = []  # the state arrays whose addresses the table holds (the optimizer's own; kept alive)
         for r, (p, g, slot, _) in enumerate(members):
             st = spec.arrays(slot.state, p)
             keep.extend(st)
-            rows[r] = (_ptr(p), _ptr(g), *map(_ptr, st), p.size)
+            addrs = (_ptr(p), _ptr(g), *map(_ptr, st))
+            rows[r, :len(addrs) + 1] = (*addrs, p.size)
+            if spec.aligned_flag:  # a chunk starts at a multiple of ``chunk``: aligned too when that is of 4
+                rows[r, -1] = all(a % 16 == 0 for a in addrs) and chunk % 4 == 0
             blocks.extend((r, lo) for lo in range(0, p.size, chunk))
         self.nblocks = len(blocks)
         nt, nb = rows.size, 2 * len(blocks)

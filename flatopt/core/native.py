@@ -45,7 +45,7 @@ GENERATED = Path(__file__).resolve().parent.parent / "kernels" / "generated" / "
 # No -ffast-math and no FMA contraction: each operation rounds as NumPy's ufunc does (the twin's bits).
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fvisibility=hidden")
 # elementwise entry -> its arrays (p, g, state...; Lamb's apply: p, u): (dt, arrays..., n, scalars, flags)
-ENTRIES = {"sophia": 4, "mars": 5, "lamb_apply": 2}
+ENTRIES = {"mars": 5, "lamb_apply": 2}
 # the norms' first phases (core/norms.py), entry -> (arrays, column accumulators):
 # (dt, arrays..., accumulators..., rows, w, scalars, flags)
 COLUMNS = {"mars_columns": (2, 1), "lamb_columns": (5, 2)}

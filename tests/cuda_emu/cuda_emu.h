@@ -15,7 +15,9 @@
 //   * blocks and, inside every phase between two rendezvous, threads run forward, reverse or in a seeded random
 //     order, to expose races;
 //   * a SIGSEGV / SIGBUS during the launch (the guard pages emu.py puts around every array argument, or a fibre's
-//     stack guard) ends the launch with an "invalid memory access" error and the faulting address.
+//     stack guard) ends the launch with an "invalid memory access" error and the faulting address;
+//   * __builtin_assume_aligned(p, n) (the generated kernels' 16-byte vector loads and stores of float4 / double2)
+//     is an error when p is not n-byte aligned (on a GPU: a misaligned address).
 // Arguments: args[i] points to the bytes emu.py packed for parameter i (CuPy's packing); every CUDA thread gets its
 // own copy of each parameter, read as sizeof(param) bytes.  The parameter types are exported by *_sig(), deduced
 // from the instantiated function's type, so emu.py checks each argument's kind and width against them.
@@ -52,6 +54,8 @@ using std::min;
 
 struct uint3 { unsigned int x, y, z; };
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
+struct alignas(16) float4 { float x, y, z, w; };  // CUDA's vector types (their size and alignment)
+struct alignas(16) double2 { double x, y; };
 
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
@@ -161,6 +165,13 @@ inline void fail(const char* fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(L->error, sizeof L->error, fmt, ap);
   va_end(ap);
+}
+
+// __builtin_assume_aligned (redefined below): the address must be n-byte aligned, as a vector access needs on a GPU
+inline void* assume_aligned(const void* p, size_t n) {
+  if ((uintptr_t)p % n)
+    fail("misaligned %zu-byte vector access at %p (block %u, thread %u)", n, p, blockIdx_.x, cur ? cur->tid.x : 0u);
+  return (void*)p;
 }
 
 inline void yield_to_scheduler() {
@@ -513,6 +524,7 @@ int run(Launch* launch, void (*k)(A...), void** args) {
 #define blockIdx (::emu::blockIdx_)
 #define threadIdx (::emu::cur->tid)
 #define warpSize 32
+#define __builtin_assume_aligned(p, n) ::emu::assume_aligned((p), (n))
 #define __syncthreads() ::emu::syncthreads(__LINE__)
 #define __shfl_sync(mask, var, lane, ...) ::emu::shfl(__LINE__, ::emu::SHFL_IDX, mask, var, lane __VA_OPT__(,) __VA_ARGS__)
 #define __shfl_up_sync(mask, var, d, ...) ::emu::shfl(__LINE__, ::emu::SHFL_UP, mask, var, d __VA_OPT__(,) __VA_ARGS__)

@@ -80,3 +80,11 @@ template <typename T>
 __global__ void st_params(T* out, const T a, const long long n, const int b, const float c) {
   for (long long i = threadIdx.x; i < n; i += blockDim.x) out[i] = a * (T)i + (T)b + (T)c;
 }
+
+// out[4k .. 4k+3] = x[4k + shift .. 4k + shift + 3] by 16-byte vector loads (float4; the generated kernels' access):
+// misaligned for a shift that is not a multiple of 4.
+template <typename T>
+__global__ void st_vector_copy(const float* x, float* out, long long n, long long shift) {
+  for (long long i = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x); i + 4 <= n; i += 4 * (long long)blockDim.x * gridDim.x)
+    *(float4*)__builtin_assume_aligned(out + i, 16) = *(const float4*)__builtin_assume_aligned(x + i + shift, 16);
+}

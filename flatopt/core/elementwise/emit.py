@@ -165,6 +165,33 @@ def _words(expr: str) -> list[str]:
     return re.findall(r"[A-Za-z_]\w*", expr)
 
 
+# 16-byte vector loads and stores of 4 consecutive elements (a float4, or two double2), emitted once per file; the
+# caller guarantees 16-byte alignment (the table's aligned flag, or the per-tensor kernel's check of its pointers),
+# which __builtin_assume_aligned states (the CPU emulator checks it).
+_VEC = [
+    "__device__ __forceinline__ void gen_ld4(const float* a, float* r) {",
+    "  const float4 v = *(const float4*)__builtin_assume_aligned(a, 16);",
+    "  r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;",
+    "}",
+    "__device__ __forceinline__ void gen_ld4(const double* a, double* r) {",
+    "  const double2 u = *(const double2*)__builtin_assume_aligned(a, 16);",
+    "  const double2 v = *(const double2*)__builtin_assume_aligned(a + 2, 16);",
+    "  r[0] = u.x; r[1] = u.y; r[2] = v.x; r[3] = v.y;",
+    "}",
+    "__device__ __forceinline__ void gen_st4(float* a, const float* r) {",
+    "  float4 v; v.x = r[0]; v.y = r[1]; v.z = r[2]; v.w = r[3];",
+    "  *(float4*)__builtin_assume_aligned(a, 16) = v;",
+    "}",
+    "__device__ __forceinline__ void gen_st4(double* a, const double* r) {",
+    "  double2 u; u.x = r[0]; u.y = r[1];",
+    "  double2 v; v.x = r[2]; v.y = r[3];",
+    "  *(double2*)__builtin_assume_aligned(a, 16) = u;",
+    "  *(double2*)__builtin_assume_aligned(a + 2, 16) = v;",
+    "}",
+    "",
+]
+
+
 def cuda_source(d, shape: tuple, path: str) -> str:
     """``path``: the file's name in its ``#line`` directives (relative to the repository)."""
     src = d.source.as_posix()
@@ -172,10 +199,12 @@ def cuda_source(d, shape: tuple, path: str) -> str:
     L = [f"// flatopt's generated CUDA kernels of {d.name}: {GENERATED}.",
          f"// The step is {src} `{d.step_fn.__name__}`; per flag set (flags: {', '.join(d.flag_names)}; kernel",
          "// <algo>_f<k>_step/_multi: bit j of k is flag j) a per-tensor kernel and a multi-tensor kernel (core/multi_tensor.py:",
-         "// the table, one launch per dtype group, one chunk per block) share one element-group function: each",
-         f"// thread loads {ELEMS} elements of every array it reads before it stores any; 64-bit indices.",
+         "// the table, one launch per dtype group, one chunk per block) share two element-group functions: each",
+         f"// thread loads {ELEMS} elements of every array it reads before it stores any; 64-bit indices.  _vec: {ELEMS}",
+         "// consecutive elements by 16-byte vector loads and stores, where every array of the tensor is 16-byte aligned",
+         "// (the table's flag; the per-tensor kernel checks its pointers); _group: elements `step` apart (the rest).",
          "// The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)",
-         "// with the host's operations (trace.trace_scalars), then rounds them to T.", ""]
+         "// with the host's operations (trace.trace_scalars), then rounds them to T.", "", *_VEC]
     derived = dict(shape)
 
     def here() -> str:
@@ -187,8 +216,10 @@ def cuda_source(d, shape: tuple, path: str) -> str:
         written = {n for n, _ in prog.outputs}
         used = [a for a in d.arrays if a in written or a in prog.reads]
         ptrs = [f"{'' if a in written else 'const '}T* __restrict__ {a}" for a in used]
-        group = f"{d.name}_group_f{fs}"
+        group, vec = f"{d.name}_group_f{fs}", f"{d.name}_vec_f{fs}"
         scal_params = [f"const T {k}" for k in prog.scalars]
+        name_of = {("in", a): f"{a}_r[k]" for a in prog.reads} | {("s", k): k for k in prog.scalars}
+        # the strided group: elements base + k * step below hi
         L.append("template <typename T>")
         L.append(f"__device__ __forceinline__ void {group}({', '.join(ptrs + ['const long long base', 'const long long hi', 'const long long step'] + scal_params)}) {{")
         if prog.reads:
@@ -198,23 +229,44 @@ def cuda_source(d, shape: tuple, path: str) -> str:
         L += [f"      {a}_r[k] = {a}[i];" for a in prog.reads]
         L += ["    }", "  }", "#pragma unroll", f"  for (int k = 0; k < {ELEMS}; ++k) {{",
               "    const long long i = base + k * step;", "    if (i < hi) {"]
-        name_of = {("in", a): f"{a}_r[k]" for a in prog.reads} | {("s", k): k for k in prog.scalars}
         L += _body(prog, "T", True, name_of, "      ", src)
         L.append(here())
         L += [f"      {a}[i] = {_store_value(prog, ref, 'T', name_of)};" for a, ref in prog.outputs]
         L += ["    }", "  }", "}", ""]
+        # the vector group: elements i .. i + ELEMS - 1, 16-byte aligned, all below the end
+        L.append("template <typename T>")
+        L.append(f"__device__ __forceinline__ void {vec}({', '.join(ptrs + ['const long long i'] + scal_params)}) {{")
+        if prog.reads:
+            L.append(f"  T {', '.join(f'{a}_r[{ELEMS}]' for a in prog.reads)};")
+        L += [f"  gen_ld4({a} + i, {a}_r);" for a in prog.reads]
+        L.append(f"  T {', '.join(f'{a}_w[{ELEMS}]' for a, _ in prog.outputs)};")
+        L += ["#pragma unroll", f"  for (int k = 0; k < {ELEMS}; ++k) {{"]
+        L += _body(prog, "T", True, name_of, "    ", src)
+        L.append(here())
+        L += [f"    {a}_w[k] = {_store_value(prog, ref, 'T', name_of)};" for a, ref in prog.outputs]
+        L += ["  }"]
+        L += [f"  gen_st4({a} + i, {a}_w);" for a, _ in prog.outputs]
+        L += ["}", ""]
         scal_args = list(prog.scalars)
         # the per-tensor kernel
+        aligned = " | ".join(f"(unsigned long long){a}" for a in used)
         L.append("template <typename T>")
         L.append(f"__global__ void __launch_bounds__({THREADS}) {cuda_name(d, fs, 'step')}("
                  f"{', '.join(ptrs + ['const long long n'] + scal_params)}) {{")
-        L += [f"  const long long stride = (long long)blockDim.x * gridDim.x * {ELEMS};",
+        L += ["  const long long threads = (long long)blockDim.x * gridDim.x;",
+              "  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;",
+              f"  if ((({aligned}) & 15) == 0) {{",
+              f"    const long long nv = n - n % {ELEMS};",
+              f"    for (long long i = {ELEMS} * tid; i < nv; i += {ELEMS} * threads) {{",
+              f"      {vec}({', '.join(used + ['i'] + scal_args)});", "    }",
+              f"    if (tid < n - nv) {group}({', '.join(used + ['nv + tid', 'n', 'n'] + scal_args)});",
+              "    return;", "  }",
               f"  for (long long base = (long long)blockIdx.x * blockDim.x * {ELEMS} + threadIdx.x; base < n; "
-              "base += stride) {",
+              f"base += {ELEMS} * threads) {{",
               f"    {group}({', '.join(used + ['base', 'n', '(long long)blockDim.x'] + scal_args)});", "  }", "}", ""]
         # the multi-tensor kernel
         doubles, plain = multi_params(d, prog, shape)
-        ncol = len(d.arrays) + 1
+        ncol = len(d.arrays) + 2  # the arrays' addresses, n, the aligned flag (core/multi_tensor.py)
         params = ["const long long* __restrict__ tensors", "const long long* __restrict__ blocks",
                   "const double* __restrict__ scales", "const long long chunk", "const double base_lr",
                   *(f"const double {w}" for w in doubles), *(f"const T {k}" for k in plain)]
@@ -227,11 +279,17 @@ def cuda_source(d, shape: tuple, path: str) -> str:
             j = d.arrays.index(a)
             c = "" if a in written else "const "
             L.append(f"  {c}T* __restrict__ {a} = ({c}T*)row[{j}];")
-        L += [f"  const long long hi = lo + chunk < row[{ncol - 1}] ? lo + chunk : row[{ncol - 1}];"]
+        L += [f"  const long long hi = lo + chunk < row[{ncol - 2}] ? lo + chunk : row[{ncol - 2}];"]
         if any(derived[k] is not None for k in prog.scalars):
             L.append("  const double lr = base_lr * scales[ti];")
         L += [f"  const T {k} = (T){derived[k]};" for k in prog.scalars if derived[k] is not None]
-        L += [f"  for (long long base = lo + threadIdx.x; base < hi; base += {ELEMS} * (long long)blockDim.x) {{",
+        L += [f"  if (row[{ncol - 1}]) {{  // 16-byte aligned arrays (lo is a multiple of the chunk, itself of {ELEMS})",
+              f"    const long long nv = hi - (hi - lo) % {ELEMS};",
+              f"    for (long long i = lo + {ELEMS} * (long long)threadIdx.x; i < nv; i += {ELEMS} * (long long)blockDim.x) {{",
+              f"      {vec}({', '.join(used + ['i'] + scal_args)});", "    }",
+              f"    if (threadIdx.x < hi - nv) {group}({', '.join(used + ['nv + threadIdx.x', 'hi', 'hi'] + scal_args)});",
+              "    return;", "  }",
+              f"  for (long long base = lo + threadIdx.x; base < hi; base += {ELEMS} * (long long)blockDim.x) {{",
               f"    {group}({', '.join(used + ['base', 'hi', '(long long)blockDim.x'] + scal_args)});", "  }", "}",
               ""]
     return "\n".join(L) + "\n"

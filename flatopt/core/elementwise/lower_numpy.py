@@ -170,7 +170,7 @@ class Runner:
                 body.append(f"copyto({ref(dst)}, {a[1]}, where={a[0]})")
             else:
                 env[_UFUNC[op]] = getattr(xp, _UFUNC[op])
-                body.append(f"{_UFUNC[op]}({', '.join(a)}, {ref(dst)})")
+                body.append(f"{_UFUNC[op]}({', '.join(a)}, out={ref(dst)})")  # NumPy deprecates a positional out
         body += [f"copyto({name}, {ref(src)})" for name, src in plan.copies]
         head = [f"{', '.join(arrays)}, = arrays"]
         head += [f"_s{j} = scratch[{j}]" for j in range(plan.scratch)]

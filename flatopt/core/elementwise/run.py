@@ -130,7 +130,8 @@ def bind(d: Definition):
     def pick(cfg: Any, t: int) -> str:
         return emit.cuda_name(d, d.flags_of(cfg, t), "multi")
 
-    multi = MultiTensor(cuda_file(d), emit.cuda_name(d, 0, "multi"), d.state_arrays, multi_args, pick=pick)
+    multi = MultiTensor(cuda_file(d), emit.cuda_name(d, 0, "multi"), d.state_arrays, multi_args, pick=pick,
+                        aligned_flag=True)
     return update, kernel_update, multi, scratch_needed(d)
 
 

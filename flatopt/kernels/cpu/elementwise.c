@@ -7,8 +7,8 @@
  * twin's bits are kept.  The scalars arrive in double and are rounded to the dtype once, as NumPy rounds a Python
  * float against a float32 array.
  *
- * The passes of the algorithms defined once (core/elementwise: SGD, the Adam family, Lion) are generated into
- * ../generated/elementwise.c and compiled into the same library; this file keeps the hand-written passes of Sophia,
+ * The passes of the algorithms defined once (core/elementwise: SGD, the Adam family, Lion, Sophia) are generated
+ * into ../generated/elementwise.c and compiled into the same library; this file keeps the hand-written passes of
  * Lamb and Mars.  Built and loaded by flatopt/core/native.py.  ``dt``: 0 float32, 1 float64.  ``flags``: bit 0
  * weight decay on, further bits per algorithm.  A function returns 0 when it ran, -1 for an unknown dtype.
  */
@@ -43,20 +43,6 @@
 
 /* the AdamW step (Mars ends with it): p = p + (m / (sqrt(v)/bc2_sqrt + eps))*neg_step */
 #define ADAM_STEP p[i] = pi + (mi / (SQRT(vi) / bc2_sqrt + eps)) * neg_step
-
-/* ------------------------------------------------------------------------------------------- Sophia (sophia.py)
- * p = p*decay;  m = m*b1 + g*omb1;  ratio = min(|m| / (h*rho + eps), 1) (NaN propagates, as numpy.minimum);
- * p = p + (sign(m)*ratio)*neg_lr */
-#define SOPHIA_BODY(T, WD)                                                                                          \
-    for (int64_t i = 0; i < n; i++) {                                                                               \
-        T pi = p[i], gi = g[i], mi = m[i];                                                                          \
-        if (WD) pi = pi * decay;                                                                                    \
-        mi = mi * b1 + gi * omb1;                                                                                   \
-        T r = ABS(mi) / (h[i] * rho + eps);                                                                         \
-        r = r < (T)1 ? r : (r != r ? r : (T)1);                                                                     \
-        p[i] = pi + (SIGN(T, mi) * r) * neg_lr;                                                                     \
-        m[i] = mi;                                                                                                  \
-    }
 
 /* --------------------------------------------------------------------------------------------- Mars (mars.py)
  * c = g + (g - g_prev)*coef, then c = c / den (CLIP: den = max(‖c‖, 1) from the first phase);  g_prev = g;
@@ -104,12 +90,6 @@
     for (int64_t i = 0; i < n; i++) p[i] = p[i] + u[i] * step;
 
 #define DEFINE(T)                                                                                                   \
-    CLONES static void sophia_##T(T *restrict p, const T *restrict g, T *restrict m, const T *restrict h,           \
-                                  int64_t n, const double *sc, int flags) {                                         \
-        const T decay = (T)sc[0], b1 = (T)sc[1], omb1 = (T)sc[2], rho = (T)sc[3], eps = (T)sc[4],                   \
-                neg_lr = (T)sc[5];                                                                                  \
-        if (flags & 1) { SOPHIA_BODY(T, 1) } else { SOPHIA_BODY(T, 0) }                                             \
-    }                                                                                                               \
     CLONES static void mars_##T(T *restrict p, const T *restrict g, T *restrict gp, T *restrict m,                  \
                                 T *restrict v, int64_t n, const double *sc, int flags) {                            \
         const T coef = (T)sc[0], omb1 = (T)sc[1], b2 = (T)sc[2], omb2 = (T)sc[3], decay = (T)sc[4],                 \
@@ -158,8 +138,6 @@ DEFINE(double)
         return -1;                                                                                                  \
     }
 
-EXPORT(sophia, (int dt, void *p, const void *g, void *m, void *h, int64_t n, const double *sc, int flags),
-       sophia_float(p, g, m, h, n, sc, flags), sophia_double(p, g, m, h, n, sc, flags))
 EXPORT(mars, (int dt, void *p, const void *g, void *gp, void *m, void *v, int64_t n, const double *sc, int flags),
        mars_float(p, g, gp, m, v, n, sc, flags), mars_double(p, g, gp, m, v, n, sc, flags))
 EXPORT(lamb_apply, (int dt, void *p, const void *u, int64_t n, const double *sc, int flags),

@@ -2138,3 +2138,127 @@ __attribute__((visibility("default"))) int flatopt_gen_sgd(int dt, int fs, void 
     }
 }
 
+/* ---- sophia: sophia.py `step` (flags: wd) */
+struct sophia_scalars {
+    double decay;
+    double b1;
+    double omb1;
+    double rho;
+    double eps;
+    double neg_lr;
+};
+
+CLONES static void sophia_f0_float(float *restrict p, const float *restrict g, float *restrict m, const float *restrict h, int64_t n, const struct sophia_scalars *s) {
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    const float rho = (float)s->rho;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], h_i = h[i];
+        const float t0 = m_i * b1;
+        const float t1 = g_i * omb1;
+        const float t2 = t0 + t1;
+        const float t3 = fabsf(t2);
+        const float t4 = h_i * rho;
+        const float t5 = t4 + eps;
+        const float t6 = t3 / t5;
+        const float t7 = ((t6 <= ((float)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((float)0x1.0000000000000p+0));
+        const float t8 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
+        const float t9 = t8 * t7;
+        const float t10 = t9 * neg_lr;
+        const float t11 = p_i + t10;
+        p[i] = t11;
+        m[i] = t2;
+    }
+}
+
+CLONES static void sophia_f0_double(double *restrict p, const double *restrict g, double *restrict m, const double *restrict h, int64_t n, const struct sophia_scalars *s) {
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    const double rho = (double)s->rho;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], h_i = h[i];
+        const double t0 = m_i * b1;
+        const double t1 = g_i * omb1;
+        const double t2 = t0 + t1;
+        const double t3 = fabs(t2);
+        const double t4 = h_i * rho;
+        const double t5 = t4 + eps;
+        const double t6 = t3 / t5;
+        const double t7 = ((t6 <= ((double)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((double)0x1.0000000000000p+0));
+        const double t8 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
+        const double t9 = t8 * t7;
+        const double t10 = t9 * neg_lr;
+        const double t11 = p_i + t10;
+        p[i] = t11;
+        m[i] = t2;
+    }
+}
+
+CLONES static void sophia_f1_float(float *restrict p, const float *restrict g, float *restrict m, const float *restrict h, int64_t n, const struct sophia_scalars *s) {
+    const float decay = (float)s->decay;
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    const float rho = (float)s->rho;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], h_i = h[i];
+        const float t0 = p_i * decay;
+        const float t1 = m_i * b1;
+        const float t2 = g_i * omb1;
+        const float t3 = t1 + t2;
+        const float t4 = fabsf(t3);
+        const float t5 = h_i * rho;
+        const float t6 = t5 + eps;
+        const float t7 = t4 / t6;
+        const float t8 = ((t7 <= ((float)0x1.0000000000000p+0) || t7 != t7) ? t7 : ((float)0x1.0000000000000p+0));
+        const float t9 = (t3 != t3 ? t3 : (float)(t3 > (float)0) - (float)(t3 < (float)0));
+        const float t10 = t9 * t8;
+        const float t11 = t10 * neg_lr;
+        const float t12 = t0 + t11;
+        p[i] = t12;
+        m[i] = t3;
+    }
+}
+
+CLONES static void sophia_f1_double(double *restrict p, const double *restrict g, double *restrict m, const double *restrict h, int64_t n, const struct sophia_scalars *s) {
+    const double decay = (double)s->decay;
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    const double rho = (double)s->rho;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], h_i = h[i];
+        const double t0 = p_i * decay;
+        const double t1 = m_i * b1;
+        const double t2 = g_i * omb1;
+        const double t3 = t1 + t2;
+        const double t4 = fabs(t3);
+        const double t5 = h_i * rho;
+        const double t6 = t5 + eps;
+        const double t7 = t4 / t6;
+        const double t8 = ((t7 <= ((double)0x1.0000000000000p+0) || t7 != t7) ? t7 : ((double)0x1.0000000000000p+0));
+        const double t9 = (t3 != t3 ? t3 : (double)(t3 > (double)0) - (double)(t3 < (double)0));
+        const double t10 = t9 * t8;
+        const double t11 = t10 * neg_lr;
+        const double t12 = t0 + t11;
+        p[i] = t12;
+        m[i] = t3;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_sophia(int dt, int fs, void *const *a, int64_t n, const struct sophia_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: sophia_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 1: sophia_f0_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 2: sophia_f1_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 3: sophia_f1_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
