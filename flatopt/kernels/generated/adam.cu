@@ -78,7 +78,7 @@ __device__ __forceinline__ void adam_vec_f0(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 86 "flatopt/adam.py"
+#line 82 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -86,7 +86,7 @@ __device__ __forceinline__ void adam_vec_f0(T* __restrict__ p, const T* __restri
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 90 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -198,10 +198,10 @@ __device__ __forceinline__ void adam_vec_f1(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 85 "flatopt/adam.py"
+#line 81 "flatopt/adam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 86 "flatopt/adam.py"
+#line 82 "flatopt/adam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -209,7 +209,7 @@ __device__ __forceinline__ void adam_vec_f1(T* __restrict__ p, const T* __restri
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 90 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 / bc2_sqrt;
     const T t11 = t10 + eps;
@@ -323,7 +323,7 @@ __device__ __forceinline__ void adam_vec_f2(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 86 "flatopt/adam.py"
+#line 82 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -331,9 +331,9 @@ __device__ __forceinline__ void adam_vec_f2(T* __restrict__ p, const T* __restri
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 89 "flatopt/adam.py"
+#line 85 "flatopt/adam.py"
     const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
-#line 90 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -453,10 +453,10 @@ __device__ __forceinline__ void adam_vec_f3(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 85 "flatopt/adam.py"
+#line 81 "flatopt/adam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 86 "flatopt/adam.py"
+#line 82 "flatopt/adam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -464,9 +464,9 @@ __device__ __forceinline__ void adam_vec_f3(T* __restrict__ p, const T* __restri
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 89 "flatopt/adam.py"
+#line 85 "flatopt/adam.py"
     const T t9 = ((vmax_r[k] >= t8 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t8);
-#line 90 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 / bc2_sqrt;
     const T t12 = t11 + eps;

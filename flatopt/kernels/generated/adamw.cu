@@ -78,7 +78,7 @@ __device__ __forceinline__ void adamw_vec_f0(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 86 "flatopt/adam.py"
+#line 82 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -86,7 +86,7 @@ __device__ __forceinline__ void adamw_vec_f0(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 90 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -197,9 +197,9 @@ __device__ __forceinline__ void adamw_vec_f1(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 83 "flatopt/adam.py"
+#line 79 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 86 "flatopt/adam.py"
+#line 82 "flatopt/adam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -207,7 +207,7 @@ __device__ __forceinline__ void adamw_vec_f1(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 90 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -322,7 +322,7 @@ __device__ __forceinline__ void adamw_vec_f2(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 86 "flatopt/adam.py"
+#line 82 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -330,9 +330,9 @@ __device__ __forceinline__ void adamw_vec_f2(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 89 "flatopt/adam.py"
+#line 85 "flatopt/adam.py"
     const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
-#line 90 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -451,9 +451,9 @@ __device__ __forceinline__ void adamw_vec_f3(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 83 "flatopt/adam.py"
+#line 79 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 86 "flatopt/adam.py"
+#line 82 "flatopt/adam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -461,9 +461,9 @@ __device__ __forceinline__ void adamw_vec_f3(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 89 "flatopt/adam.py"
+#line 85 "flatopt/adam.py"
     const T t8 = ((vmax_r[k] >= t7 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t7);
-#line 90 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 / bc2_sqrt;
     const T t11 = t10 + eps;

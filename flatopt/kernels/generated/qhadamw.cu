@@ -81,7 +81,7 @@ __device__ __forceinline__ void qhadamw_vec_f0(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 94 "flatopt/qhadamw.py"
+#line 81 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -89,11 +89,11 @@ __device__ __forceinline__ void qhadamw_vec_f0(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 95 "flatopt/qhadamw.py"
+#line 82 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 98 "flatopt/qhadamw.py"
+#line 85 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 101 "flatopt/qhadamw.py"
+#line 88 "flatopt/qhadamw.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
@@ -206,9 +206,9 @@ __device__ __forceinline__ void qhadamw_vec_f1(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/qhadamw.py"
+#line 80 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 94 "flatopt/qhadamw.py"
+#line 81 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -216,11 +216,11 @@ __device__ __forceinline__ void qhadamw_vec_f1(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 95 "flatopt/qhadamw.py"
+#line 82 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 98 "flatopt/qhadamw.py"
+#line 85 "flatopt/qhadamw.py"
     const T t9 = t7 * c_v;
-#line 101 "flatopt/qhadamw.py"
+#line 88 "flatopt/qhadamw.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 + eps;
     const T t12 = t8 / t11;
@@ -335,7 +335,7 @@ __device__ __forceinline__ void qhadamw_vec_f2(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 94 "flatopt/qhadamw.py"
+#line 81 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -343,14 +343,14 @@ __device__ __forceinline__ void qhadamw_vec_f2(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 95 "flatopt/qhadamw.py"
+#line 82 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 97 "flatopt/qhadamw.py"
+#line 84 "flatopt/qhadamw.py"
     const T t8 = g_r[k] * c_g;
     const T t9 = t7 + t8;
-#line 98 "flatopt/qhadamw.py"
+#line 85 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 101 "flatopt/qhadamw.py"
+#line 88 "flatopt/qhadamw.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 + eps;
     const T t13 = t9 / t12;
@@ -466,9 +466,9 @@ __device__ __forceinline__ void qhadamw_vec_f3(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/qhadamw.py"
+#line 80 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 94 "flatopt/qhadamw.py"
+#line 81 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -476,14 +476,14 @@ __device__ __forceinline__ void qhadamw_vec_f3(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 95 "flatopt/qhadamw.py"
+#line 82 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 97 "flatopt/qhadamw.py"
+#line 84 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_g;
     const T t10 = t8 + t9;
-#line 98 "flatopt/qhadamw.py"
+#line 85 "flatopt/qhadamw.py"
     const T t11 = t7 * c_v;
-#line 101 "flatopt/qhadamw.py"
+#line 88 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t10 / t13;
@@ -599,7 +599,7 @@ __device__ __forceinline__ void qhadamw_vec_f4(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 94 "flatopt/qhadamw.py"
+#line 81 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -607,15 +607,15 @@ __device__ __forceinline__ void qhadamw_vec_f4(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 95 "flatopt/qhadamw.py"
+#line 82 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 98 "flatopt/qhadamw.py"
+#line 85 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 100 "flatopt/qhadamw.py"
+#line 87 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_gg;
     const T t10 = t9 * g_r[k];
     const T t11 = t8 + t10;
-#line 101 "flatopt/qhadamw.py"
+#line 88 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t7 / t13;
@@ -732,9 +732,9 @@ __device__ __forceinline__ void qhadamw_vec_f5(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/qhadamw.py"
+#line 80 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 94 "flatopt/qhadamw.py"
+#line 81 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -742,15 +742,15 @@ __device__ __forceinline__ void qhadamw_vec_f5(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 95 "flatopt/qhadamw.py"
+#line 82 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 98 "flatopt/qhadamw.py"
+#line 85 "flatopt/qhadamw.py"
     const T t9 = t7 * c_v;
-#line 100 "flatopt/qhadamw.py"
+#line 87 "flatopt/qhadamw.py"
     const T t10 = g_r[k] * c_gg;
     const T t11 = t10 * g_r[k];
     const T t12 = t9 + t11;
-#line 101 "flatopt/qhadamw.py"
+#line 88 "flatopt/qhadamw.py"
     const T t13 = sqrt(t12);
     const T t14 = t13 + eps;
     const T t15 = t8 / t14;
@@ -869,7 +869,7 @@ __device__ __forceinline__ void qhadamw_vec_f6(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 94 "flatopt/qhadamw.py"
+#line 81 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -877,18 +877,18 @@ __device__ __forceinline__ void qhadamw_vec_f6(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 95 "flatopt/qhadamw.py"
+#line 82 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 97 "flatopt/qhadamw.py"
+#line 84 "flatopt/qhadamw.py"
     const T t8 = g_r[k] * c_g;
     const T t9 = t7 + t8;
-#line 98 "flatopt/qhadamw.py"
+#line 85 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 100 "flatopt/qhadamw.py"
+#line 87 "flatopt/qhadamw.py"
     const T t11 = g_r[k] * c_gg;
     const T t12 = t11 * g_r[k];
     const T t13 = t10 + t12;
-#line 101 "flatopt/qhadamw.py"
+#line 88 "flatopt/qhadamw.py"
     const T t14 = sqrt(t13);
     const T t15 = t14 + eps;
     const T t16 = t9 / t15;
@@ -1008,9 +1008,9 @@ __device__ __forceinline__ void qhadamw_vec_f7(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/qhadamw.py"
+#line 80 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 94 "flatopt/qhadamw.py"
+#line 81 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -1018,18 +1018,18 @@ __device__ __forceinline__ void qhadamw_vec_f7(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 95 "flatopt/qhadamw.py"
+#line 82 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 97 "flatopt/qhadamw.py"
+#line 84 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_g;
     const T t10 = t8 + t9;
-#line 98 "flatopt/qhadamw.py"
+#line 85 "flatopt/qhadamw.py"
     const T t11 = t7 * c_v;
-#line 100 "flatopt/qhadamw.py"
+#line 87 "flatopt/qhadamw.py"
     const T t12 = g_r[k] * c_gg;
     const T t13 = t12 * g_r[k];
     const T t14 = t11 + t13;
-#line 101 "flatopt/qhadamw.py"
+#line 88 "flatopt/qhadamw.py"
     const T t15 = sqrt(t14);
     const T t16 = t15 + eps;
     const T t17 = t10 / t16;

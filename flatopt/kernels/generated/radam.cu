@@ -74,7 +74,7 @@ __device__ __forceinline__ void radam_vec_f0(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 119 "flatopt/radam.py"
+#line 101 "flatopt/radam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -82,7 +82,7 @@ __device__ __forceinline__ void radam_vec_f0(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 123 "flatopt/radam.py"
+#line 105 "flatopt/radam.py"
     const T t7 = t2 * factor;
     const T t8 = p_r[k] + t7;
 #line 89 "flatopt/kernels/generated/radam.cu"
@@ -186,10 +186,10 @@ __device__ __forceinline__ void radam_vec_f1(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 118 "flatopt/radam.py"
+#line 100 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 119 "flatopt/radam.py"
+#line 101 "flatopt/radam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -197,7 +197,7 @@ __device__ __forceinline__ void radam_vec_f1(T* __restrict__ p, const T* __restr
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 123 "flatopt/radam.py"
+#line 105 "flatopt/radam.py"
     const T t9 = t4 * factor;
     const T t10 = p_r[k] + t9;
 #line 204 "flatopt/kernels/generated/radam.cu"
@@ -300,9 +300,9 @@ __device__ __forceinline__ void radam_vec_f3(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 116 "flatopt/radam.py"
+#line 98 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 119 "flatopt/radam.py"
+#line 101 "flatopt/radam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -310,7 +310,7 @@ __device__ __forceinline__ void radam_vec_f3(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 123 "flatopt/radam.py"
+#line 105 "flatopt/radam.py"
     const T t8 = t3 * factor;
     const T t9 = t0 + t8;
 #line 317 "flatopt/kernels/generated/radam.cu"
@@ -415,7 +415,7 @@ __device__ __forceinline__ void radam_vec_f4(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 119 "flatopt/radam.py"
+#line 101 "flatopt/radam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -423,7 +423,7 @@ __device__ __forceinline__ void radam_vec_f4(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 121 "flatopt/radam.py"
+#line 103 "flatopt/radam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -533,10 +533,10 @@ __device__ __forceinline__ void radam_vec_f5(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 118 "flatopt/radam.py"
+#line 100 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 119 "flatopt/radam.py"
+#line 101 "flatopt/radam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -544,7 +544,7 @@ __device__ __forceinline__ void radam_vec_f5(T* __restrict__ p, const T* __restr
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 121 "flatopt/radam.py"
+#line 103 "flatopt/radam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t4 / t10;
@@ -653,9 +653,9 @@ __device__ __forceinline__ void radam_vec_f7(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 116 "flatopt/radam.py"
+#line 98 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 119 "flatopt/radam.py"
+#line 101 "flatopt/radam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -663,7 +663,7 @@ __device__ __forceinline__ void radam_vec_f7(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 121 "flatopt/radam.py"
+#line 103 "flatopt/radam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 + eps;
     const T t10 = t3 / t9;

@@ -60,7 +60,7 @@ __device__ __forceinline__ void sgd_vec_f0(T* __restrict__ p, const T* __restric
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t0 = g_r[k] * neg_lr;
     const T t1 = p_r[k] + t0;
 #line 67 "flatopt/kernels/generated/sgd.cu"
@@ -144,10 +144,10 @@ __device__ __forceinline__ void sgd_vec_f1(T* __restrict__ p, const T* __restric
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 85 "flatopt/sgd.py"
+#line 83 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 154 "flatopt/kernels/generated/sgd.cu"
@@ -234,10 +234,10 @@ __device__ __forceinline__ void sgd_vec_f2(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/sgd.py"
+#line 88 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = t0 + g_r[k];
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 244 "flatopt/kernels/generated/sgd.cu"
@@ -330,13 +330,13 @@ __device__ __forceinline__ void sgd_vec_f3(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 85 "flatopt/sgd.py"
+#line 83 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 90 "flatopt/sgd.py"
+#line 88 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t2 + t1;
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 343 "flatopt/kernels/generated/sgd.cu"
@@ -421,7 +421,7 @@ __device__ __forceinline__ void sgd_vec_f6(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t0 = g_r[k] * neg_lr;
     const T t1 = p_r[k] + t0;
 #line 428 "flatopt/kernels/generated/sgd.cu"
@@ -509,10 +509,10 @@ __device__ __forceinline__ void sgd_vec_f7(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 85 "flatopt/sgd.py"
+#line 83 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 519 "flatopt/kernels/generated/sgd.cu"
@@ -603,11 +603,11 @@ __device__ __forceinline__ void sgd_vec_f10(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/sgd.py"
+#line 88 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = g_r[k] * omd;
     const T t2 = t0 + t1;
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t3 = t2 * neg_lr;
     const T t4 = p_r[k] + t3;
 #line 614 "flatopt/kernels/generated/sgd.cu"
@@ -701,14 +701,14 @@ __device__ __forceinline__ void sgd_vec_f11(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 85 "flatopt/sgd.py"
+#line 83 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 90 "flatopt/sgd.py"
+#line 88 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t1 * omd;
     const T t4 = t2 + t3;
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
 #line 715 "flatopt/kernels/generated/sgd.cu"
@@ -801,13 +801,13 @@ __device__ __forceinline__ void sgd_vec_f18(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/sgd.py"
+#line 88 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = t0 + g_r[k];
-#line 91 "flatopt/sgd.py"
+#line 89 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = g_r[k] + t2;
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 814 "flatopt/kernels/generated/sgd.cu"
@@ -903,16 +903,16 @@ __device__ __forceinline__ void sgd_vec_f19(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 85 "flatopt/sgd.py"
+#line 83 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 90 "flatopt/sgd.py"
+#line 88 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t2 + t1;
-#line 91 "flatopt/sgd.py"
+#line 89 "flatopt/sgd.py"
     const T t4 = t3 * mom;
     const T t5 = t1 + t4;
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t6 = t5 * neg_lr;
     const T t7 = p_r[k] + t6;
 #line 919 "flatopt/kernels/generated/sgd.cu"
@@ -1000,10 +1000,10 @@ __device__ __forceinline__ void sgd_vec_f22(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 91 "flatopt/sgd.py"
+#line 89 "flatopt/sgd.py"
     const T t0 = g_r[k] * mom;
     const T t1 = g_r[k] + t0;
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 1010 "flatopt/kernels/generated/sgd.cu"
@@ -1094,13 +1094,13 @@ __device__ __forceinline__ void sgd_vec_f23(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 85 "flatopt/sgd.py"
+#line 83 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 91 "flatopt/sgd.py"
+#line 89 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = t1 + t2;
-#line 92 "flatopt/sgd.py"
+#line 90 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 1107 "flatopt/kernels/generated/sgd.cu"
