@@ -213,6 +213,8 @@ class ScheduleFreeAdamW(PerParamOptimizer):
 
     # ------------------------------------------------------------------------------------------------ steps
     def step_batch(self, items: Any) -> None:
+        """The driver's ``step_batch`` (see ``PerParamOptimizer.step_batch``), refused in eval mode before anything
+        is validated or changed (the buffers hold x)."""
         with self._lock:
             if self.mode != "train":
                 raise RuntimeError("ScheduleFreeAdamW: step in eval mode (the buffers hold x): call "
@@ -228,15 +230,20 @@ class ScheduleFreeAdamW(PerParamOptimizer):
         gpu: list[Any] = []
         for it, slot, scale in prepared:
             slot.t += 1
-            ckp1 = advance(self.config, slot.state, slot.t, base)
+            lr = self.step_lr(slot.state, slot.t, base * scale)
             if slot.backend == "cupy":
-                gpu.append((it, slot, (base * scale, ckp1), scale))
+                gpu.append((it, slot, lr, scale))
             else:
-                cpu.append((it, slot, (base * scale, ckp1)))
+                cpu.append((it, slot, lr))
         if cpu:
             cpu_plan.run_for(self, cpu_plan.tasks(self, cpu, CHUNK))
         if gpu:
             self._run_gpu(gpu, base)
+
+    def step_lr(self, state: ScheduleFreeAdamWState, t: int, lr: float) -> tuple[float, float]:
+        """What step t of a parameter's update receives as ``lr``: ``(lr, ckp1)``, advancing its host numbers (once
+        per step: the driver's execution calls it; a test that steps the hooks by hand calls it too)."""
+        return lr, advance(self.config, state, t, self._lr if self._lr is not None else 0.0)
 
     def _run_gpu(self, gpu: list[Any], base: float) -> None:
         rest: list[Any] = []
