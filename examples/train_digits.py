@@ -145,10 +145,10 @@ def optimizer_factories(shapes) -> dict:
             Group("adamw", flatopt.AdamW(lr=3e-3, weight_decay=1e-4), Select(patterns=["*"])),
         ]),
         "kron_psgd": lambda: flatopt.KronPsgd(lr=3e-3),
-        # Schedule-Free: measured at its evaluation point x (eval_point below), trained at y
-        "schedulefree_adamw": lambda: flatopt.ScheduleFreeAdamW(lr=3e-3, weight_decay=1e-4),
         "muon_adamw": lambda: flatopt.MuonAdamW(shapes, muon_names=hidden_matrices, lr=0.01, adamw_lr_ratio=0.3,
                                                 muon={"layout": "in_out"}),
+        # Schedule-Free: measured at its evaluation point x (eval_point below), trained at y
+        "schedulefree_adamw": lambda: flatopt.ScheduleFreeAdamW(lr=3e-3, weight_decay=1e-4),
     }
 
 

@@ -57,7 +57,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .core import backend, cpu_plan, gpu_run
+from .core import backend, cpu_plan, gpu_run, step_plan
 from .core import multi_tensor as mt
 from .core.driver import CHUNK, PerParamOptimizer
 from .core.elementwise import define, run
@@ -190,6 +190,12 @@ DEF_Y = define("schedulefree_to_y", to_y, scalars=_conv_scalars(_train_weight), 
 CONVERT = {"eval": run.bind(DEF_X), "train": run.bind(DEF_Y)}
 
 
+class _Kept:
+    """A kept multi-tensor group's liveness (``step_plan.watch`` sets ``dead`` when one of its arrays is freed)."""
+
+    dead = False
+
+
 class ScheduleFreeAdamW(PerParamOptimizer):
     """``ScheduleFreeAdamW(lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=0, r=0.0,
     weight_lr_power=2.0)``: see the module doc.  ``eval(params)`` before evaluating, ``train(params)`` after."""
@@ -224,7 +230,7 @@ class ScheduleFreeAdamW(PerParamOptimizer):
     def _run_sf(self, prepared: list[Any]) -> None:
         """The driver's execution with the averaging weight: each item's host numbers advance once (serially), then
         its steps receive ``lr`` as ``(lr, ckp1)``; on CuPy the items that share (device, dtype, t, ckp1) take one
-        multi-tensor launch (a table built for the step)."""
+        multi-tensor launch (its table kept between steps: ``_group``)."""
         base = self._lr if self._lr is not None else 0.0
         cpu: list[Any] = []
         gpu: list[Any] = []
@@ -258,10 +264,29 @@ class ScheduleFreeAdamW(PerParamOptimizer):
             if len(members) == 1:
                 rest.extend(m[:3] for m in members)
                 continue
-            table = [(it.param, it.grad, slot, scale) for it, slot, _, scale in members]
-            mt.Group(self.multi_tensor, table, mt.CHUNK).launch(self.config, t, base, host=(ckp1,))
+            self._group(members).launch(self.config, t, base, host=(ckp1,))
         if rest:
             gpu_run.run_gpu(self, rest)
+
+    def _group(self, members: list[Any]) -> mt.Group:
+        """The multi-tensor group (its device table) of these members, built once and kept while the same arrays,
+        states and scales come back (``plan_cache``; a freed param or grad array retires it, as a step plan)."""
+        plans = self.plan_cache.family_plans("schedulefree")
+        key = tuple((id(it.param), id(it.grad), id(slot), id(slot.state.z), id(slot.state.v), scale)
+                    for it, slot, _, scale in members)
+        hit = plans.get(key)
+        if hit is not None and not hit[0].dead:
+            return hit[1]
+        holder = _Kept()
+        holder.slots = [m[1] for m in members]  # kept: their ids stay theirs
+        holder.refs = step_plan.watch(holder, [m[0].param for m in members] + [m[0].grad for m in members])
+        group = mt.Group(self.multi_tensor, [(it.param, it.grad, slot, scale) for it, slot, _, scale in members],
+                         mt.CHUNK)
+        plans.pop(key, None)
+        while len(plans) >= step_plan.MAX_PLANS:
+            plans.pop(next(iter(plans)))
+        plans[key] = (holder, group)
+        return group
 
     # ------------------------------------------------------------------------------------------- eval / train
     def eval(self, params: Mapping[str, Array]) -> None:
