@@ -222,10 +222,18 @@ class ScheduleFreeAdamW(PerParamOptimizer):
         """The driver's ``step_batch`` (see ``PerParamOptimizer.step_batch``), refused in eval mode before anything
         is validated or changed (the buffers hold x)."""
         with self._lock:
-            if self.mode != "train":
-                raise RuntimeError("ScheduleFreeAdamW: step in eval mode (the buffers hold x): call "
-                                   "train(params) first")
+            self._check_train_mode()
             super().step_batch(items)
+
+    def validate_batch(self, items: Any) -> None:
+        """What ``step_batch(items)`` would raise, the eval mode included (a router validates every group first)."""
+        with self._lock:
+            self._check_train_mode()
+            super().validate_batch(items)
+
+    def _check_train_mode(self) -> None:
+        if self.mode != "train":
+            raise RuntimeError("ScheduleFreeAdamW: step in eval mode (the buffers hold x): call train(params) first")
 
     def _run_sf(self, prepared: list[Any]) -> None:
         """The driver's execution with the averaging weight: each item's host numbers advance once (serially), then

@@ -174,6 +174,8 @@ def test_step_in_eval_mode_raises_and_changes_nothing():
         opt.step("w", (1000,), params["w"], grads[0])
     with pytest.raises(RuntimeError, match="eval mode"):
         opt.step_batch([flatopt.OptItem("new", (3,), np.zeros(3, np.float32), np.ones(3, np.float32))])
+    with pytest.raises(RuntimeError, match="eval mode"):  # a router validates every group before any steps
+        opt.validate_batch([flatopt.OptItem("w", (1000,), params["w"], grads[0])])
     after = opt.state_dict()
     assert "new" not in after.params and after.params == before.params
     assert all(_bits(after.buffers[k]) == _bits(before.buffers[k]) for k in before.buffers)
