@@ -193,7 +193,10 @@ CONVERT = {"eval": run.bind(DEF_X), "train": run.bind(DEF_Y)}
 class _Kept:
     """A kept multi-tensor group's liveness (``step_plan.watch`` sets ``dead`` when one of its arrays is freed)."""
 
-    dead = False
+    def __init__(self, slots: list[Any]) -> None:
+        self.dead = False
+        self.slots = slots  # kept: their ids stay theirs
+        self.refs: list[Any] = []
 
 
 class ScheduleFreeAdamW(PerParamOptimizer):
@@ -261,7 +264,7 @@ class ScheduleFreeAdamW(PerParamOptimizer):
 
     def _run_gpu(self, gpu: list[Any], base: float) -> None:
         rest: list[Any] = []
-        groups: dict[tuple, list] = {}
+        groups: dict[tuple[Any, ...], list[Any]] = {}
         for it, slot, lr, scale in gpu:
             if backend.force_twin() or not it.param.size:
                 rest.append((it, slot, lr))
@@ -284,9 +287,9 @@ class ScheduleFreeAdamW(PerParamOptimizer):
                     for it, slot, _, scale in members)
         hit = plans.get(key)
         if hit is not None and not hit[0].dead:
-            return hit[1]
-        holder = _Kept()
-        holder.slots = [m[1] for m in members]  # kept: their ids stay theirs
+            kept: mt.Group = hit[1]
+            return kept
+        holder = _Kept([m[1] for m in members])
         holder.refs = step_plan.watch(holder, [m[0].param for m in members] + [m[0].grad for m in members])
         group = mt.Group(self.multi_tensor, [(it.param, it.grad, slot, scale) for it, slot, _, scale in members],
                          mt.CHUNK)
