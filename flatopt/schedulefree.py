@@ -173,19 +173,14 @@ def _train_weight(cfg: ScheduleFreeAdamWConfig) -> float:
     return 1.0 - cfg.betas[0]
 
 
-def to_x(e: Any, p: Any, g: Any, z: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """y -> x: x = lerp(y, z, 1 - 1/β1)."""
+def convert(e: Any, p: Any, g: Any, z: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """y -> x (w = 1 - 1/β1) or x -> y (w = 1 - β1): p = lerp(p, z, w)."""
     return dict(p=lerp(p, z, s.w, f.big))
 
 
-def to_y(e: Any, p: Any, g: Any, z: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """x -> y: y = lerp(x, z, 1 - β1)."""
-    return dict(p=lerp(p, z, s.w, f.big))
-
-
-DEF_X = define("schedulefree_to_x", to_x, scalars=_conv_scalars(_eval_weight), flags=_conv_flags(_eval_weight),
+DEF_X = define("schedulefree_to_x", convert, scalars=_conv_scalars(_eval_weight), flags=_conv_flags(_eval_weight),
                flag_names=("big",), slots=("z",), example=ScheduleFreeAdamWConfig())
-DEF_Y = define("schedulefree_to_y", to_y, scalars=_conv_scalars(_train_weight), flags=_conv_flags(_train_weight),
+DEF_Y = define("schedulefree_to_y", convert, scalars=_conv_scalars(_train_weight), flags=_conv_flags(_train_weight),
                flag_names=("big",), slots=("z",), example=ScheduleFreeAdamWConfig())
 CONVERT = {"eval": run.bind(DEF_X), "train": run.bind(DEF_Y)}
 

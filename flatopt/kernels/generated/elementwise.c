@@ -2302,7 +2302,7 @@ __attribute__((visibility("default"))) int flatopt_gen_schedulefree_adamw(int dt
     }
 }
 
-/* ---- schedulefree_to_x: schedulefree.py `to_x` (flags: big) */
+/* ---- schedulefree_to_x: schedulefree.py `convert` (flags: big) */
 struct schedulefree_to_x_scalars {
     double w;
 };
@@ -2363,7 +2363,7 @@ __attribute__((visibility("default"))) int flatopt_gen_schedulefree_to_x(int dt,
     }
 }
 
-/* ---- schedulefree_to_y: schedulefree.py `to_y` (flags: big) */
+/* ---- schedulefree_to_y: schedulefree.py `convert` (flags: big) */
 struct schedulefree_to_y_scalars {
     double w;
 };
