@@ -18,6 +18,7 @@ Losses and accuracies are deterministic for a given machine, NumPy/BLAS build an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -146,10 +147,26 @@ def optimizer_factories(shapes) -> dict:
         "kron_psgd": lambda: flatopt.KronPsgd(lr=3e-3),
         "muon_adamw": lambda: flatopt.MuonAdamW(shapes, muon_names=hidden_matrices, lr=0.01, adamw_lr_ratio=0.3,
                                                 muon={"layout": "in_out"}),
+        # Schedule-Free: measured at its evaluation point x (eval_point below), trained at y
+        "schedulefree_adamw": lambda: flatopt.ScheduleFreeAdamW(lr=3e-3, weight_decay=1e-4),
     }
 
 
 # ------------------------------------------------------------------------------------------------ training
+@contextlib.contextmanager
+def eval_point(opt, params):
+    """Inside: the parameters at the point a Schedule-Free optimizer evaluates at (``opt.eval(params)`` writes x,
+    ``opt.train(params)`` after writes the training point y back); other optimizers' parameters as they are."""
+    if not hasattr(opt, "eval") or not opt.state_names():
+        yield
+        return
+    opt.eval(params)
+    try:
+        yield
+    finally:
+        opt.train(params)
+
+
 HESSIAN_EVERY = 10  # Sophia's Hessian refresh period k (its paper: 10)
 
 
@@ -182,8 +199,9 @@ def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every, or
             step_ms.append((time.perf_counter() - t0) * 1e3)
             curve.append(float(loss))
         if evaluate:
-            train_losses.append(float(forward_backward(xp, params, shapes, xtr, ytr)[0]))
-            test_losses.append(float(forward_backward(xp, params, shapes, xte, yte)[0]))
+            with eval_point(opt, params):
+                train_losses.append(float(forward_backward(xp, params, shapes, xtr, ytr)[0]))
+                test_losses.append(float(forward_backward(xp, params, shapes, xte, yte)[0]))
         if log_every and (epoch + 1) % log_every == 0:
             print(f"  {name:12s} epoch {epoch + 1:3d}/{epochs}  loss {np.mean(curve[-(n // batch):]):.4f}",
                   flush=True)
@@ -191,11 +209,13 @@ def train(name, factory, shapes, data, *, epochs, batch, seed, xp, log_every, or
     state_bytes = sum(int(b.nbytes) for b in state.buffers.values())
     n_params = sum(math.prod(s) for s in shapes.values())
     final = float(np.mean(curve[-max(1, n // batch):]))
+    with eval_point(opt, params):
+        test_acc = accuracy(xp, params, shapes, xte, yte)
     return {
         "name": name,
         "curve": curve,
         "final_loss": final,
-        "test_acc": accuracy(xp, params, shapes, xte, yte),
+        "test_acc": test_acc,
         "ms_per_step": float(np.median(step_ms)),
         "state_bytes_per_param": state_bytes / n_params,
         "state": state,

@@ -31,6 +31,7 @@ from .mars import Mars
 from .nadamw import NAdamW
 from .qhadamw import QHAdamW
 from .radam import RAdam
+from .schedulefree import ScheduleFreeAdamW
 from .sgd import SGD
 from .soap import Soap
 from .sophia import Sophia
@@ -54,6 +55,7 @@ __all__ = [
     "NAdamW",
     "QHAdamW",
     "RAdam",
+    "ScheduleFreeAdamW",
     "Optimizer",
     "OptimizerState",
     "OptItem",

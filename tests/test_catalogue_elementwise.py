@@ -26,6 +26,8 @@ import pytest
 
 import flatopt
 
+from . import test_schedulefree as sf_tests
+
 SHAPES = [(6, 5), (7,), (2, 3, 4)]  # a matrix, a vector, a 3-D tensor
 BIG = (70001,)  # spans several NumPy chunks
 STEPS = 10
@@ -253,6 +255,18 @@ CASES = {
         dict(betas=(0.8, 0.95), weight_decay=0.5),
     ]),
 }
+def _schedulefree_package(shape, p, grads, lr_base, cfg):
+    pytest.importorskip("schedulefree")
+    return sf_tests.run_package(shape, p, grads, lr_base, cfg)[0]
+
+
+CASES["ScheduleFreeAdamW"] = (  # its eval point x, eval/train and host numbers: tests/test_schedulefree.py
+    flatopt.ScheduleFreeAdamW,
+    lambda p, grads, lr_base, **cfg: sf_tests.reference(p, grads, [lr_of(i, lr_base) for i in range(len(grads))],
+                                                        **cfg)[0],
+    _schedulefree_package, 1e-5,
+    [dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), dict(betas=(0.8, 0.99), eps=1e-8, weight_decay=0.05,
+                                                                 warmup_steps=4, r=0.5, weight_lr_power=1.0)])
 CASES.update({
     # optax/jax are not installed (and pytorch-optimizer's Lamb is another algorithm): the float64 transcription
     # of optax's chain is the reference
@@ -360,12 +374,15 @@ def test_defaults_follow_the_catalogue():
     assert flatopt.Lamb().config == flatopt.Lamb(1e-3, (0.9, 0.999), 1e-6, 1e-2).config
     assert flatopt.Mars().config == flatopt.Mars(3e-3, (0.95, 0.99), 1e-8, 0.0, 0.025, True).config
     assert flatopt.Sophia().config == flatopt.Sophia(1e-4, (0.965, 0.99), 0.04, 1e-1, 1e-15).config
+    assert flatopt.ScheduleFreeAdamW().config == flatopt.ScheduleFreeAdamW(0.0025, (0.9, 0.999), 1e-8, 0.0, 0, 0.0,
+                                                                           2.0).config
 
 
 def test_state_bytes_per_param():
     n = 1000
     expect = {flatopt.Adam(): 8, flatopt.Adam(amsgrad=True): 12, flatopt.NAdamW(): 8, flatopt.RAdam(): 8,
-              flatopt.QHAdamW(): 8, flatopt.Lion(): 4, flatopt.Lamb(): 8, flatopt.Mars(): 12, flatopt.Sophia(): 8}
+              flatopt.QHAdamW(): 8, flatopt.Lion(): 4, flatopt.Lamb(): 8, flatopt.Mars(): 12, flatopt.Sophia(): 8,
+              flatopt.ScheduleFreeAdamW(): 8}
     for opt, bpp in expect.items():
         opt.step("w", (n,), np.zeros(n, np.float32), np.ones(n, np.float32))
         assert opt.state_nbytes() == bpp * n, type(opt).__name__

@@ -39,8 +39,11 @@ def _device_steps(opt, params, steps, dtype):
                 states[n] = opt.hooks.init(n, XP, s, np.dtype(dtype))
                 if hasattr(states[n], "ctx"):  # KronPsgd: its probe stream, as its driver sets it
                     states[n].ctx = (n, layout.stream_key(opt.config.seed, n), opt._hook)
-            opt.hooks.update(XP, states[n], p, XP.asarray(grads[n]), t=it + 1, lr=opt.hooks.effective_lr(opt.lr_scale(n)),
-                        scratch=[XP.empty_like(p) for _ in range(opt.scratch_buffers)])
+            lr = opt.hooks.effective_lr(opt.lr_scale(n))
+            if hasattr(opt, "step_lr"):  # per-parameter host numbers (ScheduleFreeAdamW), advanced as its driver does
+                lr = opt.step_lr(states[n], it + 1, lr)
+            opt.hooks.update(XP, states[n], p, XP.asarray(grads[n]), t=it + 1, lr=lr,
+                             scratch=[XP.empty_like(p) for _ in range(opt.scratch_buffers)])
     return {n: XP.asnumpy(p) for n, (_, p) in dev.items()}
 
 

@@ -67,3 +67,35 @@ def test_the_scalar_caches_key_on_the_sign_of_lr(order):
                          scratch=scratch)
         expect = np.float32(-0.0) + np.sign(np.float32(0.1) * g) * np.float32(-lr)
         assert p.view(np.uint32).tolist() == expect.view(np.uint32).tolist(), lr
+
+
+def test_host_values_reach_every_path_and_key_its_caches():
+    """A definition with per-parameter host values (ScheduleFreeAdamW's averaging weight ckp1): the NumPy path, the
+    compiled pass and the multi-tensor arguments take them from ``lr = (lr, ckp1)``, and the scalar caches key on
+    them (two weights at the same config, t and lr give two results); the traced shape does not depend on them."""
+    import numpy as np
+
+    from flatopt import schedulefree as sf
+    from flatopt.core.elementwise import run
+
+    cfg = sf.ScheduleFreeAdamWConfig(weight_decay=0.01)
+    r = np.random.default_rng(0)
+    n = 64
+    p0, g, z = (r.standard_normal(n).astype(np.float32) for _ in range(3))
+    got = {}
+    for ck in (0.25, 0.3, 0.25):
+        for path in ("numpy", "native"):
+            st = sf.init(np, cfg, (n,), np.float32)
+            st.z[:] = z
+            p = p0.copy()
+            if path == "native":
+                assert run.native_update(sf.DEF, cfg, st, p, g, t=3, lr=(0.01, ck))
+            else:
+                scratch = [np.empty(n, np.float32) for _ in range(run.scratch_needed(sf.DEF))]
+                run.numpy_update(sf.DEF, np, cfg, st, p, g, t=3, lr=(0.01, ck), scratch=scratch)
+            got.setdefault(ck, set()).add(p.tobytes())
+    assert len(got[0.25]) == 1 and len(got[0.3]) == 1 and got[0.25] != got[0.3]
+    shapes = {trace.trace_scalars(sf.scalars, cfg, 3, (ck,))[0] for ck in (0.25, 0.3, 1.0)}
+    assert shapes == {run.generated_shape(sf.DEF)}
+    assert sf.ScheduleFreeAdamW.multi_tensor.args(cfg, 3, np.float32, (0.25,)) != \
+        sf.ScheduleFreeAdamW.multi_tensor.args(cfg, 3, np.float32, (0.3,))

@@ -231,3 +231,27 @@ def test_lamb_mars_kernel_path_runs(make, per_tensor, dtype, gpu_device, monkeyp
         assert counts[1] == (per_tensor * len(SQ_SHAPES), 0, 0)
     for n in base:
         assert_bits_equal(outs[0][n][1], outs[1][n][1], n)
+
+
+@pytest.mark.parametrize("beta1", [0.9, 0.5], ids=["small_weight", "big_weight"])  # 1 - 1/0.5 = -1: lerp's other branch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_schedulefree_batch_eval_and_train_kernels_give_the_compiled_pass_bits(dtype, beta1):
+    """ScheduleFreeAdamW on the device: batched steps (multi-tensor launches, two lr_scales sharing the averaging
+    weight), then eval and train (the conversions' per-tensor kernels): the bits of the NumPy side's compiled pass,
+    x and y both; eval twice leaves x, train brings the same y on both sides."""
+    host = make_params(((7,), (300,), (4, 3), (5,)), dtype)
+    dev = _to_gpu(host)
+    out = {}
+    for key, params in (("host", host), ("dev", dev)):
+        opt = flatopt.ScheduleFreeAdamW(lr=1e-2, betas=(beta1, 0.999), weight_decay=0.01, warmup_steps=2,
+                                        lr_scale={"p1": 0.5})
+        run_steps(opt, params, STEPS, batch=True)
+        bufs = {n: p for n, (_, p) in params.items()}
+        opt.eval(bufs)
+        opt.eval(bufs)
+        x = {n: backend.to_numpy(p).copy() for n, p in bufs.items()}
+        opt.train(bufs)
+        out[key] = (x, {n: backend.to_numpy(p).copy() for n, p in bufs.items()})
+    for i in (0, 1):
+        for n in host:
+            assert_bits_equal(out["dev"][i][n], out["host"][i][n], n)

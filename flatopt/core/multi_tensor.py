@@ -91,10 +91,11 @@ class MultiTensor:
     source: str  # the .cu file
     kernel: str  # the template kernel's name (registered in core.kernels.KERNELS)
     arrays: Callable[[Any, Any], tuple]  # (state, p) -> the state arrays of a table row, after p and g
-    args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after base_lr
+    args: Callable[..., tuple]  # (config, t, dtype scalar type) -> the arguments after base_lr
     norms: Norms | None = None  # per-tensor sums of squares before the elementwise kernel (Lamb, Mars)
-    # (config, t) -> the kernel of this launch, when it depends on them (a generated definition's flag set)
-    pick: Callable[[Any, int], str] | None = None
+    # (config, t) -> the kernel of this launch, when it depends on them (a generated definition's flag set); both
+    # take the group's host values as a fourth/third argument where the definition declares them
+    pick: Callable[..., str] | None = None
     # a last column per row: 1 when every address of the row is 16-byte aligned (the generated kernels' vector path)
     aligned_flag: bool = False
 
@@ -159,20 +160,24 @@ class Group:
         self.partials_fn = kernels.get(spec.source, spec.norms.partials, self.dtype)
         self.fold_fn = kernels.get(spec.source, spec.norms.fold, self.dtype)
 
-    def launch(self, config, t: int, base_lr: float) -> None:
-        """One launch for every tensor of the group (no host synchronisation, nothing allocated)."""
+    def launch(self, config, t: int, base_lr: float, host: tuple = ()) -> None:
+        """One launch for every tensor of the group (no host synchronisation, nothing allocated).  ``host``: the
+        per-parameter host values of a definition that declares them (``core.elementwise.define``), which every
+        member of the group shares."""
         if not self.nblocks:
             return
         cp = backend.cupy()
+        extra = (host,) if host else ()
         args = (self.tensors, self.blocks, self.scales, self.chunk_arg, float(base_lr),
-                *self.spec.args(config, t, self.dtype.type))
+                *self.spec.args(config, t, self.dtype.type, *extra))
         with self.device:
             stream = cp.cuda.get_current_stream()
             if stream.ptr not in self.streams:  # the table was uploaded on another stream: order after it
                 stream.wait_event(self.uploaded)
                 self.streams.add(stream.ptr)
             if self.spec.pick is not None:
-                kernels.get(self.spec.source, self.spec.pick(config, t), self.dtype)((self.nblocks,), (BLOCK,), args)
+                kernels.get(self.spec.source, self.spec.pick(config, t, *extra), self.dtype)((self.nblocks,), (BLOCK,),
+                                                                                            args)
             elif self.spec.norms is None:
                 self.fn((self.nblocks,), (BLOCK,), args)
             else:

@@ -7,6 +7,11 @@ An algorithm module declares (see ``flatopt/adamw.py``)::
 * ``scalars(cfg, t, lr) -> dict``: the per-step host scalars by name, computed in double;
 * ``flags(cfg, t) -> dict``: Python bools that select the operation sequence (never data-dependent);
   ``flag_names`` lists them in a fixed order (a flag set's index: bit k is flag k);
+* ``host`` (optional): the names of per-parameter host scalars that the algorithm computes itself once per step
+  (from host state it keeps per parameter, e.g. Schedule-Free's averaging weight); the derived ``update`` and
+  ``kernel_update`` then receive ``lr`` as the tuple ``(lr, *host values)``, and ``scalars``/``flags`` take the
+  values as extra arguments (``scalars(cfg, t, lr, *host)``, ``flags(cfg, t, *host)``); the multi-tensor launch
+  takes them per group (``Group.launch(..., host=...)``: its members share them);
 * ``slots``: the state arrays, in order (the attribute names of the state object);
 * ``step(e, p, g, *slots, s, f) -> dict``: the update of one element, written once with ordinary operators and
   the intrinsics of ``e`` (``trace.Intrinsics``); it returns the new value of each array it writes.
@@ -31,14 +36,16 @@ REGISTRY: dict[str, "Definition"] = {}  # filled as the algorithm modules are im
 
 class Definition:
     def __init__(self, name: str, step: Callable, *, scalars: Callable, flags: Callable, flag_names: tuple,
-                 slots: tuple, example: Any, valid: Callable[[dict], bool] | None = None):
+                 slots: tuple, example: Any, valid: Callable[[dict], bool] | None = None, host: tuple = ()):
         self.name, self.step_fn, self.scalars_fn, self.flags_fn = name, step, scalars, flags
         self.flag_names, self.slots, self.example = tuple(flag_names), tuple(slots), example
         params = list(inspect.signature(step).parameters)
         self.arrays = tuple(params[1:3]) + self.slots  # p, g, then the slots
         if tuple(params[3:3 + len(self.slots)]) != self.slots:
             raise TypeError(f"{name}.step's arguments after p, g must be its slots {self.slots}")
-        self.scalar_names = tuple(scalars(example, 1, 1.0))
+        self.host = tuple(host)
+        self.example_host = (1.0,) * len(self.host)  # the host values the snapshots' scalar shapes are traced with
+        self.scalar_names = tuple(scalars(example, 1, 1.0, *self.example_host))
         self.valid = valid or (lambda f: True)
         self.source = Path(inspect.getsourcefile(step) or "?")
         self.first_line = step.__code__.co_firstlineno
@@ -66,12 +73,12 @@ class Definition:
     def program(self, f: dict) -> tr.Program:
         return self.program_at(self.index(f))
 
-    def flags_of(self, cfg: Any, t: int) -> int:
-        return self._flags_of(cfg, t)
+    def flags_of(self, cfg: Any, t: int, host: tuple = ()) -> int:
+        return self._flags_of(cfg, t, host)
 
     @functools.lru_cache(maxsize=256)  # noqa: B019
-    def _flags_of(self, cfg: Any, t: int) -> int:
-        f = self.flags_fn(cfg, t)
+    def _flags_of(self, cfg: Any, t: int, host: tuple) -> int:
+        f = self.flags_fn(cfg, t, *host)
         if tuple(f) != self.flag_names:
             raise ValueError(f"{self.name}.flags returned {tuple(f)}, declared {self.flag_names}")
         return self.index(f)

@@ -24,30 +24,37 @@ def cuda_file(d: Definition) -> str:
     return f"{GENERATED_DIR}/{d.name}.cu"
 
 
-def _scalars(d: Definition, cfg: Any, t: int, lr: float) -> dict:
-    return _scalars_keyed(d, cfg, t, lr, math.copysign(1.0, lr))
+def split(d: Definition, lr: Any) -> tuple[float, tuple]:
+    """``(lr, host values)`` of what the derived paths receive as ``lr`` (a tuple for a definition with ``host``)."""
+    if d.host:
+        return lr[0], tuple(lr[1:])
+    return lr, ()
+
+
+def _scalars(d: Definition, cfg: Any, t: int, lr: float, hv: tuple = ()) -> dict:
+    return _scalars_keyed(d, cfg, t, lr, math.copysign(1.0, lr), hv)
 
 
 @functools.lru_cache(maxsize=256)
-def _scalars_keyed(d: Definition, cfg: Any, t: int, lr: float, sign: float) -> dict:
+def _scalars_keyed(d: Definition, cfg: Any, t: int, lr: float, sign: float, hv: tuple) -> dict:
     """Cached on the value and the sign of lr (``-0.0 == 0.0``, but ``-lr`` differs in its bits)."""
-    return {k: float(v) for k, v in d.scalars_fn(cfg, t, lr).items()}
+    return {k: float(v) for k, v in d.scalars_fn(cfg, t, lr, *hv).items()}
 
 
-def _packed(d: Definition, cfg: Any, t: int, lr: float) -> bytes:
-    return _packed_keyed(d, cfg, t, lr, math.copysign(1.0, lr))
+def _packed(d: Definition, cfg: Any, t: int, lr: float, hv: tuple = ()) -> bytes:
+    return _packed_keyed(d, cfg, t, lr, math.copysign(1.0, lr), hv)
 
 
 @functools.lru_cache(maxsize=256)
-def _packed_keyed(d: Definition, cfg: Any, t: int, lr: float, sign: float) -> bytes:
-    sc = _scalars(d, cfg, t, lr)
+def _packed_keyed(d: Definition, cfg: Any, t: int, lr: float, sign: float, hv: tuple) -> bytes:
+    sc = _scalars(d, cfg, t, lr, hv)
     return struct.pack(f"{len(d.scalar_names)}d", *(sc[k] for k in d.scalar_names))
 
 
 @functools.lru_cache(maxsize=256)
-def _cast(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, sign: float) -> dict:
+def _cast(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, sign: float, hv: tuple) -> dict:
     dt = np.dtype(dtype).type
-    return {k: dt(v) for k, v in _scalars(d, cfg, t, lr).items()}
+    return {k: dt(v) for k, v in _scalars(d, cfg, t, lr, hv).items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,10 +68,10 @@ def _runner(d: Definition, fs: int, xp: Any) -> lower_numpy.Runner:
 
 
 @functools.lru_cache(maxsize=256)
-def _prepared(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, xp: Any, sign: float) -> tuple:
+def _prepared(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, xp: Any, sign: float, hv: tuple) -> tuple:
     """(the straight-line function of this step's flag set, its scalars of the dtype, its boolean scratch count)."""
-    r = _runner(d, d.flags_of(cfg, t), xp)
-    return r.run, _cast(d, cfg, t, lr, dtype, sign), r.plan.bools
+    r = _runner(d, d.flags_of(cfg, t, hv), xp)
+    return r.run, _cast(d, cfg, t, lr, dtype, sign, hv), r.plan.bools
 
 
 def scratch_needed(d: Definition) -> int:
@@ -91,13 +98,16 @@ def _bools(xp: Any, k: int, n: int) -> list:
 def numpy_update(d: Definition, xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float,
                  scratch: list) -> None:
     """The NumPy/CuPy path alone (the reference)."""
-    fn, sc, nb = _prepared(d, cfg, t, lr, p.dtype, xp, math.copysign(1.0, lr))
+    lr, hv = split(d, lr)
+    fn, sc, nb = _prepared(d, cfg, t, lr, p.dtype, xp, math.copysign(1.0, lr), hv)
     fn((p, g, *d.state_arrays(st, p)), sc, scratch, _bools(xp, nb, p.size) if nb else (), p.dtype.type)
 
 
 def native_update(d: Definition, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
     """The compiled C pass; False (nothing touched) when it cannot run."""
-    return native.gen_step(d.name, d.flags_of(cfg, t), (p, g, *d.state_arrays(st, p)), _packed(d, cfg, t, lr))
+    lr, hv = split(d, lr)
+    return native.gen_step(d.name, d.flags_of(cfg, t, hv), (p, g, *d.state_arrays(st, p)),
+                           _packed(d, cfg, t, lr, hv))
 
 
 def bind(d: Definition):
@@ -108,8 +118,9 @@ def bind(d: Definition):
             return
         numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr, scratch=scratch)
 
-    def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
-        fs = d.flags_of(cfg, t)
+    def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: Any) -> bool:
+        lr, hv = split(d, lr)
+        fs = d.flags_of(cfg, t, hv)
         prog = d.program_at(fs)
         n = p.size
         if n == 0:
@@ -117,18 +128,18 @@ def bind(d: Definition):
         k = kernels.get(cuda_file(d), emit.cuda_name(d, fs, "step"), p.dtype)
         arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
         used = [arrays[a] for a in _used(d, fs)]
-        sc = _scalars(d, cfg, t, lr)
+        sc = _scalars(d, cfg, t, lr, hv)
         grid = min(math.ceil(n / (emit.THREADS * emit.ELEMS)), 65535 * 8)
         k((grid,), (emit.THREADS,), (*used, np.int64(n), *(sc[s] for s in prog.scalars)))
         return True
 
-    def multi_args(cfg: Any, t: int, dt: Any) -> tuple:
-        fs = d.flags_of(cfg, t)
-        doubles, plain, numbers = _multi(d, cfg, t, fs)
+    def multi_args(cfg: Any, t: int, dt: Any, host: tuple = ()) -> tuple:
+        fs = d.flags_of(cfg, t, host)
+        doubles, plain, numbers = _multi(d, cfg, t, fs, host)
         return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
 
-    def pick(cfg: Any, t: int) -> str:
-        return emit.cuda_name(d, d.flags_of(cfg, t), "multi")
+    def pick(cfg: Any, t: int, host: tuple = ()) -> str:
+        return emit.cuda_name(d, d.flags_of(cfg, t, host), "multi")
 
     multi = MultiTensor(cuda_file(d), emit.cuda_name(d, 0, "multi"), d.state_arrays, multi_args, pick=pick,
                         aligned_flag=True)
@@ -145,12 +156,12 @@ def _used(d: Definition, fs: int) -> tuple:
 @functools.lru_cache(maxsize=None)
 def generated_shape(d: Definition) -> tuple:
     """The scalars' shape the CUDA source was generated from (the example config)."""
-    return tr.trace_scalars(d.scalars_fn, d.example, 1)[0]
+    return tr.trace_scalars(d.scalars_fn, d.example, 1, d.example_host)[0]
 
 
 @functools.lru_cache(maxsize=256)
-def _multi(d: Definition, cfg: Any, t: int, fs: int) -> tuple:
-    shape, numbers = tr.trace_scalars(d.scalars_fn, cfg, t)
+def _multi(d: Definition, cfg: Any, t: int, fs: int, hv: tuple = ()) -> tuple:
+    shape, numbers = tr.trace_scalars(d.scalars_fn, cfg, t, hv)
     if shape != generated_shape(d):
         raise RuntimeError(f"{d.name}.scalars derives its lr-dependent scalars with other operations for {cfg!r} "
                            f"than for the example config the kernels were generated from")

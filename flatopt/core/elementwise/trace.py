@@ -231,13 +231,14 @@ class HostSym:
     __neg__ = lambda s: HostSym(("neg", s.node))  # noqa: E731
 
 
-def trace_scalars(scalars: Callable, cfg: Any, t: int) -> tuple[tuple, tuple]:
+def trace_scalars(scalars: Callable, cfg: Any, t: int, host: tuple = ()) -> tuple[tuple, tuple]:
     """``(shape, numbers)``: for each scalar, in the order ``scalars`` returns them, ``(name, expr)`` with expr
     None for a scalar independent of lr (passed as a number of the dtype) or a C expression in ``lr`` and the
     double arguments ``<name>_<j>``; ``numbers``: ``(argument name, value)`` of those arguments, and of the
-    lr-independent scalars ``(name, value)``."""
+    lr-independent scalars ``(name, value)``.  ``host``: a definition's per-parameter host values (plain numbers
+    here: a multi-tensor group's members share them)."""
     shape, numbers = [], []
-    for name, val in scalars(cfg, t, HostSym(("lr",))).items():
+    for name, val in scalars(cfg, t, HostSym(("lr",)), *host).items():
         if not isinstance(val, HostSym):
             shape.append((name, None))
             numbers.append((name, float(val)))

@@ -1740,6 +1740,690 @@ __attribute__((visibility("default"))) int flatopt_gen_radam(int dt, int fs, voi
     }
 }
 
+/* ---- schedulefree_adamw: schedulefree.py `step` (flags: wd, first, big) */
+struct schedulefree_adamw_scalars {
+    double b2;
+    double omb2;
+    double bc2;
+    double eps;
+    double decay;
+    double ckp1;
+    double y_step;
+    double z_step;
+};
+
+CLONES static void schedulefree_adamw_f0_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = t3 / bc2;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = g_i / t6;
+        const float t8 = z_i - p_i;
+        const float t9 = t8 * ckp1;
+        const float t10 = p_i + t9;
+        const float t11 = t7 * y_step;
+        const float t12 = t10 + t11;
+        const float t13 = t7 * z_step;
+        const float t14 = z_i - t13;
+        p[i] = t12;
+        z[i] = t14;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f0_double(double *restrict p, const double *restrict g, double *restrict z, double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = t3 / bc2;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = g_i / t6;
+        const double t8 = z_i - p_i;
+        const double t9 = t8 * ckp1;
+        const double t10 = p_i + t9;
+        const double t11 = t7 * y_step;
+        const double t12 = t10 + t11;
+        const double t13 = t7 * z_step;
+        const double t14 = z_i - t13;
+        p[i] = t12;
+        z[i] = t14;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f1_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float decay = (float)s->decay;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = t3 / bc2;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = g_i / t6;
+        const float t8 = p_i * decay;
+        const float t9 = t7 + t8;
+        const float t10 = z_i - p_i;
+        const float t11 = t10 * ckp1;
+        const float t12 = p_i + t11;
+        const float t13 = t9 * y_step;
+        const float t14 = t12 + t13;
+        const float t15 = t9 * z_step;
+        const float t16 = z_i - t15;
+        p[i] = t14;
+        z[i] = t16;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f1_double(double *restrict p, const double *restrict g, double *restrict z, double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double decay = (double)s->decay;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = t3 / bc2;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = g_i / t6;
+        const double t8 = p_i * decay;
+        const double t9 = t7 + t8;
+        const double t10 = z_i - p_i;
+        const double t11 = t10 * ckp1;
+        const double t12 = p_i + t11;
+        const double t13 = t9 * y_step;
+        const double t14 = t12 + t13;
+        const double t15 = t9 * z_step;
+        const double t16 = z_i - t15;
+        p[i] = t14;
+        z[i] = t16;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f2_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = t3 / bc2;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = g_i / t6;
+        const float t8 = p_i - p_i;
+        const float t9 = t8 * ckp1;
+        const float t10 = p_i + t9;
+        const float t11 = t7 * y_step;
+        const float t12 = t10 + t11;
+        const float t13 = t7 * z_step;
+        const float t14 = p_i - t13;
+        p[i] = t12;
+        z[i] = t14;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f2_double(double *restrict p, const double *restrict g, double *restrict z, double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = t3 / bc2;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = g_i / t6;
+        const double t8 = p_i - p_i;
+        const double t9 = t8 * ckp1;
+        const double t10 = p_i + t9;
+        const double t11 = t7 * y_step;
+        const double t12 = t10 + t11;
+        const double t13 = t7 * z_step;
+        const double t14 = p_i - t13;
+        p[i] = t12;
+        z[i] = t14;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f3_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float decay = (float)s->decay;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = t3 / bc2;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = g_i / t6;
+        const float t8 = p_i * decay;
+        const float t9 = t7 + t8;
+        const float t10 = p_i - p_i;
+        const float t11 = t10 * ckp1;
+        const float t12 = p_i + t11;
+        const float t13 = t9 * y_step;
+        const float t14 = t12 + t13;
+        const float t15 = t9 * z_step;
+        const float t16 = p_i - t15;
+        p[i] = t14;
+        z[i] = t16;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f3_double(double *restrict p, const double *restrict g, double *restrict z, double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double decay = (double)s->decay;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = t3 / bc2;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = g_i / t6;
+        const double t8 = p_i * decay;
+        const double t9 = t7 + t8;
+        const double t10 = p_i - p_i;
+        const double t11 = t10 * ckp1;
+        const double t12 = p_i + t11;
+        const double t13 = t9 * y_step;
+        const double t14 = t12 + t13;
+        const double t15 = t9 * z_step;
+        const double t16 = p_i - t15;
+        p[i] = t14;
+        z[i] = t16;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f4_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = t3 / bc2;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = g_i / t6;
+        const float t8 = z_i - p_i;
+        const float t9 = ((float)0x1.0000000000000p+0) - ckp1;
+        const float t10 = t8 * t9;
+        const float t11 = z_i - t10;
+        const float t12 = t7 * y_step;
+        const float t13 = t11 + t12;
+        const float t14 = t7 * z_step;
+        const float t15 = z_i - t14;
+        p[i] = t13;
+        z[i] = t15;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f4_double(double *restrict p, const double *restrict g, double *restrict z, double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = t3 / bc2;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = g_i / t6;
+        const double t8 = z_i - p_i;
+        const double t9 = ((double)0x1.0000000000000p+0) - ckp1;
+        const double t10 = t8 * t9;
+        const double t11 = z_i - t10;
+        const double t12 = t7 * y_step;
+        const double t13 = t11 + t12;
+        const double t14 = t7 * z_step;
+        const double t15 = z_i - t14;
+        p[i] = t13;
+        z[i] = t15;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f5_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float decay = (float)s->decay;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = t3 / bc2;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = g_i / t6;
+        const float t8 = p_i * decay;
+        const float t9 = t7 + t8;
+        const float t10 = z_i - p_i;
+        const float t11 = ((float)0x1.0000000000000p+0) - ckp1;
+        const float t12 = t10 * t11;
+        const float t13 = z_i - t12;
+        const float t14 = t9 * y_step;
+        const float t15 = t13 + t14;
+        const float t16 = t9 * z_step;
+        const float t17 = z_i - t16;
+        p[i] = t15;
+        z[i] = t17;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f5_double(double *restrict p, const double *restrict g, double *restrict z, double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double decay = (double)s->decay;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = t3 / bc2;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = g_i / t6;
+        const double t8 = p_i * decay;
+        const double t9 = t7 + t8;
+        const double t10 = z_i - p_i;
+        const double t11 = ((double)0x1.0000000000000p+0) - ckp1;
+        const double t12 = t10 * t11;
+        const double t13 = z_i - t12;
+        const double t14 = t9 * y_step;
+        const double t15 = t13 + t14;
+        const double t16 = t9 * z_step;
+        const double t17 = z_i - t16;
+        p[i] = t15;
+        z[i] = t17;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f6_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = t3 / bc2;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = g_i / t6;
+        const float t8 = p_i - p_i;
+        const float t9 = ((float)0x1.0000000000000p+0) - ckp1;
+        const float t10 = t8 * t9;
+        const float t11 = p_i - t10;
+        const float t12 = t7 * y_step;
+        const float t13 = t11 + t12;
+        const float t14 = t7 * z_step;
+        const float t15 = p_i - t14;
+        p[i] = t13;
+        z[i] = t15;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f6_double(double *restrict p, const double *restrict g, double *restrict z, double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = t3 / bc2;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = g_i / t6;
+        const double t8 = p_i - p_i;
+        const double t9 = ((double)0x1.0000000000000p+0) - ckp1;
+        const double t10 = t8 * t9;
+        const double t11 = p_i - t10;
+        const double t12 = t7 * y_step;
+        const double t13 = t11 + t12;
+        const double t14 = t7 * z_step;
+        const double t15 = p_i - t14;
+        p[i] = t13;
+        z[i] = t15;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f7_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float decay = (float)s->decay;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = t3 / bc2;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = g_i / t6;
+        const float t8 = p_i * decay;
+        const float t9 = t7 + t8;
+        const float t10 = p_i - p_i;
+        const float t11 = ((float)0x1.0000000000000p+0) - ckp1;
+        const float t12 = t10 * t11;
+        const float t13 = p_i - t12;
+        const float t14 = t9 * y_step;
+        const float t15 = t13 + t14;
+        const float t16 = t9 * z_step;
+        const float t17 = p_i - t16;
+        p[i] = t15;
+        z[i] = t17;
+        v[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_adamw_f7_double(double *restrict p, const double *restrict g, double *restrict z, double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double decay = (double)s->decay;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = t3 / bc2;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = g_i / t6;
+        const double t8 = p_i * decay;
+        const double t9 = t7 + t8;
+        const double t10 = p_i - p_i;
+        const double t11 = ((double)0x1.0000000000000p+0) - ckp1;
+        const double t12 = t10 * t11;
+        const double t13 = p_i - t12;
+        const double t14 = t9 * y_step;
+        const double t15 = t13 + t14;
+        const double t16 = t9 * z_step;
+        const double t17 = p_i - t16;
+        p[i] = t15;
+        z[i] = t17;
+        v[i] = t3;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_schedulefree_adamw(int dt, int fs, void *const *a, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: schedulefree_adamw_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 1: schedulefree_adamw_f0_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 2: schedulefree_adamw_f1_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 3: schedulefree_adamw_f1_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 4: schedulefree_adamw_f2_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 5: schedulefree_adamw_f2_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 6: schedulefree_adamw_f3_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 7: schedulefree_adamw_f3_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 8: schedulefree_adamw_f4_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 9: schedulefree_adamw_f4_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 10: schedulefree_adamw_f5_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 11: schedulefree_adamw_f5_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 12: schedulefree_adamw_f6_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 13: schedulefree_adamw_f6_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 14: schedulefree_adamw_f7_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 15: schedulefree_adamw_f7_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
+/* ---- schedulefree_to_x: schedulefree.py `convert` (flags: big) */
+struct schedulefree_to_x_scalars {
+    double w;
+};
+
+CLONES static void schedulefree_to_x_f0_float(float *restrict p, const float *restrict z, int64_t n, const struct schedulefree_to_x_scalars *s) {
+    const float w = (float)s->w;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], z_i = z[i];
+        const float t0 = z_i - p_i;
+        const float t1 = t0 * w;
+        const float t2 = p_i + t1;
+        p[i] = t2;
+    }
+}
+
+CLONES static void schedulefree_to_x_f0_double(double *restrict p, const double *restrict z, int64_t n, const struct schedulefree_to_x_scalars *s) {
+    const double w = (double)s->w;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], z_i = z[i];
+        const double t0 = z_i - p_i;
+        const double t1 = t0 * w;
+        const double t2 = p_i + t1;
+        p[i] = t2;
+    }
+}
+
+CLONES static void schedulefree_to_x_f1_float(float *restrict p, const float *restrict z, int64_t n, const struct schedulefree_to_x_scalars *s) {
+    const float w = (float)s->w;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], z_i = z[i];
+        const float t0 = z_i - p_i;
+        const float t1 = ((float)0x1.0000000000000p+0) - w;
+        const float t2 = t0 * t1;
+        const float t3 = z_i - t2;
+        p[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_to_x_f1_double(double *restrict p, const double *restrict z, int64_t n, const struct schedulefree_to_x_scalars *s) {
+    const double w = (double)s->w;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], z_i = z[i];
+        const double t0 = z_i - p_i;
+        const double t1 = ((double)0x1.0000000000000p+0) - w;
+        const double t2 = t0 * t1;
+        const double t3 = z_i - t2;
+        p[i] = t3;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_schedulefree_to_x(int dt, int fs, void *const *a, int64_t n, const struct schedulefree_to_x_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: schedulefree_to_x_f0_float(a[0], a[2], n, s); return 0;
+    case 1: schedulefree_to_x_f0_double(a[0], a[2], n, s); return 0;
+    case 2: schedulefree_to_x_f1_float(a[0], a[2], n, s); return 0;
+    case 3: schedulefree_to_x_f1_double(a[0], a[2], n, s); return 0;
+    default: return -1;
+    }
+}
+
+/* ---- schedulefree_to_y: schedulefree.py `convert` (flags: big) */
+struct schedulefree_to_y_scalars {
+    double w;
+};
+
+CLONES static void schedulefree_to_y_f0_float(float *restrict p, const float *restrict z, int64_t n, const struct schedulefree_to_y_scalars *s) {
+    const float w = (float)s->w;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], z_i = z[i];
+        const float t0 = z_i - p_i;
+        const float t1 = t0 * w;
+        const float t2 = p_i + t1;
+        p[i] = t2;
+    }
+}
+
+CLONES static void schedulefree_to_y_f0_double(double *restrict p, const double *restrict z, int64_t n, const struct schedulefree_to_y_scalars *s) {
+    const double w = (double)s->w;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], z_i = z[i];
+        const double t0 = z_i - p_i;
+        const double t1 = t0 * w;
+        const double t2 = p_i + t1;
+        p[i] = t2;
+    }
+}
+
+CLONES static void schedulefree_to_y_f1_float(float *restrict p, const float *restrict z, int64_t n, const struct schedulefree_to_y_scalars *s) {
+    const float w = (float)s->w;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], z_i = z[i];
+        const float t0 = z_i - p_i;
+        const float t1 = ((float)0x1.0000000000000p+0) - w;
+        const float t2 = t0 * t1;
+        const float t3 = z_i - t2;
+        p[i] = t3;
+    }
+}
+
+CLONES static void schedulefree_to_y_f1_double(double *restrict p, const double *restrict z, int64_t n, const struct schedulefree_to_y_scalars *s) {
+    const double w = (double)s->w;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], z_i = z[i];
+        const double t0 = z_i - p_i;
+        const double t1 = ((double)0x1.0000000000000p+0) - w;
+        const double t2 = t0 * t1;
+        const double t3 = z_i - t2;
+        p[i] = t3;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_schedulefree_to_y(int dt, int fs, void *const *a, int64_t n, const struct schedulefree_to_y_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: schedulefree_to_y_f0_float(a[0], a[2], n, s); return 0;
+    case 1: schedulefree_to_y_f0_double(a[0], a[2], n, s); return 0;
+    case 2: schedulefree_to_y_f1_float(a[0], a[2], n, s); return 0;
+    case 3: schedulefree_to_y_f1_double(a[0], a[2], n, s); return 0;
+    default: return -1;
+    }
+}
+
 /* ---- sgd: sgd.py `step` (flags: wd, mom, first, damp, nest) */
 struct sgd_scalars {
     double wd;
