@@ -132,6 +132,7 @@ def optimizer_factories(shapes) -> dict:
         "nadamw": lambda: flatopt.NAdamW(lr=3e-3, weight_decay=1e-4),
         "radam": lambda: flatopt.RAdam(lr=1e-2),  # its rectification scales the early steps down (r_t ~ 0.2 at t = 100)
         "qhadamw": lambda: flatopt.QHAdamW(lr=3e-3, weight_decay=1e-4),
+        "adopt": lambda: flatopt.Adopt(lr=3e-3, weight_decay=1e-4, decoupled=True),
         "lion": lambda: flatopt.Lion(lr=1e-3, weight_decay=1e-3),  # Lion: below AdamW's lr (sign steps)
         "lamb": lambda: flatopt.Lamb(lr=1e-2, weight_decay=1e-4),
         "mars": lambda: flatopt.Mars(lr=3e-3),
@@ -215,13 +216,13 @@ def table(results) -> str:
 
 # the PNG's panels: one per family, so that no two curves of a panel share a colour
 FAMILIES = [
-    ("SGD and the Adam family", ["sgd", "adam", "adamw", "nadamw", "radam", "qhadamw"]),
+    ("SGD and the Adam family", ["sgd", "adam", "adamw", "nadamw", "radam", "qhadamw", "adopt"]),
     ("sign, trust ratio, variance reduction, curvature", ["lion", "lamb", "mars", "sophia"]),
     ("factored second moments (low memory)", ["adafactor", "adafactor8bit"]),
     ("matrix preconditioners and manifolds", ["soap", "kron_psgd", "muon_adamw", "stiefel"]),
 ]
 STYLES = [("tab:blue", "-"), ("tab:orange", "--"), ("tab:green", "-."), ("tab:red", ":"), ("tab:purple", "-"),
-          ("tab:brown", "--")]
+          ("tab:brown", "--"), ("tab:pink", "-.")]
 
 
 def _smooth(curve):

@@ -20,6 +20,7 @@ from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
 from .adam import Adam
 from .adamw import AdamW
+from .adopt import Adopt
 from .checkpoint import CheckpointError, load, save
 from .errors import IncompatibleStateError
 from .muon import Muon
@@ -43,6 +44,7 @@ __all__ = [
     "Adafactor8Bit",
     "Adam",
     "AdamW",
+    "Adopt",
     "CheckpointError",
     "IncompatibleStateError",
     "Muon",

@@ -1,4 +1,4 @@
-"""The elementwise catalogue algorithms (Adam, NAdamW, RAdam, QHAdamW, Lion, Lamb, Mars, Sophia): an independent
+"""The elementwise catalogue algorithms (Adam, NAdamW, RAdam, QHAdamW, Lion, Lamb, Mars, Sophia, Adopt): an independent
 float64 reference written from the formulas of ``reference/catalogue.md``, and conformance with the reference
 implementations it names (each skips cleanly when its package is absent).
 
@@ -12,6 +12,9 @@ Tolerances.  Everything is measured relative to the accumulated update, err = �
   below what a real bug costs (a misplaced decay or ε, a skipped step: 7e-4 to 1).  With |p| ~ 1 the rounding of p
   alone reaches 2e-5 on RAdam's small rectified steps: the bound is relative to the update, so the test keeps the
   update large relative to ulp(p).
+* Adopt: a step is 14 roundings (16 with L2 decay) in flatopt, fewer in torch (its lerp, ``add_`` with alpha and
+  ``addcmul_`` are multiply-adds) plus torch's float32 ``sqrt`` (1 ulp, not 1/2): ≤ ~20 units of 2^-24 = 1.2e-6
+  relative per step, the 1e-5 above; the clip at ±t^¼ is continuous, so it adds nothing.
 * Lion: 1e-6 (its update is ±η or 0: a miss is a sign flip, 1e-2 on one element).
 * float64 flatopt vs the float64 reference: 1e-10 (the same rule, rounded 2^-53 per operation).
 """
@@ -147,6 +150,28 @@ def ref_qhadamw(p, grads, lr_base, betas, nus, eps, weight_decay, **_):
     return p
 
 
+def ref_adopt(p, grads, lr_base, betas, eps, weight_decay, decoupled=False, **_):
+    """ADOPT with the clip at t^(1/4) (pytorch-optimizer's default ``clip_lambda``), in float64."""
+    p = p.astype(np.float64)
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    b1, b2 = betas
+    for t, g in enumerate(grads, start=1):
+        lr, g = lr_of(t - 1, lr_base), g.astype(np.float64)
+        if decoupled:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        if t == 1:  # the first step only initialises v
+            v = g * g
+            continue
+        n = np.clip(g / np.maximum(np.sqrt(v), eps), -(t**0.25), t**0.25)
+        m = b1 * m + (1 - b1) * n
+        p = p - lr * m
+        v = b2 * v + (1 - b2) * g * g
+    return p
+
+
 def ref_lion(p, grads, lr_base, betas, weight_decay, **_):
     p = p.astype(np.float64)
     m = np.zeros_like(p)
@@ -229,6 +254,13 @@ def _pytorch_optimizer_mars(shape, p, grads, lr_base, cfg):
                      fixed_decay=False, ams_bound=False, cautious=False, foreach=False, **kw)
 
 
+def _pytorch_optimizer_adopt(shape, p, grads, lr_base, cfg):
+    po = pytest.importorskip("pytorch_optimizer")
+    kw = dict(cfg)
+    return run_torch(po.ADOPT, shape, p, grads, lr_base, weight_decouple=kw.pop("decoupled", False),
+                     fixed_decay=False, foreach=False, **kw)
+
+
 CASES = {
     "Adam": (flatopt.Adam, ref_adam, _torch_opt("Adam"), 1e-5, [
         dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False),
@@ -247,6 +279,12 @@ CASES = {
     "QHAdamW": (flatopt.QHAdamW, ref_qhadamw, _qhoptim, 1e-5, [
         dict(betas=(0.995, 0.999), nus=(0.7, 1.0), eps=1e-8, weight_decay=1e-2),
         dict(betas=(0.8, 0.99), nus=(0.6, 0.8), eps=1e-6, weight_decay=0.1),
+    ]),
+    "Adopt": (flatopt.Adopt, ref_adopt, _pytorch_optimizer_adopt, 1e-5, [
+        dict(betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.0),
+        dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        dict(betas=(0.85, 0.95), eps=1e-2, weight_decay=0.05, decoupled=True),  # pins ε's placement (a floor)
+        dict(betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, _gscale=1e-4),  # ε floors √v: not clipped
     ]),
     "Lion": (flatopt.Lion, ref_lion, _lion_pytorch, 1e-6, [
         dict(betas=(0.9, 0.99), weight_decay=0.0),
@@ -349,6 +387,8 @@ def test_specific_fields_are_validated():
         flatopt.Sophia(rho=-1.0)
     with pytest.raises(TypeError, match="Adam: amsgrad"):
         flatopt.Adam(amsgrad="yes")
+    with pytest.raises(TypeError, match="Adopt: decoupled"):
+        flatopt.Adopt(decoupled=1)
 
 
 def test_defaults_follow_the_catalogue():
@@ -357,6 +397,7 @@ def test_defaults_follow_the_catalogue():
     assert flatopt.RAdam().config == flatopt.RAdam(1e-3, (0.9, 0.999), 1e-8, 0.0, False, 5.0).config
     assert flatopt.QHAdamW().config == flatopt.QHAdamW(1e-3, (0.995, 0.999), (0.7, 1.0), 1e-8, 1e-2).config
     assert flatopt.Lion().config == flatopt.Lion(1e-4, (0.9, 0.99), 0.0).config
+    assert flatopt.Adopt().config == flatopt.Adopt(1e-3, (0.9, 0.9999), 1e-6, 0.0, False).config
     assert flatopt.Lamb().config == flatopt.Lamb(1e-3, (0.9, 0.999), 1e-6, 1e-2).config
     assert flatopt.Mars().config == flatopt.Mars(3e-3, (0.95, 0.99), 1e-8, 0.0, 0.025, True).config
     assert flatopt.Sophia().config == flatopt.Sophia(1e-4, (0.965, 0.99), 0.04, 1e-1, 1e-15).config
@@ -365,7 +406,7 @@ def test_defaults_follow_the_catalogue():
 def test_state_bytes_per_param():
     n = 1000
     expect = {flatopt.Adam(): 8, flatopt.Adam(amsgrad=True): 12, flatopt.NAdamW(): 8, flatopt.RAdam(): 8,
-              flatopt.QHAdamW(): 8, flatopt.Lion(): 4, flatopt.Lamb(): 8, flatopt.Mars(): 12, flatopt.Sophia(): 8}
+              flatopt.QHAdamW(): 8, flatopt.Lion(): 4, flatopt.Adopt(): 8, flatopt.Lamb(): 8, flatopt.Mars(): 12, flatopt.Sophia(): 8}
     for opt, bpp in expect.items():
         opt.step("w", (n,), np.zeros(n, np.float32), np.ones(n, np.float32))
         assert opt.state_nbytes() == bpp * n, type(opt).__name__
@@ -565,3 +606,36 @@ def test_lamb_mars_blocked_sumsq_order(dtype):
             want = got[0]
             assert np.frombuffer(want, dtype)[0] == pytest.approx(np.sum(x, dtype=np.float64), rel=1e-5)
         assert got == [want] * 4, n
+
+
+# ---------------------------------------------------------------------------------------------- Adopt
+@pytest.mark.parametrize("decay", [dict(), dict(weight_decay=0.1), dict(weight_decay=0.1, decoupled=True)], ids=str)
+def test_adopt_first_step_only_initialises_v(decay):
+    """t = 1: v = g'·g' (g' = g + λ·p with L2 decay), m stays 0 and p moves only by a decoupled decay; t = 2 steps."""
+    p0, grads = data((7,), 11)
+    p = p0.copy()
+    opt = flatopt.Adopt(lr=1e-2, **decay)
+    opt.step("w", (7,), p, grads[0])
+    buf = opt.state_dict().buffers
+    lam = decay.get("weight_decay", 0.0)
+    if decay.get("decoupled"):
+        want_p, g = p0 * np.float32(1 - 1e-2 * lam), grads[0]
+    else:
+        want_p, g = p0, grads[0] + p0 * np.float32(lam) if lam else grads[0]
+    assert p.tobytes() == want_p.tobytes()
+    assert buf["v/w"].tobytes() == (g * g).tobytes() and not buf["m/w"].any()
+    opt.step("w", (7,), p, grads[1])
+    assert np.all(p != want_p)
+
+
+def test_adopt_clips_the_normalised_gradient_at_the_fourth_root_of_t():
+    """A gradient 1e6 times the first one: n = g/√v is clipped at t^(1/4) (t = 2: 1.189...), so the step is
+    η·(1 − β1)·2^(1/4) exactly as the float32 arithmetic gives it."""
+    p = np.zeros(3, np.float32)
+    opt = flatopt.Adopt(lr=0.1, betas=(0.9, 0.9999))
+    opt.step("w", (3,), p, np.full(3, 1e-3, np.float32))
+    opt.step("w", (3,), p, np.array([1e3, -1e3, 1e-3], np.float32))
+    f = np.float32
+    m = (f(2 ** 0.25) - f(0)) * f(1 - 0.9)
+    assert p[0] == f(0) + m * f(-0.1) and p[1] == -p[0]
+    assert p[2] == f(0) + ((f(1e-3) / f(1e-3) - f(0)) * f(1 - 0.9)) * f(-0.1)
