@@ -19,6 +19,7 @@ from .core.types import Optimizer, OptimizerState, OptItem
 from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
 from .adam import Adam
+from .ademamix import AdEMAMix
 from .adamw import AdamW
 from .adopt import Adopt
 from .checkpoint import CheckpointError, load, save
@@ -43,6 +44,7 @@ __all__ = [
     "Adafactor",
     "Adafactor8Bit",
     "Adam",
+    "AdEMAMix",
     "AdamW",
     "Adopt",
     "CheckpointError",

@@ -33,7 +33,7 @@ UTILITIES = {"buffers", "checkpoint", "gradients", "routing", "schedules"}
 # family's single-file algorithms share adam.py's moments, bias corrections and config checks
 ALGORITHM_USES = {"adafactor8bit": {"adafactor"}, "muon": {"adamw"},
                   **{k: {"adam"} for k in ("adamw", "nadamw", "radam", "qhadamw", "lion", "lamb", "mars", "sophia",
-                                           "adopt")}}
+                                           "adopt", "ademamix")}}
 
 
 def _room(mod: str) -> str:
