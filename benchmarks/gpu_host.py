@@ -58,6 +58,8 @@ def _factories():
         "nadamw": (lambda: f.NAdamW(lr=1e-3), 7 * 4, 0),
         "radam": (lambda: f.RAdam(lr=1e-3), 7 * 4, 0),
         "qhadamw": (lambda: f.QHAdamW(lr=1e-3), 7 * 4, 0),
+        "adopt": (lambda: f.Adopt(lr=1e-3), 7 * 4, 0),
+        "ademamix": (lambda: f.AdEMAMix(lr=1e-3), 9 * 4, 0),
         "lion": (lambda: f.Lion(lr=1e-4, weight_decay=1e-2), 5 * 4, 0),
         "sophia": (lambda: f.Sophia(lr=1e-4), 6 * 4, 0),
         "lamb": (lambda: f.Lamb(lr=1e-3), (6 + 4) * 4, 0),  # moments + partials (p g m v), then the apply (p m v)
@@ -75,7 +77,8 @@ def _factories():
 def workloads(kind: str, quick: bool):
     b = transformer_shapes(d=128, layers=6, vocab=1024, ctx=256) if quick else transformer_shapes()
     tag = " (small)" if quick else " (24.2M)"
-    if kind in ("adamw", "sgd", "adam", "nadamw", "radam", "qhadamw", "lion", "sophia", "lamb", "mars"):
+    if kind in ("adamw", "sgd", "adam", "nadamw", "radam", "qhadamw", "adopt", "ademamix",
+                "lion", "sophia", "lamb", "mars"):
         return [("76 tensors" + tag, b), ("500 x 64", [(64,)] * 500)]
     if kind == "adafactor":
         return [("76 tensors" + tag, b), ("1024 x 1024", [(1024, 1024)]) if quick else ("4096 x 4096", [(4096, 4096)])]

@@ -133,6 +133,10 @@ def optimizer_factories(shapes) -> dict:
         "nadamw": lambda: flatopt.NAdamW(lr=3e-3, weight_decay=1e-4),
         "radam": lambda: flatopt.RAdam(lr=1e-2),  # its rectification scales the early steps down (r_t ~ 0.2 at t = 100)
         "qhadamw": lambda: flatopt.QHAdamW(lr=3e-3, weight_decay=1e-4),
+        "adopt": lambda: flatopt.Adopt(lr=3e-3, weight_decay=1e-4, decoupled=True),
+        # AdEMAMix: a slow momentum (β3 0.999 for this run of 660 steps) mixed in, α and β3 warmed up over about the run
+        "ademamix": lambda: flatopt.AdEMAMix(lr=1e-3, betas=(0.9, 0.999, 0.999), alpha=5.0, t_alpha_beta3=700,
+                                             weight_decay=1e-4),
         "lion": lambda: flatopt.Lion(lr=1e-3, weight_decay=1e-3),  # Lion: below AdamW's lr (sign steps)
         "lamb": lambda: flatopt.Lamb(lr=1e-2, weight_decay=1e-4),
         "mars": lambda: flatopt.Mars(lr=3e-3),
@@ -235,13 +239,14 @@ def table(results) -> str:
 
 # the PNG's panels: one per family, so that no two curves of a panel share a colour
 FAMILIES = [
-    ("SGD and the Adam family", ["sgd", "adam", "adamw", "nadamw", "radam", "qhadamw"]),
+    ("SGD and the Adam family", ["sgd", "adam", "adamw", "nadamw", "radam", "qhadamw", "adopt",
+                                 "ademamix"]),
     ("sign, trust ratio, variance reduction, curvature", ["lion", "lamb", "mars", "sophia"]),
     ("factored second moments (low memory)", ["adafactor", "adafactor8bit"]),
     ("matrix preconditioners and manifolds", ["soap", "kron_psgd", "muon_adamw", "stiefel"]),
 ]
 STYLES = [("tab:blue", "-"), ("tab:orange", "--"), ("tab:green", "-."), ("tab:red", ":"), ("tab:purple", "-"),
-          ("tab:brown", "--")]
+          ("tab:brown", "--"), ("tab:pink", "-."), ("tab:gray", ":")]
 
 
 def _smooth(curve):

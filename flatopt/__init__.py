@@ -19,7 +19,9 @@ from .core.types import Optimizer, OptimizerState, OptItem
 from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
 from .adam import Adam
+from .ademamix import AdEMAMix
 from .adamw import AdamW
+from .adopt import Adopt
 from .checkpoint import CheckpointError, load, save
 from .errors import IncompatibleStateError
 from .muon import Muon
@@ -43,7 +45,9 @@ __all__ = [
     "Adafactor",
     "Adafactor8Bit",
     "Adam",
+    "AdEMAMix",
     "AdamW",
+    "Adopt",
     "CheckpointError",
     "IncompatibleStateError",
     "Muon",

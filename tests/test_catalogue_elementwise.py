@@ -1,4 +1,5 @@
-"""The elementwise catalogue algorithms (Adam, NAdamW, RAdam, QHAdamW, Lion, Lamb, Mars, Sophia): an independent
+"""The elementwise catalogue algorithms (Adam, NAdamW, RAdam, QHAdamW, Lion, Lamb, Mars, Sophia, Adopt, AdEMAMix): an
+independent
 float64 reference written from the formulas of ``reference/catalogue.md``, and conformance with the reference
 implementations it names (each skips cleanly when its package is absent).
 
@@ -12,6 +13,11 @@ Tolerances.  Everything is measured relative to the accumulated update, err = �
   below what a real bug costs (a misplaced decay or ε, a skipped step: 7e-4 to 1).  With |p| ~ 1 the rounding of p
   alone reaches 2e-5 on RAdam's small rectified steps: the bound is relative to the update, so the test keeps the
   update large relative to ulp(p).
+* Adopt: a step is 14 roundings (16 with L2 decay) in flatopt, fewer in torch (its lerp, ``add_`` with alpha and
+  ``addcmul_`` are multiply-adds) plus torch's float32 ``sqrt`` (1 ulp, not 1/2): ≤ ~20 units of 2^-24 = 1.2e-6
+  relative per step, the 1e-5 above; the clip at ±t^¼ is continuous, so it adds nothing.
+* AdEMAMix: 19 roundings per step (20 with decay) and torch's float32 ``sqrt``: ≤ ~25 units of 2^-24 = 1.5e-6; its
+  schedules α(t), β3(t) are the reference's double-precision operations, compared bit for bit.
 * Lion: 1e-6 (its update is ±η or 0: a miss is a sign flip, 1e-2 on one element).
 * float64 flatopt vs the float64 reference: 1e-10 (the same rule, rounded 2^-53 per operation).
 """
@@ -149,6 +155,50 @@ def ref_qhadamw(p, grads, lr_base, betas, nus, eps, weight_decay, **_):
     return p
 
 
+def ref_adopt(p, grads, lr_base, betas, eps, weight_decay, decoupled=False, **_):
+    """ADOPT with the clip at t^(1/4) (pytorch-optimizer's default ``clip_lambda``), in float64."""
+    p = p.astype(np.float64)
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    b1, b2 = betas
+    for t, g in enumerate(grads, start=1):
+        lr, g = lr_of(t - 1, lr_base), g.astype(np.float64)
+        if decoupled:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        if t == 1:  # the first step only initialises v
+            v = g * g
+            continue
+        n = np.clip(g / np.maximum(np.sqrt(v), eps), -(t**0.25), t**0.25)
+        m = b1 * m + (1 - b1) * n
+        p = p - lr * m
+        v = b2 * v + (1 - b2) * g * g
+    return p
+
+
+def ref_ademamix(p, grads, lr_base, betas, alpha=5.0, t_alpha_beta3=None, eps=1e-8, weight_decay=0.0, **_):
+    """AdEMAMix (the paper's Algorithm 1, decoupled decay) with its α and β3 warm-up, in float64."""
+    p = p.astype(np.float64)
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    slow = np.zeros_like(p)
+    b1, b2, b3 = betas
+    T = t_alpha_beta3
+    for t, g in enumerate(grads, start=1):
+        lr, g = lr_of(t - 1, lr_base), g.astype(np.float64)
+        a, b3t = alpha, b3
+        if T is not None:
+            a = min(t * alpha / T, alpha)
+            b3t = min(math.exp(math.log(b1) * math.log(b3) / ((1 - t / T) * math.log(b3) + t / T * math.log(b1))), b3)
+        p = p * (1 - lr * weight_decay)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        slow = b3t * slow + (1 - b3t) * g
+        p = p - lr * (m / (1 - b1**t) + a * slow) / (np.sqrt(v / (1 - b2**t)) + eps)
+    return p
+
+
 def ref_lion(p, grads, lr_base, betas, weight_decay, **_):
     p = p.astype(np.float64)
     m = np.zeros_like(p)
@@ -231,6 +281,19 @@ def _pytorch_optimizer_mars(shape, p, grads, lr_base, cfg):
                      fixed_decay=False, ams_bound=False, cautious=False, foreach=False, **kw)
 
 
+def _pytorch_optimizer_adopt(shape, p, grads, lr_base, cfg):
+    po = pytest.importorskip("pytorch_optimizer")
+    kw = dict(cfg)
+    return run_torch(po.ADOPT, shape, p, grads, lr_base, weight_decouple=kw.pop("decoupled", False),
+                     fixed_decay=False, foreach=False, **kw)
+
+
+def _pytorch_optimizer_ademamix(shape, p, grads, lr_base, cfg):
+    po = pytest.importorskip("pytorch_optimizer")
+    return run_torch(po.AdEMAMix, shape, p, grads, lr_base, weight_decouple=True, fixed_decay=False, foreach=False,
+                     **cfg)
+
+
 CASES = {
     "Adam": (flatopt.Adam, ref_adam, _torch_opt("Adam"), 1e-5, [
         dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False),
@@ -249,6 +312,17 @@ CASES = {
     "QHAdamW": (flatopt.QHAdamW, ref_qhadamw, _qhoptim, 1e-5, [
         dict(betas=(0.995, 0.999), nus=(0.7, 1.0), eps=1e-8, weight_decay=1e-2),
         dict(betas=(0.8, 0.99), nus=(0.6, 0.8), eps=1e-6, weight_decay=0.1),
+    ]),
+    "Adopt": (flatopt.Adopt, ref_adopt, _pytorch_optimizer_adopt, 1e-5, [
+        dict(betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.0),
+        dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        dict(betas=(0.85, 0.95), eps=1e-2, weight_decay=0.05, decoupled=True),  # pins ε's placement (a floor)
+        dict(betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, _gscale=1e-4),  # ε floors √v: not clipped
+    ]),
+    "AdEMAMix": (flatopt.AdEMAMix, ref_ademamix, _pytorch_optimizer_ademamix, 1e-5, [
+        dict(betas=(0.9, 0.999, 0.9999), alpha=5.0, eps=1e-8, weight_decay=0.0),
+        dict(betas=(0.8, 0.99, 0.999), alpha=2.0, t_alpha_beta3=6, eps=1e-8, weight_decay=0.1),  # warm-up ends at t 6
+        dict(betas=(0.85, 0.95, 0.99), alpha=8.0, t_alpha_beta3=100.0, eps=1e-2, weight_decay=0.05),  # pins ε
     ]),
     "Lion": (flatopt.Lion, ref_lion, _lion_pytorch, 1e-6, [
         dict(betas=(0.9, 0.99), weight_decay=0.0),
@@ -363,6 +437,21 @@ def test_specific_fields_are_validated():
         flatopt.Sophia(rho=-1.0)
     with pytest.raises(TypeError, match="Adam: amsgrad"):
         flatopt.Adam(amsgrad="yes")
+    with pytest.raises(TypeError, match="Adopt: decoupled"):
+        flatopt.Adopt(decoupled=1)
+    with pytest.raises(TypeError, match="AdEMAMix: betas"):
+        flatopt.AdEMAMix(betas=(0.9, 0.999))
+    with pytest.raises(ValueError, match=r"AdEMAMix: betas\[2\]"):
+        flatopt.AdEMAMix(betas=(0.9, 0.999, 1.5))
+    with pytest.raises(ValueError, match="AdEMAMix: alpha"):
+        flatopt.AdEMAMix(alpha=-1.0)
+    with pytest.raises(ValueError, match="AdEMAMix: t_alpha_beta3"):
+        flatopt.AdEMAMix(t_alpha_beta3=0)
+    with pytest.raises(ValueError, match=r"AdEMAMix: with t_alpha_beta3, betas\[0\]"):
+        flatopt.AdEMAMix(betas=(0.0, 0.999, 0.9999), t_alpha_beta3=10)
+    with pytest.raises(ValueError, match=r"AdEMAMix: with t_alpha_beta3, betas\[0\]"):
+        flatopt.AdEMAMix(betas=(0.9, 0.999, 0.5), t_alpha_beta3=10)
+    flatopt.AdEMAMix(betas=(0.0, 0.999, 0.5))  # without a warm-up no logarithm is taken
 
 
 def test_defaults_follow_the_catalogue():
@@ -371,6 +460,8 @@ def test_defaults_follow_the_catalogue():
     assert flatopt.RAdam().config == flatopt.RAdam(1e-3, (0.9, 0.999), 1e-8, 0.0, False, 5.0).config
     assert flatopt.QHAdamW().config == flatopt.QHAdamW(1e-3, (0.995, 0.999), (0.7, 1.0), 1e-8, 1e-2).config
     assert flatopt.Lion().config == flatopt.Lion(1e-4, (0.9, 0.99), 0.0).config
+    assert flatopt.Adopt().config == flatopt.Adopt(1e-3, (0.9, 0.9999), 1e-6, 0.0, False).config
+    assert flatopt.AdEMAMix().config == flatopt.AdEMAMix(1e-3, (0.9, 0.999, 0.9999), 5.0, None, 1e-8, 0.0).config
     assert flatopt.Lamb().config == flatopt.Lamb(1e-3, (0.9, 0.999), 1e-6, 1e-2).config
     assert flatopt.Mars().config == flatopt.Mars(3e-3, (0.95, 0.99), 1e-8, 0.0, 0.025, True).config
     assert flatopt.Sophia().config == flatopt.Sophia(1e-4, (0.965, 0.99), 0.04, 1e-1, 1e-15).config
@@ -381,7 +472,8 @@ def test_defaults_follow_the_catalogue():
 def test_state_bytes_per_param():
     n = 1000
     expect = {flatopt.Adam(): 8, flatopt.Adam(amsgrad=True): 12, flatopt.NAdamW(): 8, flatopt.RAdam(): 8,
-              flatopt.QHAdamW(): 8, flatopt.Lion(): 4, flatopt.Lamb(): 8, flatopt.Mars(): 12, flatopt.Sophia(): 8,
+              flatopt.QHAdamW(): 8, flatopt.Lion(): 4, flatopt.Adopt(): 8, flatopt.AdEMAMix(): 12,
+              flatopt.Lamb(): 8, flatopt.Mars(): 12, flatopt.Sophia(): 8,
               flatopt.ScheduleFreeAdamW(): 8}
     for opt, bpp in expect.items():
         opt.step("w", (n,), np.zeros(n, np.float32), np.ones(n, np.float32))
@@ -582,3 +674,59 @@ def test_lamb_mars_blocked_sumsq_order(dtype):
             want = got[0]
             assert np.frombuffer(want, dtype)[0] == pytest.approx(np.sum(x, dtype=np.float64), rel=1e-5)
         assert got == [want] * 4, n
+
+
+# ---------------------------------------------------------------------------------------------- Adopt
+@pytest.mark.parametrize("decay", [dict(), dict(weight_decay=0.1), dict(weight_decay=0.1, decoupled=True)], ids=str)
+def test_adopt_first_step_only_initialises_v(decay):
+    """t = 1: v = g'·g' (g' = g + λ·p with L2 decay), m stays 0 and p moves only by a decoupled decay; t = 2 steps."""
+    p0, grads = data((7,), 11)
+    p = p0.copy()
+    opt = flatopt.Adopt(lr=1e-2, **decay)
+    opt.step("w", (7,), p, grads[0])
+    buf = opt.state_dict().buffers
+    lam = decay.get("weight_decay", 0.0)
+    if decay.get("decoupled"):
+        want_p, g = p0 * np.float32(1 - 1e-2 * lam), grads[0]
+    else:
+        want_p, g = p0, grads[0] + p0 * np.float32(lam) if lam else grads[0]
+    assert p.tobytes() == want_p.tobytes()
+    assert buf["v/w"].tobytes() == (g * g).tobytes() and not buf["m/w"].any()
+    opt.step("w", (7,), p, grads[1])
+    assert np.all(p != want_p)
+
+
+def test_adopt_clips_the_normalised_gradient_at_the_fourth_root_of_t():
+    """A gradient 1e6 times the first one: n = g/√v is clipped at t^(1/4) (t = 2: 1.189...), so the step is
+    η·(1 − β1)·2^(1/4) exactly as the float32 arithmetic gives it."""
+    p = np.zeros(3, np.float32)
+    opt = flatopt.Adopt(lr=0.1, betas=(0.9, 0.9999))
+    opt.step("w", (3,), p, np.full(3, 1e-3, np.float32))
+    opt.step("w", (3,), p, np.array([1e3, -1e3, 1e-3], np.float32))
+    f = np.float32
+    m = (f(2 ** 0.25) - f(0)) * f(1 - 0.9)
+    assert p[0] == f(0) + m * f(-0.1) and p[1] == -p[0]
+    assert p[2] == f(0) + ((f(1e-3) / f(1e-3) - f(0)) * f(1 - 0.9)) * f(-0.1)
+
+
+# ---------------------------------------------------------------------------------------------- AdEMAMix
+@pytest.mark.parametrize("warmup", [None, 1, 7, 2.5, 1e4])
+def test_ademamix_schedules_are_the_references_doubles(warmup):
+    """α(t) and β3(t) are pytorch-optimizer's ``schedule_alpha``/``schedule_beta3``, the same doubles bit for bit,
+    before, at and after the end of the warm-up."""
+    po = pytest.importorskip("pytorch_optimizer")
+    from flatopt import ademamix
+
+    cfg = ademamix.AdEMAMixConfig(betas=(0.8, 0.99, 0.999), alpha=3.0, t_alpha_beta3=warmup)
+    for t in (1, 2, 3, 6, 7, 8, 20, 10**5):
+        assert ademamix.schedule_alpha(cfg, t) == po.AdEMAMix.schedule_alpha(warmup, t, 3.0), t
+        assert ademamix.schedule_beta3(cfg, t) == po.AdEMAMix.schedule_beta3(warmup, t, 0.8, 0.999), t
+
+
+def test_ademamix_slow_momentum_is_not_bias_corrected():
+    """t = 1, no warm-up: m/(1 − β1) = g, √v/√(1 − β2) = |g|, the slow EMA is (1 − β3)·g: the step is
+    −η·(g + α(1 − β3)g)/(|g| + ε) — with α = 1e4 and β3 = 0.5 the slow term dominates."""
+    p = np.zeros(2, np.float64)
+    g = np.array([2.0, -3.0])
+    flatopt.AdEMAMix(lr=0.1, betas=(0.9, 0.999, 0.5), alpha=1e4, eps=0.0).step("w", (2,), p, g)
+    np.testing.assert_allclose(p, -0.1 * (1 + 1e4 * 0.5) * np.sign(g), rtol=1e-12)

@@ -99,3 +99,24 @@ def test_host_values_reach_every_path_and_key_its_caches():
     assert shapes == {run.generated_shape(sf.DEF)}
     assert sf.ScheduleFreeAdamW.multi_tensor.args(cfg, 3, np.float32, (0.25,)) != \
         sf.ScheduleFreeAdamW.multi_tensor.args(cfg, 3, np.float32, (0.3,))
+
+
+def test_the_numpy_path_passes_out_as_numpy_asks():
+    """Every NumPy lowering of every registered definition runs without a DeprecationWarning (NumPy 2.4 deprecates a
+    positional ``out`` for ``maximum``/``minimum``: AdamW's amsgrad, Adopt's floor and clip)."""
+    import warnings
+
+    import numpy as np
+
+    from flatopt.core.elementwise import run
+
+    for d in REGISTRY.values():
+        for f in d.flag_sets():
+            r = run._runner(d, d.index(f), np)  # noqa: SLF001
+            arrays = [np.full(8, 0.5, np.float32) for _ in d.arrays]
+            scratch = [np.empty(8, np.float32) for _ in range(r.plan.scratch)]
+            bools = [np.empty(8, bool) for _ in range(r.plan.bools)]
+            sc = {k: np.float32(0.5) for k in d.scalar_names}
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeprecationWarning)
+                r.run(arrays, sc, scratch, bools, np.float32)

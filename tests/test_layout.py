@@ -32,7 +32,8 @@ UTILITIES = {"buffers", "checkpoint", "gradients", "routing", "schedules"}
 # composition between algorithms: the 8-bit family reuses Adafactor's passes, MuonAdamW composes AdamW, the Adam
 # family's single-file algorithms share adam.py's moments, bias corrections and config checks
 ALGORITHM_USES = {"adafactor8bit": {"adafactor"}, "muon": {"adamw"},
-                  **{k: {"adam"} for k in ("adamw", "nadamw", "radam", "qhadamw", "lion", "lamb", "mars", "sophia")}}
+                  **{k: {"adam"} for k in ("adamw", "nadamw", "radam", "qhadamw", "lion", "lamb", "mars", "sophia",
+                                           "adopt", "ademamix")}}
 
 
 def _room(mod: str) -> str:

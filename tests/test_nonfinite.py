@@ -14,6 +14,8 @@ nothing at all.
   preconditioner Q finite);
 * ``sign``: Lion and Sophia step by sign(m)·(a ratio clipped at 1): a NaN poisons its element, an infinity gives a
   finite step of ±η (the momentum keeps the infinity);
+* ``clip``: Adopt clips the normalised gradient at ±t^¼: a NaN poisons its element, an infinity gives a finite
+  step (the second moment keeps the infinity);
 * ``matrix``: Stiefel (tangent projection and QR per matrix): as ``tensor`` for each matrix of a batch — a NaN makes
   its own matrix non-finite, the other matrices of the batch are independent and stay finite; a 1×1 matrix
   stays finite (St(1, 1) = {±1}: the QR of a 1×1 is ±1 whatever it is given, as LAPACK's);
@@ -83,6 +85,6 @@ def _check_policy(opt, params, policy_of, bad):
         if policy in ("tensor", "matrix") and not np.isnan(bad):  # an infinity may leave 0·inf = NaN in one place
             assert nonfinite >= 1, (n, s, policy, nonfinite)
         else:
-            expected = {"element": 1, "tensor": p.size, "finite": 0, "sign": int(np.isnan(bad)),
+            expected = {"element": 1, "tensor": p.size, "finite": 0, "sign": int(np.isnan(bad)), "clip": int(np.isnan(bad)),
                         "matrix": int(np.prod(s[-2:]))}[policy]
             assert nonfinite == expected, (n, s, policy, nonfinite)

@@ -137,6 +137,11 @@ def signed_mul(xp: Any, c: Any, k: Any, out: Any, spare: Any) -> None:
     xp.multiply(out, k, out)
 
 
+# NumPy 2.4 deprecates a positional ``out`` for maximum and minimum (a third positional argument may become a third
+# operand): these two take it by keyword; the others keep the positional form (a cheaper call)
+_KEYWORD_OUT = frozenset({"maximum", "minimum"})
+
+
 class Runner:
     """A plan bound to an array module, as one straight-line Python function (``source`` shows it):
     ``run(arrays, scalars, scratch, bools)`` with the arrays in the definition's order and the scalars a dict of
@@ -170,7 +175,8 @@ class Runner:
                 body.append(f"copyto({ref(dst)}, {a[1]}, where={a[0]})")
             else:
                 env[_UFUNC[op]] = getattr(xp, _UFUNC[op])
-                body.append(f"{_UFUNC[op]}({', '.join(a)}, out={ref(dst)})")  # NumPy deprecates a positional out
+                out = f"out={ref(dst)}" if op in _KEYWORD_OUT else ref(dst)
+                body.append(f"{_UFUNC[op]}({', '.join(a)}, {out})")
         body += [f"copyto({name}, {ref(src)})" for name, src in plan.copies]
         head = [f"{', '.join(arrays)}, = arrays"]
         head += [f"_s{j} = scratch[{j}]" for j in range(plan.scratch)]

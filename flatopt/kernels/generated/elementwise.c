@@ -548,6 +548,473 @@ __attribute__((visibility("default"))) int flatopt_gen_adamw(int dt, int fs, voi
     }
 }
 
+/* ---- ademamix: ademamix.py `step` (flags: wd) */
+struct ademamix_scalars {
+    double decay;
+    double omb1;
+    double b2;
+    double omb2;
+    double omb3;
+    double bc2_sqrt;
+    double eps;
+    double bc1;
+    double alpha;
+    double neg_lr;
+};
+
+CLONES static void ademamix_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float omb3 = (float)s->omb3;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float bc1 = (float)s->bc1;
+    const float alpha = (float)s->alpha;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], m_slow_i = m_slow[i];
+        const float t0 = g_i - m_i;
+        const float t1 = t0 * omb1;
+        const float t2 = m_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = g_i * omb2;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = g_i - m_slow_i;
+        const float t8 = t7 * omb3;
+        const float t9 = m_slow_i + t8;
+        const float t10 = sqrtf(t6);
+        const float t11 = t10 / bc2_sqrt;
+        const float t12 = t11 + eps;
+        const float t13 = t2 / bc1;
+        const float t14 = t9 * alpha;
+        const float t15 = t13 + t14;
+        const float t16 = t15 * neg_lr;
+        const float t17 = t16 / t12;
+        const float t18 = p_i + t17;
+        p[i] = t18;
+        m[i] = t2;
+        v[i] = t6;
+        m_slow[i] = t9;
+    }
+}
+
+CLONES static void ademamix_f0_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double omb3 = (double)s->omb3;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double bc1 = (double)s->bc1;
+    const double alpha = (double)s->alpha;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], m_slow_i = m_slow[i];
+        const double t0 = g_i - m_i;
+        const double t1 = t0 * omb1;
+        const double t2 = m_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = g_i * omb2;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = g_i - m_slow_i;
+        const double t8 = t7 * omb3;
+        const double t9 = m_slow_i + t8;
+        const double t10 = sqrt(t6);
+        const double t11 = t10 / bc2_sqrt;
+        const double t12 = t11 + eps;
+        const double t13 = t2 / bc1;
+        const double t14 = t9 * alpha;
+        const double t15 = t13 + t14;
+        const double t16 = t15 * neg_lr;
+        const double t17 = t16 / t12;
+        const double t18 = p_i + t17;
+        p[i] = t18;
+        m[i] = t2;
+        v[i] = t6;
+        m_slow[i] = t9;
+    }
+}
+
+CLONES static void ademamix_f1_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
+    const float decay = (float)s->decay;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float omb3 = (float)s->omb3;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float bc1 = (float)s->bc1;
+    const float alpha = (float)s->alpha;
+    const float neg_lr = (float)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], m_slow_i = m_slow[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i - m_i;
+        const float t2 = t1 * omb1;
+        const float t3 = m_i + t2;
+        const float t4 = v_i * b2;
+        const float t5 = g_i * omb2;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = g_i - m_slow_i;
+        const float t9 = t8 * omb3;
+        const float t10 = m_slow_i + t9;
+        const float t11 = sqrtf(t7);
+        const float t12 = t11 / bc2_sqrt;
+        const float t13 = t12 + eps;
+        const float t14 = t3 / bc1;
+        const float t15 = t10 * alpha;
+        const float t16 = t14 + t15;
+        const float t17 = t16 * neg_lr;
+        const float t18 = t17 / t13;
+        const float t19 = t0 + t18;
+        p[i] = t19;
+        m[i] = t3;
+        v[i] = t7;
+        m_slow[i] = t10;
+    }
+}
+
+CLONES static void ademamix_f1_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
+    const double decay = (double)s->decay;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double omb3 = (double)s->omb3;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double bc1 = (double)s->bc1;
+    const double alpha = (double)s->alpha;
+    const double neg_lr = (double)s->neg_lr;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], m_slow_i = m_slow[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i - m_i;
+        const double t2 = t1 * omb1;
+        const double t3 = m_i + t2;
+        const double t4 = v_i * b2;
+        const double t5 = g_i * omb2;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = g_i - m_slow_i;
+        const double t9 = t8 * omb3;
+        const double t10 = m_slow_i + t9;
+        const double t11 = sqrt(t7);
+        const double t12 = t11 / bc2_sqrt;
+        const double t13 = t12 + eps;
+        const double t14 = t3 / bc1;
+        const double t15 = t10 * alpha;
+        const double t16 = t14 + t15;
+        const double t17 = t16 * neg_lr;
+        const double t18 = t17 / t13;
+        const double t19 = t0 + t18;
+        p[i] = t19;
+        m[i] = t3;
+        v[i] = t7;
+        m_slow[i] = t10;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_ademamix(int dt, int fs, void *const *a, int64_t n, const struct ademamix_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: ademamix_f0_float(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 1: ademamix_f0_double(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 2: ademamix_f1_float(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 3: ademamix_f1_double(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    default: return -1;
+    }
+}
+
+/* ---- adopt: adopt.py `step` (flags: wd, dec, first) */
+struct adopt_scalars {
+    double decay;
+    double wd;
+    double eps;
+    double clip;
+    double neg_clip;
+    double omb1;
+    double neg_lr;
+    double b2;
+    double omb2;
+};
+
+CLONES static void adopt_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float omb1 = (float)s->omb1;
+    const float neg_lr = (float)s->neg_lr;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = sqrtf(v_i);
+        const float t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
+        const float t2 = g_i / t1;
+        const float t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
+        const float t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
+        const float t5 = t4 - m_i;
+        const float t6 = t5 * omb1;
+        const float t7 = m_i + t6;
+        const float t8 = t7 * neg_lr;
+        const float t9 = p_i + t8;
+        const float t10 = v_i * b2;
+        const float t11 = g_i * omb2;
+        const float t12 = t11 * g_i;
+        const float t13 = t10 + t12;
+        p[i] = t9;
+        m[i] = t7;
+        v[i] = t13;
+    }
+}
+
+CLONES static void adopt_f0_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double omb1 = (double)s->omb1;
+    const double neg_lr = (double)s->neg_lr;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = sqrt(v_i);
+        const double t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
+        const double t2 = g_i / t1;
+        const double t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
+        const double t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
+        const double t5 = t4 - m_i;
+        const double t6 = t5 * omb1;
+        const double t7 = m_i + t6;
+        const double t8 = t7 * neg_lr;
+        const double t9 = p_i + t8;
+        const double t10 = v_i * b2;
+        const double t11 = g_i * omb2;
+        const double t12 = t11 * g_i;
+        const double t13 = t10 + t12;
+        p[i] = t9;
+        m[i] = t7;
+        v[i] = t13;
+    }
+}
+
+CLONES static void adopt_f1_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float wd = (float)s->wd;
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float omb1 = (float)s->omb1;
+    const float neg_lr = (float)s->neg_lr;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = sqrtf(v_i);
+        const float t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
+        const float t4 = t1 / t3;
+        const float t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
+        const float t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
+        const float t7 = t6 - m_i;
+        const float t8 = t7 * omb1;
+        const float t9 = m_i + t8;
+        const float t10 = t9 * neg_lr;
+        const float t11 = p_i + t10;
+        const float t12 = v_i * b2;
+        const float t13 = t1 * omb2;
+        const float t14 = t13 * t1;
+        const float t15 = t12 + t14;
+        p[i] = t11;
+        m[i] = t9;
+        v[i] = t15;
+    }
+}
+
+CLONES static void adopt_f1_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double wd = (double)s->wd;
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double omb1 = (double)s->omb1;
+    const double neg_lr = (double)s->neg_lr;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = sqrt(v_i);
+        const double t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
+        const double t4 = t1 / t3;
+        const double t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
+        const double t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
+        const double t7 = t6 - m_i;
+        const double t8 = t7 * omb1;
+        const double t9 = m_i + t8;
+        const double t10 = t9 * neg_lr;
+        const double t11 = p_i + t10;
+        const double t12 = v_i * b2;
+        const double t13 = t1 * omb2;
+        const double t14 = t13 * t1;
+        const double t15 = t12 + t14;
+        p[i] = t11;
+        m[i] = t9;
+        v[i] = t15;
+    }
+}
+
+CLONES static void adopt_f3_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float decay = (float)s->decay;
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float omb1 = (float)s->omb1;
+    const float neg_lr = (float)s->neg_lr;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = sqrtf(v_i);
+        const float t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
+        const float t3 = g_i / t2;
+        const float t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
+        const float t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
+        const float t6 = t5 - m_i;
+        const float t7 = t6 * omb1;
+        const float t8 = m_i + t7;
+        const float t9 = t8 * neg_lr;
+        const float t10 = t0 + t9;
+        const float t11 = v_i * b2;
+        const float t12 = g_i * omb2;
+        const float t13 = t12 * g_i;
+        const float t14 = t11 + t13;
+        p[i] = t10;
+        m[i] = t8;
+        v[i] = t14;
+    }
+}
+
+CLONES static void adopt_f3_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double decay = (double)s->decay;
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double omb1 = (double)s->omb1;
+    const double neg_lr = (double)s->neg_lr;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = sqrt(v_i);
+        const double t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
+        const double t3 = g_i / t2;
+        const double t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
+        const double t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
+        const double t6 = t5 - m_i;
+        const double t7 = t6 * omb1;
+        const double t8 = m_i + t7;
+        const double t9 = t8 * neg_lr;
+        const double t10 = t0 + t9;
+        const double t11 = v_i * b2;
+        const double t12 = g_i * omb2;
+        const double t13 = t12 * g_i;
+        const double t14 = t11 + t13;
+        p[i] = t10;
+        m[i] = t8;
+        v[i] = t14;
+    }
+}
+
+CLONES static void adopt_f4_float(const float *restrict g, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g_i = g[i], v_i = v[i];
+        const float t0 = g_i * g_i;
+        const float t1 = v_i + t0;
+        v[i] = t1;
+    }
+}
+
+CLONES static void adopt_f4_double(const double *restrict g, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    for (int64_t i = 0; i < n; i++) {
+        const double g_i = g[i], v_i = v[i];
+        const double t0 = g_i * g_i;
+        const double t1 = v_i + t0;
+        v[i] = t1;
+    }
+}
+
+CLONES static void adopt_f5_float(const float *restrict p, const float *restrict g, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float wd = (float)s->wd;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = t1 * t1;
+        const float t3 = v_i + t2;
+        v[i] = t3;
+    }
+}
+
+CLONES static void adopt_f5_double(const double *restrict p, const double *restrict g, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double wd = (double)s->wd;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = t1 * t1;
+        const double t3 = v_i + t2;
+        v[i] = t3;
+    }
+}
+
+CLONES static void adopt_f7_float(float *restrict p, const float *restrict g, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float decay = (float)s->decay;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i * g_i;
+        const float t2 = v_i + t1;
+        p[i] = t0;
+        v[i] = t2;
+    }
+}
+
+CLONES static void adopt_f7_double(double *restrict p, const double *restrict g, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double decay = (double)s->decay;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i * g_i;
+        const double t2 = v_i + t1;
+        p[i] = t0;
+        v[i] = t2;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_adopt(int dt, int fs, void *const *a, int64_t n, const struct adopt_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: adopt_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 1: adopt_f0_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 2: adopt_f1_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 3: adopt_f1_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 6: adopt_f3_float(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 7: adopt_f3_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 8: adopt_f4_float(a[1], a[3], n, s); return 0;
+    case 9: adopt_f4_double(a[1], a[3], n, s); return 0;
+    case 10: adopt_f5_float(a[0], a[1], a[3], n, s); return 0;
+    case 11: adopt_f5_double(a[0], a[1], a[3], n, s); return 0;
+    case 14: adopt_f7_float(a[0], a[1], a[3], n, s); return 0;
+    case 15: adopt_f7_double(a[0], a[1], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
 /* ---- lion: lion.py `step` (flags: wd) */
 struct lion_scalars {
     double decay;

@@ -1,0 +1,120 @@
+"""ADOPT: Adam whose step normalises the gradient by the previous second moment, clipped (Taniguchi et al. 2024) —
+pytorch-optimizer ``ADOPT``.
+
+Update rule, per element, with t the step count of this parameter (advanced inside ``step``) and
+η = lr · lr_scale(name)::
+
+    p  = p · (1 − η·λ)                                  (decoupled decay, ``decoupled=True``, when λ != 0)
+    g' = g + λ·p                                        (L2 decay, ``decoupled=False``, when λ != 0)
+    t = 1:  v = v + g'·g'                               (the first step only initialises v: p and m are unchanged)
+    t > 1:  n = clip(g' / max(√v, ε), −t^¼, t^¼)        (v of the previous step; NaN propagates through max and clip)
+            m = m + (n − m)·(1 − β1)                    (= β1·m + (1 − β1)·n, torch's lerp form)
+            p = p − η·m
+            v = β2·v + (1 − β2)·g'²                     (after the step: the next step normalises by it)
+
+Defaults lr 1e-3, betas (0.9, 0.9999), eps 1e-6 (a floor under √v, not added to it), weight_decay 0, decoupled
+False (pytorch-optimizer's).  The clip value t^¼ is computed on the host in double and rounded to the parameter's
+dtype, as torch rounds the scalar of ``clamp_``.  Arithmetic is in the parameter's dtype, in the operation order of
+pytorch-optimizer's per-parameter path (``lerp_``, ``add_(alpha=−η)``, ``mul_(β2).addcmul_``); torch's CPU kernels
+contract the lerp, ``add_`` with alpha and ``addcmul_`` into multiply-adds and its float32 ``sqrt`` is off by an ulp
+in some elements, so the two agree to a few ulps per step rather than bit for bit.  Which step is the first is a flag
+of the operation sequence (t == 1), never a test on the data.  Deviations: pytorch-optimizer's ``clip_lambda`` is
+fixed at its default t^¼ (no other clip, no ``None``); ``fixed_decay`` (a decay of 1 − λ, not scaled by the lr),
+``maximize``, ``cautious`` and ``stable_adamw`` are not offered; the paper's first version has no clip (the clip is the
+authors' later default, which pytorch-optimizer follows); the decoupled decay is pytorch-optimizer's and the official
+code's p·(1 − η·λ) on the value before the step.  Every path (NumPy, the compiled CPU pass, the CUDA per-tensor and
+multi-tensor kernels) is derived from the one definition below, the same bits.  ``end_iteration`` only counts
+iterations.  State: ``m``, ``v`` (8 B/param in float32).  Use it where Adam diverges at a β2 that suits the problem
+(ADOPT converges for any β2), or as a drop-in for Adam with the same lr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from .adam import check_bool, check_common
+from .core.driver import PerParamOptimizer
+from .core.elementwise import define, run
+from .core.types import Array, DecayMask, LrScale
+from .core.validate import normalize_numbers
+
+
+@dataclasses.dataclass(frozen=True)
+class AdoptConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.9999)
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    decoupled: bool = False
+
+    def __post_init__(self) -> None:
+        normalize_numbers(self)
+        check_common("Adopt", self)
+        check_bool("Adopt", "decoupled", self.decoupled)
+
+
+@dataclasses.dataclass
+class AdoptState:
+    m: Array
+    v: Array
+
+
+def init(xp: Any, cfg: AdoptConfig, shape: tuple[int, ...], dtype: Any) -> AdoptState:
+    n = math.prod(shape)
+    return AdoptState(xp.zeros(n, dtype), xp.zeros(n, dtype))
+
+
+# ------------------------------------------------------------------------------------------------ the definition
+def scalars(cfg: AdoptConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
+    b1, b2 = cfg.betas
+    clip = math.pow(t, 0.25)  # pytorch-optimizer's default clip_lambda
+    return dict(decay=1.0 - lr * cfg.weight_decay, wd=cfg.weight_decay, eps=cfg.eps, clip=clip, neg_clip=-clip,
+                omb1=1.0 - b1, neg_lr=-lr, b2=b2, omb2=1.0 - b2)
+
+
+def flags(cfg: AdoptConfig, t: int) -> dict[str, bool]:
+    wd = cfg.weight_decay != 0
+    return dict(wd=wd, dec=wd and cfg.decoupled, first=t == 1)
+
+
+def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of the update (the module docstring), written once: every path is derived from it."""
+    if f.dec:
+        p = p * s.decay
+    elif f.wd:
+        g = g + p * s.wd
+    if f.first:
+        return dict(p=p, v=v + g * g)
+    n = g / e.maximum(e.sqrt(v), s.eps)  # torch's clamp_(min=eps) of √v: NumPy's NaN rule
+    n = e.minimum(e.maximum(n, s.neg_clip), s.clip)  # clamp_(−clip, clip)
+    m = m + (n - m) * s.omb1
+    p = p + m * s.neg_lr
+    v = v * s.b2 + (g * s.omb2) * g
+    return dict(p=p, m=m, v=v)
+
+
+DEF = define("adopt", step, scalars=scalars, flags=flags, flag_names=("wd", "dec", "first"), slots=("m", "v"),
+             example=AdoptConfig(), valid=lambda f: f["wd"] or not f["dec"])
+_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+
+
+class Adopt(PerParamOptimizer):
+    """``Adopt(lr=1e-3, betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.0, decoupled=False)``: see the module doc."""
+
+    algorithm = "adopt"
+    config_cls = AdoptConfig
+    init_fn = staticmethod(init)
+    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
+    kernel_fn = staticmethod(_kernel_update)
+    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
+    elementwise = True
+    scratch_buffers = _scratch
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.9999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, decoupled: bool = False, *, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(AdoptConfig(lr, betas, eps, weight_decay, decoupled), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)
