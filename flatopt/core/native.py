@@ -209,3 +209,45 @@ def gen_step(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) ->
     if rc != 0:
         raise RuntimeError(f"flatopt_gen_{algo} has no loop for flag set {fs}")
     return True
+
+
+def gen_columns(algo: str, fs: int, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray], rows: int, w: int,
+                first: bool, packed: bytes) -> bool:
+    """Run the generated reduce phase of ``algo``'s flag set ``fs`` (``core/elementwise/reduce.py``) on ``rows``
+    contiguous rows of ``w`` elements of ``arrays`` (the definition's p, g and slots), adding each summand's rows
+    into its ``w`` column sums ``accs`` in row order (``first``: they replace the sums); False (nothing touched)
+    when it cannot: the caller runs the NumPy path."""
+    return _gen(f"gen_{algo}_columns", fs, arrays, rows * w, (*accs,), (rows, w, int(first)), packed)
+
+
+def gen_map(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) -> bool:
+    """Run the generated map phase of ``algo``'s flag set ``fs`` on ``arrays``; ``packed``: the definition's
+    scalars then the fold's, as doubles.  False (nothing touched) when it cannot."""
+    return _gen(f"gen_{algo}_map", fs, arrays, arrays[0].size, (), (), packed)
+
+
+def _gen(entry: str, fs: int, arrays: Sequence[np.ndarray], n: int, accs: tuple, extents: tuple,
+         packed: bytes) -> bool:
+    fns = _lib()
+    if fns is None:
+        return False
+    fn = fns.get(entry)
+    dtype = arrays[0].dtype
+    dt = _DT.get(dtype)
+    if fn is None or dt is None:
+        return False
+    for a in arrays:
+        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != n:
+            return False
+    for a in accs:
+        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != extents[1]:
+            return False
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.__array_interface__["data"][0] for a in arrays])
+    if accs:
+        sums = (ctypes.c_void_p * len(accs))(*[a.__array_interface__["data"][0] for a in accs])
+        rc = fn(dt, fs, ptrs, sums, *extents, _scalars(packed))
+    else:
+        rc = fn(dt, fs, ptrs, n, _scalars(packed))
+    if rc != 0:
+        raise RuntimeError(f"flatopt_{entry} has no loop for flag set {fs}")
+    return True

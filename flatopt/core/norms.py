@@ -81,6 +81,25 @@ def add_squares(acc: np.ndarray, x: np.ndarray, rows: int, first: bool, s: np.nd
     np.add.reduce(sq, axis=0, out=acc)  # over the leading axis: row order
 
 
+def add_rows(acc: np.ndarray, s: np.ndarray, rows: int, first: bool) -> None:
+    """acc ← acc + x[0] + x[1] + ... in row order (with ``first``, acc ← x[0] + x[1] + ...), the ``rows`` rows of
+    ``acc.size`` terms x lying in ``s[w:(rows + 1)·w]`` (w = acc.size; ``s[:w]`` is free work space): the terms
+    of any value, :func:`add_squares`' additions."""
+    w = acc.size
+    if rows == 1:
+        if first:
+            np.copyto(acc, s[w:2 * w])
+        else:
+            np.add(acc, s[w:2 * w], acc)
+        return
+    sq = s[:(rows + 1) * w].reshape(rows + 1, w)
+    if first:
+        sq = sq[1:]
+    else:
+        sq[0] = acc
+    np.add.reduce(sq, axis=0, out=acc)  # over the leading axis: row order
+
+
 def _finish(a: np.ndarray, nb: int, w: np.ndarray) -> np.ndarray:
     """The sums (T,) from the column sums a (T, nb·SQ_THREADS): ``blocks._sq_np`` from its lane sums on, and the fold
     of the partials when nb > 1, with a leading axis."""

@@ -7,14 +7,13 @@ from __future__ import annotations
 import functools
 import math
 import struct
-import threading
 from typing import Any
 
 import numpy as np
 
-from .. import kernels, native
+from .. import blocks, cpu_plan, kernels, native
 from ..multi_tensor import MultiTensor
-from . import emit, lower_numpy, trace as tr
+from . import emit, lower_numpy, reduce, trace as tr
 from .define import Definition
 
 GENERATED_DIR = "generated"
@@ -72,27 +71,11 @@ def scratch_needed(d: Definition) -> int:
     return max(plan(d, d.index(f)).scratch for f in d.flag_sets())
 
 
-_tls = threading.local()
-
-
-def _bools(xp: Any, k: int, n: int) -> list:
-    """``k`` boolean scratch buffers of ``n`` elements, kept per thread (allocated once per size)."""
-    if k == 0:
-        return []
-    cache = getattr(_tls, "bools", None)
-    if cache is None:
-        cache = _tls.bools = {}
-    bufs = cache.get((xp, n))
-    if bufs is None or len(bufs) < k:
-        bufs = cache[(xp, n)] = [xp.empty(n, bool) for _ in range(k)]
-    return bufs
-
-
 def numpy_update(d: Definition, xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float,
                  scratch: list) -> None:
     """The NumPy/CuPy path alone (the reference)."""
     fn, sc, nb = _prepared(d, cfg, t, lr, p.dtype, xp, math.copysign(1.0, lr))
-    fn((p, g, *d.state_arrays(st, p)), sc, scratch, _bools(xp, nb, p.size) if nb else (), p.dtype.type)
+    fn((p, g, *d.state_arrays(st, p)), sc, scratch, lower_numpy.bool_scratch(xp, nb, p.size) if nb else (), p.dtype.type)
 
 
 def native_update(d: Definition, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
@@ -132,6 +115,68 @@ def bind(d: Definition):
 
     multi = MultiTensor(cuda_file(d), emit.cuda_name(d, 0, "multi"), d.state_arrays, multi_args, pick=pick)
     return update, kernel_update, multi, scratch_needed(d)
+
+
+class _Slices:
+    """A state whose slots are the slices [a, b) of another's (what ``Definition.state_arrays`` reads)."""
+
+    def __init__(self, d: Definition, arrays: tuple, a: int, b: int):
+        for name, x in zip(d.slots, arrays):
+            setattr(self, name, x[a:b])
+
+
+def _plain_range(d: Definition, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float, chunk: int, lo: int,
+                 hi: int) -> None:
+    """Elements [lo, hi) of a flag set without a sum: the elementwise step per chunk (the C pass or NumPy)."""
+    sts = d.state_arrays(st, p)
+    scr = cpu_plan.scratch(p.dtype, scratch_needed(d), chunk)
+    for a in range(lo, hi, chunk):
+        b = min(a + chunk, hi)
+        view = _Slices(d, sts, a, b)
+        if not native_update(d, cfg, view, p[a:b], g[a:b], t=t, lr=lr):
+            numpy_update(d, np, cfg, view, p[a:b], g[a:b], t=t, lr=lr, scratch=[x[:b - a] for x in scr])
+
+
+def bind_reduce(d: Definition) -> dict:
+    """What the optimizer class of a definition with a sum (``reduce.py``) binds: ``update_fn``, ``np_phases_fn``,
+    ``np_rows_fn`` (a flag set without a sum runs the plain elementwise step in each)."""
+
+    def sc_of(cfg: Any, t: int, lr: float, dtype: Any) -> dict:
+        return _cast(d, cfg, t, lr, dtype, math.copysign(1.0, lr))
+
+    def np_phases(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float, chunk: int):
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            yield [(hi - lo, functools.partial(_plain_range, d, cfg, st, p, g, t, lr, chunk, lo, hi))
+                   for lo, hi in cpu_plan.ranges(p.size, chunk)]
+            return
+        yield from reduce.np_phases(d, fs, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype),
+                                    _packed(d, cfg, t, lr), chunk)
+
+    def np_rows(cfg: Any, st: Any, P: Any, G: Any, *, t: int, lr: float, work: dict) -> None:
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            bufs = work.get(("plain", fs))
+            if bufs is None:
+                bufs = work[("plain", fs)] = [np.empty_like(P) for _ in range(scratch_needed(d))]
+            numpy_update(d, np, cfg, st, P, G, t=t, lr=lr, scratch=bufs)
+            return
+        reduce.np_rows(d, fs, (P, G, *d.state_arrays(st, P)), sc_of(cfg, t, lr, P.dtype), work)
+
+    def update(xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float, scratch: list) -> None:
+        """One step on a whole flat buffer (not elementwise: a sum needs all of it)."""
+        if xp is np:
+            blocks.run_serial(np_phases(cfg, st, p, g, t=t, lr=lr, chunk=reduce.CHUNK))
+            return
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            k, n = scratch_needed(d), p.size
+            w = reduce.work(st, max(1, k) * n, p.dtype, xp)
+            numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr, scratch=[w[j * n:(j + 1) * n] for j in range(k)])
+            return
+        reduce.xp_update(d, fs, xp, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype))
+
+    return dict(update_fn=update, np_phases_fn=np_phases, np_rows_fn=np_rows)
 
 
 @functools.lru_cache(maxsize=None)
