@@ -41,6 +41,7 @@ import numpy as np
 from .adam import bias_corrections, check_common, moments
 from .core import backend, blocks, cpu_plan, driver, kernels, native, norms, sqsum
 from .core.driver import PerParamOptimizer
+from .core.elementwise import define, run
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
@@ -67,6 +68,7 @@ class LambState:
     s: Array = dataclasses.field(default=None, metadata=_SCRATCH)
     u: Array = dataclasses.field(default=None, metadata=_SCRATCH)
     parts: Array = dataclasses.field(default=None, metadata=_SCRATCH)  # the kernel's partials and its scalar
+    work: Array = dataclasses.field(default=None, metadata=_SCRATCH)  # the sums' work area (core/elementwise)
 
 
 def init(xp: Any, cfg: LambConfig, shape: tuple[int, ...], dtype: Any) -> LambState:
@@ -142,7 +144,7 @@ def _apply(u: Array, p: Array, step: Any, chunk: int, lo: int, hi: int) -> None:
         np.add(p[a:b], uc, p[a:b])
 
 
-def np_phases(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float, chunk: int) -> Iterator[Any]:
+def hand_np_phases(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float, chunk: int) -> Iterator[Any]:
     """NumPy: ``update`` as two phases of tasks (``core.cpu_tensors``): column ranges making u and the column sums
     of p² and u², then (after the fold into r) ranges of the step.  Scratch: ``u`` and, on NumPy, ``parts`` (the
     column sums and the fold's work area)."""
@@ -170,7 +172,7 @@ def np_phases(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr:
            for lo, hi in cpu_plan.ranges(n, chunk)]
 
 
-def np_rows(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float, work: dict[str, Any]) -> None:
+def hand_np_rows(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float, work: dict[str, Any]) -> None:
     """NumPy: ``update`` on the T rows of (T, n) arrays at once (a bucket of small tensors, ``core.cpu_tensors``);
     the norms per row (``core.norms.sq_rows``)."""
     rows, n = p.shape
@@ -190,11 +192,11 @@ def np_rows(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: f
     np.add(p, u, p)
 
 
-def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float,
+def hand_update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the norms need all of it)."""
     if xp is np:
-        blocks.run_serial(np_phases(cfg, st, p, g, t=t, lr=lr, chunk=driver.CHUNK))
+        blocks.run_serial(hand_np_phases(cfg, st, p, g, t=t, lr=lr, chunk=driver.CHUNK))
         return
     omb1, b2, omb2, bc1, bc2, eps = _scalars(cfg, t)
     n = p.size
@@ -215,7 +217,7 @@ def update(xp: Any, cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: in
     xp.add(p, u, p)
 
 
-def kernel_update(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: LambConfig, st: LambState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     """``kernels/lamb.cu``: three launches (moments + partials, the ratio, the update), no host synchronisation; the
     partials' buffer is allocated once per name."""
     n = p.size
@@ -250,8 +252,43 @@ def _apply_args(cfg: LambConfig, t: int, dt: Any) -> tuple[Any, ...]:
 
 # A group of tensors in three launches on CuPy (core/multi_tensor.py): the partials of ‖θ‖² and ‖u‖² of every
 # tensor, the per-tensor folds into r·(−lr), the update.
-MULTI = MultiTensor("lamb.cu", "lamb_apply_multi", lambda st, p: (st.m, st.v), _apply_args,
+HAND_MULTI = MultiTensor("lamb.cu", "lamb_apply_multi", lambda st, p: (st.m, st.v), _apply_args,
                     norms=Norms(2, "lamb_partials_multi", "lamb_ratio_multi", _partial_args))
+
+
+def scalars(cfg: LambConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced)."""
+    b1, b2 = cfg.betas
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    return dict(omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc1=bc1, bc2=bc2, eps=cfg.eps, wd=cfg.weight_decay,
+                neg_lr=-lr)
+
+
+def flags(cfg: LambConfig, t: int) -> dict[str, bool]:
+    return dict(wd=cfg.weight_decay != 0)
+
+
+def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of Lamb's step; the two norms are sums over the tensor (``core/elementwise/reduce.py``)."""
+    m = m + (g - m) * s.omb1
+    v = v * s.b2 + (g * s.omb2) * g
+    u = (m / s.bc1) / (e.sqrt(v / s.bc2) + s.eps)
+    if f.wd:
+        u = u + p * s.wd
+    phi = e.sqrt(e.sumsq(p))
+    psi = e.sqrt(e.sumsq(u))
+    r = e.where((phi > 0) & (psi > 0), phi / psi, 1)
+    p = p + u * (r * s.neg_lr)
+    return dict(p=p, m=m, v=v)
+
+
+DEF = define("lamb", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v"), example=LambConfig())
+_BOUND = run.bind_reduce(DEF)
+update = _BOUND["update_fn"]
+np_phases = _BOUND["np_phases_fn"]
+np_rows = _BOUND["np_rows_fn"]
+kernel_update = _BOUND["kernel_fn"]
+MULTI = _BOUND["multi_tensor"]
 
 
 _D = LambConfig  # the constructor's defaults: written once, in the config

@@ -41,6 +41,7 @@ import numpy as np
 from .adam import bias_corrections, check_bool, check_common, moments
 from .core import backend, blocks, cpu_plan, driver, kernels, native, norms, sqsum
 from .core.driver import PerParamOptimizer
+from .core.elementwise import define, run
 from .core.multi_tensor import MultiTensor, Norms
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
@@ -72,6 +73,7 @@ class MarsState:
     s: Array = dataclasses.field(default=None, metadata=_SCRATCH)
     c: Array = dataclasses.field(default=None, metadata=_SCRATCH)
     parts: Array = dataclasses.field(default=None, metadata=_SCRATCH)  # the kernel's partials and its scalar
+    work: Array = dataclasses.field(default=None, metadata=_SCRATCH)  # the sums' work area (core/elementwise)
 
 
 def init(xp: Any, cfg: MarsConfig, shape: tuple[int, ...], dtype: Any) -> MarsState:
@@ -148,7 +150,7 @@ def _steps(cfg: MarsConfig, st: MarsState, p: Array, g: Array, scal: tuple[Any, 
         gp[a:b] = gc
 
 
-def np_phases(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float, chunk: int) -> Iterator[Any]:
+def hand_np_phases(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float, chunk: int) -> Iterator[Any]:
     """NumPy: ``update`` as phases of tasks (``core.cpu_tensors``): with clip_c, column ranges making the column
     sums of c², then (after the fold into max(‖c‖, 1)) ranges of the rest; without, the ranges alone.  Scratch:
     with clip_c, ``parts`` (the column sums and the fold's work area)."""
@@ -172,7 +174,7 @@ def np_phases(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr:
            for lo, hi in cpu_plan.ranges(n, chunk)]
 
 
-def np_rows(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float, work: dict[str, Any]) -> None:
+def hand_np_rows(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float, work: dict[str, Any]) -> None:
     """NumPy: ``update`` on the T rows of (T, n) arrays at once (a bucket of small tensors, ``core.cpu_tensors``);
     ‖c‖ per row (``core.norms.sq_rows``)."""
     scal = _scalars(cfg, t, lr)
@@ -193,11 +195,11 @@ def np_rows(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: f
     np.copyto(st.g_prev, g)
 
 
-def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float,
+def hand_update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float,
            scratch: list[Array]) -> None:
     """One step on a whole flat buffer (not elementwise: the clip needs ‖c‖)."""
     if xp is np:
-        blocks.run_serial(np_phases(cfg, st, p, g, t=t, lr=lr, chunk=driver.CHUNK))
+        blocks.run_serial(hand_np_phases(cfg, st, p, g, t=t, lr=lr, chunk=driver.CHUNK))
         return
     coef = _scalars(cfg, t, lr)[0]
     n = p.size
@@ -214,7 +216,7 @@ def update(xp: Any, cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: in
     st.g_prev[...] = g
 
 
-def kernel_update(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float) -> bool:
+def hand_kernel_update(cfg: MarsConfig, st: MarsState, p: Array, g: Array, *, t: int, lr: float) -> bool:
     """``kernels/mars.cu``: with clip_c three launches (the partials of ‖c‖², the clip divisor, the step), else the
     step alone; no host synchronisation; the partials' buffer is allocated once per name."""
     n = p.size
@@ -247,9 +249,44 @@ def _multi_args(cfg: MarsConfig, t: int, dt: Any) -> tuple[Any, ...]:
 
 # A group of tensors in three launches on CuPy, one without clip_c (core/multi_tensor.py): the partials of ‖c‖² of
 # every tensor, the per-tensor folds into the clip divisor, the step.
-MULTI = MultiTensor("mars.cu", "mars_multi", lambda st, p: (st.g_prev, st.m, st.v), _multi_args,
+HAND_MULTI = MultiTensor("mars.cu", "mars_multi", lambda st, p: (st.g_prev, st.m, st.v), _multi_args,
                     norms=Norms(1, "mars_partials_multi", "mars_clip_multi",
                                 lambda cfg, t, dt: (dt(_scalars(cfg, t, 0.0)[0]),), lambda cfg: cfg.clip_c))
+
+
+def scalars(cfg: MarsConfig, t: int, lr: Any) -> dict[str, Any]:
+    """The per-step scalars by name, in double (``lr`` may be traced)."""
+    b1, b2 = cfg.betas
+    bc1, bc2 = bias_corrections(cfg.betas, t)
+    return dict(coef=cfg.gamma * b1 / (1.0 - b1), omb1=1.0 - b1, b2=b2, omb2=1.0 - b2,
+                decay=1.0 - lr * cfg.weight_decay, bc2_sqrt=bc2 ** 0.5, eps=cfg.eps, neg_step=-(lr / bc1))
+
+
+def flags(cfg: MarsConfig, t: int) -> dict[str, bool]:
+    return dict(wd=cfg.weight_decay != 0, clip=cfg.clip_c)
+
+
+def step(e: Any, p: Any, g: Any, m: Any, v: Any, g_prev: Any, *, s: Any, f: Any) -> dict[str, Any]:
+    """One element of Mars's step; with clip_c, ‖c‖ is a sum over the tensor (``core/elementwise/reduce.py``)."""
+    c = g + (g - g_prev) * s.coef
+    if f.clip:
+        c = c / e.maximum(e.sqrt(e.sumsq(c)), 1)
+    m = m + (c - m) * s.omb1
+    v = v * s.b2 + (c * s.omb2) * c
+    if f.wd:
+        p = p * s.decay
+    p = p + (m / (e.sqrt(v) / s.bc2_sqrt + s.eps)) * s.neg_step
+    return dict(p=p, m=m, v=v, g_prev=g)
+
+
+DEF = define("mars", step, scalars=scalars, flags=flags, flag_names=("wd", "clip"), slots=("m", "v", "g_prev"),
+             example=MarsConfig())
+_BOUND = run.bind_reduce(DEF)
+update = _BOUND["update_fn"]
+np_phases = _BOUND["np_phases_fn"]
+np_rows = _BOUND["np_rows_fn"]
+kernel_update = _BOUND["kernel_fn"]
+MULTI = _BOUND["multi_tensor"]
 
 
 _D = MarsConfig  # the constructor's defaults: written once, in the config

@@ -76,6 +76,10 @@ class Norms:
     fold: str  # kernel: one block per tensor, folds its partials into scal[ti]
     partial_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after parts
     active: Callable[[Any], bool] = _always  # (config) -> whether the passes run
+    folds: int = 1  # per-tensor values the fold writes: scal[ti * folds + k]
+    fold_args: Callable[[Any, int, type], tuple] | None = None  # the fold's arguments after scal
+    # (config, t) -> the (partials, fold) kernels of this launch, when they depend on them (a definition's flag set)
+    pick: Callable[[Any, int], tuple] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +147,7 @@ class Group:
         self.ntensors, self.nsegs = ntensors, nsegs
         self.segs, self.spans = tables[:2 * nsegs], tables[2 * nsegs:]
         self.nparts = np.int64(nsegs)
-        parts = cp.empty(spec.norms.sums * nsegs + ntensors, self.dtype)  # once per plan, never per step
+        parts = cp.empty(spec.norms.sums * nsegs + spec.norms.folds * ntensors, self.dtype)  # once per plan
         self.parts, self.scal = parts[:spec.norms.sums * nsegs], parts[spec.norms.sums * nsegs:]
         self.partials_fn = kernels.get(spec.source, spec.norms.partials, self.dtype)
         self.fold_fn = kernels.get(spec.source, spec.norms.fold, self.dtype)
@@ -160,23 +164,33 @@ class Group:
             if stream.ptr not in self.streams:  # the table was uploaded on another stream: order after it
                 stream.wait_event(self.uploaded)
                 self.streams.add(stream.ptr)
-            if self.spec.pick is not None:
-                kernels.get(self.spec.source, self.spec.pick(config, t), self.dtype)((self.nblocks,), (BLOCK,), args)
-            elif self.spec.norms is None:
-                self.fn((self.nblocks,), (BLOCK,), args)
-            else:
+            if self.spec.norms is not None:
                 self._launch_norms(config, t, base_lr, args)
+            elif self.spec.pick is not None:
+                kernels.get(self.spec.source, self.spec.pick(config, t), self.dtype)((self.nblocks,), (BLOCK,), args)
+            else:
+                self.fn((self.nblocks,), (BLOCK,), args)
 
     def _launch_norms(self, config, t: int, base_lr: float, args: tuple) -> None:
         """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``)."""
-        norms, dt = self.spec.norms, self.dtype.type
-        if norms.active(config):
-            threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
-            self.partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
-                                                      *norms.partial_args(config, t, dt)))
-            self.fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr),
-                                                     self.parts, self.scal))
-        self.fn((self.nblocks,), (BLOCK,), (*args, self.scal))
+        norms, dt, spec = self.spec.norms, self.dtype.type, self.spec
+        fn = self.fn if spec.pick is None else kernels.get(spec.source, spec.pick(config, t), self.dtype)
+        if not norms.active(config):
+            # a definition's flag set without a sum runs its plain kernel (no scal); a hand-written one reads none
+            fn((self.nblocks,), (BLOCK,), args if spec.pick is not None else (*args, self.scal))
+            return
+        partials_fn, fold_fn = self.partials_fn, self.fold_fn
+        if norms.pick is not None:
+            pn, fname = norms.pick(config, t)
+            partials_fn = kernels.get(spec.source, pn, self.dtype)
+            fold_fn = kernels.get(spec.source, fname, self.dtype)
+        threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
+        partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
+                                             *norms.partial_args(config, t, dt)))
+        extra = norms.fold_args(config, t, dt) if norms.fold_args is not None else ()
+        fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr), self.parts,
+                                            self.scal, *extra))
+        fn((self.nblocks,), (BLOCK,), (*args, self.scal))
 
 
 def _norm_tables(members: list) -> np.ndarray:

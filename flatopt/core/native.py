@@ -82,6 +82,9 @@ def _bind(handle: Any) -> dict[str, Any]:
     for name in re.findall(r"\bint flatopt_gen_(\w+)\(", GENERATED.read_text()):
         fn = getattr(handle, f"flatopt_gen_{name}")  # (dt, flag set, arrays, n, struct of named doubles)
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        if name.endswith("_columns"):  # (dt, flag set, arrays, column sums, rows, w, first, struct)
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         fns["gen_" + name] = fn
     return fns
