@@ -161,6 +161,8 @@ def test_the_compiled_pass_is_taken(algo, monkeypatch):
     monkeypatch.setattr(native, "step", spy(step))
     monkeypatch.setattr(native, "columns", spy(columns))
     monkeypatch.setattr(native, "gen_step", spy(native.gen_step))  # the loops generated from a definition
+    monkeypatch.setattr(native, "gen_columns", spy(native.gen_columns))  # a sum's reduce phase (Lamb, Mars)
+    monkeypatch.setattr(native, "gen_map", spy(native.gen_map))  # and its map
     native.reset()
     _run(COMPILED[algo].make, SHAPES["chunked"], np.float32, compiled=True, steps=2)
     assert calls and all(ok for _, ok in calls), calls

@@ -57,7 +57,7 @@ def _generated() -> dict[str, tuple[str, ...]]:
     """The generated sources (``kernels/generated/*.cu``, written by ``core/elementwise``) and their kernels."""
     out = {}
     for path in sorted((KERNEL_DIR / "generated").glob("*.cu")):
-        names = re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", path.read_text())
+        names = re.findall(r"__global__ void __launch_bounds__\(\d+(?:, \d+)?\) (\w+)\(", path.read_text())
         out[f"generated/{path.name}"] = tuple(names)
     return out
 

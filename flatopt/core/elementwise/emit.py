@@ -326,6 +326,9 @@ def _cuda_elementwise(d, fs: int, prog: tr.Program, derived: dict, src: str, L: 
 
 
 SQ = 256  # threads per block of the blocked sums (kernels/sq_sum.cuh SQ_THREADS, core/sqsum.py)
+# their launch bounds: SQ threads, at least one block per SM (without the second number ptxas caps the registers of
+# a multi-tensor partials kernel low enough to spill; tests/test_kernels_compile.py reads its report)
+SQ_BOUNDS = f"{SQ}, 1"
 
 
 def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None:
@@ -339,9 +342,9 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None
         raise NotImplementedError(f"{d.name}: a reduce phase that reads an lr-dependent scalar")
     scal_params = [f"const T {s}" for s in prog.scalars]
     block = f"{d.name}_f{fs}_reduce_block"
-    L.append("// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> part[j * pstride].")
+    L.append("// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.")
     L.append("template <typename T>")
-    L.append(f"__device__ void {block}({', '.join(ptrs + ['const long long n', 'const long long nb', 'const long long c'] + scal_params + ['T* sh', 'T* __restrict__ part', 'const long long pstride'])}) {{")
+    L.append(f"__device__ __forceinline__ void {block}({', '.join(ptrs + ['const long long n', 'const long long nb', 'const long long c'] + scal_params + ['T* sh'] + [f'T* __restrict__ part{j}' for j in range(k)])}) {{")
     L.append("  const long long stride = nb * SQ_THREADS;")
     L.append(f"  T {', '.join(f'acc{j} = 0' for j in range(k))};")
     L.append("  for (long long i = sq_column(nb, c); i < n; i += stride) {")
@@ -358,17 +361,17 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None
     L.append("  }")
     L += [f"  acc{j} = sq_block(acc{j}, sh);" for j in range(k)]
     L.append("  if (threadIdx.x == 0) {")
-    L += [f"    part[{j} * pstride] = acc{j};" for j in range(k)]
+    L += [f"    *part{j} = acc{j};" for j in range(k)]
     L += ["  }", "}", ""]
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({SQ}) {cuda_name(d, fs, 'partials')}("
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'partials')}("
              f"{', '.join(ptrs + ['const long long n'] + scal_params + ['T* __restrict__ parts'])}) {{")
     L += ["  __shared__ T sh[SQ_THREADS];", "  const long long nb = gridDim.x;",
-          f"  {block}({', '.join(used + ['n', 'nb', '(long long)blockIdx.x'] + list(prog.scalars) + ['sh', 'parts + blockIdx.x', 'nb'])});",
+          f"  {block}({', '.join(used + ['n', 'nb', '(long long)blockIdx.x'] + list(prog.scalars) + ['sh'] + [f'parts + {j} * nb + blockIdx.x' for j in range(k)])});",
           "}", ""]
     ncol = len(d.arrays) + 1
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({SQ}) {cuda_name(d, fs, 'partials_multi')}("
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'partials_multi')}("
              "const long long* __restrict__ tensors, const long long* __restrict__ segs, "
              "const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts"
              f"{''.join(', ' + x for x in scal_params)}) {{")
@@ -379,7 +382,7 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None
     for a in used:
         c = "" if a in written else "const "
         L.append(f"  {c}T* __restrict__ {a} = ({c}T*)row[{d.arrays.index(a)}];")
-    L += [f"  {block}({', '.join(used + ['n', 'nb', 'c'] + list(prog.scalars) + ['sh', 'parts + off + c', 'nparts'])});",
+    L += [f"  {block}({', '.join(used + ['n', 'nb', 'c'] + list(prog.scalars) + ['sh'] + [f'parts + {j} * nparts + off + c' for j in range(k)])});",
           "}", ""]
     # the fold
     fold = sp.fold
@@ -387,7 +390,7 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None
     fparams = [f"const T {s}" for s in fold.scalars]
     L.append("// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.")
     L.append("template <typename T>")
-    L.append(f"__device__ void {fname}({', '.join(['const T* __restrict__ parts', 'const long long pstride', 'const long long nb'] + fparams + ['T* sh', 'T* __restrict__ scal'])}) {{")
+    L.append(f"__device__ __forceinline__ void {fname}({', '.join(['const T* __restrict__ parts', 'const long long pstride', 'const long long nb'] + fparams + ['T* sh', 'T* __restrict__ scal'])}) {{")
     L += [f"  const T {n} = sq_fold(parts + {j} * pstride, nb, sh);" for j, n in enumerate(sp.sums)]
     L.append("  if (threadIdx.x == 0) {")
     fname_of = {("in", n): n for n in sp.sums} | {("s", s): s for s in fold.scalars}
@@ -396,13 +399,13 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None
     L += [f"    scal[{j}] = {_store_value(fold, ref, 'T', fname_of, '_f')};" for j, (_, ref) in enumerate(fold.outputs)]
     L += ["  }", "}", ""]
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({SQ}) {cuda_name(d, fs, 'fold')}("
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'fold')}("
              f"{', '.join(['const T* __restrict__ parts', 'const long long nb'] + fparams + ['T* __restrict__ scal'])}) {{")
     L += ["  __shared__ T sh[SQ_THREADS];",
           f"  {fname}({', '.join(['parts', 'nb', 'nb'] + list(fold.scalars) + ['sh', 'scal'])});", "}", ""]
     doubles, plain = multi_params(d, fold, tuple(derived.items()))
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({SQ}) {cuda_name(d, fs, 'fold_multi')}("
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'fold_multi')}("
              "const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, "
              "const double base_lr, const T* __restrict__ parts, T* __restrict__ scal"
              f"{''.join(', const double ' + w for w in doubles)}{''.join(', const T ' + x for x in plain)}) {{")

@@ -56,9 +56,9 @@ __device__ __forceinline__ long long sq_column(const long long nb, const long lo
 
 __device__ __forceinline__ long long sq_column(const long long nb) { return sq_column(nb, blockIdx.x); }
 
-// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> part[j * pstride].
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
 template <typename T>
-__device__ void lamb_f0_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, T* sh, T* __restrict__ part, const long long pstride) {
+__device__ __forceinline__ void lamb_f0_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
   const long long stride = nb * SQ_THREADS;
   T acc0 = 0, acc1 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
@@ -94,20 +94,20 @@ __device__ void lamb_f0_reduce_block(const T* __restrict__ p, const T* __restric
   acc0 = sq_block(acc0, sh);
   acc1 = sq_block(acc1, sh);
   if (threadIdx.x == 0) {
-    part[0 * pstride] = acc0;
-    part[1 * pstride] = acc1;
+    *part0 = acc0;
+    *part1 = acc1;
   }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) lamb_f0_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, T* __restrict__ parts) {
+__global__ void __launch_bounds__(256, 1) lamb_f0_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, T* __restrict__ parts) {
   __shared__ T sh[SQ_THREADS];
   const long long nb = gridDim.x;
-  lamb_f0_reduce_block(p, g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, bc1, bc2, eps, sh, parts + blockIdx.x, nb);
+  lamb_f0_reduce_block(p, g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, bc1, bc2, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) lamb_f0_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps) {
+__global__ void __launch_bounds__(256, 1) lamb_f0_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps) {
   __shared__ T sh[SQ_THREADS];
   const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
   const long long* row = tensors + 5 * ti;
@@ -116,12 +116,12 @@ __global__ void __launch_bounds__(256) lamb_f0_partials_multi(const long long* _
   const T* __restrict__ g = (const T*)row[1];
   T* __restrict__ m = (T*)row[2];
   T* __restrict__ v = (T*)row[3];
-  lamb_f0_reduce_block(p, g, m, v, n, nb, c, omb1, b2, omb2, bc1, bc2, eps, sh, parts + off + c, nparts);
+  lamb_f0_reduce_block(p, g, m, v, n, nb, c, omb1, b2, omb2, bc1, bc2, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
 }
 
 // One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
 template <typename T>
-__device__ void lamb_f0_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, const T neg_lr, T* sh, T* __restrict__ scal) {
+__device__ __forceinline__ void lamb_f0_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, const T neg_lr, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
@@ -143,13 +143,13 @@ __device__ void lamb_f0_fold_one(const T* __restrict__ parts, const long long ps
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) lamb_f0_fold(const T* __restrict__ parts, const long long nb, const T neg_lr, T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) lamb_f0_fold(const T* __restrict__ parts, const long long nb, const T neg_lr, T* __restrict__ scal) {
   __shared__ T sh[SQ_THREADS];
   lamb_f0_fold_one(parts, nb, nb, neg_lr, sh, scal);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) lamb_f0_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) lamb_f0_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
   __shared__ T sh[SQ_THREADS];
   const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
   const double lr = base_lr * scales[ti];
@@ -212,9 +212,9 @@ __global__ void __launch_bounds__(256) lamb_f0_map_multi(const long long* __rest
   }
 }
 
-// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> part[j * pstride].
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
 template <typename T>
-__device__ void lamb_f1_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, const T wd, T* sh, T* __restrict__ part, const long long pstride) {
+__device__ __forceinline__ void lamb_f1_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, const T wd, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
   const long long stride = nb * SQ_THREADS;
   T acc0 = 0, acc1 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
@@ -253,20 +253,20 @@ __device__ void lamb_f1_reduce_block(const T* __restrict__ p, const T* __restric
   acc0 = sq_block(acc0, sh);
   acc1 = sq_block(acc1, sh);
   if (threadIdx.x == 0) {
-    part[0 * pstride] = acc0;
-    part[1 * pstride] = acc1;
+    *part0 = acc0;
+    *part1 = acc1;
   }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) lamb_f1_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, const T wd, T* __restrict__ parts) {
+__global__ void __launch_bounds__(256, 1) lamb_f1_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, const T wd, T* __restrict__ parts) {
   __shared__ T sh[SQ_THREADS];
   const long long nb = gridDim.x;
-  lamb_f1_reduce_block(p, g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, bc1, bc2, eps, wd, sh, parts + blockIdx.x, nb);
+  lamb_f1_reduce_block(p, g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, bc1, bc2, eps, wd, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) lamb_f1_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, const T wd) {
+__global__ void __launch_bounds__(256, 1) lamb_f1_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T bc1, const T bc2, const T eps, const T wd) {
   __shared__ T sh[SQ_THREADS];
   const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
   const long long* row = tensors + 5 * ti;
@@ -275,12 +275,12 @@ __global__ void __launch_bounds__(256) lamb_f1_partials_multi(const long long* _
   const T* __restrict__ g = (const T*)row[1];
   T* __restrict__ m = (T*)row[2];
   T* __restrict__ v = (T*)row[3];
-  lamb_f1_reduce_block(p, g, m, v, n, nb, c, omb1, b2, omb2, bc1, bc2, eps, wd, sh, parts + off + c, nparts);
+  lamb_f1_reduce_block(p, g, m, v, n, nb, c, omb1, b2, omb2, bc1, bc2, eps, wd, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
 }
 
 // One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
 template <typename T>
-__device__ void lamb_f1_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, const T neg_lr, T* sh, T* __restrict__ scal) {
+__device__ __forceinline__ void lamb_f1_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, const T neg_lr, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
@@ -302,13 +302,13 @@ __device__ void lamb_f1_fold_one(const T* __restrict__ parts, const long long ps
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) lamb_f1_fold(const T* __restrict__ parts, const long long nb, const T neg_lr, T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) lamb_f1_fold(const T* __restrict__ parts, const long long nb, const T neg_lr, T* __restrict__ scal) {
   __shared__ T sh[SQ_THREADS];
   lamb_f1_fold_one(parts, nb, nb, neg_lr, sh, scal);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) lamb_f1_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) lamb_f1_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
   __shared__ T sh[SQ_THREADS];
   const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
   const double lr = base_lr * scales[ti];

@@ -205,9 +205,9 @@ __global__ void __launch_bounds__(256) mars_f1_multi(const long long* __restrict
   }
 }
 
-// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> part[j * pstride].
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
 template <typename T>
-__device__ void mars_f2_reduce_block(const T* __restrict__ g, const T* __restrict__ g_prev, const long long n, const long long nb, const long long c, const T coef, T* sh, T* __restrict__ part, const long long pstride) {
+__device__ __forceinline__ void mars_f2_reduce_block(const T* __restrict__ g, const T* __restrict__ g_prev, const long long n, const long long nb, const long long c, const T coef, T* sh, T* __restrict__ part0) {
   const long long stride = nb * SQ_THREADS;
   T acc0 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
@@ -224,31 +224,31 @@ __device__ void mars_f2_reduce_block(const T* __restrict__ g, const T* __restric
   }
   acc0 = sq_block(acc0, sh);
   if (threadIdx.x == 0) {
-    part[0 * pstride] = acc0;
+    *part0 = acc0;
   }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) mars_f2_partials(const T* __restrict__ g, const T* __restrict__ g_prev, const long long n, const T coef, T* __restrict__ parts) {
+__global__ void __launch_bounds__(256, 1) mars_f2_partials(const T* __restrict__ g, const T* __restrict__ g_prev, const long long n, const T coef, T* __restrict__ parts) {
   __shared__ T sh[SQ_THREADS];
   const long long nb = gridDim.x;
-  mars_f2_reduce_block(g, g_prev, n, nb, (long long)blockIdx.x, coef, sh, parts + blockIdx.x, nb);
+  mars_f2_reduce_block(g, g_prev, n, nb, (long long)blockIdx.x, coef, sh, parts + 0 * nb + blockIdx.x);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) mars_f2_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T coef) {
+__global__ void __launch_bounds__(256, 1) mars_f2_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T coef) {
   __shared__ T sh[SQ_THREADS];
   const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
   const long long* row = tensors + 6 * ti;
   const long long n = row[5], off = spans[2 * ti], nb = spans[2 * ti + 1];
   const T* __restrict__ g = (const T*)row[1];
   const T* __restrict__ g_prev = (const T*)row[4];
-  mars_f2_reduce_block(g, g_prev, n, nb, c, coef, sh, parts + off + c, nparts);
+  mars_f2_reduce_block(g, g_prev, n, nb, c, coef, sh, parts + 0 * nparts + off + c);
 }
 
 // One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
 template <typename T>
-__device__ void mars_f2_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+__device__ __forceinline__ void mars_f2_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
 #line 273 "flatopt/mars.py"
@@ -260,13 +260,13 @@ __device__ void mars_f2_fold_one(const T* __restrict__ parts, const long long ps
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) mars_f2_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) mars_f2_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
   __shared__ T sh[SQ_THREADS];
   mars_f2_fold_one(parts, nb, nb, sh, scal);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) mars_f2_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) mars_f2_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
   __shared__ T sh[SQ_THREADS];
   const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
   mars_f2_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
@@ -349,9 +349,9 @@ __global__ void __launch_bounds__(256) mars_f2_map_multi(const long long* __rest
   }
 }
 
-// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> part[j * pstride].
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
 template <typename T>
-__device__ void mars_f3_reduce_block(const T* __restrict__ g, const T* __restrict__ g_prev, const long long n, const long long nb, const long long c, const T coef, T* sh, T* __restrict__ part, const long long pstride) {
+__device__ __forceinline__ void mars_f3_reduce_block(const T* __restrict__ g, const T* __restrict__ g_prev, const long long n, const long long nb, const long long c, const T coef, T* sh, T* __restrict__ part0) {
   const long long stride = nb * SQ_THREADS;
   T acc0 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
@@ -368,31 +368,31 @@ __device__ void mars_f3_reduce_block(const T* __restrict__ g, const T* __restric
   }
   acc0 = sq_block(acc0, sh);
   if (threadIdx.x == 0) {
-    part[0 * pstride] = acc0;
+    *part0 = acc0;
   }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) mars_f3_partials(const T* __restrict__ g, const T* __restrict__ g_prev, const long long n, const T coef, T* __restrict__ parts) {
+__global__ void __launch_bounds__(256, 1) mars_f3_partials(const T* __restrict__ g, const T* __restrict__ g_prev, const long long n, const T coef, T* __restrict__ parts) {
   __shared__ T sh[SQ_THREADS];
   const long long nb = gridDim.x;
-  mars_f3_reduce_block(g, g_prev, n, nb, (long long)blockIdx.x, coef, sh, parts + blockIdx.x, nb);
+  mars_f3_reduce_block(g, g_prev, n, nb, (long long)blockIdx.x, coef, sh, parts + 0 * nb + blockIdx.x);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) mars_f3_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T coef) {
+__global__ void __launch_bounds__(256, 1) mars_f3_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T coef) {
   __shared__ T sh[SQ_THREADS];
   const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
   const long long* row = tensors + 6 * ti;
   const long long n = row[5], off = spans[2 * ti], nb = spans[2 * ti + 1];
   const T* __restrict__ g = (const T*)row[1];
   const T* __restrict__ g_prev = (const T*)row[4];
-  mars_f3_reduce_block(g, g_prev, n, nb, c, coef, sh, parts + off + c, nparts);
+  mars_f3_reduce_block(g, g_prev, n, nb, c, coef, sh, parts + 0 * nparts + off + c);
 }
 
 // One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
 template <typename T>
-__device__ void mars_f3_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+__device__ __forceinline__ void mars_f3_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
 #line 273 "flatopt/mars.py"
@@ -404,13 +404,13 @@ __device__ void mars_f3_fold_one(const T* __restrict__ parts, const long long ps
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) mars_f3_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) mars_f3_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
   __shared__ T sh[SQ_THREADS];
   mars_f3_fold_one(parts, nb, nb, sh, scal);
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) mars_f3_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) mars_f3_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
   __shared__ T sh[SQ_THREADS];
   const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
   mars_f3_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
