@@ -16,8 +16,8 @@ import types
 import numpy as np
 import pytest
 
-from flatopt import adam, adamw, lamb, lion, mars, nadamw, qhadamw, radam, sgd
-from flatopt.core import backend, blocks, native
+from flatopt import adam, adamw, lion, nadamw, qhadamw, radam, sgd
+from flatopt.core import backend, native
 from flatopt.core import multi_tensor as mt
 from flatopt.core.elementwise import run
 
@@ -213,181 +213,21 @@ def test_kernels(name, device):
     assert not bad, f"bits differ: {bad}"
 
 
-# ----------------------------------------------------------------------------------- reduce, then map: Lamb, Mars
-REDUCING = {"lamb": lamb, "mars": mars}
-SIZES = (1000, 70_001)  # one block of the blocked sums; several (the fold of the partials)
-
-
-def _reducing_configs(name: str):
-    if name == "lamb":
-        for wd in (0.0, 0.1):
-            yield lamb.LambConfig(lr=1e-2, betas=(0.8, 0.95), weight_decay=wd)
-        return
-    for wd, clip in itertools.product((0.0, 0.1), (False, True)):
-        yield mars.MarsConfig(lr=1e-2, betas=(0.8, 0.95), weight_decay=wd, clip_c=clip)
-
-
-def _reducing_cases(name):
-    mod = REDUCING[name]
-    for ci, cfg in enumerate(_reducing_configs(name)):
-        for dt, n in itertools.product(DTYPES, SIZES):
-            rng = np.random.default_rng(ci * 7 + (dt == np.float64) + n)
-            p0 = _specials(rng, n, dt)
-            st0 = mod.init(np, cfg, (n,), dt)
-            for f in dataclasses.fields(st0):
-                a = getattr(st0, f.name)
-                if a is not None:
-                    a[...] = _specials(rng, n, dt, positive=f.name == "v")
-            if n > N:  # a large tensor with finite values: its norms stay finite, the ratio/clip is exercised
-                for a in [p0] + [getattr(st0, f.name) for f in dataclasses.fields(st0)
-                                 if getattr(st0, f.name) is not None]:
-                    a[~np.isfinite(a)] = 0.5
-            grads = [_specials(rng, n, dt) for _ in range(STEPS)]
-            if n > N:
-                for g in grads:
-                    g[~np.isfinite(g)] = -0.25
-            yield mod, cfg, dt, p0, st0, grads
-
-
-def _run_phases(phases, reverse: bool) -> None:
-    """A step's phases, each phase's tasks in reverse order when ``reverse`` (as threads may run them)."""
-    for phase in phases:
-        for _, fn in (reversed(phase) if reverse else phase):
-            fn()
-
-
-def _rows_run(fn, cfg, p0s, st0s, grads_s, t_steps, slots):
-    """``np_rows_fn`` over T tensors stacked as rows; returns per step the list of row arrays."""
-    P = np.stack(p0s)
-    st = dataclasses.replace(st0s[0], **{k: np.stack([getattr(s, k) for s in st0s]) for k in slots},
-                             **{f.name: None for f in dataclasses.fields(st0s[0]) if f.name not in slots})
-    out, work = [], {}
-    for t in range(1, t_steps + 1):
-        G = np.stack([gs[t - 1] for gs in grads_s])
-        fn(cfg, st, P, G, t=t, lr=cfg.lr, work=work)
-        out.append([P.copy()] + [getattr(st, k).copy() for k in slots])
-    return out
-
-
-@pytest.mark.parametrize("name", sorted(REDUCING))
-def test_reducing_numpy_and_c_pass(name, monkeypatch):
-    """Lamb and Mars: the hand-written NumPy paths (whole tensor, threaded phases with small chunks, rows of small
-    tensors; the compiled pass off) and the compiled pass against the generated ones."""
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler")
-    assert native.status()[0], native.status()[1]
-    mod = REDUCING[name]
-    d = mod.DEF
-    off = {"step": lambda *a: False, "columns": lambda *a: False, "gen_step": lambda *a: False,
-           "gen_columns": lambda *a: False, "gen_map": lambda *a: False}
-    for _, cfg, dt, p0, st0, grads in _reducing_cases(name):
-        n = p0.size
-        runs = {}
-        for path in ("hand_numpy", "gen_numpy", "hand_phases", "gen_phases", "hand_c", "gen_c"):
-            p, st = p0.copy(), _copy(st0)
-            with monkeypatch.context() as m:
-                if path.endswith(("numpy", "phases")):
-                    for k, v in off.items():
-                        m.setattr(native, k, v)
-                for t, g in enumerate(grads, 1):
-                    g = g.copy()
-                    if path in ("hand_numpy", "hand_c"):
-                        mod.hand_update(np, cfg, st, p, g, t=t, lr=cfg.lr, scratch=[])
-                    elif path in ("gen_numpy", "gen_c"):
-                        mod.update(np, cfg, st, p, g, t=t, lr=cfg.lr, scratch=[])
-                    else:
-                        fn = mod.hand_np_phases if path == "hand_phases" else mod.np_phases
-                        _run_phases(fn(cfg, st, p, g, t=t, lr=cfg.lr, chunk=777), reverse=True)
-                    runs.setdefault(path, []).append([a.copy() for a in _arrays(p, _persist(st))])
-        for t in range(1, STEPS + 1):
-            for path in ("numpy", "phases", "c"):
-                _row(CPU_TABLE, name, path, mod, cfg, t, _same(runs["hand_" + path][t - 1],
-                                                              runs["gen_" + path][t - 1]))
-        if n == N:  # rows: 3 tensors of this size
-            slots = d.slots
-            cut = [p0[i::3][:300].copy() for i in range(3)]
-            sts = [dataclasses.replace(st0, **{k: getattr(st0, k)[i::3][:300].copy() for k in slots})
-                   for i in range(3)]
-            gs = [[g[i::3][:300].copy() for g in grads] for i in range(3)]
-            for i in (1, 2):  # rows 1 and 2 finite (their norms finite: the ratio/clip exercised), row 0 special
-                for a in [cut[i], *(getattr(sts[i], k) for k in slots), *gs[i]]:
-                    a[~np.isfinite(a)] = 0.5
-            with monkeypatch.context() as m:
-                for k, v in off.items():
-                    m.setattr(native, k, v)
-                a = _rows_run(mod.hand_np_rows, cfg, cut, sts, gs, STEPS, slots)
-                b = _rows_run(mod.np_rows, cfg, cut, sts, gs, STEPS, slots)
-            for t in range(1, STEPS + 1):
-                _row(CPU_TABLE, name, "rows", mod, cfg, t, _same(a[t - 1], b[t - 1]))
-    covered = {fs for (nm, _, fs) in CPU_TABLE if nm == name}
-    assert covered == {d.index(f) for f in d.flag_sets()}, "every flag set of the definition is exercised"
-    bad = [k for k, v in CPU_TABLE.items() if v == "differ" and k[0] == name]
-    assert not bad, f"bits differ: {bad}"
-
-
-def _persist(st):
-    """The state's saved fields only (the scratch differs between the paths by design)."""
-    return dataclasses.replace(st, **{f.name: None for f in dataclasses.fields(st)
-                                      if not f.metadata.get("persist", True)})
-
-
-@pytest.mark.parametrize("name", sorted(REDUCING))
-def test_reducing_kernels(name, device):
-    """Lamb and Mars: the per-tensor kernels and the multi-tensor launches (two tensors, chunks of 256, different
-    lr_scales), hand-written against generated."""
-    cp = backend.cupy()
-    mod = REDUCING[name]
-    for _, cfg, dt, p0, st0, grads in _reducing_cases(name):
-        n = p0.size
-        out = {}
-        for path in ("hand_step", "gen_step", "hand_multi", "gen_multi"):
-            p = cp.asarray(p0)
-            st = dataclasses.replace(_persist(st0), **{f.name: cp.asarray(getattr(st0, f.name))
-                                                       for f in dataclasses.fields(st0)
-                                                       if getattr(st0, f.name) is not None
-                                                       and f.metadata.get("persist", True)})
-            if path.endswith("multi"):
-                spec = mod.HAND_MULTI if path == "hand_multi" else mod.MULTI
-                cut = 377 if n == N else 40_003
-                pv = [p[:cut], p[cut:]]
-                sv = [dataclasses.replace(st, **{k: getattr(st, k)[sl] for k in mod.DEF.slots})
-                      for sl in (slice(0, cut), slice(cut, n))]
-            for t, g0 in enumerate(grads, 1):
-                g = cp.asarray(g0)
-                if path == "hand_step":
-                    assert mod.hand_kernel_update(cfg, st, p, g, t=t, lr=cfg.lr)
-                elif path == "gen_step":
-                    assert mod.kernel_update(cfg, st, p, g, t=t, lr=cfg.lr)
-                else:
-                    gv = [g[:cut], g[cut:]]
-                    members = [(pv[k], gv[k], types.SimpleNamespace(state=sv[k]), (0.5, 2.0)[k]) for k in (0, 1)]
-                    mt.Group(spec, members, 256).launch(cfg, t, cfg.lr)
-                out.setdefault(path, []).append([cp.asnumpy(a) for a in _arrays(p, _persist(st))])
-        for t in range(1, STEPS + 1):
-            _row(GPU_TABLE, name, "cuda_step", mod, cfg, t, _same(out["hand_step"][t - 1], out["gen_step"][t - 1]))
-            _row(GPU_TABLE, name, "cuda_multi", mod, cfg, t,
-                 _same(out["hand_multi"][t - 1], out["gen_multi"][t - 1]))
-    bad = [k for k, v in GPU_TABLE.items() if v == "differ" and k[0] == name]
-    assert not bad, f"bits differ: {bad}"
-
-
 def type_of(mod):
     return {"adamw": mod.__dict__.get("AdamW"), "adam": mod.__dict__.get("Adam"), "sgd": mod.__dict__.get("SGD"),
             "nadamw": mod.__dict__.get("NAdamW"), "qhadamw": mod.__dict__.get("QHAdamW"),
             "radam": mod.__dict__.get("RAdam"), "lion": mod.__dict__.get("Lion")}[mod.__name__.rsplit(".", 1)[-1]]
 
 
-@pytest.mark.parametrize("which", ["elementwise", "lamb_mars"])
-def test_print_table(which):
-    """The transition table (run with -s): algorithm × path × flag set: bits equal (``-k "lamb or mars"``: Lamb's
-    and Mars's rows)."""
-    rows = sorted((k, v) for k, v in {**CPU_TABLE, **GPU_TABLE}.items() if (k[0] in REDUCING) == (which != "elementwise"))
+def test_print_table():
+    """The transition table (run with -s): algorithm × path × flag set: bits equal."""
+    rows = sorted({**CPU_TABLE, **GPU_TABLE}.items())
     if not rows:
         pytest.skip("run with the tests above")
     print("\nalgorithm  path        flag set                                          bits equal "
           "(nan: but for a NaN's sign or payload)")
     for (name, path, fs), ok in rows:
-        f = {n: bool(fs >> k & 1) for k, n in enumerate({**PORTED, **REDUCING}[name].DEF.flag_names)}
+        f = {n: bool(fs >> k & 1) for k, n in enumerate(PORTED[name].DEF.flag_names)}
         on = ",".join(n for n, v in f.items() if v) or "-"
         print(f"{name:<10} {path:<11} f{fs:<3} {on:<45} {dict(bits='yes', nan='yes (nan)').get(ok, 'NO')}")
     assert all(v != "differ" for _, v in rows)

@@ -33,20 +33,22 @@ stand-in address such as ``p`` for an absent one the kernel does not touch) and 
 launch's arguments after ``base_lr``.  The algorithm's learning rate must be the driver's ``base_lr * lr_scale``
 (``hooks.effective_lr`` not replaced) and its state updated in place.
 
-**Per-tensor norms** (Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a :class:`Norms` in ``MultiTensor(..., norms=...)`` runs two
-passes before the elementwise kernel, so a group costs three launches whatever its number of tensors.  The per-tensor
-kernels sum squares in ``core.blocks``' blocked order: a first pass of ``sq_blocks(n)`` blocks writes one partial per
-block, a one-block fold adds them (``kernels/sq_sum.cuh``).  The group's table then also holds
+**Per-tensor sums** (a definition with ``e.sum``, ``core/elementwise/reduce.py``: Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a
+:class:`Norms` in ``MultiTensor(..., norms=...)`` runs two passes before the elementwise kernel, so a group costs three
+launches whatever its number of tensors.  The per-tensor kernels sum in ``core/sqsum.py``'s blocked order: a first
+pass of ``sq_blocks(n)`` blocks writes one partial per block, a one-block fold adds them (``kernels/sq_sum.cuh``).
+The group's table then also holds
 
-* ``segs``: one (tensor index, c) pair per block c of each tensor's first pass (``norms.partials`` runs launch block
+* ``segs``: one (tensor index, c) pair per block c of each tensor's first pass (the partials kernel runs launch block
   b as that tensor's block c, with the tensor's own block count, so each partial is the per-tensor kernel's);
 * ``spans``: one (offset, nb) pair per tensor: its nb partials of sum k are ``parts[k * nparts + offset ...]``;
 
-and a device buffer of ``sums * nparts`` partials plus one scalar per tensor (``scal``), allocated with the plan.
-``norms.fold`` runs one block per tensor, folds its partials in the per-tensor fold's order and writes ``scal[ti]``;
-the elementwise kernel reads it.  Signatures: ``partials(tensors, segs, spans, nparts, parts, <partial_args>)``,
-``fold(spans, scales, nparts, base_lr, parts, scal)``, the elementwise kernel's as above with ``scal`` last.  When
-``norms.active(config)`` is false (Mars without clip_c) only the elementwise kernel runs (``scal`` unread).
+and a device buffer of ``sums * nparts`` partials plus ``folds`` values per tensor (``scal``), allocated with the
+plan.  The fold kernel runs one block per tensor, folds its partials in the per-tensor fold's order and writes
+``scal[ti * folds + k]``; the elementwise kernel reads them.  Signatures: ``partials(tensors, segs, spans, nparts,
+parts, <partial_args>)``, ``fold(spans, scales, nparts, base_lr, parts, scal, <fold_args>)``, the elementwise
+kernel's as above with ``scal`` last; ``norms.pick(config, t)`` names the partials and fold kernels of a flag set.
+When ``norms.active(config)`` is false (Mars without clip_c) only the elementwise kernel runs, without ``scal``.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class MultiTensor:
     kernel: str  # the template kernel's name (registered in core.kernels.KERNELS)
     arrays: Callable[[Any, Any], tuple]  # (state, p) -> the state arrays of a table row, after p and g
     args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after base_lr
-    norms: Norms | None = None  # per-tensor sums of squares before the elementwise kernel (Lamb, Mars)
+    norms: Norms | None = None  # per-tensor sums before the elementwise kernel (core/elementwise/reduce.py)
     # (config, t) -> the kernel of this launch, when it depends on them (a generated definition's flag set)
     pick: Callable[[Any, int], str] | None = None
 
@@ -175,9 +177,8 @@ class Group:
         """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``)."""
         norms, dt, spec = self.spec.norms, self.dtype.type, self.spec
         fn = self.fn if spec.pick is None else kernels.get(spec.source, spec.pick(config, t), self.dtype)
-        if not norms.active(config):
-            # a definition's flag set without a sum runs its plain kernel (no scal); a hand-written one reads none
-            fn((self.nblocks,), (BLOCK,), args if spec.pick is not None else (*args, self.scal))
+        if not norms.active(config):  # a flag set without a sum: its plain kernel
+            fn((self.nblocks,), (BLOCK,), args)
             return
         partials_fn, fold_fn = self.partials_fn, self.fold_fn
         if norms.pick is not None:

@@ -12,7 +12,7 @@
 // results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
-// The blocked sum of squares shared by the kernels with per-tensor norms (lamb.cu, mars.cu): the order of
+// The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
 // flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
 // (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
 #define SQ_THREADS 256
@@ -66,24 +66,24 @@ __device__ __forceinline__ void lamb_f0_reduce_block(const T* __restrict__ p, co
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 273 "flatopt/lamb.py"
+#line 87 "flatopt/lamb.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 274 "flatopt/lamb.py"
+#line 88 "flatopt/lamb.py"
     const T t3 = v_i * b2;
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 275 "flatopt/lamb.py"
+#line 89 "flatopt/lamb.py"
     const T t7 = t2 / bc1;
     const T t8 = t6 / bc2;
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
-#line 278 "flatopt/lamb.py"
+#line 92 "flatopt/lamb.py"
     const T t12 = p_i * p_i;
-#line 279 "flatopt/lamb.py"
+#line 93 "flatopt/lamb.py"
     const T t13 = t11 * t11;
 #line 89 "flatopt/kernels/generated/lamb.cu"
     m[i] = t2;
@@ -125,17 +125,17 @@ __device__ __forceinline__ void lamb_f0_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 278 "flatopt/lamb.py"
+#line 92 "flatopt/lamb.py"
     const T t0_f = sqrt(_sum0);
-#line 279 "flatopt/lamb.py"
+#line 93 "flatopt/lamb.py"
     const T t1_f = sqrt(_sum1);
-#line 280 "flatopt/lamb.py"
+#line 94 "flatopt/lamb.py"
     const int t2_f = t0_f > ((T)0x0.0p+0);
     const int t3_f = t1_f > ((T)0x0.0p+0);
     const int t4_f = t2_f & t3_f;
     const T t5_f = t0_f / t1_f;
     const T t6_f = (t4_f ? t5_f : ((T)0x1.0000000000000p+0));
-#line 281 "flatopt/lamb.py"
+#line 95 "flatopt/lamb.py"
     const T t7_f = t6_f * neg_lr;
 #line 141 "flatopt/kernels/generated/lamb.cu"
     scal[0] = t7_f;
@@ -173,13 +173,13 @@ __device__ __forceinline__ void lamb_group_f0_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 275 "flatopt/lamb.py"
+#line 89 "flatopt/lamb.py"
       const T t0 = m_r[k] / bc1;
       const T t1 = v_r[k] / bc2;
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
       const T t4 = t0 / t3;
-#line 281 "flatopt/lamb.py"
+#line 95 "flatopt/lamb.py"
       const T t5 = t4 * fold0;
       const T t6 = p_r[k] + t5;
 #line 186 "flatopt/kernels/generated/lamb.cu"
@@ -222,27 +222,27 @@ __device__ __forceinline__ void lamb_f1_reduce_block(const T* __restrict__ p, co
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 273 "flatopt/lamb.py"
+#line 87 "flatopt/lamb.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 274 "flatopt/lamb.py"
+#line 88 "flatopt/lamb.py"
     const T t3 = v_i * b2;
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 275 "flatopt/lamb.py"
+#line 89 "flatopt/lamb.py"
     const T t7 = t2 / bc1;
     const T t8 = t6 / bc2;
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
-#line 277 "flatopt/lamb.py"
+#line 91 "flatopt/lamb.py"
     const T t12 = p_i * wd;
     const T t13 = t11 + t12;
-#line 278 "flatopt/lamb.py"
+#line 92 "flatopt/lamb.py"
     const T t14 = p_i * p_i;
-#line 279 "flatopt/lamb.py"
+#line 93 "flatopt/lamb.py"
     const T t15 = t13 * t13;
 #line 248 "flatopt/kernels/generated/lamb.cu"
     m[i] = t2;
@@ -284,17 +284,17 @@ __device__ __forceinline__ void lamb_f1_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 278 "flatopt/lamb.py"
+#line 92 "flatopt/lamb.py"
     const T t0_f = sqrt(_sum0);
-#line 279 "flatopt/lamb.py"
+#line 93 "flatopt/lamb.py"
     const T t1_f = sqrt(_sum1);
-#line 280 "flatopt/lamb.py"
+#line 94 "flatopt/lamb.py"
     const int t2_f = t0_f > ((T)0x0.0p+0);
     const int t3_f = t1_f > ((T)0x0.0p+0);
     const int t4_f = t2_f & t3_f;
     const T t5_f = t0_f / t1_f;
     const T t6_f = (t4_f ? t5_f : ((T)0x1.0000000000000p+0));
-#line 281 "flatopt/lamb.py"
+#line 95 "flatopt/lamb.py"
     const T t7_f = t6_f * neg_lr;
 #line 300 "flatopt/kernels/generated/lamb.cu"
     scal[0] = t7_f;
@@ -332,16 +332,16 @@ __device__ __forceinline__ void lamb_group_f1_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 275 "flatopt/lamb.py"
+#line 89 "flatopt/lamb.py"
       const T t0 = m_r[k] / bc1;
       const T t1 = v_r[k] / bc2;
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
       const T t4 = t0 / t3;
-#line 277 "flatopt/lamb.py"
+#line 91 "flatopt/lamb.py"
       const T t5 = p_r[k] * wd;
       const T t6 = t4 + t5;
-#line 281 "flatopt/lamb.py"
+#line 95 "flatopt/lamb.py"
       const T t7 = t6 * fold0;
       const T t8 = p_r[k] + t7;
 #line 348 "flatopt/kernels/generated/lamb.cu"
