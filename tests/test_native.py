@@ -1,4 +1,4 @@
-"""The compiled CPU passes (``flatopt/core/native.py``: ``kernels/cpu/elementwise.c`` and the loops generated into
+"""The compiled CPU passes (``flatopt/core/native.py``: the loops generated from the definitions into
 ``kernels/generated/elementwise.c``) give their NumPy twins' bits.
 
 Every algorithm with a compiled pass runs the same steps twice, once compiled and once on the twin (the library
@@ -125,12 +125,14 @@ def test_the_library_builds_where_a_compiler_exists():
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the twin's NaN/inf arithmetic warns; the compiled one not
 def test_the_flag_space_covers_every_switch():
-    """The grid is every algorithm with a compiled pass (each hand-written entry of the library and each generated
-    one is some algorithm's) over every switch of its constructor: each boolean option and the weight decay is a
-    dimension of its flag space (tests/registry.py)."""
-    entries = {name.split("_")[0] for name in (*native.ENTRIES, *native.COLUMNS)}  # lamb_apply, mars_columns: Lamb, Mars
-    entries |= set(re.findall(r"\bint flatopt_gen_(\w+)\(", native.GENERATED.read_text()))
-    assert {"adamw", "sgd", "lion"} <= entries, entries
+    """The grid is every algorithm with a compiled pass (every loop of the library is generated from a definition:
+    an algorithm's, or for Lamb and Mars its reduce phase and map, or a conversion of ScheduleFreeAdamW's) over every
+    switch of its constructor: each boolean option and the weight decay is a dimension of its flag space
+    (tests/registry.py)."""
+    names = set(re.findall(r"\bint flatopt_gen_(\w+)\(", native.GENERATED.read_text()))
+    entries = {re.sub(r"_(columns|map)$", "", n) for n in names}
+    assert {"adamw", "sgd", "lion", "sophia", "lamb", "mars"} <= entries, entries
+    entries &= {case.algorithm for case in CASES.values()}
     assert entries <= {case.algorithm for case in CASES.values()}, entries
     for algo, space in FLAG_SPACE.items():
         switches = {n for n, p in inspect.signature(space.cls).parameters.items() if isinstance(p.default, bool)}
@@ -155,7 +157,6 @@ def test_compiled_pass_gives_the_twins_bits(algo, shapes, dt, special):
 def test_the_compiled_pass_is_taken(algo, monkeypatch):
     """Each of these cases reaches the library (a call per chunk, or per column piece of a norm)."""
     calls = []
-    step, columns = native.step, native.columns
 
     def spy(fn):
         def wrapped(name, *a, **k):
@@ -164,9 +165,9 @@ def test_the_compiled_pass_is_taken(algo, monkeypatch):
             return ok
         return wrapped
 
-    monkeypatch.setattr(native, "step", spy(step))
-    monkeypatch.setattr(native, "columns", spy(columns))
     monkeypatch.setattr(native, "gen_step", spy(native.gen_step))  # the loops generated from a definition
+    monkeypatch.setattr(native, "gen_columns", spy(native.gen_columns))  # a sum's reduce phase (Lamb, Mars)
+    monkeypatch.setattr(native, "gen_map", spy(native.gen_map))  # and its map
     native.reset()
     _run(COMPILED[algo].make, SHAPES["chunked"], np.float32, compiled=True, steps=2)
     assert calls and all(ok for _, ok in calls), calls

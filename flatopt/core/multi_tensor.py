@@ -37,20 +37,22 @@ stand-in address such as ``p`` for an absent one the kernel does not touch) and 
 launch's arguments after ``base_lr``.  The algorithm's learning rate must be the driver's ``base_lr * lr_scale``
 (``hooks.effective_lr`` not replaced) and its state updated in place.
 
-**Per-tensor norms** (Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a :class:`Norms` in ``MultiTensor(..., norms=...)`` runs two
-passes before the elementwise kernel, so a group costs three launches whatever its number of tensors.  The per-tensor
-kernels sum squares in ``core.blocks``' blocked order: a first pass of ``sq_blocks(n)`` blocks writes one partial per
-block, a one-block fold adds them (``kernels/sq_sum.cuh``).  The group's table then also holds
+**Per-tensor sums** (a definition with ``e.sum``, ``core/elementwise/reduce.py``: Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a
+:class:`Norms` in ``MultiTensor(..., norms=...)`` runs two passes before the elementwise kernel, so a group costs three
+launches whatever its number of tensors.  The per-tensor kernels sum in ``core/sqsum.py``'s blocked order: a first
+pass of ``sq_blocks(n)`` blocks writes one partial per block, a one-block fold adds them (``kernels/sq_sum.cuh``).
+The group's table then also holds
 
-* ``segs``: one (tensor index, c) pair per block c of each tensor's first pass (``norms.partials`` runs launch block
+* ``segs``: one (tensor index, c) pair per block c of each tensor's first pass (the partials kernel runs launch block
   b as that tensor's block c, with the tensor's own block count, so each partial is the per-tensor kernel's);
 * ``spans``: one (offset, nb) pair per tensor: its nb partials of sum k are ``parts[k * nparts + offset ...]``;
 
-and a device buffer of ``sums * nparts`` partials plus one scalar per tensor (``scal``), allocated with the plan.
-``norms.fold`` runs one block per tensor, folds its partials in the per-tensor fold's order and writes ``scal[ti]``;
-the elementwise kernel reads it.  Signatures: ``partials(tensors, segs, spans, nparts, parts, <partial_args>)``,
-``fold(spans, scales, nparts, base_lr, parts, scal)``, the elementwise kernel's as above with ``scal`` last.  When
-``norms.active(config)`` is false (Mars without clip_c) only the elementwise kernel runs (``scal`` unread).
+and a device buffer of ``sums * nparts`` partials plus ``folds`` values per tensor (``scal``), allocated with the
+plan.  The fold kernel runs one block per tensor, folds its partials in the per-tensor fold's order and writes
+``scal[ti * folds + k]``; the elementwise kernel reads them.  Signatures: ``partials(tensors, segs, spans, nparts,
+parts, <partial_args>)``, ``fold(spans, scales, nparts, base_lr, parts, scal, <fold_args>)``, the elementwise
+kernel's as above with ``scal`` last; ``norms.pick(config, t)`` names the partials and fold kernels of a flag set,
+or None for one without a sum (Mars without clip_c): then only the elementwise kernel runs, without ``scal``.
 """
 
 from __future__ import annotations
@@ -69,19 +71,16 @@ CHUNK = 1 << 12
 BLOCK = 256
 
 
-def _always(config: Any) -> bool:
-    return True
-
-
 @dataclasses.dataclass(frozen=True)
 class Norms:
-    """The per-tensor sums of squares a multi-tensor kernel needs first (see the module docstring)."""
+    """The per-tensor sums a multi-tensor kernel needs first (see the module docstring)."""
 
-    sums: int  # sums of squares per tensor
-    partials: str  # kernel: one block per (tensor, c) segment, the per-tensor first pass's block c
-    fold: str  # kernel: one block per tensor, folds its partials into scal[ti]
+    sums: int  # the most sums of a flag set: the partials' buffer holds sums * nparts
+    folds: int  # the most per-tensor values a fold writes: scal[ti * folds + k]
+    # (config, t) -> the (partials, fold) kernels of this launch, or None for a flag set without a sum
+    pick: Callable[[Any, int], tuple | None]
     partial_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after parts
-    active: Callable[[Any], bool] = _always  # (config) -> whether the passes run
+    fold_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after scal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +91,7 @@ class MultiTensor:
     kernel: str  # the template kernel's name (registered in core.kernels.KERNELS)
     arrays: Callable[[Any, Any], tuple]  # (state, p) -> the state arrays of a table row, after p and g
     args: Callable[..., tuple]  # (config, t, dtype scalar type) -> the arguments after base_lr
-    norms: Norms | None = None  # per-tensor sums of squares before the elementwise kernel (Lamb, Mars)
+    norms: Norms | None = None  # per-tensor sums before the elementwise kernel (core/elementwise/reduce.py)
     # (config, t) -> the kernel of this launch, when it depends on them (a generated definition's flag set); both
     # take the group's host values as a fourth/third argument where the definition declares them
     pick: Callable[..., str] | None = None
@@ -155,10 +154,8 @@ class Group:
         self.ntensors, self.nsegs = ntensors, nsegs
         self.segs, self.spans = tables[:2 * nsegs], tables[2 * nsegs:]
         self.nparts = np.int64(nsegs)
-        parts = cp.empty(spec.norms.sums * nsegs + ntensors, self.dtype)  # once per plan, never per step
+        parts = cp.empty(spec.norms.sums * nsegs + spec.norms.folds * ntensors, self.dtype)  # once per plan
         self.parts, self.scal = parts[:spec.norms.sums * nsegs], parts[spec.norms.sums * nsegs:]
-        self.partials_fn = kernels.get(spec.source, spec.norms.partials, self.dtype)
-        self.fold_fn = kernels.get(spec.source, spec.norms.fold, self.dtype)
 
     def launch(self, config, t: int, base_lr: float, host: tuple = ()) -> None:
         """One launch for every tensor of the group (no host synchronisation, nothing allocated).  ``host``: the
@@ -175,24 +172,30 @@ class Group:
             if stream.ptr not in self.streams:  # the table was uploaded on another stream: order after it
                 stream.wait_event(self.uploaded)
                 self.streams.add(stream.ptr)
-            if self.spec.pick is not None:
+            if self.spec.norms is not None:
+                self._launch_norms(config, t, base_lr, args)
+            elif self.spec.pick is not None:
                 kernels.get(self.spec.source, self.spec.pick(config, t, *extra), self.dtype)((self.nblocks,), (BLOCK,),
                                                                                             args)
-            elif self.spec.norms is None:
-                self.fn((self.nblocks,), (BLOCK,), args)
             else:
-                self._launch_norms(config, t, base_lr, args)
+                self.fn((self.nblocks,), (BLOCK,), args)
 
     def _launch_norms(self, config, t: int, base_lr: float, args: tuple) -> None:
-        """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``)."""
-        norms, dt = self.spec.norms, self.dtype.type
-        if norms.active(config):
-            threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
-            self.partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
-                                                      *norms.partial_args(config, t, dt)))
-            self.fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr),
-                                                     self.parts, self.scal))
-        self.fn((self.nblocks,), (BLOCK,), (*args, self.scal))
+        """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``); a flag set without a
+        sum: its plain kernel alone."""
+        norms, dt, spec = self.spec.norms, self.dtype.type, self.spec
+        fn = self.fn if spec.pick is None else kernels.get(spec.source, spec.pick(config, t), self.dtype)
+        names = norms.pick(config, t)
+        if names is None:
+            fn((self.nblocks,), (BLOCK,), args)
+            return
+        partials_fn, fold_fn = (kernels.get(spec.source, k, self.dtype) for k in names)
+        threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
+        partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
+                                             *norms.partial_args(config, t, dt)))
+        fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr), self.parts,
+                                            self.scal, *norms.fold_args(config, t, dt)))
+        fn((self.nblocks,), (BLOCK,), (*args, self.scal))
 
 
 def _norm_tables(members: list) -> np.ndarray:

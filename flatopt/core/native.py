@@ -3,11 +3,11 @@
 NumPy runs an update as a dozen or more ufunc passes over each cache-sized chunk; one compiled loop does the same
 operations per element in registers, so a step costs little more than reading and writing its arrays once (the
 memory floor).  Re-measure against the NumPy twins and that floor: ``python -m benchmarks.threads_probe native``.
-The loops of the algorithms defined once are generated from their definitions (``kernels/generated/elementwise.c``,
-``core/elementwise``); ``kernels/cpu/elementwise.c`` holds the hand-written passes of Sophia, Lamb and Mars.  Both
-keep each twin's operations and their order, compiled into one library without FMA contraction or fast-math, so
-every element gets the twin's bits (``tests/test_native.py``), except that a NaN may carry another sign or payload
-(a vectorised loop may pass on the other NaN operand): it is NaN exactly where the twin's is.
+``kernels/generated/elementwise.c`` (generated from the definitions, ``core/elementwise``) keeps each NumPy path's
+operations and their order, compiled without FMA contraction or fast-math, so every element gets its bits
+(``tests/test_native.py``),
+except that a NaN may carry another sign or payload (a vectorised loop may pass on the other NaN operand): it is
+NaN exactly where the twin's is.
 
 The source is compiled on first use with the system's C compiler (``cc``, or ``FLATOPT_CC``) into a cache
 directory (``FLATOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/flatopt``, else ``~/.cache/flatopt``, else a fresh private
@@ -16,8 +16,8 @@ above prints it).  ``core/native_cache.py`` builds and opens it: a directory ano
 swap or write into is refused, processes starting together compile once, and a library is loaded only after its
 bytes match the digest in its name (a damaged one is rebuilt).  Without a compiler, when the build fails, or with
 ``FLATOPT_NATIVE=0``, the NumPy twins run: the same bits, slower.  ``status()`` says which and why, and never
-raises.  This module is the only one that knows the library's entries; ``core.elementwise.run`` calls ``gen_step``,
-a hand-written algorithm ``step`` (or ``columns``), and each falls back to its twin when it returns False.
+raises.  This module is the only one that knows the library's entries; ``core.elementwise.run`` calls ``gen_step``
+(or, for a step with a sum, ``gen_columns`` and ``gen_map``) and falls back to the NumPy path when it returns False.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import os
 import platform
 import re
 import shutil
-import struct
 import subprocess
 import threading
 from pathlib import Path
@@ -39,28 +38,22 @@ import numpy as np
 
 from . import native_cache
 
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "elementwise.c"
-# the loops generated from the definitions (core/elementwise), compiled into the same library
+# the loops generated from the definitions (core/elementwise)
 GENERATED = Path(__file__).resolve().parent.parent / "kernels" / "generated" / "elementwise.c"
 # No -ffast-math and no FMA contraction: each operation rounds as NumPy's ufunc does (the twin's bits).
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fvisibility=hidden")
-# elementwise entry -> its arrays (p, g, state...; Lamb's apply: p, u): (dt, arrays..., n, scalars, flags)
-ENTRIES = {"mars": 5, "lamb_apply": 2}
-# the norms' first phases (core/norms.py), entry -> (arrays, column accumulators):
-# (dt, arrays..., accumulators..., rows, w, scalars, flags)
-COLUMNS = {"mars_columns": (2, 1), "lamb_columns": (5, 2)}
 _DT = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "lib": {entry: bound function} or None, "why": a line
 
 
-def _sources() -> tuple[Path, Path]:
-    return SOURCE, GENERATED
+def _sources() -> tuple[Path]:
+    return (GENERATED,)
 
 
 def _compiler(exe: str) -> Any:
-    """``compile_to(path, pass_fds)`` for ``native_cache.load``: builds SOURCE at ``path``; None, or why it failed."""
+    """``compile_to(path, pass_fds)`` for ``native_cache.load``: builds the library at ``path``; None, or why it failed."""
     def compile_to(path: str, fds: tuple[int, ...]) -> str | None:
         res = subprocess.run([exe, *FLAGS, "-o", path, *map(str, _sources()), "-lm"], capture_output=True, text=True,
                              timeout=native_cache.COMPILE_TIMEOUT_S, pass_fds=fds)
@@ -73,15 +66,12 @@ def _compiler(exe: str) -> Any:
 def _bind(handle: Any) -> dict[str, Any]:
     """{entry: its function, with its argument types}."""
     fns = {}
-    sizes, tail = [ctypes.c_int64], [ctypes.c_void_p, ctypes.c_int]
-    for name, k in [*ENTRIES.items(), *((n, k + a) for n, (k, a) in COLUMNS.items())]:
-        fn = getattr(handle, f"flatopt_{name}")
-        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * k + sizes * (2 if name in COLUMNS else 1) + tail
-        fn.restype = ctypes.c_int
-        fns[name] = fn
     for name in re.findall(r"\bint flatopt_gen_(\w+)\(", GENERATED.read_text()):
         fn = getattr(handle, f"flatopt_gen_{name}")  # (dt, flag set, arrays, n, struct of named doubles)
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        if name.endswith("_columns"):  # (dt, flag set, arrays, column sums, rows, w, first, struct)
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         fns["gen_" + name] = fn
     return fns
@@ -155,57 +145,50 @@ def _scalars(packed: bytes) -> Any:
     return (ctypes.c_double * (len(packed) // 8)).from_buffer_copy(packed)
 
 
-def step(name: str, arrays: Sequence[np.ndarray], scalars: tuple[float, ...], flags: int) -> bool:
-    """Run the compiled pass ``name`` on ``arrays`` (``ENTRIES``: p, g and the state), contiguous NumPy arrays of one
-    dtype and size; False (nothing touched) when it cannot (no library, another dtype or layout): the caller runs
-    its twin."""
-    n = arrays[0].size
-    return _call(name, arrays, [n] * len(arrays), (n,), scalars, flags)
-
-
-def columns(name: str, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray], rows: int, w: int,
-            scalars: tuple[float, ...], flags: int) -> bool:
-    """Run the first phase ``name`` of a norm (``core.norms``): ``arrays`` hold ``rows`` contiguous rows of ``w``
-    terms, each accumulator ``w`` column sums (bit 0 of ``flags``: the first rows, which replace the sums); False
-    (nothing touched) when it cannot: the caller runs its twin."""
-    return _call(name, (*arrays, *accs), [rows * w] * len(arrays) + [w] * len(accs), (rows, w), scalars, flags)
-
-
-def _call(name: str, arrays: Sequence[np.ndarray], sizes: Sequence[int], extents: tuple[int, ...],
-          scalars: tuple[float, ...], flags: int) -> bool:
-    fns = _lib()
-    dtype = arrays[0].dtype
-    dt = _DT.get(dtype)
-    if fns is None or dt is None:
-        return False
-    for a, size in zip(arrays, sizes):
-        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != size:
-            return False
-    rc = fns[name](dt, *[a.__array_interface__["data"][0] for a in arrays], *extents,
-                   _scalars(struct.pack(f"{len(scalars)}d", *scalars)), int(flags))
-    if rc != 0:  # pragma: no cover - the dtype is checked above
-        raise RuntimeError(f"flatopt_{name} returned {rc}")
-    return True
-
-
 def gen_step(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) -> bool:
     """Run the generated loop of ``algo`` for flag set ``fs`` (``core/elementwise``) on ``arrays`` (its definition's
     p, g and slots; a stand-in for a slot the flag set does not use), ``packed``: its scalars struct; False (nothing
     touched) when it cannot: the caller runs the NumPy path."""
+    return _gen(f"gen_{algo}", fs, arrays, arrays[0].size, (), (), packed)
+
+
+def gen_columns(algo: str, fs: int, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray], rows: int, w: int,
+                first: bool, packed: bytes) -> bool:
+    """Run the generated reduce phase of ``algo``'s flag set ``fs`` (``core/elementwise/reduce.py``) on ``rows``
+    contiguous rows of ``w`` elements of ``arrays`` (the definition's p, g and slots), adding each summand's rows
+    into its ``w`` column sums ``accs`` in row order (``first``: they replace the sums); False (nothing touched)
+    when it cannot: the caller runs the NumPy path."""
+    return _gen(f"gen_{algo}_columns", fs, arrays, rows * w, (*accs,), (rows, w, int(first)), packed)
+
+
+def gen_map(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) -> bool:
+    """Run the generated map phase of ``algo``'s flag set ``fs`` on ``arrays``; ``packed``: the definition's
+    scalars then the fold's, as doubles.  False (nothing touched) when it cannot."""
+    return _gen(f"gen_{algo}_map", fs, arrays, arrays[0].size, (), (), packed)
+
+
+def _gen(entry: str, fs: int, arrays: Sequence[np.ndarray], n: int, accs: tuple, extents: tuple,
+         packed: bytes) -> bool:
     fns = _lib()
     if fns is None:
         return False
-    fn = fns.get("gen_" + algo)
+    fn = fns.get(entry)
     dtype = arrays[0].dtype
     dt = _DT.get(dtype)
     if fn is None or dt is None:
         return False
-    n = arrays[0].size
     for a in arrays:
         if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != n:
             return False
+    for a in accs:
+        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != extents[1]:
+            return False
     ptrs = (ctypes.c_void_p * len(arrays))(*[a.__array_interface__["data"][0] for a in arrays])
-    rc = fn(dt, fs, ptrs, n, _scalars(packed))
+    if accs:
+        sums = (ctypes.c_void_p * len(accs))(*[a.__array_interface__["data"][0] for a in accs])
+        rc = fn(dt, fs, ptrs, sums, *extents, _scalars(packed))
+    else:
+        rc = fn(dt, fs, ptrs, n, _scalars(packed))
     if rc != 0:
-        raise RuntimeError(f"flatopt_gen_{algo} has no loop for flag set {fs}")
+        raise RuntimeError(f"flatopt_{entry} has no loop for flag set {fs}")
     return True

@@ -16,6 +16,25 @@ An algorithm module declares (see ``flatopt/adamw.py``)::
 * ``step(e, p, g, *slots, s, f) -> dict``: the update of one element, written once with ordinary operators and
   the intrinsics of ``e`` (``trace.Intrinsics``); it returns the new value of each array it writes.
 
+**Reduce, then map.**  A step may sum a per-element value over the whole tensor and keep computing with the
+result, a per-tensor value::
+
+    nrm = e.sqrt(e.sumsq(c))                    # e.sumsq(x) = e.sum(x * x)
+    c = c / e.maximum(nrm, 1)                   # per-tensor values combine with per-element ones as usual
+    frac = e.sum(e.where(mask, 1, 0)) / s.n     # a sum of any traced per-element value (terms of the dtype)
+
+``e.sum(x)`` adds x over the tensor in the fixed blocked order of ``core/sqsum.py``, rounded to the dtype at each
+addition: the same bits on NumPy (``core/norms.py``'s column sums), the C pass and CUDA (``kernels/sq_sum.cuh``).
+``reduce.split`` cuts such a flag set's program into a reduce phase (the instructions the summands need; it writes
+the arrays it computes that no sum changes), the sums, a fold (the per-tensor instructions that depend on a sum, run
+once per tensor in the dtype: its results ``fold<k>`` are scalars of the map) and a map (the rest, per element).
+A sum of a value that depends on another sum is refused (one reduce phase per step); a zero sum of terms that
+are all −0 may read ±0 by path (the blocked order pads with +0).  Such a definition's optimizer is not elementwise: ``run.bind_reduce(DEF)``
+gives its ``update_fn``, ``np_phases_fn``, ``np_rows_fn``, ``kernel_fn`` (three launches per tensor: partials, fold,
+map) and ``multi_tensor`` (three per dtype group), and its state has an unsaved field ``work`` (the sums' work area,
+the kernels' partials).  See ``flatopt/lamb.py`` and ``flatopt/mars.py``.  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
+whether any flag set has one.
+
 From it (all cached per flag set): the instruction list (``trace``), the NumPy/CuPy path (``lower_numpy``), the C
 pass (``emit_c``, compiled by ``core/native.py``) and the CUDA kernels (``emit_cuda``, loaded by
 ``core/kernels.py``).  ``update``, ``kernel_update`` and ``multi`` are what the optimizer class binds.
@@ -29,14 +48,15 @@ import itertools
 from pathlib import Path
 from typing import Any, Callable
 
-from . import trace as tr
+from . import reduce, trace as tr
 
 REGISTRY: dict[str, "Definition"] = {}  # filled as the algorithm modules are imported
 
 
 class Definition:
     def __init__(self, name: str, step: Callable, *, scalars: Callable, flags: Callable, flag_names: tuple,
-                 slots: tuple, example: Any, valid: Callable[[dict], bool] | None = None, host: tuple = ()):
+                 slots: tuple, example: Any, valid: Callable[[dict], bool] | None = None, host: tuple = (),
+                 register: bool = True):
         self.name, self.step_fn, self.scalars_fn, self.flags_fn = name, step, scalars, flags
         self.flag_names, self.slots, self.example = tuple(flag_names), tuple(slots), example
         params = list(inspect.signature(step).parameters)
@@ -49,7 +69,8 @@ class Definition:
         self.valid = valid or (lambda f: True)
         self.source = Path(inspect.getsourcefile(step) or "?")
         self.first_line = step.__code__.co_firstlineno
-        REGISTRY[name] = self
+        if register:
+            REGISTRY[name] = self
 
     # ------------------------------------------------------------------------------------------ flag sets
     def flag_sets(self) -> list[dict]:
@@ -69,6 +90,15 @@ class Definition:
         """The traced program of flag set number ``fs`` (cached)."""
         f = {n: bool(fs >> k & 1) for k, n in enumerate(self.flag_names)}
         return tr.trace(self.name, self.step_fn, self.arrays, self.scalar_names, f)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019
+    def split_at(self, fs: int) -> "reduce.Split | None":
+        """Flag set ``fs``'s program cut at its sums (``reduce.split``), or None when it has no sum."""
+        return reduce.split(self.program_at(fs), self.arrays, self.scalar_names)
+
+    def has_sums(self) -> bool:
+        """Whether some flag set sums over the tensor (the optimizer is then not elementwise)."""
+        return any(self.split_at(self.index(f)) is not None for f in self.flag_sets())
 
     def program(self, f: dict) -> tr.Program:
         return self.program_at(self.index(f))

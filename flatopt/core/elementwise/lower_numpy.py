@@ -10,6 +10,7 @@ compiled paths are compared with.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import numpy as np
@@ -185,3 +186,19 @@ class Runner:
         self.source = "def run(arrays, sc, scratch, bools, dt):\n" + "".join(f"    {x}\n" for x in head + body)
         exec(compile(self.source, "<flatopt.core.elementwise.lower_numpy>", "exec"), env)  # noqa: S102
         self.run = env["run"]
+
+
+_tls = threading.local()
+
+
+def bool_scratch(xp: Any, k: int, n: int) -> list:
+    """``k`` boolean scratch buffers of ``n`` elements, kept per thread (allocated once per size)."""
+    if k == 0:
+        return []
+    cache = getattr(_tls, "bools", None)
+    if cache is None:
+        cache = _tls.bools = {}
+    bufs = cache.get((xp, n))
+    if bufs is None or len(bufs) < k:
+        bufs = cache[(xp, n)] = [xp.empty(n, bool) for _ in range(k)]
+    return bufs

@@ -7,14 +7,14 @@ from __future__ import annotations
 import functools
 import math
 import struct
-import threading
 from typing import Any
 
 import numpy as np
 
-from .. import kernels, native
-from ..multi_tensor import MultiTensor
-from . import emit, lower_numpy, trace as tr
+from .. import backend, blocks, cpu_plan, kernels, native
+from .. import sqsum
+from ..multi_tensor import MultiTensor, Norms
+from . import emit, lower_numpy, reduce, trace as tr
 from .define import Definition
 
 GENERATED_DIR = "generated"
@@ -79,28 +79,12 @@ def scratch_needed(d: Definition) -> int:
     return max(plan(d, d.index(f)).scratch for f in d.flag_sets())
 
 
-_tls = threading.local()
-
-
-def _bools(xp: Any, k: int, n: int) -> list:
-    """``k`` boolean scratch buffers of ``n`` elements, kept per thread (allocated once per size)."""
-    if k == 0:
-        return []
-    cache = getattr(_tls, "bools", None)
-    if cache is None:
-        cache = _tls.bools = {}
-    bufs = cache.get((xp, n))
-    if bufs is None or len(bufs) < k:
-        bufs = cache[(xp, n)] = [xp.empty(n, bool) for _ in range(k)]
-    return bufs
-
-
 def numpy_update(d: Definition, xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float,
                  scratch: list) -> None:
     """The NumPy/CuPy path alone (the reference)."""
     lr, hv = split(d, lr)
     fn, sc, nb = _prepared(d, cfg, t, lr, p.dtype, xp, math.copysign(1.0, lr), hv)
-    fn((p, g, *d.state_arrays(st, p)), sc, scratch, _bools(xp, nb, p.size) if nb else (), p.dtype.type)
+    fn((p, g, *d.state_arrays(st, p)), sc, scratch, lower_numpy.bool_scratch(xp, nb, p.size) if nb else (), p.dtype.type)
 
 
 def native_update(d: Definition, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
@@ -120,18 +104,7 @@ def bind(d: Definition):
 
     def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: Any) -> bool:
         lr, hv = split(d, lr)
-        fs = d.flags_of(cfg, t, hv)
-        prog = d.program_at(fs)
-        n = p.size
-        if n == 0:
-            return True
-        k = kernels.get(cuda_file(d), emit.cuda_name(d, fs, "step"), p.dtype)
-        arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
-        used = [arrays[a] for a in _used(d, fs)]
-        sc = _scalars(d, cfg, t, lr, hv)
-        grid = min(math.ceil(n / (emit.THREADS * emit.ELEMS)), 65535 * 8)
-        k((grid,), (emit.THREADS,), (*used, np.int64(n), *(sc[s] for s in prog.scalars)))
-        return True
+        return _plain_kernel(d, d.flags_of(cfg, t, hv), cfg, st, p, g, t, lr, hv)
 
     def multi_args(cfg: Any, t: int, dt: Any, host: tuple = ()) -> tuple:
         fs = d.flags_of(cfg, t, host)
@@ -144,6 +117,153 @@ def bind(d: Definition):
     multi = MultiTensor(cuda_file(d), emit.cuda_name(d, 0, "multi"), d.state_arrays, multi_args, pick=pick,
                         aligned_flag=True)
     return update, kernel_update, multi, scratch_needed(d)
+
+
+def _grid(n: int) -> int:
+    return min(math.ceil(n / (emit.THREADS * emit.ELEMS)), 65535 * 8)
+
+
+def _plain_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float,
+                  hv: tuple = ()) -> bool:
+    """The per-tensor kernel of a flag set without a sum."""
+    n = p.size
+    if n == 0:
+        return True
+    prog = d.program_at(fs)
+    k = kernels.get(cuda_file(d), emit.cuda_name(d, fs, "step"), p.dtype)
+    arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
+    used = [arrays[a] for a in _used(d, fs)]
+    sc = _scalars(d, cfg, t, lr, hv)
+    k((_grid(n),), (emit.THREADS,), (*used, np.int64(n), *(sc[s] for s in prog.scalars)))
+    return True
+
+
+def _reduce_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float) -> bool:
+    """The three per-tensor kernels of a flag set with a sum (partials, fold, map; ``st.work``: the partials and
+    the fold's results, allocated once per name); no host synchronisation."""
+    n = p.size
+    if n == 0:
+        return True
+    sp = d.split_at(fs)
+    nb = sqsum.sq_blocks(n)
+    k = len(sp.sums)
+    buf = reduce.work(st, k * nb + len(sp.folds), p.dtype, backend.cupy())
+    parts, scal = buf[:k * nb], buf[k * nb:]
+    arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
+    sc = _scalars(d, cfg, t, lr)
+    src = cuda_file(d)
+
+    def used(prog: tr.Program) -> list:
+        written = {a for a, _ in prog.outputs}
+        return [arrays[a] for a in d.arrays if a in written or a in prog.reads]
+
+    threads = (sqsum.SQ_THREADS,)
+    kernels.get(src, emit.cuda_name(d, fs, "partials"), p.dtype)((nb,), threads, (
+        *used(sp.reduce), np.int64(n), *(sc[s] for s in sp.reduce.scalars), parts))
+    kernels.get(src, emit.cuda_name(d, fs, "fold"), p.dtype)((1,), threads, (
+        parts, np.int64(nb), *(sc[s] for s in sp.fold.scalars), scal))
+    own = [s for s in sp.map.scalars if s not in sp.folds]
+    kernels.get(src, emit.cuda_name(d, fs, "map"), p.dtype)((_grid(n),), (emit.THREADS,), (
+        *used(sp.map), np.int64(n), *(sc[s] for s in own), scal))
+    return True
+
+
+class _Slices:
+    """A state whose slots are the slices [a, b) of another's (what ``Definition.state_arrays`` reads)."""
+
+    def __init__(self, d: Definition, arrays: tuple, a: int, b: int):
+        for name, x in zip(d.slots, arrays):
+            setattr(self, name, x[a:b])
+
+
+def _plain_range(d: Definition, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float, chunk: int, lo: int,
+                 hi: int) -> None:
+    """Elements [lo, hi) of a flag set without a sum: the elementwise step per chunk (the C pass or NumPy)."""
+    sts = d.state_arrays(st, p)
+    scr = cpu_plan.scratch(p.dtype, scratch_needed(d), chunk)
+    for a in range(lo, hi, chunk):
+        b = min(a + chunk, hi)
+        view = _Slices(d, sts, a, b)
+        if not native_update(d, cfg, view, p[a:b], g[a:b], t=t, lr=lr):
+            numpy_update(d, np, cfg, view, p[a:b], g[a:b], t=t, lr=lr, scratch=[x[:b - a] for x in scr])
+
+
+def bind_reduce(d: Definition) -> dict:
+    """What the optimizer class of a definition with a sum (``reduce.py``) binds: ``update_fn``, ``np_phases_fn``,
+    ``np_rows_fn`` (a flag set without a sum runs the plain elementwise step in each)."""
+
+    def sc_of(cfg: Any, t: int, lr: float, dtype: Any) -> dict:
+        return _cast(d, cfg, t, lr, dtype, math.copysign(1.0, lr), ())
+
+    def np_phases(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float, chunk: int):
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            yield [(hi - lo, functools.partial(_plain_range, d, cfg, st, p, g, t, lr, chunk, lo, hi))
+                   for lo, hi in cpu_plan.ranges(p.size, chunk)]
+            return
+        yield from reduce.np_phases(d, fs, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype),
+                                    _packed(d, cfg, t, lr), chunk)
+
+    def np_rows(cfg: Any, st: Any, P: Any, G: Any, *, t: int, lr: float, work: dict) -> None:
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            bufs = work.get(("plain", fs))
+            if bufs is None:
+                bufs = work[("plain", fs)] = [np.empty_like(P) for _ in range(scratch_needed(d))]
+            numpy_update(d, np, cfg, st, P, G, t=t, lr=lr, scratch=bufs)
+            return
+        reduce.np_rows(d, fs, (P, G, *d.state_arrays(st, P)), sc_of(cfg, t, lr, P.dtype), work)
+
+    def update(xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float, scratch: list) -> None:
+        """One step on a whole flat buffer (not elementwise: a sum needs all of it)."""
+        if xp is np:
+            blocks.run_serial(np_phases(cfg, st, p, g, t=t, lr=lr, chunk=reduce.CHUNK))
+            return
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            k, n = scratch_needed(d), p.size
+            w = reduce.work(st, max(1, k) * n, p.dtype, xp)
+            numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr, scratch=[w[j * n:(j + 1) * n] for j in range(k)])
+            return
+        reduce.xp_update(d, fs, xp, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype))
+
+    def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            return _plain_kernel(d, fs, cfg, st, p, g, t, lr)
+        return _reduce_kernel(d, fs, cfg, st, p, g, t, lr)
+
+    def map_args(cfg: Any, t: int, dt: Any) -> tuple:
+        fs = d.flags_of(cfg, t)
+        sp = d.split_at(fs)
+        doubles, plain, numbers = _multi(d, cfg, t, fs, (), "map" if sp is not None else None)
+        return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
+
+    def partial_args(cfg: Any, t: int, dt: Any) -> tuple:
+        sc = _scalars(d, cfg, t, 0.0)  # the reduce phase reads no lr-dependent scalar (emit refuses one)
+        return tuple(sc[s] for s in d.split_at(d.flags_of(cfg, t)).reduce.scalars)
+
+    def fold_args(cfg: Any, t: int, dt: Any) -> tuple:
+        doubles, plain, numbers = _multi(d, cfg, t, d.flags_of(cfg, t), (), "fold")
+        return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
+
+    def pick(cfg: Any, t: int) -> str:
+        fs = d.flags_of(cfg, t)
+        return emit.cuda_name(d, fs, "map_multi" if d.split_at(fs) is not None else "multi")
+
+    def pick_norms(cfg: Any, t: int) -> tuple | None:
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            return None
+        return emit.cuda_name(d, fs, "partials_multi"), emit.cuda_name(d, fs, "fold_multi")
+
+    splits = [sp for sp in (d.split_at(d.index(f)) for f in d.flag_sets()) if sp is not None]
+    norms = Norms(max(len(sp.sums) for sp in splits), max(len(sp.folds) for sp in splits), pick_norms, partial_args,
+                  fold_args)
+    multi = MultiTensor(cuda_file(d), pick(d.example, 1), d.state_arrays, map_args, norms=norms, pick=pick,
+                        aligned_flag=True)
+    return dict(update_fn=update, np_phases_fn=np_phases, np_rows_fn=np_rows, kernel_fn=kernel_update,
+                multi_tensor=multi)
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,10 +280,13 @@ def generated_shape(d: Definition) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _multi(d: Definition, cfg: Any, t: int, fs: int, hv: tuple = ()) -> tuple:
+def _multi(d: Definition, cfg: Any, t: int, fs: int, hv: tuple = (), part: str | None = None) -> tuple:
+    """(double arguments, dtype scalars, their values) of a multi-tensor kernel: the flag set's, or with ``part``
+    ("map", "fold") that part of its split; ``hv``: the definition's host values."""
     shape, numbers = tr.trace_scalars(d.scalars_fn, cfg, t, hv)
     if shape != generated_shape(d):
         raise RuntimeError(f"{d.name}.scalars derives its lr-dependent scalars with other operations for {cfg!r} "
                            f"than for the example config the kernels were generated from")
-    doubles, plain = emit.multi_params(d, d.program_at(fs), shape)
+    prog = d.program_at(fs) if part is None else getattr(d.split_at(fs), part)
+    doubles, plain = emit.multi_params(d, prog, shape)
     return doubles, plain, dict(numbers)

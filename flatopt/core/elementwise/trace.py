@@ -24,7 +24,7 @@ Ref = tuple  # ("in", name) | ("s", name) | ("c", float) | ("v", index)
 # op -> arity; "bool" results: the comparisons and isfinite
 ARITY = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "sqrt": 1, "abs": 1, "sign": 1, "copysign": 2,
          "maximum": 2, "minimum": 2, "where": 3, "isfinite": 1, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2,
-         "ne": 2, "not": 1, "and": 2, "or": 2, "cast": 1}
+         "ne": 2, "not": 1, "and": 2, "or": 2, "cast": 1, "sum": 1}
 BOOL_OPS = frozenset({"isfinite", "lt", "le", "gt", "ge", "eq", "ne", "not", "and", "or"})
 
 
@@ -134,6 +134,17 @@ class Intrinsics:
 
     def where(self, c: Any, x: Any, y: Any) -> Sym:
         return self._t.emit("where", (self._t.lift(c), self._t.lift(x), self._t.lift(y)))
+
+    def sum(self, x: Any) -> Sym:
+        """The sum over the tensor of a per-element value, in the blocked order of ``core/sqsum.py`` (rounded to
+        the dtype at every addition): a per-tensor value that the step may keep computing with (``reduce.split``
+        makes it a reduce phase, a fold and a map)."""
+        return self._u("sum", x)
+
+    def sumsq(self, x: Any) -> Sym:
+        """``sum(x * x)``: the sum of squares of ``x``."""
+        x = self._t.lift(x)
+        return self.sum(x * x)
 
 
 class _Tracer:

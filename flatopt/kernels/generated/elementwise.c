@@ -1015,6 +1015,265 @@ __attribute__((visibility("default"))) int flatopt_gen_adopt(int dt, int fs, voi
     }
 }
 
+/* ---- lamb: lamb.py `step` (flags: wd) */
+struct lamb_scalars {
+    double omb1;
+    double b2;
+    double omb2;
+    double bc1;
+    double bc2;
+    double eps;
+    double wd;
+    double neg_lr;
+    double fold0;
+};
+
+CLONES static void lamb_f0_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc1 = (float)s->bc1;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 / bc1;
+            const float t8 = t6 / bc2;
+            const float t9 = sqrtf(t8);
+            const float t10 = t9 + eps;
+            const float t11 = t7 / t10;
+            const float t12 = p_i * p_i;
+            const float t13 = t11 * t11;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
+            acc1[j] = fresh ? (float)(t13) : acc1[j] + (float)(t13);
+        }
+    }
+}
+
+CLONES static void lamb_f0_float_map(float *restrict p, const float *restrict m, const float *restrict v, int64_t n, const struct lamb_scalars *s) {
+    const float bc1 = (float)s->bc1;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], m_i = m[i], v_i = v[i];
+        const float t0 = m_i / bc1;
+        const float t1 = v_i / bc2;
+        const float t2 = sqrtf(t1);
+        const float t3 = t2 + eps;
+        const float t4 = t0 / t3;
+        const float t5 = t4 * fold0;
+        const float t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void lamb_f0_double_columns(const double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc1 = (double)s->bc1;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 / bc1;
+            const double t8 = t6 / bc2;
+            const double t9 = sqrt(t8);
+            const double t10 = t9 + eps;
+            const double t11 = t7 / t10;
+            const double t12 = p_i * p_i;
+            const double t13 = t11 * t11;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
+            acc1[j] = fresh ? (double)(t13) : acc1[j] + (double)(t13);
+        }
+    }
+}
+
+CLONES static void lamb_f0_double_map(double *restrict p, const double *restrict m, const double *restrict v, int64_t n, const struct lamb_scalars *s) {
+    const double bc1 = (double)s->bc1;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], m_i = m[i], v_i = v[i];
+        const double t0 = m_i / bc1;
+        const double t1 = v_i / bc2;
+        const double t2 = sqrt(t1);
+        const double t3 = t2 + eps;
+        const double t4 = t0 / t3;
+        const double t5 = t4 * fold0;
+        const double t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void lamb_f1_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc1 = (float)s->bc1;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float wd = (float)s->wd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 / bc1;
+            const float t8 = t6 / bc2;
+            const float t9 = sqrtf(t8);
+            const float t10 = t9 + eps;
+            const float t11 = t7 / t10;
+            const float t12 = p_i * wd;
+            const float t13 = t11 + t12;
+            const float t14 = p_i * p_i;
+            const float t15 = t13 * t13;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
+            acc1[j] = fresh ? (float)(t15) : acc1[j] + (float)(t15);
+        }
+    }
+}
+
+CLONES static void lamb_f1_float_map(float *restrict p, const float *restrict m, const float *restrict v, int64_t n, const struct lamb_scalars *s) {
+    const float bc1 = (float)s->bc1;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float wd = (float)s->wd;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], m_i = m[i], v_i = v[i];
+        const float t0 = m_i / bc1;
+        const float t1 = v_i / bc2;
+        const float t2 = sqrtf(t1);
+        const float t3 = t2 + eps;
+        const float t4 = t0 / t3;
+        const float t5 = p_i * wd;
+        const float t6 = t4 + t5;
+        const float t7 = t6 * fold0;
+        const float t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void lamb_f1_double_columns(const double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc1 = (double)s->bc1;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double wd = (double)s->wd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 / bc1;
+            const double t8 = t6 / bc2;
+            const double t9 = sqrt(t8);
+            const double t10 = t9 + eps;
+            const double t11 = t7 / t10;
+            const double t12 = p_i * wd;
+            const double t13 = t11 + t12;
+            const double t14 = p_i * p_i;
+            const double t15 = t13 * t13;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
+            acc1[j] = fresh ? (double)(t15) : acc1[j] + (double)(t15);
+        }
+    }
+}
+
+CLONES static void lamb_f1_double_map(double *restrict p, const double *restrict m, const double *restrict v, int64_t n, const struct lamb_scalars *s) {
+    const double bc1 = (double)s->bc1;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double wd = (double)s->wd;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], m_i = m[i], v_i = v[i];
+        const double t0 = m_i / bc1;
+        const double t1 = v_i / bc2;
+        const double t2 = sqrt(t1);
+        const double t3 = t2 + eps;
+        const double t4 = t0 / t3;
+        const double t5 = p_i * wd;
+        const double t6 = t4 + t5;
+        const double t7 = t6 * fold0;
+        const double t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_lamb(int dt, int fs, void *const *a, int64_t n, const struct lamb_scalars *s) {
+    switch (2 * fs + dt) {
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_lamb_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: lamb_f0_float_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 1: lamb_f0_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 2: lamb_f1_float_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 3: lamb_f1_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_lamb_map(int dt, int fs, void *const *a, int64_t n, const struct lamb_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: lamb_f0_float_map(a[0], a[2], a[3], n, s); return 0;
+    case 1: lamb_f0_double_map(a[0], a[2], a[3], n, s); return 0;
+    case 2: lamb_f1_float_map(a[0], a[2], a[3], n, s); return 0;
+    case 3: lamb_f1_double_map(a[0], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
 /* ---- lion: lion.py `step` (flags: wd) */
 struct lion_scalars {
     double decay;
@@ -1123,6 +1382,393 @@ __attribute__((visibility("default"))) int flatopt_gen_lion(int dt, int fs, void
     case 1: lion_f0_double(a[0], a[1], a[2], n, s); return 0;
     case 2: lion_f1_float(a[0], a[1], a[2], n, s); return 0;
     case 3: lion_f1_double(a[0], a[1], a[2], n, s); return 0;
+    default: return -1;
+    }
+}
+
+/* ---- mars: mars.py `step` (flags: wd, clip) */
+struct mars_scalars {
+    double coef;
+    double omb1;
+    double b2;
+    double omb2;
+    double decay;
+    double bc2_sqrt;
+    double eps;
+    double neg_step;
+    double fold0;
+};
+
+CLONES static void mars_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const float t0 = g_i - g_prev_i;
+        const float t1 = t0 * coef;
+        const float t2 = g_i + t1;
+        const float t3 = t2 - m_i;
+        const float t4 = t3 * omb1;
+        const float t5 = m_i + t4;
+        const float t6 = v_i * b2;
+        const float t7 = t2 * omb2;
+        const float t8 = t7 * t2;
+        const float t9 = t6 + t8;
+        const float t10 = sqrtf(t9);
+        const float t11 = t10 / bc2_sqrt;
+        const float t12 = t11 + eps;
+        const float t13 = t5 / t12;
+        const float t14 = t13 * neg_step;
+        const float t15 = p_i + t14;
+        p[i] = t15;
+        m[i] = t5;
+        v[i] = t9;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f0_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const double t0 = g_i - g_prev_i;
+        const double t1 = t0 * coef;
+        const double t2 = g_i + t1;
+        const double t3 = t2 - m_i;
+        const double t4 = t3 * omb1;
+        const double t5 = m_i + t4;
+        const double t6 = v_i * b2;
+        const double t7 = t2 * omb2;
+        const double t8 = t7 * t2;
+        const double t9 = t6 + t8;
+        const double t10 = sqrt(t9);
+        const double t11 = t10 / bc2_sqrt;
+        const double t12 = t11 + eps;
+        const double t13 = t5 / t12;
+        const double t14 = t13 * neg_step;
+        const double t15 = p_i + t14;
+        p[i] = t15;
+        m[i] = t5;
+        v[i] = t9;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f1_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float decay = (float)s->decay;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const float t0 = g_i - g_prev_i;
+        const float t1 = t0 * coef;
+        const float t2 = g_i + t1;
+        const float t3 = t2 - m_i;
+        const float t4 = t3 * omb1;
+        const float t5 = m_i + t4;
+        const float t6 = v_i * b2;
+        const float t7 = t2 * omb2;
+        const float t8 = t7 * t2;
+        const float t9 = t6 + t8;
+        const float t10 = p_i * decay;
+        const float t11 = sqrtf(t9);
+        const float t12 = t11 / bc2_sqrt;
+        const float t13 = t12 + eps;
+        const float t14 = t5 / t13;
+        const float t15 = t14 * neg_step;
+        const float t16 = t10 + t15;
+        p[i] = t16;
+        m[i] = t5;
+        v[i] = t9;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f1_double(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double decay = (double)s->decay;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const double t0 = g_i - g_prev_i;
+        const double t1 = t0 * coef;
+        const double t2 = g_i + t1;
+        const double t3 = t2 - m_i;
+        const double t4 = t3 * omb1;
+        const double t5 = m_i + t4;
+        const double t6 = v_i * b2;
+        const double t7 = t2 * omb2;
+        const double t8 = t7 * t2;
+        const double t9 = t6 + t8;
+        const double t10 = p_i * decay;
+        const double t11 = sqrt(t9);
+        const double t12 = t11 / bc2_sqrt;
+        const double t13 = t12 + eps;
+        const double t14 = t5 / t13;
+        const double t15 = t14 * neg_step;
+        const double t16 = t10 + t15;
+        p[i] = t16;
+        m[i] = t5;
+        v[i] = t9;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f2_float_columns(const float *restrict g, const float *restrict g_prev, float *restrict acc0, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], g_prev_i = g_prev[i];
+            const float t0 = g_i - g_prev_i;
+            const float t1 = t0 * coef;
+            const float t2 = g_i + t1;
+            const float t3 = t2 * t2;
+            acc0[j] = fresh ? (float)(t3) : acc0[j] + (float)(t3);
+        }
+    }
+}
+
+CLONES static void mars_f2_float_map(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const float t0 = g_i - g_prev_i;
+        const float t1 = t0 * coef;
+        const float t2 = g_i + t1;
+        const float t3 = t2 / fold0;
+        const float t4 = t3 - m_i;
+        const float t5 = t4 * omb1;
+        const float t6 = m_i + t5;
+        const float t7 = v_i * b2;
+        const float t8 = t3 * omb2;
+        const float t9 = t8 * t3;
+        const float t10 = t7 + t9;
+        const float t11 = sqrtf(t10);
+        const float t12 = t11 / bc2_sqrt;
+        const float t13 = t12 + eps;
+        const float t14 = t6 / t13;
+        const float t15 = t14 * neg_step;
+        const float t16 = p_i + t15;
+        p[i] = t16;
+        m[i] = t6;
+        v[i] = t10;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f2_double_columns(const double *restrict g, const double *restrict g_prev, double *restrict acc0, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], g_prev_i = g_prev[i];
+            const double t0 = g_i - g_prev_i;
+            const double t1 = t0 * coef;
+            const double t2 = g_i + t1;
+            const double t3 = t2 * t2;
+            acc0[j] = fresh ? (double)(t3) : acc0[j] + (double)(t3);
+        }
+    }
+}
+
+CLONES static void mars_f2_double_map(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const double t0 = g_i - g_prev_i;
+        const double t1 = t0 * coef;
+        const double t2 = g_i + t1;
+        const double t3 = t2 / fold0;
+        const double t4 = t3 - m_i;
+        const double t5 = t4 * omb1;
+        const double t6 = m_i + t5;
+        const double t7 = v_i * b2;
+        const double t8 = t3 * omb2;
+        const double t9 = t8 * t3;
+        const double t10 = t7 + t9;
+        const double t11 = sqrt(t10);
+        const double t12 = t11 / bc2_sqrt;
+        const double t13 = t12 + eps;
+        const double t14 = t6 / t13;
+        const double t15 = t14 * neg_step;
+        const double t16 = p_i + t15;
+        p[i] = t16;
+        m[i] = t6;
+        v[i] = t10;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f3_float_columns(const float *restrict g, const float *restrict g_prev, float *restrict acc0, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], g_prev_i = g_prev[i];
+            const float t0 = g_i - g_prev_i;
+            const float t1 = t0 * coef;
+            const float t2 = g_i + t1;
+            const float t3 = t2 * t2;
+            acc0[j] = fresh ? (float)(t3) : acc0[j] + (float)(t3);
+        }
+    }
+}
+
+CLONES static void mars_f3_float_map(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float decay = (float)s->decay;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const float t0 = g_i - g_prev_i;
+        const float t1 = t0 * coef;
+        const float t2 = g_i + t1;
+        const float t3 = t2 / fold0;
+        const float t4 = t3 - m_i;
+        const float t5 = t4 * omb1;
+        const float t6 = m_i + t5;
+        const float t7 = v_i * b2;
+        const float t8 = t3 * omb2;
+        const float t9 = t8 * t3;
+        const float t10 = t7 + t9;
+        const float t11 = p_i * decay;
+        const float t12 = sqrtf(t10);
+        const float t13 = t12 / bc2_sqrt;
+        const float t14 = t13 + eps;
+        const float t15 = t6 / t14;
+        const float t16 = t15 * neg_step;
+        const float t17 = t11 + t16;
+        p[i] = t17;
+        m[i] = t6;
+        v[i] = t10;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f3_double_columns(const double *restrict g, const double *restrict g_prev, double *restrict acc0, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], g_prev_i = g_prev[i];
+            const double t0 = g_i - g_prev_i;
+            const double t1 = t0 * coef;
+            const double t2 = g_i + t1;
+            const double t3 = t2 * t2;
+            acc0[j] = fresh ? (double)(t3) : acc0[j] + (double)(t3);
+        }
+    }
+}
+
+CLONES static void mars_f3_double_map(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double decay = (double)s->decay;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const double t0 = g_i - g_prev_i;
+        const double t1 = t0 * coef;
+        const double t2 = g_i + t1;
+        const double t3 = t2 / fold0;
+        const double t4 = t3 - m_i;
+        const double t5 = t4 * omb1;
+        const double t6 = m_i + t5;
+        const double t7 = v_i * b2;
+        const double t8 = t3 * omb2;
+        const double t9 = t8 * t3;
+        const double t10 = t7 + t9;
+        const double t11 = p_i * decay;
+        const double t12 = sqrt(t10);
+        const double t13 = t12 / bc2_sqrt;
+        const double t14 = t13 + eps;
+        const double t15 = t6 / t14;
+        const double t16 = t15 * neg_step;
+        const double t17 = t11 + t16;
+        p[i] = t17;
+        m[i] = t6;
+        v[i] = t10;
+        g_prev[i] = g_i;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_mars(int dt, int fs, void *const *a, int64_t n, const struct mars_scalars *s) {
+    switch (2 * fs + dt) {
+    case 0: mars_f0_float(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 1: mars_f0_double(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 2: mars_f1_float(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 3: mars_f1_double(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_mars_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: mars_f2_float_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    case 5: mars_f2_double_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    case 6: mars_f3_float_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    case 7: mars_f3_double_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_mars_map(int dt, int fs, void *const *a, int64_t n, const struct mars_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: mars_f2_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 5: mars_f2_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 6: mars_f3_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 7: mars_f3_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
     default: return -1;
     }
 }
