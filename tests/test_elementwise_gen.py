@@ -103,20 +103,29 @@ def test_host_values_reach_every_path_and_key_its_caches():
 
 def test_the_numpy_path_passes_out_as_numpy_asks():
     """Every NumPy lowering of every registered definition runs without a DeprecationWarning (NumPy 2.4 deprecates a
-    positional ``out`` for ``maximum``/``minimum``: AdamW's amsgrad, Adopt's floor and clip)."""
+    positional ``out`` for ``maximum``/``minimum``: AdamW's amsgrad, Adopt's floor and clip, Sophia's ratio); a flag
+    set with a sum runs its split's reduce and map programs (``reduce.py``)."""
     import warnings
 
     import numpy as np
 
-    from flatopt.core.elementwise import run
+    from flatopt.core.elementwise import lower_numpy, run
+
+    def runners(d, fs):
+        sp = d.split_at(fs)
+        if sp is None:
+            return [run._runner(d, fs, np)]  # noqa: SLF001
+        return [lower_numpy.Runner(lower_numpy.allocate(sp.reduce), np, tuple(d.arrays) + sp.sums),
+                lower_numpy.Runner(lower_numpy.allocate(sp.map), np, tuple(d.arrays))]
 
     for d in REGISTRY.values():
         for f in d.flag_sets():
-            r = run._runner(d, d.index(f), np)  # noqa: SLF001
-            arrays = [np.full(8, 0.5, np.float32) for _ in d.arrays]
-            scratch = [np.empty(8, np.float32) for _ in range(r.plan.scratch)]
-            bools = [np.empty(8, bool) for _ in range(r.plan.bools)]
-            sc = {k: np.float32(0.5) for k in d.scalar_names}
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", DeprecationWarning)
-                r.run(arrays, sc, scratch, bools, np.float32)
+            for r in runners(d, d.index(f)):
+                arrays = [np.full(8, 0.5, np.float32) for _ in r.names]
+                scratch = [np.empty(8, np.float32) for _ in range(r.plan.scratch)]
+                bools = [np.empty(8, bool) for _ in range(r.plan.bools)]
+                sp = d.split_at(d.index(f))
+                sc = {k: np.float32(0.5) for k in (*d.scalar_names, *(sp.folds if sp else ()))}
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", DeprecationWarning)
+                    r.run(arrays, sc, scratch, bools, np.float32)

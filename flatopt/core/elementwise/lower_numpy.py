@@ -149,7 +149,7 @@ class Runner:
     values of the dtype."""
 
     def __init__(self, plan: Plan, xp: Any, arrays: tuple):
-        self.plan, self.xp = plan, xp
+        self.plan, self.xp, self.names = plan, xp, tuple(arrays)
         names = {("arr", a): a for a in arrays}
         env: dict = {"copyto": xp.copyto, "signed_mul": signed_mul, "xp": xp}
         consts: dict = {}

@@ -52,7 +52,7 @@ def _packed_keyed(d: Definition, cfg: Any, t: int, lr: float, sign: float, hv: t
 
 
 @functools.lru_cache(maxsize=256)
-def _cast(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, sign: float, hv: tuple) -> dict:
+def _cast(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, sign: float, hv: tuple = ()) -> dict:
     dt = np.dtype(dtype).type
     return {k: dt(v) for k, v in _scalars(d, cfg, t, lr, hv).items()}
 
