@@ -17,7 +17,7 @@ import numpy as np
 
 from . import trace as tr
 
-_UFUNC = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negative", "sqrt": "sqrt",
+UFUNC = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negative", "sqrt": "sqrt",
           "abs": "absolute", "sign": "sign", "copysign": "copysign", "maximum": "maximum", "minimum": "minimum",
           "isfinite": "isfinite", "lt": "less", "le": "less_equal", "gt": "greater", "ge": "greater_equal",
           "eq": "equal", "ne": "not_equal", "not": "logical_not", "and": "logical_and", "or": "logical_or",
@@ -175,9 +175,9 @@ class Runner:
                     body.append(f"copyto({ref(dst)}, {a[2]})")
                 body.append(f"copyto({ref(dst)}, {a[1]}, where={a[0]})")
             else:
-                env[_UFUNC[op]] = getattr(xp, _UFUNC[op])
+                env[UFUNC[op]] = getattr(xp, UFUNC[op])
                 out = f"out={ref(dst)}" if op in _KEYWORD_OUT else ref(dst)
-                body.append(f"{_UFUNC[op]}({', '.join(a)}, {out})")
+                body.append(f"{UFUNC[op]}({', '.join(a)}, {out})")
         body += [f"copyto({name}, {ref(src)})" for name, src in plan.copies]
         head = [f"{', '.join(arrays)}, = arrays"]
         head += [f"_s{j} = scratch[{j}]" for j in range(plan.scratch)]

@@ -180,7 +180,7 @@ def fold_values(xp: Any, fold: tr.Program, sums: dict, sc: dict, dt: Any) -> dic
             elif ins.op == "sum":  # pragma: no cover - split refuses nested sums
                 raise AssertionError
             else:
-                vals.append(getattr(xp, lower_numpy._UFUNC[ins.op])(*a))  # noqa: SLF001
+                vals.append(getattr(xp, lower_numpy.UFUNC[ins.op])(*a))
     return {n: get(r) for n, r in fold.outputs}
 
 
