@@ -23,7 +23,10 @@
    ``adafactor8bit.apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights,
    and the elementwise chunk ``core.driver.CHUNK`` at 64K against 128K elements (AdamW, Lion, QHAdamW on one 16M buffer
    and on the transformer-like set);
-7. **native** — the compiled CPU passes (``core/native.py``): the time of their first-use build; the memory floor of
+7. **ranges** — settled in-process A/B of ``core.cpu_plan.RANGE``, the task of a generated algorithm's large item
+   (one call of its compiled pass each): 512K, 1M and 2M against one call per 128K chunk and against torch's
+   fused step (AdamW, SGD with momentum; one 16M buffer and the transformer-like set), wall and process CPU time;
+8. **native** — the compiled CPU passes (``core/native.py``): the time of their first-use build; the memory floor of
    a Lion step (two NumPy adds per chunk that read p, g, m and write p, m once); settled in-process A/B against the
    NumPy twins they replace (the same bits): SGD, AdamW, Lion, QHAdamW, Sophia, Lamb and Mars on one 16M buffer and
    on the transformer-like set.
@@ -31,6 +34,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import threading
@@ -303,11 +307,15 @@ def scaling(repeats: int = 21) -> None:
         f"{name} {ms:.2f} ms ({'releases' if ms > 1.0 else 'holds'} the GIL)" for name, ms in held.items()))
 
 
-def _ab(label: str, make_step, variants: dict, repeats: int, prefix: str = "sizes") -> None:
+def _ab(label: str, make_step, variants: dict, repeats: int, prefix: str = "sizes", cpu: bool = False) -> None:
     """Settled, interleaved in-process A/B: ``variants`` maps a name to {(module, attribute): value}; each variant
-    steps its own optimizer and data (``make_step()`` -> step) with those constants set (restored afterwards)."""
-    steps = {name: make_step() for name in variants}
+    steps its own optimizer and data (``make_step()`` -> step, or ``make_step[name]()``) with those constants set
+    (restored afterwards).  ``cpu``: also the process CPU time of each timed step (every thread of the process),
+    and the load average."""
+    steps = {name: (make_step[name] if isinstance(make_step, dict) else make_step)() for name in variants}
     times = {name: [] for name in variants}
+    cpus = {name: [] for name in variants}
+    load = os.getloadavg()[0]
     names = list(variants)
     for r in range(repeats):
         for name in (names if r % 2 else names[::-1]):
@@ -319,13 +327,18 @@ def _ab(label: str, make_step, variants: dict, repeats: int, prefix: str = "size
                 steps[name]()
                 while time.perf_counter() < t_end:
                     steps[name]()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 steps[name]()
+                cpus[name].append((time.process_time() - c0) * 1e3)
                 times[name].append((time.perf_counter() - t0) * 1e3)
             finally:
                 for (m, a), v in saved.items():
                     setattr(m, a, v)
     meds = {n: statistics.median(times[n]) for n in names}
+    if cpu:
+        print(f"{prefix}: {label} (medians of {repeats}, load average {load:.1f} to {os.getloadavg()[0]:.1f}): "
+              + ", ".join(f"{n} {meds[n]:.2f} ms wall, {statistics.median(cpus[n]):.2f} ms CPU" for n in names))
+        return
     print(f"{prefix}: {label}: " + ", ".join(f"{n} {meds[n]:.2f} ms" for n in names)
           + f" ({meds[names[0]] / meds[names[1]]:.2f}x)")
 
@@ -377,6 +390,53 @@ def sizes(repeats: int = 15) -> None:
                             ("QHAdamW", lambda: flatopt.QHAdamW(lr=1e-3))):
         _ab(f"{label} one 16M buffer, core.driver.CHUNK", elementwise(make_opt, [(1 << 24,)]), chunks, repeats)
         _ab(f"{label} transformer-like set, core.driver.CHUNK", elementwise(make_opt, shapes), chunks, repeats)
+
+
+def ranges(repeats: int = 15) -> None:
+    """``core.cpu_plan.RANGE``: the elements per task of a generated algorithm's large item (one call of its compiled
+    pass per task) at 512K, 1M and 2M, against one call per 128K chunk (``Hooks.ranges`` off, as a hand-written
+    pass runs) and torch's fused step (``torch.optim.AdamW(fused=True)``, SGD ``fused=True``) when torch is
+    installed."""
+    import flatopt
+    from flatopt.core import cpu_plan
+
+    from .bench_adamw import make_data, transformer_shapes
+
+    def make(make_opt, shapes, chunks=False):
+        def build():
+            items = [flatopt.OptItem(f"p{i}", s, p, g) for i, (s, (p, g)) in enumerate(zip(shapes, make_data(shapes)))]
+            opt = make_opt()  # its step plan, built at its first step, takes the RANGE of its variant
+            if chunks:
+                opt.hooks = opt.hooks.replace(ranges=False)
+            return lambda: opt.step_batch(items)
+        return build
+
+    def make_torch(torch_opt, shapes):
+        def build():
+            params = []
+            for s, (p, g) in zip(shapes, make_data(shapes)):
+                params.append(torch.nn.Parameter(torch.from_numpy(p).reshape(s)))
+                params[-1].grad = torch.from_numpy(g).reshape(s)
+            return torch_opt(params).step
+        return build
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    sizes_ = {"512K": 1 << 19, "1M": 1 << 20, "2M": 1 << 21}
+    variants = {"chunks": {}, **{k: {(cpu_plan, "RANGE"): v} for k, v in sizes_.items()}}
+    for label, make_opt, torch_opt in (
+            ("AdamW", lambda: flatopt.AdamW(lr=1e-3, weight_decay=1e-2),
+             lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2, fused=True)),
+            ("SGD momentum", lambda: flatopt.SGD(lr=1e-2, momentum=0.9),
+             lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True))):
+        for wl, shapes in (("one 16M buffer", [(1 << 24,)]), ("transformer-like set", transformer_shapes())):
+            makers = {"chunks": make(make_opt, shapes, chunks=True), **{k: make(make_opt, shapes) for k in sizes_}}
+            if torch is not None:
+                makers["torch fused"] = make_torch(torch_opt, shapes)
+            _ab(f"{label} {wl}, core.cpu_plan.RANGE", makers, {**variants, **({"torch fused": {}} if torch else {})},
+                repeats, "ranges", cpu=True)
 
 
 def native(repeats: int = 11, quick: bool = False) -> None:
@@ -440,7 +500,7 @@ def native(repeats: int = 11, quick: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "scaling", "sizes", "native"]
+    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "scaling", "sizes", "ranges", "native"]
     for name in wanted:
         {"spin": spin, "codec": codec, "adafactor": adafactor, "apollo": apollo, "scaling": scaling,
-         "sizes": sizes, "native": native}[name]()
+         "sizes": sizes, "ranges": ranges, "native": native}[name]()
