@@ -4,6 +4,10 @@
 embeddings 8192x512 and 2048x512, 6 layers of four 512x512 attention matrices, 512x2048 and 2048x512 MLP matrices
 with their biases and two layer norms each, a final norm); (c) 500 tensors of 64 elements.  flatopt steps every workload with one
 ``step_batch``; torch steps its param list with ``optimizer.step()``.  The baseline is ``fused=True``.
+
+(d) is (a) as a training loop that lets torch compute the gradients runs it: each timed step follows, untimed, a
+forward and backward pass of a small MLP in torch (GEMMs and elementwise kernels on torch's OpenMP threads, which
+keep spinning on the cores for a while after their last parallel region), for torch fused and flatopt alike.
 """
 
 from __future__ import annotations
@@ -49,6 +53,21 @@ def workloads(quick: bool) -> list[tuple[str, list[tuple[int, ...]]]]:
     ]
 
 
+def torch_forward_backward(quick: bool):
+    """(d)'s prelude: the forward and backward pass of an MLP (64 x 1024 -> 2048 -> 1024, GELU; quick: 256 wide)
+    in torch, on torch's threads; returns the function that runs one."""
+    gen = torch.Generator().manual_seed(0)
+    width = 256 if quick else 1024
+    model = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width))
+    x = torch.randn(64, width, generator=gen)
+
+    def run():
+        model.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+
+    return run
+
+
 def make_data(shapes, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     """Flat float32 (param, grad) pairs; the same data for every implementation of a workload."""
     rng = np.random.default_rng(seed)
@@ -59,7 +78,7 @@ def make_data(shapes, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
-def flatopt_case(suite, workload, shapes, make_opt, note="step_batch") -> Case:
+def flatopt_case(suite, workload, shapes, make_opt, note="step_batch", prelude=None) -> Case:
     holder: dict = {}
 
     def setup():
@@ -76,10 +95,10 @@ def flatopt_case(suite, workload, shapes, make_opt, note="step_batch") -> Case:
     def bpp():
         return holder.pop("opt").state_nbytes() / holder["n"]
 
-    return Case(suite, workload, "flatopt", setup, state_bytes_per_param=bpp, note=note)
+    return Case(suite, workload, "flatopt", setup, state_bytes_per_param=bpp, note=note, prelude=prelude)
 
 
-def torch_case(suite, workload, shapes, make_opt, impl, *, baseline=False) -> Case:
+def torch_case(suite, workload, shapes, make_opt, impl, *, baseline=False, prelude=None) -> Case:
     holder: dict = {}
 
     def setup():
@@ -98,7 +117,7 @@ def torch_case(suite, workload, shapes, make_opt, impl, *, baseline=False) -> Ca
                      if torch.is_tensor(v))
         return nbytes / holder["n"]
 
-    return Case(suite, workload, impl, setup, baseline=baseline, state_bytes_per_param=bpp)
+    return Case(suite, workload, impl, setup, baseline=baseline, state_bytes_per_param=bpp, prelude=prelude)
 
 
 def cases(quick: bool) -> list[Case]:
@@ -111,4 +130,10 @@ def cases(quick: bool) -> list[Case]:
         out.append(torch_case(SUITE, workload, shapes, lambda ps: torch.optim.AdamW(ps, **HP, foreach=False),
                               "torch single-tensor"))
         out.append(flatopt_case(SUITE, workload, shapes, lambda: flatopt.AdamW(**HP)))
+    shapes = workloads(quick)[0][1]
+    workload = f"(d) {workloads(quick)[0][0][4:]}, after torch fwd/bwd"
+    prelude = torch_forward_backward(quick)
+    out.append(torch_case(SUITE, workload, shapes, lambda ps: torch.optim.AdamW(ps, **HP, fused=True), "torch fused",
+                          baseline=True, prelude=prelude))
+    out.append(flatopt_case(SUITE, workload, shapes, lambda: flatopt.AdamW(**HP), prelude=prelude))
     return out

@@ -3,7 +3,7 @@
 Each ``benchmarks/bench_<suite>.py`` module defines ``cases(quick: bool) -> list[Case]``.  A case's ``setup()``
 builds its inputs and returns a zero-argument ``step`` function (one optimizer step over the whole workload); the
 harness warms it up, then times ``repeats`` calls (each after untimed settling calls of the same case, see
-``SETTLE``) and reports the median.  Within one (suite, workload), ratios are
+``SETTLE``, and the case's ``prelude`` if it has one) and reports the median.  Within one (suite, workload), ratios are
 ``baseline median / case median``: > 1 means faster than the baseline.  The machine is noisy: compare ratios
 measured in one process, never absolute times across runs.
 """
@@ -26,6 +26,9 @@ class Case:
     baseline: bool = False  # ratios in this workload are relative to this case
     state_bytes_per_param: Callable[[], float] | None = None  # called after the timed steps
     note: str = ""
+    # untimed, right before each timed step (after the settling steps): e.g. the torch work that computes the
+    # gradients in a training loop, whose threads may still hold the cores when the step starts
+    prelude: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass
@@ -78,6 +81,8 @@ def _time_group(cases: list[Case], repeats: int, warmup: int = 2, settle: int = 
                         steps[i]()
                     while settle and time.perf_counter() < t_end:
                         steps[i]()
+                    if cases[i].prelude is not None:
+                        cases[i].prelude()
                     t0 = time.perf_counter()
                     steps[i]()
                     times[i].append((time.perf_counter() - t0) * 1e3)

@@ -23,7 +23,16 @@
    ``adafactor8bit.apollo_lowrank.TASK`` at 128K against 256K (Adafactor8Bit's APOLLO r = 256 fp32 step), 2048×1024 weights,
    and the elementwise chunk ``core.driver.CHUNK`` at 64K against 128K elements (AdamW, Lion, QHAdamW on one 16M buffer
    and on the transformer-like set);
-7. **native** — the compiled CPU passes (``core/native.py``): the time of their first-use build; the memory floor of
+7. **ranges** — settled in-process A/B of ``core.cpu_plan.RANGE``, the task of a generated algorithm's large item
+   (one call of its compiled pass each): 512K, 1M and 2M against one call per 128K chunk and against torch's
+   fused step (AdamW, SGD with momentum; one 16M buffer and the transformer-like set), wall and process CPU time;
+8. **interop** — AdamW's 16M step right after a torch forward/backward pass and 0.3 s after it: wall time, and the
+   CPU time of flatopt's threads and of torch's threads while it runs (torch's OpenMP workers spin after their
+   region); run it with and without ``OMP_WAIT_POLICY=PASSIVE``;
+9. **isa** — the generated AdamW loop alone on one thread, built for SSE2, AVX2, AVX-512 and x86-64-v4 one at a
+   time: from memory (NumPy's alignment and 64-byte aligned) and in the cache, against ``torch._fused_adamw_`` on
+   one thread;
+10. **native** — the compiled CPU passes (``core/native.py``): the time of their first-use build; the memory floor of
    a Lion step (two NumPy adds per chunk that read p, g, m and write p, m once); settled in-process A/B against the
    NumPy twins they replace (the same bits): SGD, AdamW, Lion, QHAdamW, Sophia, Lamb and Mars on one 16M buffer and
    on the transformer-like set.
@@ -31,7 +40,9 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -303,11 +314,15 @@ def scaling(repeats: int = 21) -> None:
         f"{name} {ms:.2f} ms ({'releases' if ms > 1.0 else 'holds'} the GIL)" for name, ms in held.items()))
 
 
-def _ab(label: str, make_step, variants: dict, repeats: int, prefix: str = "sizes") -> None:
+def _ab(label: str, make_step, variants: dict, repeats: int, prefix: str = "sizes", cpu: bool = False) -> None:
     """Settled, interleaved in-process A/B: ``variants`` maps a name to {(module, attribute): value}; each variant
-    steps its own optimizer and data (``make_step()`` -> step) with those constants set (restored afterwards)."""
-    steps = {name: make_step() for name in variants}
+    steps its own optimizer and data (``make_step()`` -> step, or ``make_step[name]()``) with those constants set
+    (restored afterwards).  ``cpu``: also the process CPU time of each timed step (every thread of the process),
+    and the load average."""
+    steps = {name: (make_step[name] if isinstance(make_step, dict) else make_step)() for name in variants}
     times = {name: [] for name in variants}
+    cpus = {name: [] for name in variants}
+    load = os.getloadavg()[0]
     names = list(variants)
     for r in range(repeats):
         for name in (names if r % 2 else names[::-1]):
@@ -319,13 +334,18 @@ def _ab(label: str, make_step, variants: dict, repeats: int, prefix: str = "size
                 steps[name]()
                 while time.perf_counter() < t_end:
                     steps[name]()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 steps[name]()
+                cpus[name].append((time.process_time() - c0) * 1e3)
                 times[name].append((time.perf_counter() - t0) * 1e3)
             finally:
                 for (m, a), v in saved.items():
                     setattr(m, a, v)
     meds = {n: statistics.median(times[n]) for n in names}
+    if cpu:
+        print(f"{prefix}: {label} (medians of {repeats}, load average {load:.1f} to {os.getloadavg()[0]:.1f}): "
+              + ", ".join(f"{n} {meds[n]:.2f} ms wall, {statistics.median(cpus[n]):.2f} ms CPU" for n in names))
+        return
     print(f"{prefix}: {label}: " + ", ".join(f"{n} {meds[n]:.2f} ms" for n in names)
           + f" ({meds[names[0]] / meds[names[1]]:.2f}x)")
 
@@ -377,6 +397,172 @@ def sizes(repeats: int = 15) -> None:
                             ("QHAdamW", lambda: flatopt.QHAdamW(lr=1e-3))):
         _ab(f"{label} one 16M buffer, core.driver.CHUNK", elementwise(make_opt, [(1 << 24,)]), chunks, repeats)
         _ab(f"{label} transformer-like set, core.driver.CHUNK", elementwise(make_opt, shapes), chunks, repeats)
+
+
+def ranges(repeats: int = 15) -> None:
+    """``core.cpu_plan.RANGE``: the elements per task of a generated algorithm's large item (one call of its compiled
+    pass per task) at 512K, 1M and 2M, against one call per 128K chunk (``Hooks.ranges`` off, as a hand-written
+    pass runs) and torch's fused step (``torch.optim.AdamW(fused=True)``, SGD ``fused=True``) when torch is
+    installed."""
+    import flatopt
+    from flatopt.core import cpu_plan
+
+    from .bench_adamw import make_data, transformer_shapes
+
+    def make(make_opt, shapes, chunks=False):
+        def build():
+            items = [flatopt.OptItem(f"p{i}", s, p, g) for i, (s, (p, g)) in enumerate(zip(shapes, make_data(shapes)))]
+            opt = make_opt()  # its step plan, built at its first step, takes the RANGE of its variant
+            if chunks:
+                opt.hooks = opt.hooks.replace(ranges=False)
+            return lambda: opt.step_batch(items)
+        return build
+
+    def make_torch(torch_opt, shapes):
+        def build():
+            params = []
+            for s, (p, g) in zip(shapes, make_data(shapes)):
+                params.append(torch.nn.Parameter(torch.from_numpy(p).reshape(s)))
+                params[-1].grad = torch.from_numpy(g).reshape(s)
+            return torch_opt(params).step
+        return build
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    sizes_ = {"512K": 1 << 19, "1M": 1 << 20, "2M": 1 << 21}
+    variants = {"chunks": {}, **{k: {(cpu_plan, "RANGE"): v} for k, v in sizes_.items()}}
+    for label, make_opt, torch_opt in (
+            ("AdamW", lambda: flatopt.AdamW(lr=1e-3, weight_decay=1e-2),
+             lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2, fused=True)),
+            ("SGD momentum", lambda: flatopt.SGD(lr=1e-2, momentum=0.9),
+             lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True))):
+        for wl, shapes in (("one 16M buffer", [(1 << 24,)]), ("transformer-like set", transformer_shapes())):
+            makers = {"chunks": make(make_opt, shapes, chunks=True), **{k: make(make_opt, shapes) for k in sizes_}}
+            if torch is not None:
+                makers["torch fused"] = make_torch(torch_opt, shapes)
+            _ab(f"{label} {wl}, core.cpu_plan.RANGE", makers, {**variants, **({"torch fused": {}} if torch else {})},
+                repeats, "ranges", cpu=True)
+
+
+def interop(repeats: int = 12) -> None:
+    """AdamW's 16M step right after torch's forward and backward pass (``bench_adamw``'s workload (d)) and 0.3 s
+    after it: the wall time and the CPU time of flatopt's threads and of the process's other threads (torch's) while
+    the step runs, from ``/proc/self/task/*/schedstat`` (Linux).  Run it with and without ``OMP_WAIT_POLICY=PASSIVE``."""
+    import flatopt
+
+    from .bench_adamw import make_data, torch_forward_backward
+
+    def thread_ns() -> dict:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    out[int(tid)] = int(f.read().split()[0])
+            except OSError:  # the thread ended
+                pass
+        return out
+
+    (p, g), = make_data([(1 << 24,)])
+    opt = flatopt.AdamW(lr=1e-3, weight_decay=1e-2)
+    items = [flatopt.OptItem("p", p.shape, p, g)]
+    forward_backward = torch_forward_backward(False)
+    for _ in range(3):
+        opt.step_batch(items)
+        forward_backward()
+    res: dict = {"right after": [], "0.3 s after": []}
+    for _ in range(repeats):
+        for when, rows in res.items():
+            forward_backward()
+            if when != "right after":
+                time.sleep(0.3)
+            ours = {threading.main_thread().native_id} | {t.native_id for t in threading.enumerate()
+                                                          if t.name.startswith("flatopt")}
+            a, t0 = thread_ns(), time.perf_counter()
+            opt.step_batch(items)
+            wall, b = time.perf_counter() - t0, thread_ns()
+            d = {tid: (b[tid] - a.get(tid, 0)) / 1e6 for tid in b}
+            rows.append((wall * 1e3, sum(v for t, v in d.items() if t in ours),
+                         sum(v for t, v in d.items() if t not in ours)))
+    for when, rows in res.items():
+        w, mine, other = (statistics.median(r[k] for r in rows) for k in range(3))
+        print(f"interop: AdamW 16M {when} torch's forward/backward (OMP_WAIT_POLICY="
+              f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, load {os.getloadavg()[0]:.1f}): {w:.2f} ms wall, "
+              f"flatopt's threads {mine:.2f} ms CPU, the other threads {other:.2f} ms CPU")
+
+
+def isa(repeats: int = 15) -> None:
+    """The generated AdamW loop (weight decay, float32) alone on one thread, built for one instruction set at a time
+    (``-DFLATOPT_NO_CLONES`` plus the flags, as ``tests/test_native.py`` builds each clone): thread CPU time of one
+    16M-element call from memory, of 1024 calls on 16K elements in the cache, and from memory with the four arrays
+    aligned to 64 bytes; beside it ``torch._fused_adamw_`` on one thread (when torch is installed)."""
+    import ctypes
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from flatopt import adamw
+    from flatopt.core import native as _native
+    from flatopt.core.elementwise import run as _run
+
+    cc = shutil.which(os.environ.get("FLATOPT_CC", "cc"))
+    if cc is None:
+        print("isa: no C compiler")
+        return
+    n, small = 1 << 24, 1 << 14
+    rng = np.random.default_rng(0)
+
+    def arrays(size, align):
+        out = []
+        for k in range(4):
+            buf = np.empty(size + 16, np.float32)
+            skip = (-buf.ctypes.data % 64 if align else (16 - buf.ctypes.data) % 64) // 4  # 0 or 16 past a line
+            a = buf[skip:skip + size]
+            a[...] = rng.standard_normal(size) * (0.1 if k == 1 else 1.0) if k < 2 else 0.0
+            out.append(a)
+        return out
+
+    cfg = adamw.AdamWConfig(lr=1e-3, weight_decay=1e-2)
+    fs, packed = adamw.DEF.flags_of(cfg, 5), _run._packed(adamw.DEF, cfg, 5, 1e-3)
+    scalars = (ctypes.c_double * (len(packed) // 8)).from_buffer_copy(packed)
+    sets = {"memory": arrays(n, False), "memory, 64-byte aligned": arrays(n, True), "cache": arrays(small, False)}
+    ptrs = {k: (ctypes.c_void_p * 4)(*[a.ctypes.data for a in v]) for k, v in sets.items()}
+    builds = {"SSE2": "-mno-avx", "AVX2": "-mavx2", "AVX-512": "-mavx512f", "x86-64-v4": "-march=x86-64-v4"}
+    with tempfile.TemporaryDirectory() as d:
+        fns = {}
+        for name, flag in builds.items():
+            so = str(Path(d) / f"{name}.so")
+            res = subprocess.run([cc, *_native.FLAGS, "-DFLATOPT_NO_CLONES", flag, "-o", so,
+                                  *map(str, _native._sources()), "-lm"], capture_output=True)  # noqa: SLF001
+            if res.returncode == 0:
+                fn = ctypes.CDLL(so).flatopt_gen_adamw
+                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                fns[name] = fn
+        calls = {f"{name}, {where}": (lambda fn=fn, where=where: [fn(0, fs, ptrs[where], small, scalars)
+                                                                   for _ in range(n // small)]
+                                      if where == "cache" else fn(0, fs, ptrs[where], n, scalars))
+                 for name, fn in fns.items() for where in sets}
+        try:
+            import torch
+
+            torch.set_num_threads(1)
+            tp, tg, tm, tv = (torch.from_numpy(a) for a in sets["memory"])
+            step = torch.tensor(5.0)
+            calls["torch._fused_adamw_, one thread, memory"] = lambda: torch._fused_adamw_(
+                [tp], [tg], [tm], [tv], [], [step], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8,
+                amsgrad=False, maximize=False)
+        except ImportError:
+            pass
+        times: dict = {k: [] for k in calls}
+        for _ in range(repeats):
+            for k, fn in calls.items():
+                c0 = time.thread_time()
+                fn()
+                times[k].append((time.thread_time() - c0) * 1e3)
+    print(f"isa: AdamW, 16M float32 elements, one thread, thread CPU (medians of {repeats}, load "
+          f"{os.getloadavg()[0]:.1f}): " + ", ".join(f"{k} {statistics.median(v):.2f} ms" for k, v in times.items()))
 
 
 def native(repeats: int = 11, quick: bool = False) -> None:
@@ -440,7 +626,8 @@ def native(repeats: int = 11, quick: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "scaling", "sizes", "native"]
+    wanted = sys.argv[1:] or ["spin", "codec", "adafactor", "apollo", "scaling", "sizes", "ranges", "interop", "isa",
+                              "native"]
     for name in wanted:
         {"spin": spin, "codec": codec, "adafactor": adafactor, "apollo": apollo, "scaling": scaling,
-         "sizes": sizes, "native": native}[name]()
+         "sizes": sizes, "ranges": ranges, "interop": interop, "isa": isa, "native": native}[name]()

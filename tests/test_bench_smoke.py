@@ -36,9 +36,9 @@ def test_quick_benchmark_prints_and_writes_the_table(tmp_path):
     table = md.read_text()
     assert header in table
     rows = [line for line in table.splitlines() if line.startswith("| adamw |")]
-    assert len(rows) == 12, table  # 3 workloads x (torch fused, foreach, single-tensor, flatopt)
+    assert len(rows) == 14, table  # 3 workloads x (torch fused, foreach, single-tensor, flatopt), (d) x 2
     flat = [r for r in rows if "| flatopt" in r]
-    assert len(flat) == 3
+    assert len(flat) == 4
     for r in flat:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert float(cells[3]) > 0  # median ms/step

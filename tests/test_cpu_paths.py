@@ -165,7 +165,7 @@ def test_tasks_are_named_records():
     positional 7- and 4-tuples: a kept plan's tasks say by name where they find their arrays in a later step."""
     opt = flatopt.AdamW(lr=1e-3)
     rng = np.random.default_rng(0)
-    sizes = [40, 40, 3 * driver.CHUNK]
+    sizes = [40, 40, cpu_plan.RANGE + driver.CHUNK]  # AdamW's update takes ranges (Hooks.ranges): RANGE, the rest
     items = [OptItem(f"p{i}", (n,), rng.standard_normal(n).astype(np.float32),
                      rng.standard_normal(n).astype(np.float32)) for i, n in enumerate(sizes)]
     opt.step_batch(items)
@@ -173,7 +173,7 @@ def test_tasks_are_named_records():
     entries = [cpu_plan.Entry(i, it.name, it.param, it.grad, slots[it.name], 1e-3, 1.0) for i, it in enumerate(items)]
     made = cpu_plan._make(opt, entries, driver.CHUNK)  # noqa: SLF001
     assert made and all(type(t) is cpu_plan.Task and type(t.refill) is cpu_plan.Refill for t in made)
-    assert [t.refill.index for t in made] == [2, 2, [0, 1]]  # the large item in two tasks (TASK = 2 CHUNK), a bucket
+    assert [t.refill.index for t in made] == [2, 2, [0, 1]]  # the large item in two tasks, a bucket
     assert made[2].name == "p0 .. p1 (a bucket of 2 small parameters)"
     assert made[0].cost + made[1].cost == sizes[2] and made[2].refill.slot is slots["p0"]
 
@@ -188,3 +188,50 @@ def test_chunk_scratch_is_the_workspace():
     assert not any(np.shares_memory(a, b) for i, a in enumerate(bufs) for b in bufs[i + 1:])
     for i, b in enumerate(bufs):
         assert np.shares_memory(b, workspace.get(np, f"cpu_plan.chunk{i}", driver.CHUNK, np.float32))
+
+
+def test_a_generated_update_takes_one_call_per_range(monkeypatch):
+    """A generated algorithm's large item (``Hooks.ranges``) reaches its compiled pass once per task of ``RANGE``
+    elements, not once per chunk; a hand-written pass (Sophia's) still gets one call per chunk."""
+    from flatopt.core import native
+
+    if not native.status()[0]:
+        pytest.skip(f"no compiled passes: {native.status()[1]}")
+    seen = []
+    gen_step, step = native.gen_step, native.step
+    monkeypatch.setattr(native, "gen_step", lambda name, fs, arrays, packed: (
+        seen.append(("gen", arrays[0].size)), gen_step(name, fs, arrays, packed))[1])
+    monkeypatch.setattr(native, "step", lambda name, arrays, *a: (seen.append(("hand", arrays[0].size)),
+                                                                  step(name, arrays, *a))[1])
+    monkeypatch.setattr(cpu_plan, "RANGE", 3 * driver.CHUNK)
+    n = 7 * driver.CHUNK + 5
+    for opt, kind in ((flatopt.AdamW(lr=1e-2), "gen"), (flatopt.Sophia(lr=1e-2), "hand")):
+        assert opt.hooks.ranges == (kind == "gen")
+        p, g = _params([n])["w0"], _grads({"w0": np.zeros(n, np.float32)}, 0)["w0"]
+        seen.clear()
+        opt.step_batch([OptItem("w0", (n,), p, g)])
+        want = [3 * driver.CHUNK, 3 * driver.CHUNK, driver.CHUNK + 5] if kind == "gen" else [driver.CHUNK] * 7 + [5]
+        assert sorted(seen) == sorted((kind, k) for k in want), seen
+
+
+@pytest.mark.parametrize("algo", ["adamw_amsgrad", "sgd_dampened"])
+def test_the_numpy_path_cuts_a_range_into_chunks(algo, monkeypatch):
+    """Without the compiled pass, an update given a range longer than its scratch (``Hooks.ranges``) runs the
+    NumPy path in pieces of the scratch's length (a short last one): the bits of one pass over the whole range."""
+    from flatopt.core import native
+
+    monkeypatch.setattr(native, "gen_step", lambda *a: False)  # the NumPy path
+    n, k = 2500, 1000
+    opt = MAKERS[algo]()
+    assert opt.hooks.ranges
+    p = {w: _params([n])["w0"] for w in "ab"}
+    st = {w: opt.hooks.init(w, np, (n,), np.dtype(np.float32)) for w in "ab"}
+    for t in (1, 2, 3):
+        g = _grads({"w0": p["a"]}, t)["w0"]
+        for w, size in (("a", n), ("b", k)):
+            scratch = [np.full(size, np.nan, np.float32) for _ in range(opt.scratch_buffers)]
+            opt.hooks.update(np, st[w], p[w], g, t=t, lr=1e-2, scratch=scratch)
+        assert_bits_equal(p["a"], p["b"], f"step {t}")
+        for f in ("m", "v", "vmax", "buf"):
+            if getattr(st["a"], f, None) is not None:
+                assert_bits_equal(getattr(st["a"], f), getattr(st["b"], f), f)

@@ -51,6 +51,16 @@ def test_no_override_identity_checks_or_ignored_override_errors():
     assert not [str(p) for p, t in text.items() if "type: ignore[override]" in t]
 
 
+def test_a_replaced_update_takes_chunks():
+    """``Hooks.ranges`` (the update cuts long ranges itself) holds for the generated algorithms' own update only: a
+    replaced ``update`` gets cache-sized chunks again unless it says otherwise."""
+    opt = flatopt.AdamW()
+    assert opt.hooks.ranges and not flatopt.Sophia().hooks.ranges and not flatopt.Adafactor().hooks.ranges
+    assert not opt.hooks.replace(update=opt.hooks.update).ranges
+    assert opt.hooks.replace(update=opt.hooks.update, ranges=True).ranges
+    assert opt.hooks.replace(check_shape=opt.hooks.check_shape).ranges
+
+
 def test_replacing_a_hook_changes_only_this_object():
     import numpy as np
 

@@ -3,7 +3,9 @@
 * **Large items** of an elementwise algorithm run in cache-sized chunks (``core.driver.CHUNK`` elements): every ufunc
   pass of ``update`` then finds its operands in the L2 cache.  Consecutive chunks are grouped into tasks of about
   ``TASK`` elements, which ``core.parallel.run_tasks`` spreads over the threads; one task costs one Python call and
-  one scratch look-up, not one per chunk.
+  one scratch look-up, not one per chunk.  An update that takes whole ranges (``Hooks.ranges``: a generated
+  algorithm, whose compiled pass streams each array once and needs no cache-sized chunks) gets tasks of ``RANGE``
+  elements instead, one call each; its NumPy path cuts them into chunks itself.
 * **Small items** (at most ``SMALL`` elements) of an elementwise algorithm are *bucketed*: the items of one batch
   that share a dtype, a step count ``t``, a learning rate and their scalar state fields are packed and updated
   with one call of ``update`` per chunk instead of ~14 ufunc calls each.  Their state lives packed in a bucket
@@ -34,6 +36,11 @@ SMALL = 1 << 13
 BUCKET = 1 << 18
 # Elements per task of a large item (about one thread's share of work worth a hand-off; a multiple of CHUNK).
 TASK = 1 << 18
+# Elements per task of a large item whose update takes whole ranges (``Hooks.ranges``: the compiled pass, one call
+# per task, or the NumPy path cutting it into chunks itself).  Longer tasks cost fewer calls; shorter ones leave
+# less work to one thread while the others wait at the end of a step.  Re-measure: ``python -m
+# benchmarks.threads_probe ranges``.
+RANGE = 1 << 20
 # Bucket plans kept per optimizer (one per distinct composition of small items in recent batches).
 MAX_PLANS = 32
 
@@ -102,12 +109,13 @@ def scratch(dtype: np.dtype, k: int, chunk: int) -> list:
 
 
 def _run_views(opt, views, p, g, t, lr, chunk) -> None:
-    """``update`` on ``views`` (chunks of state) with the matching slices of ``p`` and ``g``."""
+    """``update`` on ``views`` (pieces of state) with the matching slices of ``p`` and ``g``, with ``chunk``-sized
+    scratch (a view longer than it: ``Hooks.ranges``, the update cuts it)."""
     upd = opt.hooks.update
     full = scratch(p.dtype, opt.scratch_buffers, chunk)
     for lo, hi, st in views:
         n = hi - lo
-        upd(np, st, p[lo:hi], g[lo:hi], t=t, lr=lr, scratch=full if n == chunk else [b[:n] for b in full])
+        upd(np, st, p[lo:hi], g[lo:hi], t=t, lr=lr, scratch=full if n >= chunk else [b[:n] for b in full])
 
 
 class RangeTask:
@@ -308,8 +316,10 @@ def _slot_views(slot, n: int, chunk: int) -> list:
 def _large_tasks(opt, e: Entry, chunk: int) -> list[Task]:
     p, g, slot, lr = e.param, e.grad, e.slot, e.lr
     n = p.size
-    views = _slot_views(slot, n, chunk)
-    per = max(1, TASK // chunk)
+    if opt.hooks.ranges:  # one range per task (one call of the compiled pass)
+        views, per = _slot_views(slot, n, max(RANGE, chunk)), 1
+    else:
+        views, per = _slot_views(slot, n, chunk), max(1, TASK // chunk)
     t = slot.t
     refill = Refill(e.index, slot, e.group)
     if len(views) <= per:

@@ -49,7 +49,8 @@ from .validate import check_snapshot, check_snapshot_fields
 # hand NumPy's GIL to each other too often, much longer ones leave the cache.  128K is the better or an equal choice
 # with two threads, the default.  Re-measure: ``python -m benchmarks.threads_probe sizes`` (64K against 128K; the
 # figures are in benchmarks/README.md).  The bits do not depend on it (elementwise passes; the norms' sums
-# keep core.blocks' own order).  The compiled CPU passes (core/native.py) take the same chunks, one call each.
+# keep core.blocks' own order).  A compiled CPU pass (core/native.py) that streams each array once takes longer
+# ranges instead (``Hooks.ranges``, core.cpu_plan.RANGE); a hand-written one takes these chunks, one call each.
 # core/cpu_plan.py turns a batch into tasks (chunked large items, bucketed small ones).
 CHUNK = 1 << 17
 
@@ -107,7 +108,8 @@ class PerParamOptimizer:
         self.plan_cache = PlanCache()  # every plan and cache derived from batches (core.plan_cache)
         # the extension points (core.hooks): an algorithm replaces fields in its __init__, never a driver method
         self.hooks: Hooks[Any] = Hooks(init=self._init_named, update=self._update, effective_lr=self._effective_lr,
-                                       kernel_update=self._kernel_update, check_shape=self._check_shape)
+                                       kernel_update=self._kernel_update, check_shape=self._check_shape,
+                                       ranges=getattr(getattr(type(self), "update_fn", None), "takes_ranges", False))
 
     # ----------------------------------------------------------------------------------------------- hooks
     # An algorithm module provides ``init(xp, cfg, shape, dtype) -> State``, the array-agnostic

@@ -56,7 +56,14 @@ class Hooks(Generic[LrT]):
     run: Callable[[list[Any]], None] | None = None
     # replaces the driver's validation and state creation (no step plans are kept then)
     prepare: Callable[[Sequence[OptItem]], list[Any]] | None = None
+    # ``update`` takes a contiguous range of any length and cuts it into pieces of its scratch's length itself where
+    # it needs cache-sized chunks (the generated elementwise algorithms: their compiled pass streams each array once,
+    # so core.cpu_plan gives it one range per task, one call, instead of one call per chunk)
+    ranges: bool = False
 
     def replace(self, **changes: Any) -> Hooks[Any]:
-        """These hooks with ``changes`` (field name -> new value)."""
+        """These hooks with ``changes`` (field name -> new value); a replaced ``update`` takes chunks (``ranges``
+        False) unless ``changes`` says otherwise."""
+        if "update" in changes:
+            changes.setdefault("ranges", False)
         return dataclasses.replace(self, **changes)

@@ -81,10 +81,19 @@ def scratch_needed(d: Definition) -> int:
 
 def numpy_update(d: Definition, xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float,
                  scratch: list) -> None:
-    """The NumPy/CuPy path alone (the reference)."""
+    """The NumPy/CuPy path alone (the reference), in pieces of the scratch's length (every pass of a piece then
+    finds its operands in the cache: the driver's scratch is chunk-sized)."""
     lr, hv = split(d, lr)
     fn, sc, nb = _prepared(d, cfg, t, lr, p.dtype, xp, math.copysign(1.0, lr), hv)
-    fn((p, g, *d.state_arrays(st, p)), sc, scratch, lower_numpy.bool_scratch(xp, nb, p.size) if nb else (), p.dtype.type)
+    arrays, n, dt = (p, g, *d.state_arrays(st, p)), p.size, p.dtype.type
+    if not scratch or n <= scratch[0].size:
+        fn(arrays, sc, scratch, lower_numpy.bool_scratch(xp, nb, n) if nb else (), dt)
+        return
+    k = scratch[0].size
+    for lo in range(0, n, k):
+        m = min(k, n - lo)
+        fn(tuple(a[lo:lo + m] for a in arrays), sc, scratch if m == k else [b[:m] for b in scratch],
+           lower_numpy.bool_scratch(xp, nb, m) if nb else (), dt)
 
 
 def native_update(d: Definition, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
@@ -101,6 +110,8 @@ def bind(d: Definition):
         if xp is np and native_update(d, cfg, st, p, g, t=t, lr=lr):
             return
         numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr, scratch=scratch)
+
+    update.takes_ranges = True  # type: ignore[attr-defined]  # (core.hooks.Hooks.ranges: numpy_update cuts)
 
     def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: Any) -> bool:
         lr, hv = split(d, lr)
