@@ -192,26 +192,23 @@ def test_chunk_scratch_is_the_workspace():
 
 def test_a_generated_update_takes_one_call_per_range(monkeypatch):
     """A generated algorithm's large item (``Hooks.ranges``) reaches its compiled pass once per task of ``RANGE``
-    elements, not once per chunk; a hand-written pass (Sophia's) still gets one call per chunk."""
+    elements, not once per chunk."""
     from flatopt.core import native
 
     if not native.status()[0]:
         pytest.skip(f"no compiled passes: {native.status()[1]}")
     seen = []
-    gen_step, step = native.gen_step, native.step
+    gen_step = native.gen_step
     monkeypatch.setattr(native, "gen_step", lambda name, fs, arrays, packed: (
-        seen.append(("gen", arrays[0].size)), gen_step(name, fs, arrays, packed))[1])
-    monkeypatch.setattr(native, "step", lambda name, arrays, *a: (seen.append(("hand", arrays[0].size)),
-                                                                  step(name, arrays, *a))[1])
+        seen.append(arrays[0].size), gen_step(name, fs, arrays, packed))[1])
     monkeypatch.setattr(cpu_plan, "RANGE", 3 * driver.CHUNK)
     n = 7 * driver.CHUNK + 5
-    for opt, kind in ((flatopt.AdamW(lr=1e-2), "gen"), (flatopt.Sophia(lr=1e-2), "hand")):
-        assert opt.hooks.ranges == (kind == "gen")
+    for opt in (flatopt.AdamW(lr=1e-2), flatopt.Sophia(lr=1e-2)):
+        assert opt.hooks.ranges
         p, g = _params([n])["w0"], _grads({"w0": np.zeros(n, np.float32)}, 0)["w0"]
         seen.clear()
         opt.step_batch([OptItem("w0", (n,), p, g)])
-        want = [3 * driver.CHUNK, 3 * driver.CHUNK, driver.CHUNK + 5] if kind == "gen" else [driver.CHUNK] * 7 + [5]
-        assert sorted(seen) == sorted((kind, k) for k in want), seen
+        assert sorted(seen) == sorted([3 * driver.CHUNK, 3 * driver.CHUNK, driver.CHUNK + 5]), seen
 
 
 @pytest.mark.parametrize("algo", ["adamw_amsgrad", "sgd_dampened"])
