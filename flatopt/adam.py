@@ -32,6 +32,7 @@ import numpy as np
 
 from .core import backend, kernels, native
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
@@ -87,7 +88,7 @@ def adam_family_step(decoupled: bool) -> Any:
         src = v
         if f.ams:
             vmax = src = e.maximum(vmax, v)  # NumPy's NaN rule
-        p = p + (m / (e.sqrt(src) / s.bc2_sqrt + s.eps)) * s.neg_step
+        p = p + e.cautious(m / (e.sqrt(src) / s.bc2_sqrt + s.eps), g) * s.neg_step
         return dict(p=p, m=m, v=v, vmax=vmax)
     return step
 
@@ -110,7 +111,7 @@ def zeros_state(xp: Any, n: int, dtype: Any, k: int) -> list[Array]:
 
 # ------------------------------------------------------------------------------------------------ Adam
 @dataclasses.dataclass(frozen=True)
-class AdamConfig:
+class AdamConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -215,7 +216,8 @@ class Adam(PerParamOptimizer):
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, *, lr_scale: LrScale = None,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, cautious: bool = False, lr_scale: LrScale = None,
                  weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale,
+        super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

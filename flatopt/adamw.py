@@ -29,6 +29,7 @@ import numpy as np
 from .adam import adam_family
 from .core import backend, kernels, native
 from .core.elementwise import run
+from .core.elementwise.define import Cautious
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
@@ -36,7 +37,7 @@ from .core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class AdamWConfig:
+class AdamWConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -170,8 +171,9 @@ class AdamW(PerParamOptimizer):
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *, lr_scale: LrScale = None,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, cautious: bool = False, lr_scale: LrScale = None,
                  weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale,
+        super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
 

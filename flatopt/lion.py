@@ -27,6 +27,7 @@ import numpy as np
 from .adam import check_common
 from .core import backend, kernels, native
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.driver import PerParamOptimizer
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
@@ -34,7 +35,7 @@ from .core.validate import normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class LionConfig:
+class LionConfig(Cautious):
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.0
@@ -75,7 +76,7 @@ def step(e: Any, p: Any, g: Any, m: Any, *, s: Any, f: Any) -> dict[str, Any]:
     if f.wd:
         p = p * s.decay
     c = m * s.b1 + g * s.omb1
-    p = p + e.sign(c) * s.neg_lr
+    p = p + e.cautious(e.sign(c), g) * s.neg_lr
     m = m * s.b2 + g * s.omb2
     return dict(p=p, m=m)
 
@@ -159,5 +160,6 @@ class Lion(PerParamOptimizer):
     scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(LionConfig(lr, betas, weight_decay), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(LionConfig(lr, betas, weight_decay, cautious=cautious), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -34,13 +34,14 @@ from .adam import adam_moments, bias_corrections, check_common, moments, zeros_s
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class NAdamWConfig:
+class NAdamWConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -90,8 +91,11 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)
     d = e.sqrt(v / s.bc2) + s.eps
-    p = p + (g / d) * s.c_g
-    p = p + (m / d) * s.c_m
+    if f.cautious:  # one masked direction; its terms carry −lr, so it is compared with −g
+        p = p + e.cautious((g / d) * s.c_g + (m / d) * s.c_m, -g)
+    else:
+        p = p + (g / d) * s.c_g
+        p = p + (m / d) * s.c_m
     return dict(p=p, m=m, v=v)
 
 
@@ -157,6 +161,7 @@ class NAdamW(PerParamOptimizer):
     scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(NAdamWConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale,
+                 weight_decay: float = 1e-2, *, cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(NAdamWConfig(lr, betas, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -31,13 +31,14 @@ from .adam import adam_moments, bias_corrections, check_common, moments, zeros_s
 from .core import backend, kernels, native
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.multi_tensor import MultiTensor
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class QHAdamWConfig:
+class QHAdamWConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.995, 0.999)
     nus: tuple[float, float] = (0.7, 1.0)
@@ -98,7 +99,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
     den = v * s.c_v
     if f.nu2:
         den = den + (g * s.c_gg) * g
-    p = p + (num / (e.sqrt(den) + s.eps)) * s.neg_lr
+    p = p + e.cautious(num / (e.sqrt(den) + s.eps), g) * s.neg_lr
     return dict(p=p, m=m, v=v)
 
 
@@ -174,6 +175,7 @@ class QHAdamW(PerParamOptimizer):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.995, 0.999),
                  nus: tuple[float, float] = (0.7, 1.0), eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay), lr_scale=lr_scale,
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

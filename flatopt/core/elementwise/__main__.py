@@ -39,7 +39,9 @@ def show(algo: str, lowering: str) -> str:
         fs = d.index(f)
         prog = d.program(f)
         lines.append(f"# {algo} flag set {fs}: {f}")
-        if lowering == "numpy":
+        if lowering == "numpy" and d.split_at(fs) is not None:
+            lines.append("# a sum: the reduce phase, the fold and the map of core/elementwise/reduce.py")
+        elif lowering == "numpy":
             p = run.plan(d, fs)
             lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
             lines += [f"copy {src} -> {name}" for name, src in p.copies]

@@ -36,6 +36,7 @@ pass (``emit_c``, compiled by ``core/native.py``) and the CUDA kernels (``emit_c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -47,11 +48,43 @@ from . import reduce, trace as tr
 REGISTRY: dict[str, "Definition"] = {}  # filled as the algorithm modules are imported
 
 
+@dataclasses.dataclass(frozen=True)
+class Cautious:
+    """The config base of an elementwise algorithm whose step marks its update direction with ``e.cautious``: the
+    keyword-only field ``cautious`` (a bool, default False; a snapshot's config without it reads False), checked
+    before the subclass's own ``__post_init__``; the definition then gains the flag ``cautious`` (its last)."""
+
+    cautious: bool = dataclasses.field(default=False, kw_only=True)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        own = cls.__dict__.get("__post_init__")
+        if own is None or getattr(own, "checks_cautious", False):
+            return
+
+        def __post_init__(self: Any) -> None:
+            _check_cautious(self)
+            own(self)
+
+        __post_init__.checks_cautious = True  # type: ignore[attr-defined]
+        cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+
+    def __post_init__(self) -> None:
+        _check_cautious(self)
+
+
+def _check_cautious(cfg: Any) -> None:
+    if not isinstance(cfg.cautious, bool):
+        raise TypeError(f"{type(cfg).__name__.removesuffix('Config')}: cautious must be a bool, got {cfg.cautious!r}")
+
+
 class Definition:
     def __init__(self, name: str, step: Callable, *, scalars: Callable, flags: Callable, flag_names: tuple,
                  slots: tuple, example: Any, valid: Callable[[dict], bool] | None = None, register: bool = True):
         self.name, self.step_fn, self.scalars_fn, self.flags_fn = name, step, scalars, flags
-        self.flag_names, self.slots, self.example = tuple(flag_names), tuple(slots), example
+        self.cautious = isinstance(example, Cautious)  # the flag ``cautious`` (last): the step calls e.cautious
+        self.flag_names = tuple(flag_names) + (("cautious",) if self.cautious else ())
+        self.slots, self.example = tuple(slots), example
         params = list(inspect.signature(step).parameters)
         self.arrays = tuple(params[1:3]) + self.slots  # p, g, then the slots
         if tuple(params[3:3 + len(self.slots)]) != self.slots:
@@ -85,7 +118,11 @@ class Definition:
     @functools.lru_cache(maxsize=64)  # noqa: B019
     def split_at(self, fs: int) -> "reduce.Split | None":
         """Flag set ``fs``'s program cut at its sums (``reduce.split``), or None when it has no sum."""
-        return reduce.split(self.program_at(fs), self.arrays, self.scalar_names)
+        return reduce.split(self.program_at(fs), self.arrays, self.scalar_names + (tr.NUMEL,))
+
+    def plain_flag_sets(self) -> list[dict]:
+        """The flag sets without a sum (elementwise: one C loop and one pair of CUDA kernels each)."""
+        return [f for f in self.flag_sets() if self.split_at(self.index(f)) is None]
 
     def has_sums(self) -> bool:
         """Whether some flag set sums over the tensor (the optimizer is then not elementwise)."""
@@ -100,6 +137,8 @@ class Definition:
     @functools.lru_cache(maxsize=256)  # noqa: B019
     def _flags_of(self, cfg: Any, t: int) -> int:
         f = self.flags_fn(cfg, t)
+        if self.cautious:
+            f = {**f, "cautious": cfg.cautious}
         if tuple(f) != self.flag_names:
             raise ValueError(f"{self.name}.flags returned {tuple(f)}, declared {self.flag_names}")
         return self.index(f)

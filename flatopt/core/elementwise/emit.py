@@ -111,7 +111,7 @@ def _c_algo(d) -> list[str]:
     L += [f"    double {s};" for s in d.scalar_names]
     L += ["};", ""]
     cases = []
-    for f in d.flag_sets():
+    for f in d.plain_flag_sets():
         fs = d.index(f)
         prog = d.program(f)
         written = {n for n, _ in prog.outputs}
@@ -181,7 +181,7 @@ def cuda_source(d, shape: tuple, path: str) -> str:
     def here() -> str:
         return f'#line {len(L) + 2} "{path}"'
 
-    for f in d.flag_sets():
+    for f in d.plain_flag_sets():
         fs = d.index(f)
         prog = d.program(f)
         written = {n for n, _ in prog.outputs}

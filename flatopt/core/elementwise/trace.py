@@ -25,6 +25,7 @@ Ref = tuple  # ("in", name) | ("s", name) | ("c", float) | ("v", index)
 ARITY = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "sqrt": 1, "abs": 1, "sign": 1, "copysign": 2,
          "maximum": 2, "minimum": 2, "where": 3, "isfinite": 1, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2,
          "ne": 2, "not": 1, "and": 2, "or": 2, "cast": 1, "sum": 1}
+NUMEL = "numel"  # the per-tensor scalar: the tensor's element count in the dtype (read only by a fold)
 BOOL_OPS = frozenset({"isfinite", "lt", "le", "gt", "ge", "eq", "ne", "not", "and", "or"})
 
 
@@ -102,8 +103,8 @@ class Intrinsics:
     """``e``: the operations a step may use besides + - * / and the comparisons; each has NumPy's semantics
     (``maximum``/``minimum`` propagate a NaN, ``sign`` of ±0 is 0 and of a NaN the NaN)."""
 
-    def __init__(self, t: "_Tracer"):
-        self._t = t
+    def __init__(self, t: "_Tracer", flags: dict | None = None):
+        self._t, self._flags = t, flags or {}
 
     def _u(self, op: str, x: Any) -> Sym:
         return self._t.emit(op, (self._t.lift(x),))
@@ -145,6 +146,26 @@ class Intrinsics:
         """``sum(x * x)``: the sum of squares of ``x``."""
         x = self._t.lift(x)
         return self.sum(x * x)
+
+    def cautious(self, u: Any, g: Any) -> Any:
+        """The update direction ``u`` (the step subtracts lr·u), masked where it disagrees in sign with ``g`` and
+        rescaled, when the definition's flag ``cautious`` is set (Liang et al. 2024, as pytorch-optimizer 4.1.0's
+        ``apply_cautious``); else ``u`` itself (no instruction)::
+
+            mask = where(u·g > 0, 1, 0);   u·(mask·((1 / (Σ mask + 1))·numel))
+
+        ``numel``: the tensor's element count in the dtype (the per-tensor scalar ``NUMEL``); ``1 / x · numel`` is
+        torch's ``numel / x`` (``Tensor.__rtruediv__``: a reciprocal, then a product).  Pass ``-g`` for a ``u``
+        that already carries −lr."""
+        if "cautious" not in self._flags:
+            raise TypeError(f"{self._t.algo}.step: e.cautious needs the flag 'cautious' (a config deriving from "
+                            f"core.elementwise.define.Cautious)")
+        if not self._flags["cautious"]:
+            return u
+        u, g = self._t.lift(u), self._t.lift(g)
+        mask = self.where(u * g > 0, 1, 0)
+        scale = (1 / (self.sum(mask) + 1)) * Sym(self._t, ("s", NUMEL))
+        return u * (mask * scale)
 
 
 class _Tracer:
@@ -197,7 +218,7 @@ def trace(algo: str, step: Callable, arrays: tuple, scalar_names: tuple, flags: 
     t = _Tracer(algo, step)
     ins = {a: Sym(t, ("in", a)) for a in arrays}
     s = _Named("scalar", {k: Sym(t, ("s", k)) for k in scalar_names})
-    out = step(Intrinsics(t), *ins.values(), s=s, f=_Named("flag", dict(flags)))
+    out = step(Intrinsics(t, flags), *ins.values(), s=s, f=_Named("flag", dict(flags)))
     if not isinstance(out, dict):
         raise TypeError(f"{algo}.step must return a dict of the arrays it writes")
     outputs = []

@@ -14,7 +14,7 @@
 #define CLONES
 #endif
 
-/* ---- adam: adam.py `step` (flags: wd, ams) */
+/* ---- adam: adam.py `step` (flags: wd, ams, cautious) */
 struct adam_scalars {
     double wd;
     double omb1;
@@ -283,7 +283,7 @@ __attribute__((visibility("default"))) int flatopt_gen_adam(int dt, int fs, void
     }
 }
 
-/* ---- adamw: adam.py `step` (flags: wd, ams) */
+/* ---- adamw: adam.py `step` (flags: wd, ams, cautious) */
 struct adamw_scalars {
     double decay;
     double omb1;
@@ -548,7 +548,7 @@ __attribute__((visibility("default"))) int flatopt_gen_adamw(int dt, int fs, voi
     }
 }
 
-/* ---- lion: lion.py `step` (flags: wd) */
+/* ---- lion: lion.py `step` (flags: wd, cautious) */
 struct lion_scalars {
     double decay;
     double b1;
@@ -660,7 +660,7 @@ __attribute__((visibility("default"))) int flatopt_gen_lion(int dt, int fs, void
     }
 }
 
-/* ---- nadamw: nadamw.py `step` (flags: wd) */
+/* ---- nadamw: nadamw.py `step` (flags: wd, cautious) */
 struct nadamw_scalars {
     double decay;
     double omb1;
@@ -814,7 +814,7 @@ __attribute__((visibility("default"))) int flatopt_gen_nadamw(int dt, int fs, vo
     }
 }
 
-/* ---- qhadamw: qhadamw.py `step` (flags: wd, nu1, nu2) */
+/* ---- qhadamw: qhadamw.py `step` (flags: wd, nu1, nu2, cautious) */
 struct qhadamw_scalars {
     double decay;
     double omb1;
@@ -1402,7 +1402,7 @@ __attribute__((visibility("default"))) int flatopt_gen_qhadamw(int dt, int fs, v
     }
 }
 
-/* ---- radam: radam.py `step` (flags: wd, dec, rect) */
+/* ---- radam: radam.py `step` (flags: wd, dec, rect, cautious) */
 struct radam_scalars {
     double wd;
     double decay;
@@ -1740,7 +1740,7 @@ __attribute__((visibility("default"))) int flatopt_gen_radam(int dt, int fs, voi
     }
 }
 
-/* ---- sgd: sgd.py `step` (flags: wd, mom, first, damp, nest) */
+/* ---- sgd: sgd.py `step` (flags: wd, mom, first, damp, nest, cautious) */
 struct sgd_scalars {
     double wd;
     double mom;
