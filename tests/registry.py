@@ -164,6 +164,13 @@ FLAG_SPACE: dict[str, FlagSpace] = {
 }
 
 
+# cautious=True (the config base core.elementwise.define.Cautious): an option of every algorithm whose config has the
+# field, derived from the definitions; its mask's count is a per-tensor sum (3 launches per multi-tensor group)
+for _space in FLAG_SPACE.values():
+    if "cautious" in {f.name for f in dataclasses.fields(_space.cls.config_cls)}:
+        _space.options["cautious"] = {"": False, "cautious": True}
+
+
 @dataclasses.dataclass(frozen=True)
 class FlagCase:
     algorithm: str
@@ -184,7 +191,7 @@ class FlagCase:
     @property
     def launches(self) -> int:
         """Multi-tensor launches per group: the norm's partials, folds and map when the step takes a norm."""
-        return 3 if self.space.norms and self.kwargs.get("clip_c", True) else 1
+        return 3 if (self.space.norms and self.kwargs.get("clip_c", True)) or self.kwargs.get("cautious") else 1
 
 
 def policy_of(opt) -> str:
