@@ -171,8 +171,8 @@ class AdamW(PerParamOptimizer):
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *, cautious: bool = False, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, cautious: bool = False,
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
         run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

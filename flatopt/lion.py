@@ -161,5 +161,6 @@ class Lion(PerParamOptimizer):
 
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
                  cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(LionConfig(lr, betas, weight_decay, cautious=cautious), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        super().__init__(LionConfig(lr, betas, weight_decay, cautious=cautious), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)
         run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

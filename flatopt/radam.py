@@ -199,6 +199,6 @@ class RAdam(PerParamOptimizer):
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False, threshold: float = 5.0, *,
                  cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold, cautious=cautious),
-                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold,
+                                     cautious=cautious), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
         run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -170,9 +170,10 @@ class SGD(PerParamOptimizer):
     matters = ("momentum",)  # whether a momentum buffer exists
 
     def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, *, cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay, cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                 weight_decay: float = 0.0, *, cautious: bool = False, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay, cautious=cautious),
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
         run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
 
     def _config_key(self) -> JSONDict:
