@@ -19,6 +19,8 @@ parameter's dtype with float64 bias corrections.  On the CPU the twin's operatio
 the twin).  ``end_iteration`` only counts iterations (bias correction uses the per-name t).  State: ``m``, ``v``
 (and ``vmax``): 8 B/param in float32 (12 with amsgrad).  Use it where a model was tuned with L2-coupled Adam;
 otherwise prefer AdamW.
+``cautious=True``: the direction m/(√v̂ + ε) masked where it disagrees in sign with g' (L2-decayed), times
+numel/(count + 1) per tensor, as pytorch-optimizer's ``apply_cautious`` (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ torch's single-tensor path.  torch's vectorised CPU kernels may contract multipl
 ulps rather than bit for bit.  On the CPU the twin's operations run fused in one compiled pass
 (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; amsgrad and machines without a C compiler run
 the twin).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
+``cautious=True``: the direction m/(√v̂ + ε) masked where it disagrees in sign with g, times numel/(count + 1) per
+tensor; the decay stays outside, as pytorch-optimizer's ``apply_cautious`` (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations

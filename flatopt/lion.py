@@ -14,6 +14,8 @@ count t is unused.  Deviations: none from lion-pytorch with ``decoupled_weight_d
 with other roundings.  On the CPU the twin's operations run fused in one compiled pass
 (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
 ``end_iteration`` only counts iterations.  State: ``m`` (4 B/param in float32).
+``cautious=True``: sign(c) masked where it disagrees in sign with g, times numel/(count + 1) per tensor, as
+pytorch-optimizer's ``Lion(cautious=True)`` (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations

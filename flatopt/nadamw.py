@@ -19,6 +19,8 @@ optimizer: 0.44 apart after 10 steps) is not offered; flatopt is torch's NAdam a
 it ~7e-6 away at β2 = 0.999.  On the CPU the twin's operations run fused in one compiled pass
 (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
 ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+``cautious=True``: the direction (both terms together) masked where it disagrees in sign with g, times
+numel/(count + 1) per tensor, then added to p at once, not term by term (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ debiases with float64 β^t, identical in exact arithmetic (rlx-optim does the sa
 (1, 1)) differ from these.  On the CPU the twin's operations run fused in one compiled pass
 (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
 ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+``cautious=True``: the direction n/d masked where it disagrees in sign with g, times numel/(count + 1) per tensor
+(docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations

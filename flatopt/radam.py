@@ -20,6 +20,8 @@ From the official code: its default ``degenerated_to_sgd=False`` skips the whole
 5; flatopt (like torch) takes the SGD-momentum step.  On the CPU the twin's operations run fused in one compiled
 pass (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
 ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+``cautious=True``: the direction (m/(√v + ε), or m unrectified) masked where it disagrees in sign with g', times
+numel/(count + 1) per tensor (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations

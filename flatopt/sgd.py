@@ -13,6 +13,7 @@ first step into ``momentum * 0 + g'``, which differs from torch when dampening !
 Arithmetic is in the parameter's dtype.  On the CPU the twin's operations run fused in one compiled pass
 (``kernels/cpu/elementwise.c`` via ``core/native.py``, the same bits; without a C compiler the twin runs).
 ``end_iteration`` only counts iterations (SGD has no schedule). State: ``buf`` (only when momentum != 0).
+``cautious=True``: d masked where d·g' ≤ 0, times numel/(count + 1) per tensor (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
