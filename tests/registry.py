@@ -7,6 +7,7 @@ accepts, and a learning rate at which it must decrease a quadratic and the Rosen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Callable
 
@@ -169,6 +170,13 @@ FLAG_SPACE: dict[str, FlagSpace] = {
 for _space in FLAG_SPACE.values():
     if "cautious" in {f.name for f in dataclasses.fields(_space.cls.config_cls)}:
         _space.options["cautious"] = {"": False, "cautious": True}
+
+
+# and the contract suite (every test over REGISTRY) runs each such algorithm's registry entry with the flag on
+for _algo, _space in FLAG_SPACE.items():
+    if "cautious" in _space.options and _algo in REGISTRY:
+        REGISTRY[f"{_algo}_cautious"] = dataclasses.replace(
+            REGISTRY[_algo], make=functools.partial(REGISTRY[_algo].make, cautious=True))
 
 
 @dataclasses.dataclass(frozen=True)

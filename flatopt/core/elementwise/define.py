@@ -29,6 +29,17 @@ reads +0 (the blocked order pads with +0).  Such a definition's optimizer is not
 work area).  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
 whether any flag set has one.
 
+**Cautious.**  A config deriving from :class:`Cautious` has the keyword-only field ``cautious`` (a bool, False by
+default, checked before the config's own checks); its definition gains the flag ``cautious`` as its last (the
+other flag sets keep their numbers, programs and kernels), and its step marks its update direction once::
+
+    p = p + e.cautious(u, g) * s.neg_lr         # u when the flag is off (no instruction)
+
+With the flag on, ``e.cautious`` (``trace.Intrinsics.cautious``) masks u where u·g ≤ 0 and scales it by
+numel/(count + 1): a sum, so those flag sets are reduce-then-map programs and ``run.configure`` binds the
+optimizer to their forms (``run.bind_reduce``).  ``numel`` is the tensor's element count in the dtype, read by a
+fold only (``trace.NUMEL``).  ``plain_flag_sets()`` lists the flag sets without a sum.
+
 From it (all cached per flag set): the instruction list (``trace``), the NumPy/CuPy path (``lower_numpy``), the C
 pass (``emit_c``, compiled by ``core/native.py``) and the CUDA kernels (``emit_cuda``, loaded by
 ``core/kernels.py``).  ``update``, ``kernel_update`` and ``multi`` are what the optimizer class binds.
