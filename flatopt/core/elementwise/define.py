@@ -36,9 +36,9 @@ other flag sets keep their numbers, programs and kernels), and its step marks it
     p = p + e.cautious(u, g) * s.neg_lr         # u when the flag is off (no instruction)
 
 With the flag on, ``e.cautious`` (``trace.Intrinsics.cautious``) masks u where u·g ≤ 0 and scales it by
-numel/(count + 1): a sum, so those flag sets are reduce-then-map programs and ``run.configure`` binds the
-optimizer to their forms (``run.bind_reduce``).  ``numel`` is the tensor's element count in the dtype, read by a
-fold only (``trace.NUMEL``).  ``plain_flag_sets()`` lists the flag sets without a sum.
+numel/(count + 1) (both sums over the tensor), so those flag sets are reduce-then-map programs and
+``run.configure`` binds the optimizer to their forms (``run.bind_reduce``).  ``plain_flag_sets()`` lists the flag
+sets without a sum.
 
 From it (all cached per flag set): the instruction list (``trace``), the NumPy/CuPy path (``lower_numpy``), the C
 pass (``emit_c``, compiled by ``core/native.py``) and the CUDA kernels (``emit_cuda``, loaded by
@@ -129,7 +129,7 @@ class Definition:
     @functools.lru_cache(maxsize=64)  # noqa: B019
     def split_at(self, fs: int) -> "reduce.Split | None":
         """Flag set ``fs``'s program cut at its sums (``reduce.split``), or None when it has no sum."""
-        return reduce.split(self.program_at(fs), self.arrays, self.scalar_names + (tr.NUMEL,))
+        return reduce.split(self.program_at(fs), self.arrays, self.scalar_names)
 
     def plain_flag_sets(self) -> list[dict]:
         """The flag sets without a sum (elementwise: one C loop and one pair of CUDA kernels each)."""

@@ -8,8 +8,7 @@ computing with the result: a per-tensor value.  :func:`split` cuts the traced pr
 * **the sums**: each ``_sum<j>`` added over the tensor in the fixed blocked order of ``core/sqsum.py`` (the same bits
   on NumPy, the C pass and CUDA: ``core/norms.py`` column sums, ``kernels/sq_sum.cuh``), rounded to the dtype;
 * **fold**: the instructions on per-tensor values that depend on a sum, run once per tensor in the dtype (reads: the
-  sums as ``_sum<j>``, the scalars, and ``numel``, the tensor's element count in the dtype; outputs: the per-tensor
-  scalars ``fold<k>`` the map reads);
+  sums as ``_sum<j>``; outputs: the per-tensor scalars ``fold<k>`` the map reads);
 * **map**: the rest, per element, with the fold's results as scalars; an array the reduce phase wrote is read back
   (its new value), everything else is recomputed from the inputs with the same operations (the same bits).
 
@@ -261,8 +260,7 @@ def np_phases(d: Any, fs: int, arrays: tuple, st: Any, sc: dict, packed: bytes, 
     yield [(cost, functools.partial(_columns, d, fs, arrays, lay, accs, sc, packed, chunk, c0, c1))
            for cost, c0, c1 in norms.column_ranges(lay, chunk)]
     sums = {name: norms.sq_fold(acc, lay.nb, fw)[0] for name, acc in zip(sp.sums, accs)}
-    folded = {name: p.dtype.type(v) for name, v in fold_values(np, sp.fold, sums, {**sc, tr.NUMEL: p.dtype.type(n)},
-                                                                 p.dtype.type).items()}
+    folded = {name: p.dtype.type(v) for name, v in fold_values(np, sp.fold, sums, sc, p.dtype.type).items()}
     msc = {**sc, **folded}
     mpacked = packed + b"".join(np.float64(folded[f]).tobytes() for f in sp.folds)
     yield [(hi - lo, functools.partial(_map, d, fs, arrays, msc, mpacked, chunk, lo, hi))
@@ -288,7 +286,7 @@ def np_rows(d: Any, fs: int, arrays: tuple, sc: dict, work: dict) -> None:
     scr, bools, xs, ws = bufs
     r.run(arrays + tuple(x[:, :n] for x in xs), sc, scr, bools, dt)
     sums = {name: norms.sq_rows(x, n, w) for name, x, w in zip(sp.sums, xs, ws)}
-    folded = fold_values(np, sp.fold, sums, {**sc, tr.NUMEL: dt(n)}, dt)
+    folded = fold_values(np, sp.fold, sums, sc, dt)
     m.run(arrays, {**sc, **{f: v[:, None] for f, v in folded.items()}}, scr, bools, dt)
 
 
@@ -311,5 +309,5 @@ def xp_update(d: Any, fs: int, xp: Any, arrays: tuple, st: Any, sc: dict) -> Non
     bools = lower_numpy.bool_scratch(xp, nbool, n)
     r.run(arrays + tuple(x[:n] for x in terms), sc, scr, bools, dt)
     sums = {name: sqsum.sq_sum(xp, x, n) for name, x in zip(sp.sums, terms)}
-    folded = fold_values(xp, sp.fold, sums, {**sc, tr.NUMEL: dt(n)}, dt)
+    folded = fold_values(xp, sp.fold, sums, sc, dt)
     m.run(arrays, {**sc, **folded}, scr, bools, dt)

@@ -25,7 +25,6 @@ Ref = tuple  # ("in", name) | ("s", name) | ("c", float) | ("v", index)
 ARITY = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "sqrt": 1, "abs": 1, "sign": 1, "copysign": 2,
          "maximum": 2, "minimum": 2, "where": 3, "isfinite": 1, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2,
          "ne": 2, "not": 1, "and": 2, "or": 2, "cast": 1, "sum": 1}
-NUMEL = "numel"  # the per-tensor scalar: the tensor's element count in the dtype (read only by a fold)
 BOOL_OPS = frozenset({"isfinite", "lt", "le", "gt", "ge", "eq", "ne", "not", "and", "or"})
 
 
@@ -152,19 +151,21 @@ class Intrinsics:
         rescaled, when the definition's flag ``cautious`` is set (Liang et al. 2024, as pytorch-optimizer 4.1.0's
         ``apply_cautious``); else ``u`` itself (no instruction)::
 
-            mask = where(u·g > 0, 1, 0);   u·(mask·((1 / (Σ mask + 1))·numel))
+            keep = u·g > 0;   mask = where(keep, 1, 0);   u·(mask·((1 / (Σ mask + 1))·Σ 1))
 
-        ``numel``: the tensor's element count in the dtype (the per-tensor scalar ``NUMEL``); ``1 / x · numel`` is
-        torch's ``numel / x`` (``Tensor.__rtruediv__``: a reciprocal, then a product).  Pass ``-g`` for a ``u``
-        that already carries −lr."""
+        Σ 1 = Σ where(keep, 1, 1): the element count as a sum of ones in the dtype (the same blocked sums as the
+        mask's, so every path derives it alike; exact up to 2^24 elements in float32, beyond that within a rounding
+        of float32(numel)); ``1 / x · numel`` is torch's ``numel / x`` (``Tensor.__rtruediv__``: a reciprocal, then
+        a product).  Pass ``-g`` for a ``u`` that already carries −lr."""
         if "cautious" not in self._flags:
             raise TypeError(f"{self._t.algo}.step: e.cautious needs the flag 'cautious' (a config deriving from "
                             f"core.elementwise.define.Cautious)")
         if not self._flags["cautious"]:
             return u
         u, g = self._t.lift(u), self._t.lift(g)
-        mask = self.where(u * g > 0, 1, 0)
-        scale = (1 / (self.sum(mask) + 1)) * Sym(self._t, ("s", NUMEL))
+        keep = u * g > 0
+        mask = self.where(keep, 1, 0)
+        scale = (1 / (self.sum(mask) + 1)) * self.sum(self.where(keep, 1, 1))
         return u * (mask * scale)
 
 

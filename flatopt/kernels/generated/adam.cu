@@ -23,7 +23,7 @@ __device__ __forceinline__ void adam_group_f0(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 87 "flatopt/adam.py"
+#line 89 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -31,7 +31,7 @@ __device__ __forceinline__ void adam_group_f0(T* __restrict__ p, const T* __rest
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 91 "flatopt/adam.py"
+#line 93 "flatopt/adam.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 / bc2_sqrt;
       const T t9 = t8 + eps;
@@ -88,10 +88,10 @@ __device__ __forceinline__ void adam_group_f1(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 86 "flatopt/adam.py"
+#line 88 "flatopt/adam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 87 "flatopt/adam.py"
+#line 89 "flatopt/adam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -99,7 +99,7 @@ __device__ __forceinline__ void adam_group_f1(T* __restrict__ p, const T* __rest
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 91 "flatopt/adam.py"
+#line 93 "flatopt/adam.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 / bc2_sqrt;
       const T t11 = t10 + eps;
@@ -157,7 +157,7 @@ __device__ __forceinline__ void adam_group_f2(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 87 "flatopt/adam.py"
+#line 89 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -165,9 +165,9 @@ __device__ __forceinline__ void adam_group_f2(T* __restrict__ p, const T* __rest
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 90 "flatopt/adam.py"
+#line 92 "flatopt/adam.py"
       const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
-#line 91 "flatopt/adam.py"
+#line 93 "flatopt/adam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
@@ -227,10 +227,10 @@ __device__ __forceinline__ void adam_group_f3(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 86 "flatopt/adam.py"
+#line 88 "flatopt/adam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 87 "flatopt/adam.py"
+#line 89 "flatopt/adam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -238,9 +238,9 @@ __device__ __forceinline__ void adam_group_f3(T* __restrict__ p, const T* __rest
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 90 "flatopt/adam.py"
+#line 92 "flatopt/adam.py"
       const T t9 = ((vmax_r[k] >= t8 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t8);
-#line 91 "flatopt/adam.py"
+#line 93 "flatopt/adam.py"
       const T t10 = sqrt(t9);
       const T t11 = t10 / bc2_sqrt;
       const T t12 = t11 + eps;

@@ -23,7 +23,7 @@ __device__ __forceinline__ void adamw_group_f0(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 87 "flatopt/adam.py"
+#line 89 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -31,7 +31,7 @@ __device__ __forceinline__ void adamw_group_f0(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 91 "flatopt/adam.py"
+#line 93 "flatopt/adam.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 / bc2_sqrt;
       const T t9 = t8 + eps;
@@ -88,9 +88,9 @@ __device__ __forceinline__ void adamw_group_f1(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 84 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 87 "flatopt/adam.py"
+#line 89 "flatopt/adam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -98,7 +98,7 @@ __device__ __forceinline__ void adamw_group_f1(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 91 "flatopt/adam.py"
+#line 93 "flatopt/adam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
@@ -157,7 +157,7 @@ __device__ __forceinline__ void adamw_group_f2(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 87 "flatopt/adam.py"
+#line 89 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -165,9 +165,9 @@ __device__ __forceinline__ void adamw_group_f2(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 90 "flatopt/adam.py"
+#line 92 "flatopt/adam.py"
       const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
-#line 91 "flatopt/adam.py"
+#line 93 "flatopt/adam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
@@ -227,9 +227,9 @@ __device__ __forceinline__ void adamw_group_f3(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 84 "flatopt/adam.py"
+#line 86 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 87 "flatopt/adam.py"
+#line 89 "flatopt/adam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -237,9 +237,9 @@ __device__ __forceinline__ void adamw_group_f3(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 90 "flatopt/adam.py"
+#line 92 "flatopt/adam.py"
       const T t8 = ((vmax_r[k] >= t7 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t7);
-#line 91 "flatopt/adam.py"
+#line 93 "flatopt/adam.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 / bc2_sqrt;
       const T t11 = t10 + eps;

@@ -22,15 +22,15 @@ __device__ __forceinline__ void lion_group_f0(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 78 "flatopt/lion.py"
+#line 80 "flatopt/lion.py"
       const T t0 = m_r[k] * b1;
       const T t1 = g_r[k] * omb1;
       const T t2 = t0 + t1;
-#line 79 "flatopt/lion.py"
+#line 81 "flatopt/lion.py"
       const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
-#line 80 "flatopt/lion.py"
+#line 82 "flatopt/lion.py"
       const T t6 = m_r[k] * b2;
       const T t7 = g_r[k] * omb2;
       const T t8 = t6 + t7;
@@ -81,17 +81,17 @@ __device__ __forceinline__ void lion_group_f1(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/lion.py"
+#line 79 "flatopt/lion.py"
       const T t0 = p_r[k] * decay;
-#line 78 "flatopt/lion.py"
+#line 80 "flatopt/lion.py"
       const T t1 = m_r[k] * b1;
       const T t2 = g_r[k] * omb1;
       const T t3 = t1 + t2;
-#line 79 "flatopt/lion.py"
+#line 81 "flatopt/lion.py"
       const T t4 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
       const T t5 = t4 * neg_lr;
       const T t6 = t0 + t5;
-#line 80 "flatopt/lion.py"
+#line 82 "flatopt/lion.py"
       const T t7 = m_r[k] * b2;
       const T t8 = g_r[k] * omb2;
       const T t9 = t7 + t8;

@@ -23,7 +23,7 @@ __device__ __forceinline__ void nadamw_group_f0(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 92 "flatopt/nadamw.py"
+#line 94 "flatopt/nadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -31,15 +31,15 @@ __device__ __forceinline__ void nadamw_group_f0(T* __restrict__ p, const T* __re
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 93 "flatopt/nadamw.py"
+#line 95 "flatopt/nadamw.py"
       const T t7 = t6 / bc2;
       const T t8 = sqrt(t7);
       const T t9 = t8 + eps;
-#line 97 "flatopt/nadamw.py"
+#line 99 "flatopt/nadamw.py"
       const T t10 = g_r[k] / t9;
       const T t11 = t10 * c_g;
       const T t12 = p_r[k] + t11;
-#line 98 "flatopt/nadamw.py"
+#line 100 "flatopt/nadamw.py"
       const T t13 = t2 / t9;
       const T t14 = t13 * c_m;
       const T t15 = t12 + t14;
@@ -94,9 +94,9 @@ __device__ __forceinline__ void nadamw_group_f1(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 91 "flatopt/nadamw.py"
+#line 93 "flatopt/nadamw.py"
       const T t0 = p_r[k] * decay;
-#line 92 "flatopt/nadamw.py"
+#line 94 "flatopt/nadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -104,15 +104,15 @@ __device__ __forceinline__ void nadamw_group_f1(T* __restrict__ p, const T* __re
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 93 "flatopt/nadamw.py"
+#line 95 "flatopt/nadamw.py"
       const T t8 = t7 / bc2;
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
-#line 97 "flatopt/nadamw.py"
+#line 99 "flatopt/nadamw.py"
       const T t11 = g_r[k] / t10;
       const T t12 = t11 * c_g;
       const T t13 = t0 + t12;
-#line 98 "flatopt/nadamw.py"
+#line 100 "flatopt/nadamw.py"
       const T t14 = t3 / t10;
       const T t15 = t14 * c_m;
       const T t16 = t13 + t15;

@@ -23,7 +23,7 @@ __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/qhadamw.py"
+#line 97 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -31,11 +31,11 @@ __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 96 "flatopt/qhadamw.py"
+#line 98 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 99 "flatopt/qhadamw.py"
+#line 101 "flatopt/qhadamw.py"
       const T t8 = t6 * c_v;
-#line 102 "flatopt/qhadamw.py"
+#line 104 "flatopt/qhadamw.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
       const T t11 = t7 / t10;
@@ -91,9 +91,9 @@ __device__ __forceinline__ void qhadamw_group_f1(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 94 "flatopt/qhadamw.py"
+#line 96 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 95 "flatopt/qhadamw.py"
+#line 97 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -101,11 +101,11 @@ __device__ __forceinline__ void qhadamw_group_f1(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 96 "flatopt/qhadamw.py"
+#line 98 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 99 "flatopt/qhadamw.py"
+#line 101 "flatopt/qhadamw.py"
       const T t9 = t7 * c_v;
-#line 102 "flatopt/qhadamw.py"
+#line 104 "flatopt/qhadamw.py"
       const T t10 = sqrt(t9);
       const T t11 = t10 + eps;
       const T t12 = t8 / t11;
@@ -162,7 +162,7 @@ __device__ __forceinline__ void qhadamw_group_f2(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/qhadamw.py"
+#line 97 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -170,14 +170,14 @@ __device__ __forceinline__ void qhadamw_group_f2(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 96 "flatopt/qhadamw.py"
-      const T t7 = t2 * c_m;
 #line 98 "flatopt/qhadamw.py"
+      const T t7 = t2 * c_m;
+#line 100 "flatopt/qhadamw.py"
       const T t8 = g_r[k] * c_g;
       const T t9 = t7 + t8;
-#line 99 "flatopt/qhadamw.py"
+#line 101 "flatopt/qhadamw.py"
       const T t10 = t6 * c_v;
-#line 102 "flatopt/qhadamw.py"
+#line 104 "flatopt/qhadamw.py"
       const T t11 = sqrt(t10);
       const T t12 = t11 + eps;
       const T t13 = t9 / t12;
@@ -233,9 +233,9 @@ __device__ __forceinline__ void qhadamw_group_f3(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 94 "flatopt/qhadamw.py"
+#line 96 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 95 "flatopt/qhadamw.py"
+#line 97 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -243,14 +243,14 @@ __device__ __forceinline__ void qhadamw_group_f3(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 96 "flatopt/qhadamw.py"
-      const T t8 = t3 * c_m;
 #line 98 "flatopt/qhadamw.py"
+      const T t8 = t3 * c_m;
+#line 100 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_g;
       const T t10 = t8 + t9;
-#line 99 "flatopt/qhadamw.py"
+#line 101 "flatopt/qhadamw.py"
       const T t11 = t7 * c_v;
-#line 102 "flatopt/qhadamw.py"
+#line 104 "flatopt/qhadamw.py"
       const T t12 = sqrt(t11);
       const T t13 = t12 + eps;
       const T t14 = t10 / t13;
@@ -307,7 +307,7 @@ __device__ __forceinline__ void qhadamw_group_f4(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/qhadamw.py"
+#line 97 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -315,15 +315,15 @@ __device__ __forceinline__ void qhadamw_group_f4(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 96 "flatopt/qhadamw.py"
+#line 98 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 99 "flatopt/qhadamw.py"
-      const T t8 = t6 * c_v;
 #line 101 "flatopt/qhadamw.py"
+      const T t8 = t6 * c_v;
+#line 103 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_gg;
       const T t10 = t9 * g_r[k];
       const T t11 = t8 + t10;
-#line 102 "flatopt/qhadamw.py"
+#line 104 "flatopt/qhadamw.py"
       const T t12 = sqrt(t11);
       const T t13 = t12 + eps;
       const T t14 = t7 / t13;
@@ -379,9 +379,9 @@ __device__ __forceinline__ void qhadamw_group_f5(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 94 "flatopt/qhadamw.py"
+#line 96 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 95 "flatopt/qhadamw.py"
+#line 97 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -389,15 +389,15 @@ __device__ __forceinline__ void qhadamw_group_f5(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 96 "flatopt/qhadamw.py"
+#line 98 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 99 "flatopt/qhadamw.py"
-      const T t9 = t7 * c_v;
 #line 101 "flatopt/qhadamw.py"
+      const T t9 = t7 * c_v;
+#line 103 "flatopt/qhadamw.py"
       const T t10 = g_r[k] * c_gg;
       const T t11 = t10 * g_r[k];
       const T t12 = t9 + t11;
-#line 102 "flatopt/qhadamw.py"
+#line 104 "flatopt/qhadamw.py"
       const T t13 = sqrt(t12);
       const T t14 = t13 + eps;
       const T t15 = t8 / t14;
@@ -454,7 +454,7 @@ __device__ __forceinline__ void qhadamw_group_f6(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/qhadamw.py"
+#line 97 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -462,18 +462,18 @@ __device__ __forceinline__ void qhadamw_group_f6(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 96 "flatopt/qhadamw.py"
-      const T t7 = t2 * c_m;
 #line 98 "flatopt/qhadamw.py"
+      const T t7 = t2 * c_m;
+#line 100 "flatopt/qhadamw.py"
       const T t8 = g_r[k] * c_g;
       const T t9 = t7 + t8;
-#line 99 "flatopt/qhadamw.py"
-      const T t10 = t6 * c_v;
 #line 101 "flatopt/qhadamw.py"
+      const T t10 = t6 * c_v;
+#line 103 "flatopt/qhadamw.py"
       const T t11 = g_r[k] * c_gg;
       const T t12 = t11 * g_r[k];
       const T t13 = t10 + t12;
-#line 102 "flatopt/qhadamw.py"
+#line 104 "flatopt/qhadamw.py"
       const T t14 = sqrt(t13);
       const T t15 = t14 + eps;
       const T t16 = t9 / t15;
@@ -529,9 +529,9 @@ __device__ __forceinline__ void qhadamw_group_f7(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 94 "flatopt/qhadamw.py"
+#line 96 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 95 "flatopt/qhadamw.py"
+#line 97 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -539,18 +539,18 @@ __device__ __forceinline__ void qhadamw_group_f7(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 96 "flatopt/qhadamw.py"
-      const T t8 = t3 * c_m;
 #line 98 "flatopt/qhadamw.py"
+      const T t8 = t3 * c_m;
+#line 100 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_g;
       const T t10 = t8 + t9;
-#line 99 "flatopt/qhadamw.py"
-      const T t11 = t7 * c_v;
 #line 101 "flatopt/qhadamw.py"
+      const T t11 = t7 * c_v;
+#line 103 "flatopt/qhadamw.py"
       const T t12 = g_r[k] * c_gg;
       const T t13 = t12 * g_r[k];
       const T t14 = t11 + t13;
-#line 102 "flatopt/qhadamw.py"
+#line 104 "flatopt/qhadamw.py"
       const T t15 = sqrt(t14);
       const T t16 = t15 + eps;
       const T t17 = t10 / t16;

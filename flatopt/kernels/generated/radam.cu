@@ -23,7 +23,7 @@ __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 120 "flatopt/radam.py"
+#line 122 "flatopt/radam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -31,7 +31,7 @@ __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 124 "flatopt/radam.py"
+#line 126 "flatopt/radam.py"
       const T t7 = t2 * factor;
       const T t8 = p_r[k] + t7;
 #line 38 "flatopt/kernels/generated/radam.cu"
@@ -84,10 +84,10 @@ __device__ __forceinline__ void radam_group_f1(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 119 "flatopt/radam.py"
+#line 121 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 120 "flatopt/radam.py"
+#line 122 "flatopt/radam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -95,7 +95,7 @@ __device__ __forceinline__ void radam_group_f1(T* __restrict__ p, const T* __res
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 124 "flatopt/radam.py"
+#line 126 "flatopt/radam.py"
       const T t9 = t4 * factor;
       const T t10 = p_r[k] + t9;
 #line 102 "flatopt/kernels/generated/radam.cu"
@@ -148,9 +148,9 @@ __device__ __forceinline__ void radam_group_f3(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 117 "flatopt/radam.py"
+#line 119 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 120 "flatopt/radam.py"
+#line 122 "flatopt/radam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -158,7 +158,7 @@ __device__ __forceinline__ void radam_group_f3(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 124 "flatopt/radam.py"
+#line 126 "flatopt/radam.py"
       const T t8 = t3 * factor;
       const T t9 = t0 + t8;
 #line 165 "flatopt/kernels/generated/radam.cu"
@@ -212,7 +212,7 @@ __device__ __forceinline__ void radam_group_f4(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 120 "flatopt/radam.py"
+#line 122 "flatopt/radam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -220,7 +220,7 @@ __device__ __forceinline__ void radam_group_f4(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 122 "flatopt/radam.py"
+#line 124 "flatopt/radam.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 + eps;
       const T t9 = t2 / t8;
@@ -276,10 +276,10 @@ __device__ __forceinline__ void radam_group_f5(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 119 "flatopt/radam.py"
+#line 121 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 120 "flatopt/radam.py"
+#line 122 "flatopt/radam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -287,7 +287,7 @@ __device__ __forceinline__ void radam_group_f5(T* __restrict__ p, const T* __res
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 122 "flatopt/radam.py"
+#line 124 "flatopt/radam.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
       const T t11 = t4 / t10;
@@ -343,9 +343,9 @@ __device__ __forceinline__ void radam_group_f7(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 117 "flatopt/radam.py"
+#line 119 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 120 "flatopt/radam.py"
+#line 122 "flatopt/radam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -353,7 +353,7 @@ __device__ __forceinline__ void radam_group_f7(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 122 "flatopt/radam.py"
+#line 124 "flatopt/radam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 + eps;
       const T t10 = t3 / t9;

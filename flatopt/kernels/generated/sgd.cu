@@ -21,7 +21,7 @@ __device__ __forceinline__ void sgd_group_f0(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
 #line 28 "flatopt/kernels/generated/sgd.cu"
@@ -68,10 +68,10 @@ __device__ __forceinline__ void sgd_group_f1(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 86 "flatopt/sgd.py"
+#line 87 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 78 "flatopt/kernels/generated/sgd.cu"
@@ -119,10 +119,10 @@ __device__ __forceinline__ void sgd_group_f2(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 92 "flatopt/sgd.py"
+#line 93 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = t0 + g_r[k];
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 129 "flatopt/kernels/generated/sgd.cu"
@@ -172,13 +172,13 @@ __device__ __forceinline__ void sgd_group_f3(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 86 "flatopt/sgd.py"
+#line 87 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 92 "flatopt/sgd.py"
+#line 93 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t2 + t1;
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 185 "flatopt/kernels/generated/sgd.cu"
@@ -227,7 +227,7 @@ __device__ __forceinline__ void sgd_group_f6(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
 #line 234 "flatopt/kernels/generated/sgd.cu"
@@ -276,10 +276,10 @@ __device__ __forceinline__ void sgd_group_f7(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 86 "flatopt/sgd.py"
+#line 87 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 286 "flatopt/kernels/generated/sgd.cu"
@@ -329,11 +329,11 @@ __device__ __forceinline__ void sgd_group_f10(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 92 "flatopt/sgd.py"
+#line 93 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = g_r[k] * omd;
       const T t2 = t0 + t1;
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t3 = t2 * neg_lr;
       const T t4 = p_r[k] + t3;
 #line 340 "flatopt/kernels/generated/sgd.cu"
@@ -383,14 +383,14 @@ __device__ __forceinline__ void sgd_group_f11(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 86 "flatopt/sgd.py"
+#line 87 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 92 "flatopt/sgd.py"
+#line 93 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t1 * omd;
       const T t4 = t2 + t3;
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
 #line 397 "flatopt/kernels/generated/sgd.cu"
@@ -440,13 +440,13 @@ __device__ __forceinline__ void sgd_group_f18(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 92 "flatopt/sgd.py"
+#line 93 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = t0 + g_r[k];
-#line 93 "flatopt/sgd.py"
+#line 94 "flatopt/sgd.py"
       const T t2 = t1 * mom;
       const T t3 = g_r[k] + t2;
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 453 "flatopt/kernels/generated/sgd.cu"
@@ -496,16 +496,16 @@ __device__ __forceinline__ void sgd_group_f19(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 86 "flatopt/sgd.py"
+#line 87 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 92 "flatopt/sgd.py"
+#line 93 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t2 + t1;
-#line 93 "flatopt/sgd.py"
+#line 94 "flatopt/sgd.py"
       const T t4 = t3 * mom;
       const T t5 = t1 + t4;
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t6 = t5 * neg_lr;
       const T t7 = p_r[k] + t6;
 #line 512 "flatopt/kernels/generated/sgd.cu"
@@ -554,10 +554,10 @@ __device__ __forceinline__ void sgd_group_f22(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 93 "flatopt/sgd.py"
+#line 94 "flatopt/sgd.py"
       const T t0 = g_r[k] * mom;
       const T t1 = g_r[k] + t0;
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 564 "flatopt/kernels/generated/sgd.cu"
@@ -606,13 +606,13 @@ __device__ __forceinline__ void sgd_group_f23(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 86 "flatopt/sgd.py"
+#line 87 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 93 "flatopt/sgd.py"
+#line 94 "flatopt/sgd.py"
       const T t2 = t1 * mom;
       const T t3 = t1 + t2;
-#line 94 "flatopt/sgd.py"
+#line 95 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 619 "flatopt/kernels/generated/sgd.cu"
