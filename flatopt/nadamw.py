@@ -80,7 +80,8 @@ def scalars(cfg: NAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
     bc1, bc2 = bias_corrections(cfg.betas, t)
     bc1_next = 1.0 - b1 ** (t + 1)
     return dict(decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc2=bc2, eps=cfg.eps,
-                c_g=-lr * (1.0 - b1) / bc1, c_m=-lr * b1 / bc1_next)
+                c_g=-lr * (1.0 - b1) / bc1, c_m=-lr * b1 / bc1_next, k_g=(1.0 - b1) / bc1, k_m=b1 / bc1_next,
+                neg_lr=-lr)  # k_g, k_m, neg_lr: the cautious direction's (its mask's count reads no lr)
 
 
 def flags(cfg: NAdamWConfig, t: int) -> dict[str, bool]:
@@ -93,8 +94,8 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)
     d = e.sqrt(v / s.bc2) + s.eps
-    if f.cautious:  # one masked direction; its terms carry −lr, so it is compared with −g
-        p = p + e.cautious((g / d) * s.c_g + (m / d) * s.c_m, -g)
+    if f.cautious:  # one masked direction (both terms), then −η
+        p = p + e.cautious((g / d) * s.k_g + (m / d) * s.k_m, g) * s.neg_lr
     else:
         p = p + (g / d) * s.c_g
         p = p + (m / d) * s.c_m

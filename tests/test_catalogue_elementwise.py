@@ -509,7 +509,7 @@ def test_lamb_trust_ratio_is_one_for_a_zero_parameter():
 
 # ---------------------------------------------------------------------------------------------- Lamb/Mars norms
 def _sq_reference(x, nb):
-    """A scalar transcription of the blocked order (core/sqsum.py, kernels/lamb.cu and mars.cu): the nb partials."""
+    """A scalar transcription of the blocked order (core/sqsum.py, kernels/sq_sum.cuh): the nb partials."""
     from flatopt.core import sqsum
 
     n, lanes, threads = x.size, sqsum.SQ_LANES, sqsum.SQ_THREADS

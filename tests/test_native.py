@@ -124,7 +124,7 @@ def test_the_flag_space_covers_every_switch():
     """The grid is every algorithm with a compiled pass (each entry of the library is some algorithm's, Adam's also
     AdamW's) over every switch of its constructor: each boolean option and the weight decay is a dimension of its
     flag space (tests/registry.py)."""
-    entries = {name.split("_")[0] for name in (*native.ENTRIES, *native.COLUMNS)}  # lamb_apply, mars_columns: Lamb, Mars
+    entries = set(native.ENTRIES)
     assert entries <= {case.algorithm for case in CASES.values()}, entries
     for algo, space in FLAG_SPACE.items():
         switches = {n for n, p in inspect.signature(space.cls).parameters.items() if isinstance(p.default, bool)}
@@ -149,7 +149,7 @@ def test_compiled_pass_gives_the_twins_bits(algo, shapes, dt, special):
 def test_the_compiled_pass_is_taken(algo, monkeypatch):
     """Each of these cases reaches the library (a call per chunk, or per column piece of a norm)."""
     calls = []
-    step, columns = native.step, native.columns
+    step = native.step
 
     def spy(fn):
         def wrapped(name, *a, **k):
@@ -159,15 +159,11 @@ def test_the_compiled_pass_is_taken(algo, monkeypatch):
         return wrapped
 
     monkeypatch.setattr(native, "step", spy(step))
-    monkeypatch.setattr(native, "columns", spy(columns))
     monkeypatch.setattr(native, "gen_step", spy(native.gen_step))  # the loops generated from a definition
-    monkeypatch.setattr(native, "gen_columns", spy(native.gen_columns))  # a sum's reduce phase, then its map
-    monkeypatch.setattr(native, "gen_map", spy(native.gen_map))
+    monkeypatch.setattr(native, "gen_columns", spy(native.gen_columns))  # a sum's reduce phase (Lamb, Mars)
+    monkeypatch.setattr(native, "gen_map", spy(native.gen_map))  # and its map
     native.reset()
     _run(COMPILED[algo].make, SHAPES["chunked"], np.float32, compiled=True, steps=2)
-    if "cautious" in COMPILED[algo].labels and f"gen_{COMPILED[algo].algorithm}_columns" not in \
-            native.GENERATED.read_text():
-        pytest.skip("the C lowering of a sum (the reduce stage's columns and map loops) is not generated yet")
     assert calls and all(ok for _, ok in calls), calls
 
 

@@ -39,10 +39,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "apollo8bit.cu": ("ap_draw", "ap_grad", "ap_lowrank", "ap_scalars", "ap_apply"),
     "kron.cu": ("kron_momentum", "kron_probe", "kron_ds", "kron_slb_m", "kron_slb_y", "kron_dense_div",
                 "kron_dense_new", "kron_diag_new", "kron_commit", "kron_final"),
-    "lamb.cu": ("lamb_moments", "lamb_ratio", "lamb_apply", "lamb_partials_multi", "lamb_ratio_multi",
-                "lamb_apply_multi"),
     "lion.cu": ("lion_step", "lion_multi"),
-    "mars.cu": ("mars_c_partials", "mars_clip", "mars_step", "mars_partials_multi", "mars_clip_multi", "mars_multi"),
     "muon.cu": ("muon_momentum", "muon_normalize", "muon_ns_b", "muon_ns_combine", "muon_ns_final"),
     "nadamw.cu": ("nadamw_step", "nadamw_multi"),
     "qhadamw.cu": ("qhadamw_step", "qhadamw_multi"),
@@ -57,7 +54,7 @@ def _generated() -> dict[str, tuple[str, ...]]:
     """The generated sources (``kernels/generated/*.cu``, written by ``core/elementwise``) and their kernels."""
     out = {}
     for path in sorted((KERNEL_DIR / "generated").glob("*.cu")):
-        names = re.findall(r"__global__ void __launch_bounds__\(\d+\) (\w+)\(", path.read_text())
+        names = re.findall(r"__global__ void __launch_bounds__\(\d+(?:, \d+)?\) (\w+)\(", path.read_text())
         out[f"generated/{path.name}"] = tuple(names)
     return out
 

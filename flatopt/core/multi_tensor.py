@@ -33,20 +33,22 @@ stand-in address such as ``p`` for an absent one the kernel does not touch) and 
 launch's arguments after ``base_lr``.  The algorithm's learning rate must be the driver's ``base_lr * lr_scale``
 (``hooks.effective_lr`` not replaced) and its state updated in place.
 
-**Per-tensor norms** (Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a :class:`Norms` in ``MultiTensor(..., norms=...)`` runs two
-passes before the elementwise kernel, so a group costs three launches whatever its number of tensors.  The per-tensor
-kernels sum squares in ``core.blocks``' blocked order: a first pass of ``sq_blocks(n)`` blocks writes one partial per
-block, a one-block fold adds them (``kernels/sq_sum.cuh``).  The group's table then also holds
+**Per-tensor sums** (a definition with ``e.sum``, ``core/elementwise/reduce.py``: Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a
+:class:`Norms` in ``MultiTensor(..., norms=...)`` runs two passes before the elementwise kernel, so a group costs three
+launches whatever its number of tensors.  The per-tensor kernels sum in ``core/sqsum.py``'s blocked order: a first
+pass of ``sq_blocks(n)`` blocks writes one partial per block, a one-block fold adds them (``kernels/sq_sum.cuh``).
+The group's table then also holds
 
-* ``segs``: one (tensor index, c) pair per block c of each tensor's first pass (``norms.partials`` runs launch block
+* ``segs``: one (tensor index, c) pair per block c of each tensor's first pass (the partials kernel runs launch block
   b as that tensor's block c, with the tensor's own block count, so each partial is the per-tensor kernel's);
 * ``spans``: one (offset, nb) pair per tensor: its nb partials of sum k are ``parts[k * nparts + offset ...]``;
 
-and a device buffer of ``sums * nparts`` partials plus one scalar per tensor (``scal``), allocated with the plan.
-``norms.fold`` runs one block per tensor, folds its partials in the per-tensor fold's order and writes ``scal[ti]``;
-the elementwise kernel reads it.  Signatures: ``partials(tensors, segs, spans, nparts, parts, <partial_args>)``,
-``fold(spans, scales, nparts, base_lr, parts, scal)``, the elementwise kernel's as above with ``scal`` last.  When
-``norms.active(config)`` is false (Mars without clip_c) only the elementwise kernel runs (``scal`` unread).
+and a device buffer of ``sums * nparts`` partials plus ``folds`` values per tensor (``scal``), allocated with the
+plan.  The fold kernel runs one block per tensor, folds its partials in the per-tensor fold's order and writes
+``scal[ti * folds + k]``; the elementwise kernel reads them.  Signatures: ``partials(tensors, segs, spans, nparts,
+parts, <partial_args>)``, ``fold(spans, scales, nparts, base_lr, parts, scal, <fold_args>)``, the elementwise
+kernel's as above with ``scal`` last; ``norms.pick(config, t)`` names the partials and fold kernels of a flag set.
+When ``norms.active(config)`` is false (Mars without clip_c) only the elementwise kernel runs, without ``scal``.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class Norms:
     fold: str  # kernel: one block per tensor, folds its partials into scal[ti]
     partial_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after parts
     active: Callable[[Any], bool] = _always  # (config) -> whether the passes run
+    folds: int = 1  # per-tensor values the fold writes: scal[ti * folds + k]
+    fold_args: Callable[[Any, int, type], tuple] | None = None  # the fold's arguments after scal
+    # (config, t) -> the (partials, fold) kernels of this launch, when they depend on them (a definition's flag set)
+    pick: Callable[[Any, int], tuple] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +92,7 @@ class MultiTensor:
     kernel: str  # the template kernel's name (registered in core.kernels.KERNELS)
     arrays: Callable[[Any, Any], tuple]  # (state, p) -> the state arrays of a table row, after p and g
     args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after base_lr
-    norms: Norms | None = None  # per-tensor sums of squares before the elementwise kernel (Lamb, Mars)
+    norms: Norms | None = None  # per-tensor sums before the elementwise kernel (core/elementwise/reduce.py)
     # (config, t) -> the kernel of this launch, when it depends on them (a generated definition's flag set)
     pick: Callable[[Any, int], str] | None = None
 
@@ -143,7 +149,7 @@ class Group:
         self.ntensors, self.nsegs = ntensors, nsegs
         self.segs, self.spans = tables[:2 * nsegs], tables[2 * nsegs:]
         self.nparts = np.int64(nsegs)
-        parts = cp.empty(spec.norms.sums * nsegs + ntensors, self.dtype)  # once per plan, never per step
+        parts = cp.empty(spec.norms.sums * nsegs + spec.norms.folds * ntensors, self.dtype)  # once per plan
         self.parts, self.scal = parts[:spec.norms.sums * nsegs], parts[spec.norms.sums * nsegs:]
         self.partials_fn = kernels.get(spec.source, spec.norms.partials, self.dtype)
         self.fold_fn = kernels.get(spec.source, spec.norms.fold, self.dtype)
@@ -160,23 +166,32 @@ class Group:
             if stream.ptr not in self.streams:  # the table was uploaded on another stream: order after it
                 stream.wait_event(self.uploaded)
                 self.streams.add(stream.ptr)
-            if self.spec.pick is not None:
-                kernels.get(self.spec.source, self.spec.pick(config, t), self.dtype)((self.nblocks,), (BLOCK,), args)
-            elif self.spec.norms is None:
-                self.fn((self.nblocks,), (BLOCK,), args)
-            else:
+            if self.spec.norms is not None:
                 self._launch_norms(config, t, base_lr, args)
+            elif self.spec.pick is not None:
+                kernels.get(self.spec.source, self.spec.pick(config, t), self.dtype)((self.nblocks,), (BLOCK,), args)
+            else:
+                self.fn((self.nblocks,), (BLOCK,), args)
 
     def _launch_norms(self, config, t: int, base_lr: float, args: tuple) -> None:
         """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``)."""
-        norms, dt = self.spec.norms, self.dtype.type
-        if norms.active(config):
-            threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
-            self.partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
-                                                      *norms.partial_args(config, t, dt)))
-            self.fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr),
-                                                     self.parts, self.scal))
-        self.fn((self.nblocks,), (BLOCK,), (*args, self.scal))
+        norms, dt, spec = self.spec.norms, self.dtype.type, self.spec
+        fn = self.fn if spec.pick is None else kernels.get(spec.source, spec.pick(config, t), self.dtype)
+        if not norms.active(config):  # a flag set without a sum: its plain kernel
+            fn((self.nblocks,), (BLOCK,), args)
+            return
+        partials_fn, fold_fn = self.partials_fn, self.fold_fn
+        if norms.pick is not None:
+            pn, fname = norms.pick(config, t)
+            partials_fn = kernels.get(spec.source, pn, self.dtype)
+            fold_fn = kernels.get(spec.source, fname, self.dtype)
+        threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
+        partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
+                                             *norms.partial_args(config, t, dt)))
+        extra = norms.fold_args(config, t, dt) if norms.fold_args is not None else ()
+        fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr), self.parts,
+                                            self.scal, *extra))
+        fn((self.nblocks,), (BLOCK,), (*args, self.scal))
 
 
 def _norm_tables(members: list) -> np.ndarray:

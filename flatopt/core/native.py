@@ -15,8 +15,9 @@ above prints it).  ``core/native_cache.py`` builds and opens it: a directory ano
 swap or write into is refused, processes starting together compile once, and a library is loaded only after its
 bytes match the digest in its name (a damaged one is rebuilt).  Without a compiler, when the build fails, or with
 ``FLATOPT_NATIVE=0``, the NumPy twins run: the same bits, slower.  ``status()`` says which and why, and never
-raises.  This module is the only one that knows the library's entries; an algorithm calls ``step`` (or ``columns``)
-and falls back to its twin when it returns False.
+raises.  This module is the only one that knows the library's entries; an algorithm calls ``step`` (a generated
+definition ``gen_step``, or for a step with a sum ``gen_columns`` and ``gen_map``) and falls back to its twin when it
+returns False.
 """
 
 from __future__ import annotations
@@ -43,12 +44,8 @@ SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "elementwi
 GENERATED = Path(__file__).resolve().parent.parent / "kernels" / "generated" / "elementwise.c"
 # No -ffast-math and no FMA contraction: each operation rounds as NumPy's ufunc does (the twin's bits).
 FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fvisibility=hidden")
-# elementwise entry -> its arrays (p, g, state...; Lamb's apply: p, u): (dt, arrays..., n, scalars, flags)
-ENTRIES = {"adam": 4, "lion": 3, "qhadamw": 4, "nadamw": 4, "radam": 4, "sophia": 4, "sgd": 3, "mars": 5,
-           "lamb_apply": 2}
-# the norms' first phases (core/norms.py), entry -> (arrays, column accumulators):
-# (dt, arrays..., accumulators..., rows, w, scalars, flags)
-COLUMNS = {"mars_columns": (2, 1), "lamb_columns": (5, 2)}
+# elementwise entry -> its arrays (p, g, state...): (dt, arrays..., n, scalars, flags)
+ENTRIES = {"adam": 4, "lion": 3, "qhadamw": 4, "nadamw": 4, "radam": 4, "sophia": 4, "sgd": 3}
 _DT = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 
 _lock = threading.Lock()
@@ -74,14 +71,17 @@ def _bind(handle: Any) -> dict[str, Any]:
     """{entry: its function, with its argument types}."""
     fns = {}
     sizes, tail = [ctypes.c_int64], [ctypes.c_void_p, ctypes.c_int]
-    for name, k in [*ENTRIES.items(), *((n, k + a) for n, (k, a) in COLUMNS.items())]:
+    for name, k in ENTRIES.items():
         fn = getattr(handle, f"flatopt_{name}")
-        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * k + sizes * (2 if name in COLUMNS else 1) + tail
+        fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * k + sizes + tail
         fn.restype = ctypes.c_int
         fns[name] = fn
     for name in re.findall(r"\bint flatopt_gen_(\w+)\(", GENERATED.read_text()):
         fn = getattr(handle, f"flatopt_gen_{name}")  # (dt, flag set, arrays, n, struct of named doubles)
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        if name.endswith("_columns"):  # (dt, flag set, arrays, column sums, rows, w, first, struct)
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         fns["gen_" + name] = fn
     return fns
@@ -163,14 +163,6 @@ def step(name: str, arrays: Sequence[np.ndarray], scalars: tuple[float, ...], fl
     return _call(name, arrays, [n] * len(arrays), (n,), scalars, flags)
 
 
-def columns(name: str, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray], rows: int, w: int,
-            scalars: tuple[float, ...], flags: int) -> bool:
-    """Run the first phase ``name`` of a norm (``core.norms``): ``arrays`` hold ``rows`` contiguous rows of ``w``
-    terms, each accumulator ``w`` column sums (bit 0 of ``flags``: the first rows, which replace the sums); False
-    (nothing touched) when it cannot: the caller runs its twin."""
-    return _call(name, (*arrays, *accs), [rows * w] * len(arrays) + [w] * len(accs), (rows, w), scalars, flags)
-
-
 def _call(name: str, arrays: Sequence[np.ndarray], sizes: Sequence[int], extents: tuple[int, ...],
           scalars: tuple[float, ...], flags: int) -> bool:
     fns = _lib()
@@ -192,23 +184,7 @@ def gen_step(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) ->
     """Run the generated loop of ``algo`` for flag set ``fs`` (``core/elementwise``) on ``arrays`` (its definition's
     p, g and slots; a stand-in for a slot the flag set does not use), ``packed``: its scalars struct; False (nothing
     touched) when it cannot: the caller runs the NumPy path."""
-    fns = _lib()
-    if fns is None:
-        return False
-    fn = fns.get("gen_" + algo)
-    dtype = arrays[0].dtype
-    dt = _DT.get(dtype)
-    if fn is None or dt is None:
-        return False
-    n = arrays[0].size
-    for a in arrays:
-        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != n:
-            return False
-    ptrs = (ctypes.c_void_p * len(arrays))(*[a.__array_interface__["data"][0] for a in arrays])
-    rc = fn(dt, fs, ptrs, n, _scalars(packed))
-    if rc != 0:
-        raise RuntimeError(f"flatopt_gen_{algo} has no loop for flag set {fs}")
-    return True
+    return _gen(f"gen_{algo}", fs, arrays, arrays[0].size, (), (), packed)
 
 
 def gen_columns(algo: str, fs: int, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray], rows: int, w: int,

@@ -11,8 +11,8 @@ Thread t = i·L + j of block c (L = SQ_LANES, SQ_THREADS = L·L) owns column g =
     P[c]    = b[c, 0] + b[c, 1] + ... + b[c, L-1]      (in order: the block's partial)
 
 Pass 1 of a kernel has nb = sq_blocks(n) blocks (at most SQ_ROWS terms per thread); with nb = 1 the sum is P[0],
-otherwise the fold is the same with one block over the nb partials (sq_block / sq_fold in kernels/lamb.cu and
-kernels/mars.cu).  A warp reads two runs of L consecutive elements: every byte of each 32-byte sector is used.
+otherwise the fold is the same with one block over the nb partials (sq_block / sq_fold in kernels/sq_sum.cuh, pasted
+into the generated kernels of a definition with a sum: core/elementwise/reduce.py).  A warp reads two runs of L consecutive elements: every byte of each 32-byte sector is used.
 On NumPy each sequential sum is an ``add.reduce`` over a leading axis (the inner loop runs along the other axes:
 never pairwise) or an ``add.accumulate`` (sequential by definition), so the layout above keeps the inner loops
 long; elsewhere (CuPy, whose own reductions add in CUB's order, and the device stand-ins) every step is an

@@ -1,4 +1,4 @@
-// The blocked sum of squares shared by the kernels with per-tensor norms (lamb.cu, mars.cu): the order of
+// The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
 // flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
 // (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
 #pragma once

@@ -402,7 +402,7 @@ def launch_bounds(filename: str) -> dict[str, int]:
     text = _kernels_module().source(filename)
     defines = dict(re.findall(r"^#define (\w+) (\d+)\b", text, re.M))
     return {name: int(defines.get(bound, bound))
-            for bound, name in re.findall(r"__launch_bounds__\((\w+)\)\s*(\w+)\s*\(", text)}
+            for bound, name in re.findall(r"__launch_bounds__\((\w+)(?:,\s*\w+)?\)\s*(\w+)\s*\(", text)}
 
 
 def get(filename: str, expr: str) -> Kernel:

@@ -10,7 +10,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from . import emit, run
+from . import emit, lower_numpy, run
 from .define import REGISTRY
 
 OUT = Path(__file__).resolve().parent.parent.parent / "kernels" / "generated"
@@ -39,9 +39,20 @@ def show(algo: str, lowering: str) -> str:
         fs = d.index(f)
         prog = d.program(f)
         lines.append(f"# {algo} flag set {fs}: {f}")
-        if lowering == "numpy" and d.split_at(fs) is not None:
-            lines.append("# a sum: the reduce phase, the fold and the map of core/elementwise/reduce.py")
-        elif lowering == "numpy":
+        sp = d.split_at(fs)
+        if sp is not None:  # reduce, then map (reduce.py): each part
+            for part in ("reduce", "fold", "map"):
+                pr = getattr(sp, part)
+                lines.append(f"## {part}")
+                if lowering == "numpy" and part != "fold":
+                    p = lower_numpy.allocate(pr)
+                    lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
+                    lines += [f"copy {src} -> {name}" for name, src in p.copies]
+                    continue
+                lines += [f"t{k} = {i.op}{i.args}    # line {i.line}" for k, i in enumerate(pr.instrs)]
+                lines += [f"{name} <- {ref}" for name, ref in pr.outputs]
+            continue
+        if lowering == "numpy":
             p = run.plan(d, fs)
             lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
             lines += [f"copy {src} -> {name}" for name, src in p.copies]

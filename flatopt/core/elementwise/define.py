@@ -23,8 +23,8 @@ addition: the same bits on NumPy (``core/norms.py``'s column sums), the C pass a
 ``reduce.split`` cuts such a flag set's program into a reduce phase (the instructions the summands need; it writes
 the arrays it computes that no sum changes), the sums, a fold (the per-tensor instructions that depend on a sum, run
 once per tensor in the dtype: its results ``fold<k>`` are scalars of the map) and a map (the rest, per element).
-A sum of a value that depends on another sum is refused (one reduce phase per step); a sum whose terms are all −0
-reads +0 (the blocked order pads with +0).  Such a definition's optimizer is not elementwise: it binds
+A sum of a value that depends on another sum is refused (one reduce phase per step); a zero sum of terms that
+are all −0 may read ±0 by path (the blocked order pads with +0).  Such a definition's optimizer is not elementwise: it binds
 ``np_phases_fn`` and ``np_rows_fn`` too (``run.bind``), and its state has an unsaved field ``work`` (the sums'
 work area).  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
 whether any flag set has one.

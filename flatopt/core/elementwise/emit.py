@@ -105,34 +105,94 @@ def c_source(defs: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fold_names(d) -> tuple:
+    """Every fold output name of the definition's flag sets (``fold0``, ...): the tail of its scalars struct."""
+    k = max((len(sp.folds) for sp in (d.split_at(d.index(f)) for f in d.flag_sets()) if sp is not None), default=0)
+    return tuple(f"fold{j}" for j in range(k))
+
+
+def _c_loop(d, prog, fn: str, ctype: str, head: list) -> list[str]:
+    """One C function over n elements of ``prog``'s arrays (``head``: extra parameters before ``n``)."""
+    written = {n for n, _ in prog.outputs}
+    used = [a for a in d.arrays if a in written or a in prog.reads]
+    params = [f"{'' if a in written else 'const '}{ctype} *restrict {a}" for a in used]
+    L = [f"CLONES static void {fn}({', '.join(params + head)}, int64_t n, const struct {d.name}_scalars *s) {{"]
+    L += [f"    const {ctype} {k} = ({ctype})s->{k};" for k in prog.scalars]
+    L.append("    for (int64_t i = 0; i < n; i++) {")
+    name_of = {("in", a): f"{a}_i" for a in prog.reads} | {("s", k): k for k in prog.scalars}
+    if prog.reads:
+        L.append(f"        const {ctype} " + ", ".join(f"{a}_i = {a}[i]" for a in prog.reads) + ";")
+    L += _body(prog, ctype, False, name_of, "        ", None)
+    L += [f"        {a}[i] = {_store_value(prog, ref, ctype, name_of)};" for a, ref in prog.outputs]
+    L += ["    }", "}", ""]
+    return L, used
+
+
+def _c_columns(d, sp, fn: str, ctype: str) -> tuple[list, list]:
+    """The reduce phase over ``rows`` contiguous rows of ``w`` elements, each summand added into its column sums
+    in row order (``first``: row 0 replaces them), as ``core.norms.add_rows``."""
+    prog = sp.reduce
+    written = {n for n, _ in prog.outputs if n not in sp.sums}
+    used = [a for a in d.arrays if a in written or a in prog.reads]
+    params = [f"{'' if a in written else 'const '}{ctype} *restrict {a}" for a in used]
+    params += [f"{ctype} *restrict acc{j}" for j in range(len(sp.sums))]
+    L = [f"CLONES static void {fn}({', '.join(params)}, int64_t rows, int64_t w, int first, "
+         f"const struct {d.name}_scalars *s) {{"]
+    L += [f"    const {ctype} {k} = ({ctype})s->{k};" for k in prog.scalars]
+    L += ["    for (int64_t r = 0; r < rows; r++) {", "        const int fresh = first && r == 0;",
+          "        for (int64_t j = 0; j < w; j++) {", "            const int64_t i = r * w + j;"]
+    name_of = {("in", a): f"{a}_i" for a in prog.reads} | {("s", k): k for k in prog.scalars}
+    if prog.reads:
+        L.append(f"            const {ctype} " + ", ".join(f"{a}_i = {a}[i]" for a in prog.reads) + ";")
+    L += _body(prog, ctype, False, name_of, "            ", None)
+    for a, ref in prog.outputs:
+        v = _store_value(prog, ref, ctype, name_of)
+        if a in sp.sums:
+            j = sp.sums.index(a)
+            L.append(f"            acc{j}[j] = fresh ? ({ctype})({v}) : acc{j}[j] + ({ctype})({v});")
+        else:
+            L.append(f"            {a}[i] = {v};")
+    L += ["        }", "    }", "}", ""]
+    return L, used
+
+
 def _c_algo(d) -> list[str]:
     L = [f"/* ---- {d.name}: {d.source.name} `{d.step_fn.__name__}` (flags: {', '.join(d.flag_names)}) */",
          f"struct {d.name}_scalars {{"]
-    L += [f"    double {s};" for s in d.scalar_names]
+    L += [f"    double {s};" for s in d.scalar_names + _fold_names(d)]
     L += ["};", ""]
-    cases = []
-    for f in d.plain_flag_sets():
+    cases, col_cases, map_cases = [], [], []
+    for f in d.flag_sets():
         fs = d.index(f)
-        prog = d.program(f)
-        written = {n for n, _ in prog.outputs}
-        used = [a for a in d.arrays if a in written or a in prog.reads]
+        sp = d.split_at(fs)
         for dt, ctype in enumerate(C_TYPES):
-            fn = f"{d.name}_f{fs}_{ctype}"
-            params = [f"{'' if a in written else 'const '}{ctype} *restrict {a}" for a in used]
-            L.append(f"CLONES static void {fn}({', '.join(params)}, int64_t n, const struct {d.name}_scalars *s) {{")
-            L += [f"    const {ctype} {k} = ({ctype})s->{k};" for k in prog.scalars]
-            L.append("    for (int64_t i = 0; i < n; i++) {")
-            name_of = {("in", a): f"{a}_i" for a in prog.reads} | {("s", k): k for k in prog.scalars}
-            if prog.reads:
-                L.append(f"        const {ctype} " + ", ".join(f"{a}_i = {a}[i]" for a in prog.reads) + ";")
-            L += _body(prog, ctype, False, name_of, "        ", None)
-            L += [f"        {a}[i] = {_store_value(prog, ref, ctype, name_of)};" for a, ref in prog.outputs]
-            L += ["    }", "}", ""]
+            if sp is None:
+                fn = f"{d.name}_f{fs}_{ctype}"
+                body, used = _c_loop(d, d.program(f), fn, ctype, [])
+                L += body
+                args = ", ".join(f"a[{d.arrays.index(a)}]" for a in used)
+                cases.append(f"    case {2 * fs + dt}: {fn}({args}, n, s); return 0;")
+                continue
+            fn = f"{d.name}_f{fs}_{ctype}_columns"
+            body, used = _c_columns(d, sp, fn, ctype)
+            L += body
+            args = ", ".join([f"a[{d.arrays.index(a)}]" for a in used] + [f"acc[{j}]" for j in range(len(sp.sums))])
+            col_cases.append(f"    case {2 * fs + dt}: {fn}({args}, rows, w, first, s); return 0;")
+            fn = f"{d.name}_f{fs}_{ctype}_map"
+            body, used = _c_loop(d, sp.map, fn, ctype, [])
+            L += body
             args = ", ".join(f"a[{d.arrays.index(a)}]" for a in used)
-            cases.append(f"    case {2 * fs + dt}: {fn}({args}, n, s); return 0;")
-    L.append(f'__attribute__((visibility("default"))) int flatopt_gen_{d.name}(int dt, int fs, void *const *a, '
-             f"int64_t n, const struct {d.name}_scalars *s) {{")
+            map_cases.append(f"    case {2 * fs + dt}: {fn}({args}, n, s); return 0;")
+    vis = '__attribute__((visibility("default"))) int'
+    L.append(f"{vis} flatopt_gen_{d.name}(int dt, int fs, void *const *a, int64_t n, const struct {d.name}_scalars *s) {{")
     L += ["    switch (2 * fs + dt) {", *cases, "    default: return -1;", "    }", "}", ""]
+    if col_cases:  # the phases of the flag sets with a sum (core/elementwise/reduce.py)
+        L.append(f"{vis} flatopt_gen_{d.name}_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, "
+                 f"int64_t w, int first, const struct {d.name}_scalars *s) {{")
+        L += ["    switch (2 * fs + dt) {", *col_cases, "    default: return -1;", "    }", "}", ""]
+        L.append(f"{vis} flatopt_gen_{d.name}_map(int dt, int fs, void *const *a, int64_t n, "
+                 f"const struct {d.name}_scalars *s) {{")
+        L += ["    switch (2 * fs + dt) {", *map_cases, "    default: return -1;", "    }", "}", ""]
     return L
 
 
@@ -151,6 +211,8 @@ def multi_params(d, prog: tr.Program, shape: tuple) -> tuple[tuple, tuple]:
     derived = dict(shape)
     doubles, plain = [], []
     for k in prog.scalars:
+        if k not in derived:  # a fold's result (reduce.py): read from the device
+            continue
         expr = derived[k]
         if expr is None:
             plain.append(k)
@@ -176,62 +238,181 @@ def cuda_source(d, shape: tuple, path: str) -> str:
          f"// thread loads {ELEMS} elements of every array it reads before it stores any; 64-bit indices.",
          "// The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)",
          "// with the host's operations (trace.trace_scalars), then rounds them to T.", ""]
+    splits = {d.index(f): d.split_at(d.index(f)) for f in d.flag_sets()}
+    if any(sp is not None for sp in splits.values()):
+        L += ["// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor",
+              "// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and",
+              "// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its",
+              "// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.",
+              "// The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):", ""]
+        L += [x for x in _SQ_SUM.read_text().splitlines() if not x.startswith("#pragma")] + [""]
     derived = dict(shape)
 
     def here() -> str:
         return f'#line {len(L) + 2} "{path}"'
 
-    for f in d.plain_flag_sets():
+    for f in d.flag_sets():
         fs = d.index(f)
-        prog = d.program(f)
-        written = {n for n, _ in prog.outputs}
-        used = [a for a in d.arrays if a in written or a in prog.reads]
-        ptrs = [f"{'' if a in written else 'const '}T* __restrict__ {a}" for a in used]
-        group = f"{d.name}_group_f{fs}"
-        scal_params = [f"const T {k}" for k in prog.scalars]
-        L.append("template <typename T>")
-        L.append(f"__device__ __forceinline__ void {group}({', '.join(ptrs + ['const long long base', 'const long long hi', 'const long long step'] + scal_params)}) {{")
-        if prog.reads:
-            L.append(f"  T {', '.join(f'{a}_r[{ELEMS}]' for a in prog.reads)};")
-        L += ["#pragma unroll", f"  for (int k = 0; k < {ELEMS}; ++k) {{", "    const long long i = base + k * step;",
-              "    if (i < hi) {"]
-        L += [f"      {a}_r[k] = {a}[i];" for a in prog.reads]
-        L += ["    }", "  }", "#pragma unroll", f"  for (int k = 0; k < {ELEMS}; ++k) {{",
-              "    const long long i = base + k * step;", "    if (i < hi) {"]
-        name_of = {("in", a): f"{a}_r[k]" for a in prog.reads} | {("s", k): k for k in prog.scalars}
-        L += _body(prog, "T", True, name_of, "      ", src)
-        L.append(here())
-        L += [f"      {a}[i] = {_store_value(prog, ref, 'T', name_of)};" for a, ref in prog.outputs]
-        L += ["    }", "  }", "}", ""]
-        scal_args = list(prog.scalars)
-        # the per-tensor kernel
-        L.append("template <typename T>")
-        L.append(f"__global__ void __launch_bounds__({THREADS}) {cuda_name(d, fs, 'step')}("
-                 f"{', '.join(ptrs + ['const long long n'] + scal_params)}) {{")
-        L += [f"  const long long stride = (long long)blockDim.x * gridDim.x * {ELEMS};",
-              f"  for (long long base = (long long)blockIdx.x * blockDim.x * {ELEMS} + threadIdx.x; base < n; "
-              "base += stride) {",
-              f"    {group}({', '.join(used + ['base', 'n', '(long long)blockDim.x'] + scal_args)});", "  }", "}", ""]
-        # the multi-tensor kernel
-        doubles, plain = multi_params(d, prog, shape)
-        ncol = len(d.arrays) + 1
-        params = ["const long long* __restrict__ tensors", "const long long* __restrict__ blocks",
-                  "const double* __restrict__ scales", "const long long chunk", "const double base_lr",
-                  *(f"const double {w}" for w in doubles), *(f"const T {k}" for k in plain)]
-        L.append("template <typename T>")
-        L.append(f"__global__ void __launch_bounds__({THREADS}) {cuda_name(d, fs, 'multi')}({', '.join(params)}) {{")
-        L += ["  const long long ti = blocks[2 * (long long)blockIdx.x];",
-              "  const long long lo = blocks[2 * (long long)blockIdx.x + 1];",
-              f"  const long long* row = tensors + {ncol} * ti;"]
-        for a in used:
-            j = d.arrays.index(a)
-            c = "" if a in written else "const "
-            L.append(f"  {c}T* __restrict__ {a} = ({c}T*)row[{j}];")
-        L += [f"  const long long hi = lo + chunk < row[{ncol - 1}] ? lo + chunk : row[{ncol - 1}];"]
-        if any(derived[k] is not None for k in prog.scalars):
-            L.append("  const double lr = base_lr * scales[ti];")
-        L += [f"  const T {k} = (T){derived[k]};" for k in prog.scalars if derived[k] is not None]
-        L += [f"  for (long long base = lo + threadIdx.x; base < hi; base += {ELEMS} * (long long)blockDim.x) {{",
-              f"    {group}({', '.join(used + ['base', 'hi', '(long long)blockDim.x'] + scal_args)});", "  }", "}",
-              ""]
+        sp = splits[fs]
+        if sp is None:
+            _cuda_elementwise(d, fs, d.program(f), derived, src, L, here, "", ())
+            continue
+        _cuda_reduce(d, fs, sp, derived, src, L, here)
+        _cuda_elementwise(d, fs, sp.map, derived, src, L, here, "_map", sp.folds)
     return "\n".join(L) + "\n"
+
+
+_SQ_SUM = __import__("pathlib").Path(__file__).resolve().parent.parent.parent / "kernels" / "sq_sum.cuh"
+
+
+def _cuda_elementwise(d, fs: int, prog: tr.Program, derived: dict, src: str, L: list, here, kind: str,
+                      folds: tuple) -> None:
+    """The element-group function, the per-tensor kernel and the multi-tensor kernel of one program; ``folds``:
+    its scalars read from ``scal`` (a map after a fold: ``scal[k]``, per tensor ``scal[ti * K + k]``)."""
+    written = {n for n, _ in prog.outputs}
+    used = [a for a in d.arrays if a in written or a in prog.reads]
+    ptrs = [f"{'' if a in written else 'const '}T* __restrict__ {a}" for a in used]
+    group = f"{d.name}_group_f{fs}{kind}"
+    scal_params = [f"const T {k}" for k in prog.scalars]
+    L.append("template <typename T>")
+    L.append(f"__device__ __forceinline__ void {group}({', '.join(ptrs + ['const long long base', 'const long long hi', 'const long long step'] + scal_params)}) {{")
+    if prog.reads:
+        L.append(f"  T {', '.join(f'{a}_r[{ELEMS}]' for a in prog.reads)};")
+    L += ["#pragma unroll", f"  for (int k = 0; k < {ELEMS}; ++k) {{", "    const long long i = base + k * step;",
+          "    if (i < hi) {"]
+    L += [f"      {a}_r[k] = {a}[i];" for a in prog.reads]
+    L += ["    }", "  }", "#pragma unroll", f"  for (int k = 0; k < {ELEMS}; ++k) {{",
+          "    const long long i = base + k * step;", "    if (i < hi) {"]
+    name_of = {("in", a): f"{a}_r[k]" for a in prog.reads} | {("s", k): k for k in prog.scalars}
+    L += _body(prog, "T", True, name_of, "      ", src)
+    L.append(here())
+    L += [f"      {a}[i] = {_store_value(prog, ref, 'T', name_of)};" for a, ref in prog.outputs]
+    L += ["    }", "  }", "}", ""]
+    scal_args = list(prog.scalars)
+    own = [k for k in prog.scalars if k not in folds]
+    scal_ptr = ["const T* __restrict__ scal"] if folds else []
+    # the per-tensor kernel
+    L.append("template <typename T>")
+    L.append(f"__global__ void __launch_bounds__({THREADS}) {cuda_name(d, fs, 'step' if not kind else kind[1:])}("
+             f"{', '.join(ptrs + ['const long long n'] + [f'const T {k}' for k in own] + scal_ptr)}) {{")
+    L += [f"  const T {k} = scal[{folds.index(k)}];" for k in prog.scalars if k in folds]
+    L += [f"  const long long stride = (long long)blockDim.x * gridDim.x * {ELEMS};",
+          f"  for (long long base = (long long)blockIdx.x * blockDim.x * {ELEMS} + threadIdx.x; base < n; "
+          "base += stride) {",
+          f"    {group}({', '.join(used + ['base', 'n', '(long long)blockDim.x'] + scal_args)});", "  }", "}", ""]
+    # the multi-tensor kernel
+    doubles, plain = multi_params(d, prog, tuple(derived.items()))
+    ncol = len(d.arrays) + 1
+    params = ["const long long* __restrict__ tensors", "const long long* __restrict__ blocks",
+              "const double* __restrict__ scales", "const long long chunk", "const double base_lr",
+              *(f"const double {w}" for w in doubles), *(f"const T {k}" for k in plain), *scal_ptr]
+    L.append("template <typename T>")
+    L.append(f"__global__ void __launch_bounds__({THREADS}) {cuda_name(d, fs, 'multi' if not kind else kind[1:] + '_multi')}({', '.join(params)}) {{")
+    L += ["  const long long ti = blocks[2 * (long long)blockIdx.x];",
+          "  const long long lo = blocks[2 * (long long)blockIdx.x + 1];",
+          f"  const long long* row = tensors + {ncol} * ti;"]
+    for a in used:
+        j = d.arrays.index(a)
+        c = "" if a in written else "const "
+        L.append(f"  {c}T* __restrict__ {a} = ({c}T*)row[{j}];")
+    L += [f"  const long long hi = lo + chunk < row[{ncol - 1}] ? lo + chunk : row[{ncol - 1}];"]
+    if any(derived.get(k) is not None for k in prog.scalars):
+        L.append("  const double lr = base_lr * scales[ti];")
+    L += [f"  const T {k} = (T){derived[k]};" for k in prog.scalars if derived.get(k) is not None]
+    L += [f"  const T {k} = scal[{len(folds)} * ti + {folds.index(k)}];" for k in prog.scalars if k in folds]
+    L += [f"  for (long long base = lo + threadIdx.x; base < hi; base += {ELEMS} * (long long)blockDim.x) {{",
+          f"    {group}({', '.join(used + ['base', 'hi', '(long long)blockDim.x'] + scal_args)});", "  }", "}",
+          ""]
+
+
+SQ = 256  # threads per block of the blocked sums (kernels/sq_sum.cuh SQ_THREADS, core/sqsum.py)
+# their launch bounds: SQ threads, at least one block per SM (without the second number ptxas caps the registers of
+# a multi-tensor partials kernel low enough to spill; tests/test_kernels_compile.py reads its report)
+SQ_BOUNDS = f"{SQ}, 1"
+
+
+def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None:
+    """A flag set's reduce phase (per-tensor and multi-tensor partials) and its fold (per tensor, per group)."""
+    prog = sp.reduce
+    k = len(sp.sums)
+    written = {n for n, _ in prog.outputs if n not in sp.sums}
+    used = [a for a in d.arrays if a in written or a in prog.reads]
+    ptrs = [f"{'' if a in written else 'const '}T* __restrict__ {a}" for a in used]
+    if any(derived[s] is not None for s in prog.scalars):
+        raise NotImplementedError(f"{d.name}: a reduce phase that reads an lr-dependent scalar")
+    scal_params = [f"const T {s}" for s in prog.scalars]
+    block = f"{d.name}_f{fs}_reduce_block"
+    L.append("// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.")
+    L.append("template <typename T>")
+    L.append(f"__device__ __forceinline__ void {block}({', '.join(ptrs + ['const long long n', 'const long long nb', 'const long long c'] + scal_params + ['T* sh'] + [f'T* __restrict__ part{j}' for j in range(k)])}) {{")
+    L.append("  const long long stride = nb * SQ_THREADS;")
+    L.append(f"  T {', '.join(f'acc{j} = 0' for j in range(k))};")
+    L.append("  for (long long i = sq_column(nb, c); i < n; i += stride) {")
+    name_of = {("in", a): f"{a}_i" for a in prog.reads} | {("s", s): s for s in prog.scalars}
+    L += [f"    const T {a}_i = {a}[i];" for a in prog.reads]
+    L += _body(prog, "T", True, name_of, "    ", src)
+    L.append(here())
+    for a, ref in prog.outputs:
+        v = _store_value(prog, ref, "T", name_of)
+        if a in sp.sums:
+            L.append(f"    acc{sp.sums.index(a)} += (T)({v});")
+        else:
+            L.append(f"    {a}[i] = {v};")
+    L.append("  }")
+    L += [f"  acc{j} = sq_block(acc{j}, sh);" for j in range(k)]
+    L.append("  if (threadIdx.x == 0) {")
+    L += [f"    *part{j} = acc{j};" for j in range(k)]
+    L += ["  }", "}", ""]
+    L.append("template <typename T>")
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'partials')}("
+             f"{', '.join(ptrs + ['const long long n'] + scal_params + ['T* __restrict__ parts'])}) {{")
+    L += ["  __shared__ T sh[SQ_THREADS];", "  const long long nb = gridDim.x;",
+          f"  {block}({', '.join(used + ['n', 'nb', '(long long)blockIdx.x'] + list(prog.scalars) + ['sh'] + [f'parts + {j} * nb + blockIdx.x' for j in range(k)])});",
+          "}", ""]
+    ncol = len(d.arrays) + 1
+    L.append("template <typename T>")
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'partials_multi')}("
+             "const long long* __restrict__ tensors, const long long* __restrict__ segs, "
+             "const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts"
+             f"{''.join(', ' + x for x in scal_params)}) {{")
+    L += ["  __shared__ T sh[SQ_THREADS];",  # launch block b is block c of tensor ti (core/multi_tensor.py `Norms`)
+          "  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];",
+          f"  const long long* row = tensors + {ncol} * ti;",
+          f"  const long long n = row[{ncol - 1}], off = spans[2 * ti], nb = spans[2 * ti + 1];"]
+    for a in used:
+        c = "" if a in written else "const "
+        L.append(f"  {c}T* __restrict__ {a} = ({c}T*)row[{d.arrays.index(a)}];")
+    L += [f"  {block}({', '.join(used + ['n', 'nb', 'c'] + list(prog.scalars) + ['sh'] + [f'parts + {j} * nparts + off + c' for j in range(k)])});",
+          "}", ""]
+    # the fold
+    fold = sp.fold
+    fname = f"{d.name}_f{fs}_fold_one"
+    fparams = [f"const T {s}" for s in fold.scalars]
+    L.append("// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.")
+    L.append("template <typename T>")
+    L.append(f"__device__ __forceinline__ void {fname}({', '.join(['const T* __restrict__ parts', 'const long long pstride', 'const long long nb'] + fparams + ['T* sh', 'T* __restrict__ scal'])}) {{")
+    L += [f"  const T {n} = sq_fold(parts + {j} * pstride, nb, sh);" for j, n in enumerate(sp.sums)]
+    L.append("  if (threadIdx.x == 0) {")
+    fname_of = {("in", n): n for n in sp.sums} | {("s", s): s for s in fold.scalars}
+    L += _body(fold, "T", True, fname_of, "    ", src, suffix="_f")
+    L.append(here())
+    L += [f"    scal[{j}] = {_store_value(fold, ref, 'T', fname_of, '_f')};" for j, (_, ref) in enumerate(fold.outputs)]
+    L += ["  }", "}", ""]
+    L.append("template <typename T>")
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'fold')}("
+             f"{', '.join(['const T* __restrict__ parts', 'const long long nb'] + fparams + ['T* __restrict__ scal'])}) {{")
+    L += ["  __shared__ T sh[SQ_THREADS];",
+          f"  {fname}({', '.join(['parts', 'nb', 'nb'] + list(fold.scalars) + ['sh', 'scal'])});", "}", ""]
+    doubles, plain = multi_params(d, fold, tuple(derived.items()))
+    L.append("template <typename T>")
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'fold_multi')}("
+             "const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, "
+             "const double base_lr, const T* __restrict__ parts, T* __restrict__ scal"
+             f"{''.join(', const double ' + w for w in doubles)}{''.join(', const T ' + x for x in plain)}) {{")
+    L += ["  __shared__ T sh[SQ_THREADS];",
+          "  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];"]
+    if any(derived.get(s) is not None for s in fold.scalars):
+        L.append("  const double lr = base_lr * scales[ti];")
+    L += [f"  const T {s} = (T){derived[s]};" for s in fold.scalars if derived.get(s) is not None]
+    L += [f"  {fname}({', '.join(['parts + off', 'nparts', 'nb'] + list(fold.scalars) + ['sh', f'scal + {len(sp.folds)} * ti'])});",
+          "}", ""]

@@ -12,8 +12,9 @@ computing with the result: a per-tensor value.  :func:`split` cuts the traced pr
 * **map**: the rest, per element, with the fold's results as scalars; an array the reduce phase wrote is read back
   (its new value), everything else is recomputed from the inputs with the same operations (the same bits).
 
-A sum of a value that depends on another sum is refused (one reduce phase per step).  The padding of the blocked
-order is +0: a sum whose every term is −0 reads +0.
+A sum of a value that depends on another sum is refused (one reduce phase per step).  Terms are values of the
+dtype (a comparison's True is 1).  The blocked order pads with +0 and the kernels' per-thread sums start at +0, so
+the sign of a zero sum whose terms are all −0 may differ between paths (sums of squares, of masks, never hit it).
 
 This module also holds the NumPy/CuPy lowerings of a split program (``run.bind`` wraps them for a definition with a
 sum): :func:`np_phases` (a tensor in two phases of tasks on the threads: column ranges of the reduce phase, then,
@@ -104,8 +105,6 @@ def split(prog: tr.Program, arrays: tuple, scalar_names: tuple) -> Split | None:
             continue
         dep[k] = any(dep[j] for j in vs)
         uni[k] = all(a[0] in ("s", "c") or (a[0] == "v" and uni[a[1]]) for a in i.args)
-    if any(ins[k].is_bool and False for k in sums):  # pragma: no cover - placeholder for bool sums (cast on store)
-        pass
     in_reduce: set = set()
     todo = [ins[k].args[0] for k in sums]
     while todo:

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import blocks, cpu_plan, kernels, native
-from ..multi_tensor import MultiTensor
+from .. import backend, blocks, cpu_plan, kernels, native
+from .. import sqsum
+from ..multi_tensor import MultiTensor, Norms
 from . import emit, lower_numpy, reduce, trace as tr
 from .define import Definition
 
@@ -67,8 +68,9 @@ def _prepared(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, xp: Any, s
 
 
 def scratch_needed(d: Definition) -> int:
-    """The float scratch buffers the NumPy path needs (the largest over the flag sets)."""
-    return max(plan(d, d.index(f)).scratch for f in d.plain_flag_sets())
+    """The float scratch buffers the NumPy path needs (the largest over the flag sets without a sum: the chunked
+    elementwise path's; over all of them when every flag set sums)."""
+    return max(plan(d, d.index(f)).scratch for f in d.plain_flag_sets() or d.flag_sets())
 
 
 def numpy_update(d: Definition, xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float,
@@ -92,18 +94,7 @@ def bind(d: Definition):
         numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr, scratch=scratch)
 
     def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
-        fs = d.flags_of(cfg, t)
-        prog = d.program_at(fs)
-        n = p.size
-        if n == 0:
-            return True
-        k = kernels.get(cuda_file(d), emit.cuda_name(d, fs, "step"), p.dtype)
-        arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
-        used = [arrays[a] for a in _used(d, fs)]
-        sc = _scalars(d, cfg, t, lr)
-        grid = min(math.ceil(n / (emit.THREADS * emit.ELEMS)), 65535 * 8)
-        k((grid,), (emit.THREADS,), (*used, np.int64(n), *(sc[s] for s in prog.scalars)))
-        return True
+        return _plain_kernel(d, d.flags_of(cfg, t), cfg, st, p, g, t, lr)
 
     def multi_args(cfg: Any, t: int, dt: Any) -> tuple:
         fs = d.flags_of(cfg, t)
@@ -115,6 +106,54 @@ def bind(d: Definition):
 
     multi = MultiTensor(cuda_file(d), emit.cuda_name(d, 0, "multi"), d.state_arrays, multi_args, pick=pick)
     return update, kernel_update, multi, scratch_needed(d)
+
+
+def _grid(n: int) -> int:
+    return min(math.ceil(n / (emit.THREADS * emit.ELEMS)), 65535 * 8)
+
+
+def _plain_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float) -> bool:
+    """The per-tensor kernel of a flag set without a sum."""
+    n = p.size
+    if n == 0:
+        return True
+    prog = d.program_at(fs)
+    k = kernels.get(cuda_file(d), emit.cuda_name(d, fs, "step"), p.dtype)
+    arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
+    used = [arrays[a] for a in _used(d, fs)]
+    sc = _scalars(d, cfg, t, lr)
+    k((_grid(n),), (emit.THREADS,), (*used, np.int64(n), *(sc[s] for s in prog.scalars)))
+    return True
+
+
+def _reduce_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float) -> bool:
+    """The three per-tensor kernels of a flag set with a sum (partials, fold, map; ``st.work``: the partials and
+    the fold's results, allocated once per name); no host synchronisation."""
+    n = p.size
+    if n == 0:
+        return True
+    sp = d.split_at(fs)
+    nb = sqsum.sq_blocks(n)
+    k = len(sp.sums)
+    buf = reduce.work(st, k * nb + len(sp.folds), p.dtype, backend.cupy())
+    parts, scal = buf[:k * nb], buf[k * nb:]
+    arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
+    sc = _scalars(d, cfg, t, lr)
+    src = cuda_file(d)
+
+    def used(prog: tr.Program) -> list:
+        written = {a for a, _ in prog.outputs}
+        return [arrays[a] for a in d.arrays if a in written or a in prog.reads]
+
+    threads = (sqsum.SQ_THREADS,)
+    kernels.get(src, emit.cuda_name(d, fs, "partials"), p.dtype)((nb,), threads, (
+        *used(sp.reduce), np.int64(n), *(sc[s] for s in sp.reduce.scalars), parts))
+    kernels.get(src, emit.cuda_name(d, fs, "fold"), p.dtype)((1,), threads, (
+        parts, np.int64(nb), *(sc[s] for s in sp.fold.scalars), scal))
+    own = [s for s in sp.map.scalars if s not in sp.folds]
+    kernels.get(src, emit.cuda_name(d, fs, "map"), p.dtype)((_grid(n),), (emit.THREADS,), (
+        *used(sp.map), np.int64(n), *(sc[s] for s in own), scal))
+    return True
 
 
 class _Slices:
@@ -176,7 +215,43 @@ def bind_reduce(d: Definition) -> dict:
             return
         reduce.xp_update(d, fs, xp, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype))
 
-    return dict(update_fn=update, np_phases_fn=np_phases, np_rows_fn=np_rows)
+    def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
+        fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            return _plain_kernel(d, fs, cfg, st, p, g, t, lr)
+        return _reduce_kernel(d, fs, cfg, st, p, g, t, lr)
+
+    def map_args(cfg: Any, t: int, dt: Any) -> tuple:
+        fs = d.flags_of(cfg, t)
+        sp = d.split_at(fs)
+        doubles, plain, numbers = _multi(d, cfg, t, fs, "map" if sp is not None else None)
+        return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
+
+    def partial_args(cfg: Any, t: int, dt: Any) -> tuple:
+        sc = _scalars(d, cfg, t, 0.0)  # the reduce phase reads no lr-dependent scalar (emit refuses one)
+        return tuple(sc[s] for s in d.split_at(d.flags_of(cfg, t)).reduce.scalars)
+
+    def fold_args(cfg: Any, t: int, dt: Any) -> tuple:
+        doubles, plain, numbers = _multi(d, cfg, t, d.flags_of(cfg, t), "fold")
+        return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
+
+    def pick(cfg: Any, t: int) -> str:
+        fs = d.flags_of(cfg, t)
+        return emit.cuda_name(d, fs, "map_multi" if d.split_at(fs) is not None else "multi")
+
+    def pick_norms(cfg: Any, t: int) -> tuple:
+        fs = d.flags_of(cfg, t)
+        return emit.cuda_name(d, fs, "partials_multi"), emit.cuda_name(d, fs, "fold_multi")
+
+    splits = [sp for sp in (d.split_at(d.index(f)) for f in d.flag_sets()) if sp is not None]
+    fs0 = next(d.index(f) for f in d.flag_sets() if d.split_at(d.index(f)) is not None)
+    norms = Norms(max(len(sp.sums) for sp in splits), emit.cuda_name(d, fs0, "partials_multi"),
+                  emit.cuda_name(d, fs0, "fold_multi"), partial_args,
+                  active=lambda cfg: d.split_at(d.flags_of(cfg, 1)) is not None,
+                  folds=max(len(sp.folds) for sp in splits), fold_args=fold_args, pick=pick_norms)
+    multi = MultiTensor(cuda_file(d), pick(d.example, 1), d.state_arrays, map_args, norms=norms, pick=pick)
+    return dict(update_fn=update, np_phases_fn=np_phases, np_rows_fn=np_rows, kernel_fn=kernel_update,
+                multi_tensor=multi)
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,12 +268,15 @@ def generated_shape(d: Definition) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _multi(d: Definition, cfg: Any, t: int, fs: int) -> tuple:
+def _multi(d: Definition, cfg: Any, t: int, fs: int, part: str | None = None) -> tuple:
+    """(double arguments, dtype scalars, their values) of a multi-tensor kernel: the flag set's, or with ``part``
+    ("map", "fold") that part of its split."""
     shape, numbers = tr.trace_scalars(d.scalars_fn, cfg, t)
     if shape != generated_shape(d):
         raise RuntimeError(f"{d.name}.scalars derives its lr-dependent scalars with other operations for {cfg!r} "
                            f"than for the example config the kernels were generated from")
-    doubles, plain = emit.multi_params(d, d.program_at(fs), shape)
+    prog = d.program_at(fs) if part is None else getattr(d.split_at(fs), part)
+    doubles, plain = emit.multi_params(d, prog, shape)
     return doubles, plain, dict(numbers)
 
 

@@ -6,6 +6,56 @@
 // The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)
 // with the host's operations (trace.trace_scalars), then rounds them to T.
 
+// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
+// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
+// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
+// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
+
+// The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
+// flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
+// (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
+#define SQ_THREADS 256
+#define SQ_LANES 16
+
+// The block's partial of the per-thread sums acc (thread t = i * SQ_LANES + j): b[j] = sum over i in order, then
+// b[0] + ... + b[SQ_LANES - 1] in order; valid in thread 0.  sh: SQ_THREADS entries.
+template <typename T>
+__device__ T sq_block(const T acc, T* sh) {
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.x < SQ_LANES) {
+    T b = sh[threadIdx.x];
+    for (int i = 1; i < SQ_LANES; ++i) b += sh[i * SQ_LANES + threadIdx.x];
+    sh[threadIdx.x] = b;  // row 0 is read only by its own thread above
+  }
+  __syncthreads();
+  T r = 0;
+  if (threadIdx.x == 0) {
+    r = sh[0];
+    for (int j = 1; j < SQ_LANES; ++j) r += sh[j];
+  }
+  __syncthreads();
+  return r;
+}
+
+// One block: the sum of the nb partials (thread t: parts[t], parts[t + SQ_THREADS], ... in order); valid in thread 0.
+template <typename T>
+__device__ T sq_fold(const T* __restrict__ parts, const long long nb, T* sh) {
+  T acc = 0;
+  for (long long k = threadIdx.x; k < nb; k += SQ_THREADS) acc += parts[k];
+  return sq_block(acc, sh);
+}
+
+// The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/sqsum.py): i * nb * L + c * L + j.
+// (A multi-tensor pass, core/multi_tensor.py `Norms`, runs block c of a tensor as block b of its launch.)
+__device__ __forceinline__ long long sq_column(const long long nb, const long long c) {
+  const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;
+  return (i * nb + c) * SQ_LANES + j;
+}
+
+__device__ __forceinline__ long long sq_column(const long long nb) { return sq_column(nb, blockIdx.x); }
+
 template <typename T>
 __device__ __forceinline__ void adam_group_f0(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long base, const long long hi, const long long step, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, const T neg_step) {
   T p_r[4], g_r[4], m_r[4], v_r[4];
@@ -38,7 +88,7 @@ __device__ __forceinline__ void adam_group_f0(T* __restrict__ p, const T* __rest
       const T t10 = t2 / t9;
       const T t11 = t10 * neg_step;
       const T t12 = p_r[k] + t11;
-#line 42 "flatopt/kernels/generated/adam.cu"
+#line 92 "flatopt/kernels/generated/adam.cu"
       p[i] = t12;
       m[i] = t2;
       v[i] = t6;
@@ -106,7 +156,7 @@ __device__ __forceinline__ void adam_group_f1(T* __restrict__ p, const T* __rest
       const T t12 = t4 / t11;
       const T t13 = t12 * neg_step;
       const T t14 = p_r[k] + t13;
-#line 110 "flatopt/kernels/generated/adam.cu"
+#line 160 "flatopt/kernels/generated/adam.cu"
       p[i] = t14;
       m[i] = t4;
       v[i] = t8;
@@ -174,7 +224,7 @@ __device__ __forceinline__ void adam_group_f2(T* __restrict__ p, const T* __rest
       const T t11 = t2 / t10;
       const T t12 = t11 * neg_step;
       const T t13 = p_r[k] + t12;
-#line 178 "flatopt/kernels/generated/adam.cu"
+#line 228 "flatopt/kernels/generated/adam.cu"
       p[i] = t13;
       m[i] = t2;
       v[i] = t6;
@@ -247,7 +297,7 @@ __device__ __forceinline__ void adam_group_f3(T* __restrict__ p, const T* __rest
       const T t13 = t4 / t12;
       const T t14 = t13 * neg_step;
       const T t15 = p_r[k] + t14;
-#line 251 "flatopt/kernels/generated/adam.cu"
+#line 301 "flatopt/kernels/generated/adam.cu"
       p[i] = t15;
       m[i] = t4;
       v[i] = t8;
@@ -279,6 +329,628 @@ __global__ void __launch_bounds__(256) adam_f3_multi(const long long* __restrict
   const T neg_step = (T)(-(lr / neg_step_0));
   for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
     adam_group_f3(p, g, m, v, vmax, base, hi, (long long)blockDim.x, wd, omb1, b2, omb2, bc2_sqrt, eps, neg_step);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void adam_f4_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 89 "flatopt/adam.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 93 "flatopt/adam.py"
+    const T t7 = sqrt(t6);
+    const T t8 = t7 / bc2_sqrt;
+    const T t9 = t8 + eps;
+    const T t10 = t2 / t9;
+    const T t11 = t10 * g_i;
+    const int t12 = t11 > ((T)0x0.0p+0);
+    const T t13 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t14 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 362 "flatopt/kernels/generated/adam.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t13);
+    acc1 += (T)(t14);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f4_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  adam_f4_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, bc2_sqrt, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f4_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 6 * ti;
+  const long long n = row[5], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  adam_f4_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, bc2_sqrt, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void adam_f4_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 93 "flatopt/adam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 405 "flatopt/kernels/generated/adam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f4_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  adam_f4_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f4_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  adam_f4_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void adam_group_f4_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T bc2_sqrt, const T eps, const T neg_step, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 93 "flatopt/adam.py"
+      const T t0 = sqrt(v_r[k]);
+      const T t1 = t0 / bc2_sqrt;
+      const T t2 = t1 + eps;
+      const T t3 = m_r[k] / t2;
+      const T t4 = t3 * g_r[k];
+      const int t5 = t4 > ((T)0x0.0p+0);
+      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = t6 * fold0;
+      const T t8 = t3 * t7;
+      const T t9 = t8 * neg_step;
+      const T t10 = p_r[k] + t9;
+#line 452 "flatopt/kernels/generated/adam.cu"
+      p[i] = t10;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) adam_f4_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T bc2_sqrt, const T eps, const T neg_step, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    adam_group_f4_map(p, g, m, v, base, n, (long long)blockDim.x, bc2_sqrt, eps, neg_step, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) adam_f4_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double neg_step_0, const T bc2_sqrt, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 6 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[5] ? lo + chunk : row[5];
+  const double lr = base_lr * scales[ti];
+  const T neg_step = (T)(-(lr / neg_step_0));
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    adam_group_f4_map(p, g, m, v, base, hi, (long long)blockDim.x, bc2_sqrt, eps, neg_step, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void adam_f5_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T wd, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 88 "flatopt/adam.py"
+    const T t0 = p_i * wd;
+    const T t1 = g_i + t0;
+#line 89 "flatopt/adam.py"
+    const T t2 = t1 - m_i;
+    const T t3 = t2 * omb1;
+    const T t4 = m_i + t3;
+    const T t5 = v_i * b2;
+    const T t6 = t1 * omb2;
+    const T t7 = t6 * t1;
+    const T t8 = t5 + t7;
+#line 93 "flatopt/adam.py"
+    const T t9 = sqrt(t8);
+    const T t10 = t9 / bc2_sqrt;
+    const T t11 = t10 + eps;
+    const T t12 = t4 / t11;
+    const T t13 = t12 * t1;
+    const int t14 = t13 > ((T)0x0.0p+0);
+    const T t15 = (t14 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t16 = (t14 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 515 "flatopt/kernels/generated/adam.cu"
+    m[i] = t4;
+    v[i] = t8;
+    acc0 += (T)(t15);
+    acc1 += (T)(t16);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f5_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T wd, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  adam_f5_reduce_block(p, g, m, v, n, nb, (long long)blockIdx.x, wd, omb1, b2, omb2, bc2_sqrt, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f5_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 6 * ti;
+  const long long n = row[5], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  adam_f5_reduce_block(p, g, m, v, n, nb, c, wd, omb1, b2, omb2, bc2_sqrt, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void adam_f5_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 93 "flatopt/adam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 559 "flatopt/kernels/generated/adam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f5_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  adam_f5_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f5_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  adam_f5_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void adam_group_f5_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T wd, const T bc2_sqrt, const T eps, const T neg_step, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 88 "flatopt/adam.py"
+      const T t0 = p_r[k] * wd;
+      const T t1 = g_r[k] + t0;
+#line 93 "flatopt/adam.py"
+      const T t2 = sqrt(v_r[k]);
+      const T t3 = t2 / bc2_sqrt;
+      const T t4 = t3 + eps;
+      const T t5 = m_r[k] / t4;
+      const T t6 = t5 * t1;
+      const int t7 = t6 > ((T)0x0.0p+0);
+      const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t9 = t8 * fold0;
+      const T t10 = t5 * t9;
+      const T t11 = t10 * neg_step;
+      const T t12 = p_r[k] + t11;
+#line 609 "flatopt/kernels/generated/adam.cu"
+      p[i] = t12;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) adam_f5_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T wd, const T bc2_sqrt, const T eps, const T neg_step, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    adam_group_f5_map(p, g, m, v, base, n, (long long)blockDim.x, wd, bc2_sqrt, eps, neg_step, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) adam_f5_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double neg_step_0, const T wd, const T bc2_sqrt, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 6 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[5] ? lo + chunk : row[5];
+  const double lr = base_lr * scales[ti];
+  const T neg_step = (T)(-(lr / neg_step_0));
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    adam_group_f5_map(p, g, m, v, base, hi, (long long)blockDim.x, wd, bc2_sqrt, eps, neg_step, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void adam_f6_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, T* __restrict__ vmax, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+    const T vmax_i = vmax[i];
+#line 89 "flatopt/adam.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 92 "flatopt/adam.py"
+    const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+#line 93 "flatopt/adam.py"
+    const T t8 = sqrt(t7);
+    const T t9 = t8 / bc2_sqrt;
+    const T t10 = t9 + eps;
+    const T t11 = t2 / t10;
+    const T t12 = t11 * g_i;
+    const int t13 = t12 > ((T)0x0.0p+0);
+    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 671 "flatopt/kernels/generated/adam.cu"
+    m[i] = t2;
+    v[i] = t6;
+    vmax[i] = t7;
+    acc0 += (T)(t14);
+    acc1 += (T)(t15);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f6_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, T* __restrict__ vmax, const long long n, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  adam_f6_reduce_block(g, m, v, vmax, n, nb, (long long)blockIdx.x, omb1, b2, omb2, bc2_sqrt, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f6_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 6 * ti;
+  const long long n = row[5], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  T* __restrict__ vmax = (T*)row[4];
+  adam_f6_reduce_block(g, m, v, vmax, n, nb, c, omb1, b2, omb2, bc2_sqrt, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void adam_f6_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 93 "flatopt/adam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 716 "flatopt/kernels/generated/adam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f6_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  adam_f6_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f6_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  adam_f6_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void adam_group_f6_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ vmax, const long long base, const long long hi, const long long step, const T bc2_sqrt, const T eps, const T neg_step, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], vmax_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      vmax_r[k] = vmax[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 93 "flatopt/adam.py"
+      const T t0 = sqrt(vmax_r[k]);
+      const T t1 = t0 / bc2_sqrt;
+      const T t2 = t1 + eps;
+      const T t3 = m_r[k] / t2;
+      const T t4 = t3 * g_r[k];
+      const int t5 = t4 > ((T)0x0.0p+0);
+      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = t6 * fold0;
+      const T t8 = t3 * t7;
+      const T t9 = t8 * neg_step;
+      const T t10 = p_r[k] + t9;
+#line 763 "flatopt/kernels/generated/adam.cu"
+      p[i] = t10;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) adam_f6_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ vmax, const long long n, const T bc2_sqrt, const T eps, const T neg_step, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    adam_group_f6_map(p, g, m, vmax, base, n, (long long)blockDim.x, bc2_sqrt, eps, neg_step, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) adam_f6_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double neg_step_0, const T bc2_sqrt, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 6 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ vmax = (const T*)row[4];
+  const long long hi = lo + chunk < row[5] ? lo + chunk : row[5];
+  const double lr = base_lr * scales[ti];
+  const T neg_step = (T)(-(lr / neg_step_0));
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    adam_group_f6_map(p, g, m, vmax, base, hi, (long long)blockDim.x, bc2_sqrt, eps, neg_step, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void adam_f7_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, T* __restrict__ vmax, const long long n, const long long nb, const long long c, const T wd, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+    const T vmax_i = vmax[i];
+#line 88 "flatopt/adam.py"
+    const T t0 = p_i * wd;
+    const T t1 = g_i + t0;
+#line 89 "flatopt/adam.py"
+    const T t2 = t1 - m_i;
+    const T t3 = t2 * omb1;
+    const T t4 = m_i + t3;
+    const T t5 = v_i * b2;
+    const T t6 = t1 * omb2;
+    const T t7 = t6 * t1;
+    const T t8 = t5 + t7;
+#line 92 "flatopt/adam.py"
+    const T t9 = ((vmax_i >= t8 || vmax_i != vmax_i) ? vmax_i : t8);
+#line 93 "flatopt/adam.py"
+    const T t10 = sqrt(t9);
+    const T t11 = t10 / bc2_sqrt;
+    const T t12 = t11 + eps;
+    const T t13 = t4 / t12;
+    const T t14 = t13 * t1;
+    const int t15 = t14 > ((T)0x0.0p+0);
+    const T t16 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t17 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 829 "flatopt/kernels/generated/adam.cu"
+    m[i] = t4;
+    v[i] = t8;
+    vmax[i] = t9;
+    acc0 += (T)(t16);
+    acc1 += (T)(t17);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f7_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, T* __restrict__ vmax, const long long n, const T wd, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  adam_f7_reduce_block(p, g, m, v, vmax, n, nb, (long long)blockIdx.x, wd, omb1, b2, omb2, bc2_sqrt, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f7_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd, const T omb1, const T b2, const T omb2, const T bc2_sqrt, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 6 * ti;
+  const long long n = row[5], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  T* __restrict__ vmax = (T*)row[4];
+  adam_f7_reduce_block(p, g, m, v, vmax, n, nb, c, wd, omb1, b2, omb2, bc2_sqrt, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void adam_f7_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 93 "flatopt/adam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 875 "flatopt/kernels/generated/adam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f7_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  adam_f7_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) adam_f7_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  adam_f7_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void adam_group_f7_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ vmax, const long long base, const long long hi, const long long step, const T wd, const T bc2_sqrt, const T eps, const T neg_step, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], vmax_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      vmax_r[k] = vmax[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 88 "flatopt/adam.py"
+      const T t0 = p_r[k] * wd;
+      const T t1 = g_r[k] + t0;
+#line 93 "flatopt/adam.py"
+      const T t2 = sqrt(vmax_r[k]);
+      const T t3 = t2 / bc2_sqrt;
+      const T t4 = t3 + eps;
+      const T t5 = m_r[k] / t4;
+      const T t6 = t5 * t1;
+      const int t7 = t6 > ((T)0x0.0p+0);
+      const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t9 = t8 * fold0;
+      const T t10 = t5 * t9;
+      const T t11 = t10 * neg_step;
+      const T t12 = p_r[k] + t11;
+#line 925 "flatopt/kernels/generated/adam.cu"
+      p[i] = t12;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) adam_f7_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ vmax, const long long n, const T wd, const T bc2_sqrt, const T eps, const T neg_step, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    adam_group_f7_map(p, g, m, vmax, base, n, (long long)blockDim.x, wd, bc2_sqrt, eps, neg_step, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) adam_f7_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double neg_step_0, const T wd, const T bc2_sqrt, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 6 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ vmax = (const T*)row[4];
+  const long long hi = lo + chunk < row[5] ? lo + chunk : row[5];
+  const double lr = base_lr * scales[ti];
+  const T neg_step = (T)(-(lr / neg_step_0));
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    adam_group_f7_map(p, g, m, vmax, base, hi, (long long)blockDim.x, wd, bc2_sqrt, eps, neg_step, fold0);
   }
 }
 

@@ -6,6 +6,56 @@
 // The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)
 // with the host's operations (trace.trace_scalars), then rounds them to T.
 
+// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
+// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
+// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
+// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
+
+// The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
+// flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
+// (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
+#define SQ_THREADS 256
+#define SQ_LANES 16
+
+// The block's partial of the per-thread sums acc (thread t = i * SQ_LANES + j): b[j] = sum over i in order, then
+// b[0] + ... + b[SQ_LANES - 1] in order; valid in thread 0.  sh: SQ_THREADS entries.
+template <typename T>
+__device__ T sq_block(const T acc, T* sh) {
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.x < SQ_LANES) {
+    T b = sh[threadIdx.x];
+    for (int i = 1; i < SQ_LANES; ++i) b += sh[i * SQ_LANES + threadIdx.x];
+    sh[threadIdx.x] = b;  // row 0 is read only by its own thread above
+  }
+  __syncthreads();
+  T r = 0;
+  if (threadIdx.x == 0) {
+    r = sh[0];
+    for (int j = 1; j < SQ_LANES; ++j) r += sh[j];
+  }
+  __syncthreads();
+  return r;
+}
+
+// One block: the sum of the nb partials (thread t: parts[t], parts[t + SQ_THREADS], ... in order); valid in thread 0.
+template <typename T>
+__device__ T sq_fold(const T* __restrict__ parts, const long long nb, T* sh) {
+  T acc = 0;
+  for (long long k = threadIdx.x; k < nb; k += SQ_THREADS) acc += parts[k];
+  return sq_block(acc, sh);
+}
+
+// The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/sqsum.py): i * nb * L + c * L + j.
+// (A multi-tensor pass, core/multi_tensor.py `Norms`, runs block c of a tensor as block b of its launch.)
+__device__ __forceinline__ long long sq_column(const long long nb, const long long c) {
+  const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;
+  return (i * nb + c) * SQ_LANES + j;
+}
+
+__device__ __forceinline__ long long sq_column(const long long nb) { return sq_column(nb, blockIdx.x); }
+
 template <typename T>
 __device__ __forceinline__ void lion_group_f0(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, const long long base, const long long hi, const long long step, const T b1, const T omb1, const T b2, const T omb2, const T neg_lr) {
   T p_r[4], g_r[4], m_r[4];
@@ -34,7 +84,7 @@ __device__ __forceinline__ void lion_group_f0(T* __restrict__ p, const T* __rest
       const T t6 = m_r[k] * b2;
       const T t7 = g_r[k] * omb2;
       const T t8 = t6 + t7;
-#line 38 "flatopt/kernels/generated/lion.cu"
+#line 88 "flatopt/kernels/generated/lion.cu"
       p[i] = t5;
       m[i] = t8;
     }
@@ -95,7 +145,7 @@ __device__ __forceinline__ void lion_group_f1(T* __restrict__ p, const T* __rest
       const T t7 = m_r[k] * b2;
       const T t8 = g_r[k] * omb2;
       const T t9 = t7 + t8;
-#line 99 "flatopt/kernels/generated/lion.cu"
+#line 149 "flatopt/kernels/generated/lion.cu"
       p[i] = t6;
       m[i] = t9;
     }
@@ -124,6 +174,293 @@ __global__ void __launch_bounds__(256) lion_f1_multi(const long long* __restrict
   const T neg_lr = (T)(-lr);
   for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
     lion_group_f1(p, g, m, base, hi, (long long)blockDim.x, decay, b1, omb1, b2, omb2, neg_lr);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void lion_f2_reduce_block(const T* __restrict__ g, const T* __restrict__ m, const long long n, const long long nb, const long long c, const T b1, const T omb1, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+#line 80 "flatopt/lion.py"
+    const T t0 = m_i * b1;
+    const T t1 = g_i * omb1;
+    const T t2 = t0 + t1;
+#line 81 "flatopt/lion.py"
+    const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
+    const T t4 = t3 * g_i;
+    const int t5 = t4 > ((T)0x0.0p+0);
+    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 199 "flatopt/kernels/generated/lion.cu"
+    acc0 += (T)(t6);
+    acc1 += (T)(t7);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) lion_f2_partials(const T* __restrict__ g, const T* __restrict__ m, const long long n, const T b1, const T omb1, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  lion_f2_reduce_block(g, m, n, nb, (long long)blockIdx.x, b1, omb1, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) lion_f2_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T b1, const T omb1) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  lion_f2_reduce_block(g, m, n, nb, c, b1, omb1, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void lion_f2_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 81 "flatopt/lion.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 239 "flatopt/kernels/generated/lion.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) lion_f2_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  lion_f2_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) lion_f2_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  lion_f2_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void lion_group_f2_map(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, const long long base, const long long hi, const long long step, const T b1, const T omb1, const T b2, const T omb2, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 80 "flatopt/lion.py"
+      const T t0 = m_r[k] * b1;
+      const T t1 = g_r[k] * omb1;
+      const T t2 = t0 + t1;
+#line 81 "flatopt/lion.py"
+      const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
+      const T t4 = t3 * g_r[k];
+      const int t5 = t4 > ((T)0x0.0p+0);
+      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = t6 * fold0;
+      const T t8 = t3 * t7;
+      const T t9 = t8 * neg_lr;
+      const T t10 = p_r[k] + t9;
+#line 82 "flatopt/lion.py"
+      const T t11 = m_r[k] * b2;
+      const T t12 = g_r[k] * omb2;
+      const T t13 = t11 + t12;
+#line 290 "flatopt/kernels/generated/lion.cu"
+      p[i] = t10;
+      m[i] = t13;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) lion_f2_map(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, const long long n, const T b1, const T omb1, const T b2, const T omb2, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    lion_group_f2_map(p, g, m, base, n, (long long)blockDim.x, b1, omb1, b2, omb2, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) lion_f2_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T b1, const T omb1, const T b2, const T omb2, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    lion_group_f2_map(p, g, m, base, hi, (long long)blockDim.x, b1, omb1, b2, omb2, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void lion_f3_reduce_block(const T* __restrict__ g, const T* __restrict__ m, const long long n, const long long nb, const long long c, const T b1, const T omb1, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+#line 80 "flatopt/lion.py"
+    const T t0 = m_i * b1;
+    const T t1 = g_i * omb1;
+    const T t2 = t0 + t1;
+#line 81 "flatopt/lion.py"
+    const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
+    const T t4 = t3 * g_i;
+    const int t5 = t4 > ((T)0x0.0p+0);
+    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 341 "flatopt/kernels/generated/lion.cu"
+    acc0 += (T)(t6);
+    acc1 += (T)(t7);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) lion_f3_partials(const T* __restrict__ g, const T* __restrict__ m, const long long n, const T b1, const T omb1, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  lion_f3_reduce_block(g, m, n, nb, (long long)blockIdx.x, b1, omb1, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) lion_f3_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T b1, const T omb1) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  lion_f3_reduce_block(g, m, n, nb, c, b1, omb1, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void lion_f3_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 81 "flatopt/lion.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 381 "flatopt/kernels/generated/lion.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) lion_f3_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  lion_f3_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) lion_f3_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  lion_f3_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void lion_group_f3_map(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, const long long base, const long long hi, const long long step, const T decay, const T b1, const T omb1, const T b2, const T omb2, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 79 "flatopt/lion.py"
+      const T t0 = p_r[k] * decay;
+#line 80 "flatopt/lion.py"
+      const T t1 = m_r[k] * b1;
+      const T t2 = g_r[k] * omb1;
+      const T t3 = t1 + t2;
+#line 81 "flatopt/lion.py"
+      const T t4 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
+      const T t5 = t4 * g_r[k];
+      const int t6 = t5 > ((T)0x0.0p+0);
+      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t8 = t7 * fold0;
+      const T t9 = t4 * t8;
+      const T t10 = t9 * neg_lr;
+      const T t11 = t0 + t10;
+#line 82 "flatopt/lion.py"
+      const T t12 = m_r[k] * b2;
+      const T t13 = g_r[k] * omb2;
+      const T t14 = t12 + t13;
+#line 434 "flatopt/kernels/generated/lion.cu"
+      p[i] = t11;
+      m[i] = t14;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) lion_f3_map(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, const long long n, const T decay, const T b1, const T omb1, const T b2, const T omb2, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    lion_group_f3_map(p, g, m, base, n, (long long)blockDim.x, decay, b1, omb1, b2, omb2, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) lion_f3_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const T b1, const T omb1, const T b2, const T omb2, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T decay = (T)(decay_0 - (lr * decay_1));
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    lion_group_f3_map(p, g, m, base, hi, (long long)blockDim.x, decay, b1, omb1, b2, omb2, neg_lr, fold0);
   }
 }
 

@@ -6,6 +6,56 @@
 // The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)
 // with the host's operations (trace.trace_scalars), then rounds them to T.
 
+// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
+// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
+// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
+// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
+
+// The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
+// flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
+// (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
+#define SQ_THREADS 256
+#define SQ_LANES 16
+
+// The block's partial of the per-thread sums acc (thread t = i * SQ_LANES + j): b[j] = sum over i in order, then
+// b[0] + ... + b[SQ_LANES - 1] in order; valid in thread 0.  sh: SQ_THREADS entries.
+template <typename T>
+__device__ T sq_block(const T acc, T* sh) {
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.x < SQ_LANES) {
+    T b = sh[threadIdx.x];
+    for (int i = 1; i < SQ_LANES; ++i) b += sh[i * SQ_LANES + threadIdx.x];
+    sh[threadIdx.x] = b;  // row 0 is read only by its own thread above
+  }
+  __syncthreads();
+  T r = 0;
+  if (threadIdx.x == 0) {
+    r = sh[0];
+    for (int j = 1; j < SQ_LANES; ++j) r += sh[j];
+  }
+  __syncthreads();
+  return r;
+}
+
+// One block: the sum of the nb partials (thread t: parts[t], parts[t + SQ_THREADS], ... in order); valid in thread 0.
+template <typename T>
+__device__ T sq_fold(const T* __restrict__ parts, const long long nb, T* sh) {
+  T acc = 0;
+  for (long long k = threadIdx.x; k < nb; k += SQ_THREADS) acc += parts[k];
+  return sq_block(acc, sh);
+}
+
+// The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/sqsum.py): i * nb * L + c * L + j.
+// (A multi-tensor pass, core/multi_tensor.py `Norms`, runs block c of a tensor as block b of its launch.)
+__device__ __forceinline__ long long sq_column(const long long nb, const long long c) {
+  const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;
+  return (i * nb + c) * SQ_LANES + j;
+}
+
+__device__ __forceinline__ long long sq_column(const long long nb) { return sq_column(nb, blockIdx.x); }
+
 template <typename T>
 __device__ __forceinline__ void nadamw_group_f0(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long base, const long long hi, const long long step, const T omb1, const T b2, const T omb2, const T bc2, const T eps, const T c_g, const T c_m) {
   T p_r[4], g_r[4], m_r[4], v_r[4];
@@ -23,7 +73,7 @@ __device__ __forceinline__ void nadamw_group_f0(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 94 "flatopt/nadamw.py"
+#line 95 "flatopt/nadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -31,19 +81,19 @@ __device__ __forceinline__ void nadamw_group_f0(T* __restrict__ p, const T* __re
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 95 "flatopt/nadamw.py"
+#line 96 "flatopt/nadamw.py"
       const T t7 = t6 / bc2;
       const T t8 = sqrt(t7);
       const T t9 = t8 + eps;
-#line 99 "flatopt/nadamw.py"
+#line 100 "flatopt/nadamw.py"
       const T t10 = g_r[k] / t9;
       const T t11 = t10 * c_g;
       const T t12 = p_r[k] + t11;
-#line 100 "flatopt/nadamw.py"
+#line 101 "flatopt/nadamw.py"
       const T t13 = t2 / t9;
       const T t14 = t13 * c_m;
       const T t15 = t12 + t14;
-#line 47 "flatopt/kernels/generated/nadamw.cu"
+#line 97 "flatopt/kernels/generated/nadamw.cu"
       p[i] = t15;
       m[i] = t2;
       v[i] = t6;
@@ -94,9 +144,9 @@ __device__ __forceinline__ void nadamw_group_f1(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 93 "flatopt/nadamw.py"
-      const T t0 = p_r[k] * decay;
 #line 94 "flatopt/nadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 95 "flatopt/nadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -104,19 +154,19 @@ __device__ __forceinline__ void nadamw_group_f1(T* __restrict__ p, const T* __re
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 95 "flatopt/nadamw.py"
+#line 96 "flatopt/nadamw.py"
       const T t8 = t7 / bc2;
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
-#line 99 "flatopt/nadamw.py"
+#line 100 "flatopt/nadamw.py"
       const T t11 = g_r[k] / t10;
       const T t12 = t11 * c_g;
       const T t13 = t0 + t12;
-#line 100 "flatopt/nadamw.py"
+#line 101 "flatopt/nadamw.py"
       const T t14 = t3 / t10;
       const T t15 = t14 * c_m;
       const T t16 = t13 + t15;
-#line 120 "flatopt/kernels/generated/nadamw.cu"
+#line 170 "flatopt/kernels/generated/nadamw.cu"
       p[i] = t16;
       m[i] = t3;
       v[i] = t7;
@@ -148,6 +198,327 @@ __global__ void __launch_bounds__(256) nadamw_f1_multi(const long long* __restri
   const T c_m = (T)(((-lr) * c_m_0) / c_m_1);
   for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
     nadamw_group_f1(p, g, m, v, base, hi, (long long)blockDim.x, decay, omb1, b2, omb2, bc2, eps, c_g, c_m);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void nadamw_f2_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T bc2, const T eps, const T k_g, const T k_m, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 95 "flatopt/nadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 96 "flatopt/nadamw.py"
+    const T t7 = t6 / bc2;
+    const T t8 = sqrt(t7);
+    const T t9 = t8 + eps;
+#line 98 "flatopt/nadamw.py"
+    const T t10 = g_i / t9;
+    const T t11 = t10 * k_g;
+    const T t12 = t2 / t9;
+    const T t13 = t12 * k_m;
+    const T t14 = t11 + t13;
+    const T t15 = t14 * g_i;
+    const int t16 = t15 > ((T)0x0.0p+0);
+    const T t17 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t18 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 236 "flatopt/kernels/generated/nadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t17);
+    acc1 += (T)(t18);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) nadamw_f2_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T bc2, const T eps, const T k_g, const T k_m, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  nadamw_f2_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, bc2, eps, k_g, k_m, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) nadamw_f2_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T bc2, const T eps, const T k_g, const T k_m) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  nadamw_f2_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, bc2, eps, k_g, k_m, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void nadamw_f2_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 98 "flatopt/nadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 279 "flatopt/kernels/generated/nadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) nadamw_f2_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  nadamw_f2_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) nadamw_f2_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  nadamw_f2_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void nadamw_group_f2_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T bc2, const T eps, const T k_g, const T k_m, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 96 "flatopt/nadamw.py"
+      const T t0 = v_r[k] / bc2;
+      const T t1 = sqrt(t0);
+      const T t2 = t1 + eps;
+#line 98 "flatopt/nadamw.py"
+      const T t3 = g_r[k] / t2;
+      const T t4 = t3 * k_g;
+      const T t5 = m_r[k] / t2;
+      const T t6 = t5 * k_m;
+      const T t7 = t4 + t6;
+      const T t8 = t7 * g_r[k];
+      const int t9 = t8 > ((T)0x0.0p+0);
+      const T t10 = (t9 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t11 = t10 * fold0;
+      const T t12 = t7 * t11;
+      const T t13 = t12 * neg_lr;
+      const T t14 = p_r[k] + t13;
+#line 331 "flatopt/kernels/generated/nadamw.cu"
+      p[i] = t14;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) nadamw_f2_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T bc2, const T eps, const T k_g, const T k_m, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    nadamw_group_f2_map(p, g, m, v, base, n, (long long)blockDim.x, bc2, eps, k_g, k_m, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) nadamw_f2_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T bc2, const T eps, const T k_g, const T k_m, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    nadamw_group_f2_map(p, g, m, v, base, hi, (long long)blockDim.x, bc2, eps, k_g, k_m, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void nadamw_f3_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T bc2, const T eps, const T k_g, const T k_m, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 95 "flatopt/nadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 96 "flatopt/nadamw.py"
+    const T t7 = t6 / bc2;
+    const T t8 = sqrt(t7);
+    const T t9 = t8 + eps;
+#line 98 "flatopt/nadamw.py"
+    const T t10 = g_i / t9;
+    const T t11 = t10 * k_g;
+    const T t12 = t2 / t9;
+    const T t13 = t12 * k_m;
+    const T t14 = t11 + t13;
+    const T t15 = t14 * g_i;
+    const int t16 = t15 > ((T)0x0.0p+0);
+    const T t17 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t18 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 395 "flatopt/kernels/generated/nadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t17);
+    acc1 += (T)(t18);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) nadamw_f3_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T bc2, const T eps, const T k_g, const T k_m, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  nadamw_f3_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, bc2, eps, k_g, k_m, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) nadamw_f3_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T bc2, const T eps, const T k_g, const T k_m) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  nadamw_f3_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, bc2, eps, k_g, k_m, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void nadamw_f3_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 98 "flatopt/nadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 438 "flatopt/kernels/generated/nadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) nadamw_f3_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  nadamw_f3_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) nadamw_f3_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  nadamw_f3_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void nadamw_group_f3_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T decay, const T bc2, const T eps, const T k_g, const T k_m, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 94 "flatopt/nadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 96 "flatopt/nadamw.py"
+      const T t1 = v_r[k] / bc2;
+      const T t2 = sqrt(t1);
+      const T t3 = t2 + eps;
+#line 98 "flatopt/nadamw.py"
+      const T t4 = g_r[k] / t3;
+      const T t5 = t4 * k_g;
+      const T t6 = m_r[k] / t3;
+      const T t7 = t6 * k_m;
+      const T t8 = t5 + t7;
+      const T t9 = t8 * g_r[k];
+      const int t10 = t9 > ((T)0x0.0p+0);
+      const T t11 = (t10 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t12 = t11 * fold0;
+      const T t13 = t8 * t12;
+      const T t14 = t13 * neg_lr;
+      const T t15 = t0 + t14;
+#line 492 "flatopt/kernels/generated/nadamw.cu"
+      p[i] = t15;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) nadamw_f3_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T decay, const T bc2, const T eps, const T k_g, const T k_m, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    nadamw_group_f3_map(p, g, m, v, base, n, (long long)blockDim.x, decay, bc2, eps, k_g, k_m, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) nadamw_f3_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const T bc2, const T eps, const T k_g, const T k_m, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T decay = (T)(decay_0 - (lr * decay_1));
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    nadamw_group_f3_map(p, g, m, v, base, hi, (long long)blockDim.x, decay, bc2, eps, k_g, k_m, neg_lr, fold0);
   }
 }
 

@@ -6,6 +6,56 @@
 // The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)
 // with the host's operations (trace.trace_scalars), then rounds them to T.
 
+// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
+// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
+// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
+// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
+
+// The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
+// flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
+// (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
+#define SQ_THREADS 256
+#define SQ_LANES 16
+
+// The block's partial of the per-thread sums acc (thread t = i * SQ_LANES + j): b[j] = sum over i in order, then
+// b[0] + ... + b[SQ_LANES - 1] in order; valid in thread 0.  sh: SQ_THREADS entries.
+template <typename T>
+__device__ T sq_block(const T acc, T* sh) {
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.x < SQ_LANES) {
+    T b = sh[threadIdx.x];
+    for (int i = 1; i < SQ_LANES; ++i) b += sh[i * SQ_LANES + threadIdx.x];
+    sh[threadIdx.x] = b;  // row 0 is read only by its own thread above
+  }
+  __syncthreads();
+  T r = 0;
+  if (threadIdx.x == 0) {
+    r = sh[0];
+    for (int j = 1; j < SQ_LANES; ++j) r += sh[j];
+  }
+  __syncthreads();
+  return r;
+}
+
+// One block: the sum of the nb partials (thread t: parts[t], parts[t + SQ_THREADS], ... in order); valid in thread 0.
+template <typename T>
+__device__ T sq_fold(const T* __restrict__ parts, const long long nb, T* sh) {
+  T acc = 0;
+  for (long long k = threadIdx.x; k < nb; k += SQ_THREADS) acc += parts[k];
+  return sq_block(acc, sh);
+}
+
+// The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/sqsum.py): i * nb * L + c * L + j.
+// (A multi-tensor pass, core/multi_tensor.py `Norms`, runs block c of a tensor as block b of its launch.)
+__device__ __forceinline__ long long sq_column(const long long nb, const long long c) {
+  const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;
+  return (i * nb + c) * SQ_LANES + j;
+}
+
+__device__ __forceinline__ long long sq_column(const long long nb) { return sq_column(nb, blockIdx.x); }
+
 template <typename T>
 __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long base, const long long hi, const long long step, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T eps, const T neg_lr) {
   T p_r[4], g_r[4], m_r[4], v_r[4];
@@ -41,7 +91,7 @@ __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __r
       const T t11 = t7 / t10;
       const T t12 = t11 * neg_lr;
       const T t13 = p_r[k] + t12;
-#line 45 "flatopt/kernels/generated/qhadamw.cu"
+#line 95 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t13;
       m[i] = t2;
       v[i] = t6;
@@ -111,7 +161,7 @@ __device__ __forceinline__ void qhadamw_group_f1(T* __restrict__ p, const T* __r
       const T t12 = t8 / t11;
       const T t13 = t12 * neg_lr;
       const T t14 = t0 + t13;
-#line 115 "flatopt/kernels/generated/qhadamw.cu"
+#line 165 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t14;
       m[i] = t3;
       v[i] = t7;
@@ -183,7 +233,7 @@ __device__ __forceinline__ void qhadamw_group_f2(T* __restrict__ p, const T* __r
       const T t13 = t9 / t12;
       const T t14 = t13 * neg_lr;
       const T t15 = p_r[k] + t14;
-#line 187 "flatopt/kernels/generated/qhadamw.cu"
+#line 237 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t15;
       m[i] = t2;
       v[i] = t6;
@@ -256,7 +306,7 @@ __device__ __forceinline__ void qhadamw_group_f3(T* __restrict__ p, const T* __r
       const T t14 = t10 / t13;
       const T t15 = t14 * neg_lr;
       const T t16 = t0 + t15;
-#line 260 "flatopt/kernels/generated/qhadamw.cu"
+#line 310 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t16;
       m[i] = t3;
       v[i] = t7;
@@ -329,7 +379,7 @@ __device__ __forceinline__ void qhadamw_group_f4(T* __restrict__ p, const T* __r
       const T t14 = t7 / t13;
       const T t15 = t14 * neg_lr;
       const T t16 = p_r[k] + t15;
-#line 333 "flatopt/kernels/generated/qhadamw.cu"
+#line 383 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t16;
       m[i] = t2;
       v[i] = t6;
@@ -403,7 +453,7 @@ __device__ __forceinline__ void qhadamw_group_f5(T* __restrict__ p, const T* __r
       const T t15 = t8 / t14;
       const T t16 = t15 * neg_lr;
       const T t17 = t0 + t16;
-#line 407 "flatopt/kernels/generated/qhadamw.cu"
+#line 457 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t17;
       m[i] = t3;
       v[i] = t7;
@@ -479,7 +529,7 @@ __device__ __forceinline__ void qhadamw_group_f6(T* __restrict__ p, const T* __r
       const T t16 = t9 / t15;
       const T t17 = t16 * neg_lr;
       const T t18 = p_r[k] + t17;
-#line 483 "flatopt/kernels/generated/qhadamw.cu"
+#line 533 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t18;
       m[i] = t2;
       v[i] = t6;
@@ -556,7 +606,7 @@ __device__ __forceinline__ void qhadamw_group_f7(T* __restrict__ p, const T* __r
       const T t17 = t10 / t16;
       const T t18 = t17 * neg_lr;
       const T t19 = t0 + t18;
-#line 560 "flatopt/kernels/generated/qhadamw.cu"
+#line 610 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t19;
       m[i] = t3;
       v[i] = t7;
@@ -587,6 +637,1314 @@ __global__ void __launch_bounds__(256) qhadamw_f7_multi(const long long* __restr
   const T neg_lr = (T)(-lr);
   for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
     qhadamw_group_f7(p, g, m, v, base, hi, (long long)blockDim.x, decay, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, neg_lr);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f8_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 97 "flatopt/qhadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 98 "flatopt/qhadamw.py"
+    const T t7 = t2 * c_m;
+#line 101 "flatopt/qhadamw.py"
+    const T t8 = t6 * c_v;
+#line 104 "flatopt/qhadamw.py"
+    const T t9 = sqrt(t8);
+    const T t10 = t9 + eps;
+    const T t11 = t7 / t10;
+    const T t12 = t11 * g_i;
+    const int t13 = t12 > ((T)0x0.0p+0);
+    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 673 "flatopt/kernels/generated/qhadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t14);
+    acc1 += (T)(t15);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f8_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  qhadamw_f8_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, c_m, c_v, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f8_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  qhadamw_f8_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, c_m, c_v, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f8_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 104 "flatopt/qhadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 716 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f8_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  qhadamw_f8_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f8_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  qhadamw_f8_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void qhadamw_group_f8_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T c_m, const T c_v, const T eps, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 98 "flatopt/qhadamw.py"
+      const T t0 = m_r[k] * c_m;
+#line 101 "flatopt/qhadamw.py"
+      const T t1 = v_r[k] * c_v;
+#line 104 "flatopt/qhadamw.py"
+      const T t2 = sqrt(t1);
+      const T t3 = t2 + eps;
+      const T t4 = t0 / t3;
+      const T t5 = t4 * g_r[k];
+      const int t6 = t5 > ((T)0x0.0p+0);
+      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t8 = t7 * fold0;
+      const T t9 = t4 * t8;
+      const T t10 = t9 * neg_lr;
+      const T t11 = p_r[k] + t10;
+#line 766 "flatopt/kernels/generated/qhadamw.cu"
+      p[i] = t11;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f8_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T c_m, const T c_v, const T eps, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    qhadamw_group_f8_map(p, g, m, v, base, n, (long long)blockDim.x, c_m, c_v, eps, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f8_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T c_m, const T c_v, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    qhadamw_group_f8_map(p, g, m, v, base, hi, (long long)blockDim.x, c_m, c_v, eps, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f9_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 97 "flatopt/qhadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 98 "flatopt/qhadamw.py"
+    const T t7 = t2 * c_m;
+#line 101 "flatopt/qhadamw.py"
+    const T t8 = t6 * c_v;
+#line 104 "flatopt/qhadamw.py"
+    const T t9 = sqrt(t8);
+    const T t10 = t9 + eps;
+    const T t11 = t7 / t10;
+    const T t12 = t11 * g_i;
+    const int t13 = t12 > ((T)0x0.0p+0);
+    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 828 "flatopt/kernels/generated/qhadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t14);
+    acc1 += (T)(t15);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f9_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  qhadamw_f9_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, c_m, c_v, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f9_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  qhadamw_f9_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, c_m, c_v, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f9_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 104 "flatopt/qhadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 871 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f9_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  qhadamw_f9_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f9_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  qhadamw_f9_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void qhadamw_group_f9_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T decay, const T c_m, const T c_v, const T eps, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 96 "flatopt/qhadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 98 "flatopt/qhadamw.py"
+      const T t1 = m_r[k] * c_m;
+#line 101 "flatopt/qhadamw.py"
+      const T t2 = v_r[k] * c_v;
+#line 104 "flatopt/qhadamw.py"
+      const T t3 = sqrt(t2);
+      const T t4 = t3 + eps;
+      const T t5 = t1 / t4;
+      const T t6 = t5 * g_r[k];
+      const int t7 = t6 > ((T)0x0.0p+0);
+      const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t9 = t8 * fold0;
+      const T t10 = t5 * t9;
+      const T t11 = t10 * neg_lr;
+      const T t12 = t0 + t11;
+#line 923 "flatopt/kernels/generated/qhadamw.cu"
+      p[i] = t12;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f9_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T decay, const T c_m, const T c_v, const T eps, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    qhadamw_group_f9_map(p, g, m, v, base, n, (long long)blockDim.x, decay, c_m, c_v, eps, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f9_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const T c_m, const T c_v, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T decay = (T)(decay_0 - (lr * decay_1));
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    qhadamw_group_f9_map(p, g, m, v, base, hi, (long long)blockDim.x, decay, c_m, c_v, eps, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f10_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 97 "flatopt/qhadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 98 "flatopt/qhadamw.py"
+    const T t7 = t2 * c_m;
+#line 100 "flatopt/qhadamw.py"
+    const T t8 = g_i * c_g;
+    const T t9 = t7 + t8;
+#line 101 "flatopt/qhadamw.py"
+    const T t10 = t6 * c_v;
+#line 104 "flatopt/qhadamw.py"
+    const T t11 = sqrt(t10);
+    const T t12 = t11 + eps;
+    const T t13 = t9 / t12;
+    const T t14 = t13 * g_i;
+    const int t15 = t14 > ((T)0x0.0p+0);
+    const T t16 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t17 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 989 "flatopt/kernels/generated/qhadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t16);
+    acc1 += (T)(t17);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f10_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  qhadamw_f10_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, c_m, c_g, c_v, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f10_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  qhadamw_f10_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, c_m, c_g, c_v, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f10_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 104 "flatopt/qhadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1032 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f10_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  qhadamw_f10_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f10_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  qhadamw_f10_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void qhadamw_group_f10_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T c_m, const T c_g, const T c_v, const T eps, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 98 "flatopt/qhadamw.py"
+      const T t0 = m_r[k] * c_m;
+#line 100 "flatopt/qhadamw.py"
+      const T t1 = g_r[k] * c_g;
+      const T t2 = t0 + t1;
+#line 101 "flatopt/qhadamw.py"
+      const T t3 = v_r[k] * c_v;
+#line 104 "flatopt/qhadamw.py"
+      const T t4 = sqrt(t3);
+      const T t5 = t4 + eps;
+      const T t6 = t2 / t5;
+      const T t7 = t6 * g_r[k];
+      const int t8 = t7 > ((T)0x0.0p+0);
+      const T t9 = (t8 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t10 = t9 * fold0;
+      const T t11 = t6 * t10;
+      const T t12 = t11 * neg_lr;
+      const T t13 = p_r[k] + t12;
+#line 1085 "flatopt/kernels/generated/qhadamw.cu"
+      p[i] = t13;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f10_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T c_m, const T c_g, const T c_v, const T eps, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    qhadamw_group_f10_map(p, g, m, v, base, n, (long long)blockDim.x, c_m, c_g, c_v, eps, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f10_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T c_m, const T c_g, const T c_v, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    qhadamw_group_f10_map(p, g, m, v, base, hi, (long long)blockDim.x, c_m, c_g, c_v, eps, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f11_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 97 "flatopt/qhadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 98 "flatopt/qhadamw.py"
+    const T t7 = t2 * c_m;
+#line 100 "flatopt/qhadamw.py"
+    const T t8 = g_i * c_g;
+    const T t9 = t7 + t8;
+#line 101 "flatopt/qhadamw.py"
+    const T t10 = t6 * c_v;
+#line 104 "flatopt/qhadamw.py"
+    const T t11 = sqrt(t10);
+    const T t12 = t11 + eps;
+    const T t13 = t9 / t12;
+    const T t14 = t13 * g_i;
+    const int t15 = t14 > ((T)0x0.0p+0);
+    const T t16 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t17 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1150 "flatopt/kernels/generated/qhadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t16);
+    acc1 += (T)(t17);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f11_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  qhadamw_f11_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, c_m, c_g, c_v, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f11_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  qhadamw_f11_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, c_m, c_g, c_v, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f11_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 104 "flatopt/qhadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1193 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f11_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  qhadamw_f11_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f11_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  qhadamw_f11_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void qhadamw_group_f11_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T decay, const T c_m, const T c_g, const T c_v, const T eps, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 96 "flatopt/qhadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 98 "flatopt/qhadamw.py"
+      const T t1 = m_r[k] * c_m;
+#line 100 "flatopt/qhadamw.py"
+      const T t2 = g_r[k] * c_g;
+      const T t3 = t1 + t2;
+#line 101 "flatopt/qhadamw.py"
+      const T t4 = v_r[k] * c_v;
+#line 104 "flatopt/qhadamw.py"
+      const T t5 = sqrt(t4);
+      const T t6 = t5 + eps;
+      const T t7 = t3 / t6;
+      const T t8 = t7 * g_r[k];
+      const int t9 = t8 > ((T)0x0.0p+0);
+      const T t10 = (t9 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t11 = t10 * fold0;
+      const T t12 = t7 * t11;
+      const T t13 = t12 * neg_lr;
+      const T t14 = t0 + t13;
+#line 1248 "flatopt/kernels/generated/qhadamw.cu"
+      p[i] = t14;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f11_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T decay, const T c_m, const T c_g, const T c_v, const T eps, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    qhadamw_group_f11_map(p, g, m, v, base, n, (long long)blockDim.x, decay, c_m, c_g, c_v, eps, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f11_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const T c_m, const T c_g, const T c_v, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T decay = (T)(decay_0 - (lr * decay_1));
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    qhadamw_group_f11_map(p, g, m, v, base, hi, (long long)blockDim.x, decay, c_m, c_g, c_v, eps, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f12_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T c_gg, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 97 "flatopt/qhadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 98 "flatopt/qhadamw.py"
+    const T t7 = t2 * c_m;
+#line 101 "flatopt/qhadamw.py"
+    const T t8 = t6 * c_v;
+#line 103 "flatopt/qhadamw.py"
+    const T t9 = g_i * c_gg;
+    const T t10 = t9 * g_i;
+    const T t11 = t8 + t10;
+#line 104 "flatopt/qhadamw.py"
+    const T t12 = sqrt(t11);
+    const T t13 = t12 + eps;
+    const T t14 = t7 / t13;
+    const T t15 = t14 * g_i;
+    const int t16 = t15 > ((T)0x0.0p+0);
+    const T t17 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t18 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1315 "flatopt/kernels/generated/qhadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t17);
+    acc1 += (T)(t18);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f12_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T c_gg, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  qhadamw_f12_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, c_m, c_v, c_gg, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f12_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T c_gg, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  qhadamw_f12_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, c_m, c_v, c_gg, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f12_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 104 "flatopt/qhadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1358 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f12_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  qhadamw_f12_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f12_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  qhadamw_f12_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void qhadamw_group_f12_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T c_m, const T c_v, const T c_gg, const T eps, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 98 "flatopt/qhadamw.py"
+      const T t0 = m_r[k] * c_m;
+#line 101 "flatopt/qhadamw.py"
+      const T t1 = v_r[k] * c_v;
+#line 103 "flatopt/qhadamw.py"
+      const T t2 = g_r[k] * c_gg;
+      const T t3 = t2 * g_r[k];
+      const T t4 = t1 + t3;
+#line 104 "flatopt/qhadamw.py"
+      const T t5 = sqrt(t4);
+      const T t6 = t5 + eps;
+      const T t7 = t0 / t6;
+      const T t8 = t7 * g_r[k];
+      const int t9 = t8 > ((T)0x0.0p+0);
+      const T t10 = (t9 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t11 = t10 * fold0;
+      const T t12 = t7 * t11;
+      const T t13 = t12 * neg_lr;
+      const T t14 = p_r[k] + t13;
+#line 1412 "flatopt/kernels/generated/qhadamw.cu"
+      p[i] = t14;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f12_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T c_m, const T c_v, const T c_gg, const T eps, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    qhadamw_group_f12_map(p, g, m, v, base, n, (long long)blockDim.x, c_m, c_v, c_gg, eps, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f12_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T c_m, const T c_v, const T c_gg, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    qhadamw_group_f12_map(p, g, m, v, base, hi, (long long)blockDim.x, c_m, c_v, c_gg, eps, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f13_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T c_gg, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 97 "flatopt/qhadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 98 "flatopt/qhadamw.py"
+    const T t7 = t2 * c_m;
+#line 101 "flatopt/qhadamw.py"
+    const T t8 = t6 * c_v;
+#line 103 "flatopt/qhadamw.py"
+    const T t9 = g_i * c_gg;
+    const T t10 = t9 * g_i;
+    const T t11 = t8 + t10;
+#line 104 "flatopt/qhadamw.py"
+    const T t12 = sqrt(t11);
+    const T t13 = t12 + eps;
+    const T t14 = t7 / t13;
+    const T t15 = t14 * g_i;
+    const int t16 = t15 > ((T)0x0.0p+0);
+    const T t17 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t18 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1478 "flatopt/kernels/generated/qhadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t17);
+    acc1 += (T)(t18);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f13_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T c_gg, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  qhadamw_f13_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, c_m, c_v, c_gg, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f13_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T c_m, const T c_v, const T c_gg, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  qhadamw_f13_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, c_m, c_v, c_gg, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f13_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 104 "flatopt/qhadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1521 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f13_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  qhadamw_f13_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f13_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  qhadamw_f13_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void qhadamw_group_f13_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T decay, const T c_m, const T c_v, const T c_gg, const T eps, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 96 "flatopt/qhadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 98 "flatopt/qhadamw.py"
+      const T t1 = m_r[k] * c_m;
+#line 101 "flatopt/qhadamw.py"
+      const T t2 = v_r[k] * c_v;
+#line 103 "flatopt/qhadamw.py"
+      const T t3 = g_r[k] * c_gg;
+      const T t4 = t3 * g_r[k];
+      const T t5 = t2 + t4;
+#line 104 "flatopt/qhadamw.py"
+      const T t6 = sqrt(t5);
+      const T t7 = t6 + eps;
+      const T t8 = t1 / t7;
+      const T t9 = t8 * g_r[k];
+      const int t10 = t9 > ((T)0x0.0p+0);
+      const T t11 = (t10 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t12 = t11 * fold0;
+      const T t13 = t8 * t12;
+      const T t14 = t13 * neg_lr;
+      const T t15 = t0 + t14;
+#line 1577 "flatopt/kernels/generated/qhadamw.cu"
+      p[i] = t15;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f13_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T decay, const T c_m, const T c_v, const T c_gg, const T eps, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    qhadamw_group_f13_map(p, g, m, v, base, n, (long long)blockDim.x, decay, c_m, c_v, c_gg, eps, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f13_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const T c_m, const T c_v, const T c_gg, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T decay = (T)(decay_0 - (lr * decay_1));
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    qhadamw_group_f13_map(p, g, m, v, base, hi, (long long)blockDim.x, decay, c_m, c_v, c_gg, eps, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f14_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 97 "flatopt/qhadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 98 "flatopt/qhadamw.py"
+    const T t7 = t2 * c_m;
+#line 100 "flatopt/qhadamw.py"
+    const T t8 = g_i * c_g;
+    const T t9 = t7 + t8;
+#line 101 "flatopt/qhadamw.py"
+    const T t10 = t6 * c_v;
+#line 103 "flatopt/qhadamw.py"
+    const T t11 = g_i * c_gg;
+    const T t12 = t11 * g_i;
+    const T t13 = t10 + t12;
+#line 104 "flatopt/qhadamw.py"
+    const T t14 = sqrt(t13);
+    const T t15 = t14 + eps;
+    const T t16 = t9 / t15;
+    const T t17 = t16 * g_i;
+    const int t18 = t17 > ((T)0x0.0p+0);
+    const T t19 = (t18 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t20 = (t18 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1647 "flatopt/kernels/generated/qhadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t19);
+    acc1 += (T)(t20);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f14_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  qhadamw_f14_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f14_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  qhadamw_f14_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f14_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 104 "flatopt/qhadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1690 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f14_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  qhadamw_f14_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f14_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  qhadamw_f14_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void qhadamw_group_f14_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 98 "flatopt/qhadamw.py"
+      const T t0 = m_r[k] * c_m;
+#line 100 "flatopt/qhadamw.py"
+      const T t1 = g_r[k] * c_g;
+      const T t2 = t0 + t1;
+#line 101 "flatopt/qhadamw.py"
+      const T t3 = v_r[k] * c_v;
+#line 103 "flatopt/qhadamw.py"
+      const T t4 = g_r[k] * c_gg;
+      const T t5 = t4 * g_r[k];
+      const T t6 = t3 + t5;
+#line 104 "flatopt/qhadamw.py"
+      const T t7 = sqrt(t6);
+      const T t8 = t7 + eps;
+      const T t9 = t2 / t8;
+      const T t10 = t9 * g_r[k];
+      const int t11 = t10 > ((T)0x0.0p+0);
+      const T t12 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t13 = t12 * fold0;
+      const T t14 = t9 * t13;
+      const T t15 = t14 * neg_lr;
+      const T t16 = p_r[k] + t15;
+#line 1747 "flatopt/kernels/generated/qhadamw.cu"
+      p[i] = t16;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f14_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    qhadamw_group_f14_map(p, g, m, v, base, n, (long long)blockDim.x, c_m, c_g, c_v, c_gg, eps, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f14_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    qhadamw_group_f14_map(p, g, m, v, base, hi, (long long)blockDim.x, c_m, c_g, c_v, c_gg, eps, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f15_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 97 "flatopt/qhadamw.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 98 "flatopt/qhadamw.py"
+    const T t7 = t2 * c_m;
+#line 100 "flatopt/qhadamw.py"
+    const T t8 = g_i * c_g;
+    const T t9 = t7 + t8;
+#line 101 "flatopt/qhadamw.py"
+    const T t10 = t6 * c_v;
+#line 103 "flatopt/qhadamw.py"
+    const T t11 = g_i * c_gg;
+    const T t12 = t11 * g_i;
+    const T t13 = t10 + t12;
+#line 104 "flatopt/qhadamw.py"
+    const T t14 = sqrt(t13);
+    const T t15 = t14 + eps;
+    const T t16 = t9 / t15;
+    const T t17 = t16 * g_i;
+    const int t18 = t17 > ((T)0x0.0p+0);
+    const T t19 = (t18 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t20 = (t18 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1816 "flatopt/kernels/generated/qhadamw.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t19);
+    acc1 += (T)(t20);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f15_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  qhadamw_f15_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f15_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  qhadamw_f15_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, c_m, c_g, c_v, c_gg, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void qhadamw_f15_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 104 "flatopt/qhadamw.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1859 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f15_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  qhadamw_f15_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) qhadamw_f15_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  qhadamw_f15_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void qhadamw_group_f15_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T decay, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 96 "flatopt/qhadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 98 "flatopt/qhadamw.py"
+      const T t1 = m_r[k] * c_m;
+#line 100 "flatopt/qhadamw.py"
+      const T t2 = g_r[k] * c_g;
+      const T t3 = t1 + t2;
+#line 101 "flatopt/qhadamw.py"
+      const T t4 = v_r[k] * c_v;
+#line 103 "flatopt/qhadamw.py"
+      const T t5 = g_r[k] * c_gg;
+      const T t6 = t5 * g_r[k];
+      const T t7 = t4 + t6;
+#line 104 "flatopt/qhadamw.py"
+      const T t8 = sqrt(t7);
+      const T t9 = t8 + eps;
+      const T t10 = t3 / t9;
+      const T t11 = t10 * g_r[k];
+      const int t12 = t11 > ((T)0x0.0p+0);
+      const T t13 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t14 = t13 * fold0;
+      const T t15 = t10 * t14;
+      const T t16 = t15 * neg_lr;
+      const T t17 = t0 + t16;
+#line 1918 "flatopt/kernels/generated/qhadamw.cu"
+      p[i] = t17;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f15_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T decay, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    qhadamw_group_f15_map(p, g, m, v, base, n, (long long)blockDim.x, decay, c_m, c_g, c_v, c_gg, eps, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) qhadamw_f15_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const T c_m, const T c_g, const T c_v, const T c_gg, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T decay = (T)(decay_0 - (lr * decay_1));
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    qhadamw_group_f15_map(p, g, m, v, base, hi, (long long)blockDim.x, decay, c_m, c_g, c_v, c_gg, eps, neg_lr, fold0);
   }
 }
 

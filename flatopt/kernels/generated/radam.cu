@@ -6,6 +6,56 @@
 // The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)
 // with the host's operations (trace.trace_scalars), then rounds them to T.
 
+// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
+// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
+// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
+// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
+
+// The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
+// flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
+// (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
+#define SQ_THREADS 256
+#define SQ_LANES 16
+
+// The block's partial of the per-thread sums acc (thread t = i * SQ_LANES + j): b[j] = sum over i in order, then
+// b[0] + ... + b[SQ_LANES - 1] in order; valid in thread 0.  sh: SQ_THREADS entries.
+template <typename T>
+__device__ T sq_block(const T acc, T* sh) {
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.x < SQ_LANES) {
+    T b = sh[threadIdx.x];
+    for (int i = 1; i < SQ_LANES; ++i) b += sh[i * SQ_LANES + threadIdx.x];
+    sh[threadIdx.x] = b;  // row 0 is read only by its own thread above
+  }
+  __syncthreads();
+  T r = 0;
+  if (threadIdx.x == 0) {
+    r = sh[0];
+    for (int j = 1; j < SQ_LANES; ++j) r += sh[j];
+  }
+  __syncthreads();
+  return r;
+}
+
+// One block: the sum of the nb partials (thread t: parts[t], parts[t + SQ_THREADS], ... in order); valid in thread 0.
+template <typename T>
+__device__ T sq_fold(const T* __restrict__ parts, const long long nb, T* sh) {
+  T acc = 0;
+  for (long long k = threadIdx.x; k < nb; k += SQ_THREADS) acc += parts[k];
+  return sq_block(acc, sh);
+}
+
+// The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/sqsum.py): i * nb * L + c * L + j.
+// (A multi-tensor pass, core/multi_tensor.py `Norms`, runs block c of a tensor as block b of its launch.)
+__device__ __forceinline__ long long sq_column(const long long nb, const long long c) {
+  const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;
+  return (i * nb + c) * SQ_LANES + j;
+}
+
+__device__ __forceinline__ long long sq_column(const long long nb) { return sq_column(nb, blockIdx.x); }
+
 template <typename T>
 __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long base, const long long hi, const long long step, const T omb1, const T b2, const T omb2, const T factor) {
   T p_r[4], g_r[4], m_r[4], v_r[4];
@@ -34,7 +84,7 @@ __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __res
 #line 126 "flatopt/radam.py"
       const T t7 = t2 * factor;
       const T t8 = p_r[k] + t7;
-#line 38 "flatopt/kernels/generated/radam.cu"
+#line 88 "flatopt/kernels/generated/radam.cu"
       p[i] = t8;
       m[i] = t2;
       v[i] = t6;
@@ -98,7 +148,7 @@ __device__ __forceinline__ void radam_group_f1(T* __restrict__ p, const T* __res
 #line 126 "flatopt/radam.py"
       const T t9 = t4 * factor;
       const T t10 = p_r[k] + t9;
-#line 102 "flatopt/kernels/generated/radam.cu"
+#line 152 "flatopt/kernels/generated/radam.cu"
       p[i] = t10;
       m[i] = t4;
       v[i] = t8;
@@ -161,7 +211,7 @@ __device__ __forceinline__ void radam_group_f3(T* __restrict__ p, const T* __res
 #line 126 "flatopt/radam.py"
       const T t8 = t3 * factor;
       const T t9 = t0 + t8;
-#line 165 "flatopt/kernels/generated/radam.cu"
+#line 215 "flatopt/kernels/generated/radam.cu"
       p[i] = t9;
       m[i] = t3;
       v[i] = t7;
@@ -226,7 +276,7 @@ __device__ __forceinline__ void radam_group_f4(T* __restrict__ p, const T* __res
       const T t9 = t2 / t8;
       const T t10 = t9 * factor_rect;
       const T t11 = p_r[k] + t10;
-#line 230 "flatopt/kernels/generated/radam.cu"
+#line 280 "flatopt/kernels/generated/radam.cu"
       p[i] = t11;
       m[i] = t2;
       v[i] = t6;
@@ -293,7 +343,7 @@ __device__ __forceinline__ void radam_group_f5(T* __restrict__ p, const T* __res
       const T t11 = t4 / t10;
       const T t12 = t11 * factor_rect;
       const T t13 = p_r[k] + t12;
-#line 297 "flatopt/kernels/generated/radam.cu"
+#line 347 "flatopt/kernels/generated/radam.cu"
       p[i] = t13;
       m[i] = t4;
       v[i] = t8;
@@ -359,7 +409,7 @@ __device__ __forceinline__ void radam_group_f7(T* __restrict__ p, const T* __res
       const T t10 = t3 / t9;
       const T t11 = t10 * factor_rect;
       const T t12 = t0 + t11;
-#line 363 "flatopt/kernels/generated/radam.cu"
+#line 413 "flatopt/kernels/generated/radam.cu"
       p[i] = t12;
       m[i] = t3;
       v[i] = t7;
@@ -390,6 +440,889 @@ __global__ void __launch_bounds__(256) radam_f7_multi(const long long* __restric
   const T factor_rect = (T)((((-lr) * factor_rect_0) * factor_rect_1) / factor_rect_2);
   for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
     radam_group_f7(p, g, m, v, base, hi, (long long)blockDim.x, decay, omb1, b2, omb2, eps, factor_rect);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void radam_f8_reduce_block(const T* __restrict__ g, T* __restrict__ m, const long long n, const long long nb, const long long c, const T omb1, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+#line 122 "flatopt/radam.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+#line 126 "flatopt/radam.py"
+    const T t3 = t2 * g_i;
+    const int t4 = t3 > ((T)0x0.0p+0);
+    const T t5 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t6 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 464 "flatopt/kernels/generated/radam.cu"
+    m[i] = t2;
+    acc0 += (T)(t5);
+    acc1 += (T)(t6);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f8_partials(const T* __restrict__ g, T* __restrict__ m, const long long n, const T omb1, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  radam_f8_reduce_block(g, m, n, nb, (long long)blockIdx.x, omb1, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f8_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  radam_f8_reduce_block(g, m, n, nb, c, omb1, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void radam_f8_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 126 "flatopt/radam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 505 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f8_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  radam_f8_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f8_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  radam_f8_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void radam_group_f8_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long base, const long long hi, const long long step, const T b2, const T omb2, const T factor, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 122 "flatopt/radam.py"
+      const T t0 = v_r[k] * b2;
+      const T t1 = g_r[k] * omb2;
+      const T t2 = t1 * g_r[k];
+      const T t3 = t0 + t2;
+#line 126 "flatopt/radam.py"
+      const T t4 = m_r[k] * g_r[k];
+      const int t5 = t4 > ((T)0x0.0p+0);
+      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = t6 * fold0;
+      const T t8 = m_r[k] * t7;
+      const T t9 = t8 * factor;
+      const T t10 = p_r[k] + t9;
+#line 553 "flatopt/kernels/generated/radam.cu"
+      p[i] = t10;
+      v[i] = t3;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f8_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T b2, const T omb2, const T factor, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    radam_group_f8_map(p, g, m, v, base, n, (long long)blockDim.x, b2, omb2, factor, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f8_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double factor_0, const T b2, const T omb2, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T factor = (T)((-lr) / factor_0);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    radam_group_f8_map(p, g, m, v, base, hi, (long long)blockDim.x, b2, omb2, factor, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void radam_f9_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, const long long n, const long long nb, const long long c, const T wd, const T omb1, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+    const T m_i = m[i];
+#line 121 "flatopt/radam.py"
+    const T t0 = p_i * wd;
+    const T t1 = g_i + t0;
+#line 122 "flatopt/radam.py"
+    const T t2 = t1 - m_i;
+    const T t3 = t2 * omb1;
+    const T t4 = m_i + t3;
+#line 126 "flatopt/radam.py"
+    const T t5 = t4 * t1;
+    const int t6 = t5 > ((T)0x0.0p+0);
+    const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t8 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 608 "flatopt/kernels/generated/radam.cu"
+    m[i] = t4;
+    acc0 += (T)(t7);
+    acc1 += (T)(t8);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f9_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, const long long n, const T wd, const T omb1, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  radam_f9_reduce_block(p, g, m, n, nb, (long long)blockIdx.x, wd, omb1, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f9_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd, const T omb1) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  radam_f9_reduce_block(p, g, m, n, nb, c, wd, omb1, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void radam_f9_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 126 "flatopt/radam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 650 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f9_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  radam_f9_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f9_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  radam_f9_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void radam_group_f9_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long base, const long long hi, const long long step, const T wd, const T b2, const T omb2, const T factor, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 121 "flatopt/radam.py"
+      const T t0 = p_r[k] * wd;
+      const T t1 = g_r[k] + t0;
+#line 122 "flatopt/radam.py"
+      const T t2 = v_r[k] * b2;
+      const T t3 = t1 * omb2;
+      const T t4 = t3 * t1;
+      const T t5 = t2 + t4;
+#line 126 "flatopt/radam.py"
+      const T t6 = m_r[k] * t1;
+      const int t7 = t6 > ((T)0x0.0p+0);
+      const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t9 = t8 * fold0;
+      const T t10 = m_r[k] * t9;
+      const T t11 = t10 * factor;
+      const T t12 = p_r[k] + t11;
+#line 701 "flatopt/kernels/generated/radam.cu"
+      p[i] = t12;
+      v[i] = t5;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f9_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T wd, const T b2, const T omb2, const T factor, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    radam_group_f9_map(p, g, m, v, base, n, (long long)blockDim.x, wd, b2, omb2, factor, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f9_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double factor_0, const T wd, const T b2, const T omb2, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T factor = (T)((-lr) / factor_0);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    radam_group_f9_map(p, g, m, v, base, hi, (long long)blockDim.x, wd, b2, omb2, factor, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void radam_f11_reduce_block(const T* __restrict__ g, T* __restrict__ m, const long long n, const long long nb, const long long c, const T omb1, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+#line 122 "flatopt/radam.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+#line 126 "flatopt/radam.py"
+    const T t3 = t2 * g_i;
+    const int t4 = t3 > ((T)0x0.0p+0);
+    const T t5 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t6 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 752 "flatopt/kernels/generated/radam.cu"
+    m[i] = t2;
+    acc0 += (T)(t5);
+    acc1 += (T)(t6);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f11_partials(const T* __restrict__ g, T* __restrict__ m, const long long n, const T omb1, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  radam_f11_reduce_block(g, m, n, nb, (long long)blockIdx.x, omb1, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f11_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  radam_f11_reduce_block(g, m, n, nb, c, omb1, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void radam_f11_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 126 "flatopt/radam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 793 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f11_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  radam_f11_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f11_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  radam_f11_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void radam_group_f11_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long base, const long long hi, const long long step, const T decay, const T b2, const T omb2, const T factor, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 119 "flatopt/radam.py"
+      const T t0 = p_r[k] * decay;
+#line 122 "flatopt/radam.py"
+      const T t1 = v_r[k] * b2;
+      const T t2 = g_r[k] * omb2;
+      const T t3 = t2 * g_r[k];
+      const T t4 = t1 + t3;
+#line 126 "flatopt/radam.py"
+      const T t5 = m_r[k] * g_r[k];
+      const int t6 = t5 > ((T)0x0.0p+0);
+      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t8 = t7 * fold0;
+      const T t9 = m_r[k] * t8;
+      const T t10 = t9 * factor;
+      const T t11 = t0 + t10;
+#line 843 "flatopt/kernels/generated/radam.cu"
+      p[i] = t11;
+      v[i] = t4;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f11_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T decay, const T b2, const T omb2, const T factor, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    radam_group_f11_map(p, g, m, v, base, n, (long long)blockDim.x, decay, b2, omb2, factor, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f11_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const double factor_0, const T b2, const T omb2, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T decay = (T)(decay_0 - (lr * decay_1));
+  const T factor = (T)((-lr) / factor_0);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    radam_group_f11_map(p, g, m, v, base, hi, (long long)blockDim.x, decay, b2, omb2, factor, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void radam_f12_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 122 "flatopt/radam.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 124 "flatopt/radam.py"
+    const T t7 = sqrt(t6);
+    const T t8 = t7 + eps;
+    const T t9 = t2 / t8;
+    const T t10 = t9 * g_i;
+    const int t11 = t10 > ((T)0x0.0p+0);
+    const T t12 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t13 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 903 "flatopt/kernels/generated/radam.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t12);
+    acc1 += (T)(t13);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f12_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  radam_f12_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f12_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  radam_f12_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void radam_f12_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 124 "flatopt/radam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 946 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f12_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  radam_f12_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f12_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  radam_f12_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void radam_group_f12_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T eps, const T factor_rect, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 124 "flatopt/radam.py"
+      const T t0 = sqrt(v_r[k]);
+      const T t1 = t0 + eps;
+      const T t2 = m_r[k] / t1;
+      const T t3 = t2 * g_r[k];
+      const int t4 = t3 > ((T)0x0.0p+0);
+      const T t5 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = t5 * fold0;
+      const T t7 = t2 * t6;
+      const T t8 = t7 * factor_rect;
+      const T t9 = p_r[k] + t8;
+#line 992 "flatopt/kernels/generated/radam.cu"
+      p[i] = t9;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f12_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T eps, const T factor_rect, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    radam_group_f12_map(p, g, m, v, base, n, (long long)blockDim.x, eps, factor_rect, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f12_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double factor_rect_0, const double factor_rect_1, const double factor_rect_2, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T factor_rect = (T)((((-lr) * factor_rect_0) * factor_rect_1) / factor_rect_2);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    radam_group_f12_map(p, g, m, v, base, hi, (long long)blockDim.x, eps, factor_rect, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void radam_f13_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T wd, const T omb1, const T b2, const T omb2, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 121 "flatopt/radam.py"
+    const T t0 = p_i * wd;
+    const T t1 = g_i + t0;
+#line 122 "flatopt/radam.py"
+    const T t2 = t1 - m_i;
+    const T t3 = t2 * omb1;
+    const T t4 = m_i + t3;
+    const T t5 = v_i * b2;
+    const T t6 = t1 * omb2;
+    const T t7 = t6 * t1;
+    const T t8 = t5 + t7;
+#line 124 "flatopt/radam.py"
+    const T t9 = sqrt(t8);
+    const T t10 = t9 + eps;
+    const T t11 = t4 / t10;
+    const T t12 = t11 * t1;
+    const int t13 = t12 > ((T)0x0.0p+0);
+    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1054 "flatopt/kernels/generated/radam.cu"
+    m[i] = t4;
+    v[i] = t8;
+    acc0 += (T)(t14);
+    acc1 += (T)(t15);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f13_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T wd, const T omb1, const T b2, const T omb2, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  radam_f13_reduce_block(p, g, m, v, n, nb, (long long)blockIdx.x, wd, omb1, b2, omb2, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f13_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd, const T omb1, const T b2, const T omb2, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  radam_f13_reduce_block(p, g, m, v, n, nb, c, wd, omb1, b2, omb2, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void radam_f13_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 124 "flatopt/radam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1098 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f13_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  radam_f13_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f13_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  radam_f13_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void radam_group_f13_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T wd, const T eps, const T factor_rect, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 121 "flatopt/radam.py"
+      const T t0 = p_r[k] * wd;
+      const T t1 = g_r[k] + t0;
+#line 124 "flatopt/radam.py"
+      const T t2 = sqrt(v_r[k]);
+      const T t3 = t2 + eps;
+      const T t4 = m_r[k] / t3;
+      const T t5 = t4 * t1;
+      const int t6 = t5 > ((T)0x0.0p+0);
+      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t8 = t7 * fold0;
+      const T t9 = t4 * t8;
+      const T t10 = t9 * factor_rect;
+      const T t11 = p_r[k] + t10;
+#line 1147 "flatopt/kernels/generated/radam.cu"
+      p[i] = t11;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f13_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T wd, const T eps, const T factor_rect, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    radam_group_f13_map(p, g, m, v, base, n, (long long)blockDim.x, wd, eps, factor_rect, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f13_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double factor_rect_0, const double factor_rect_1, const double factor_rect_2, const T wd, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T factor_rect = (T)((((-lr) * factor_rect_0) * factor_rect_1) / factor_rect_2);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    radam_group_f13_map(p, g, m, v, base, hi, (long long)blockDim.x, wd, eps, factor_rect, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void radam_f15_reduce_block(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const long long nb, const long long c, const T omb1, const T b2, const T omb2, const T eps, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T m_i = m[i];
+    const T v_i = v[i];
+#line 122 "flatopt/radam.py"
+    const T t0 = g_i - m_i;
+    const T t1 = t0 * omb1;
+    const T t2 = m_i + t1;
+    const T t3 = v_i * b2;
+    const T t4 = g_i * omb2;
+    const T t5 = t4 * g_i;
+    const T t6 = t3 + t5;
+#line 124 "flatopt/radam.py"
+    const T t7 = sqrt(t6);
+    const T t8 = t7 + eps;
+    const T t9 = t2 / t8;
+    const T t10 = t9 * g_i;
+    const int t11 = t10 > ((T)0x0.0p+0);
+    const T t12 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t13 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1205 "flatopt/kernels/generated/radam.cu"
+    m[i] = t2;
+    v[i] = t6;
+    acc0 += (T)(t12);
+    acc1 += (T)(t13);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f15_partials(const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v, const long long n, const T omb1, const T b2, const T omb2, const T eps, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  radam_f15_reduce_block(g, m, v, n, nb, (long long)blockIdx.x, omb1, b2, omb2, eps, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f15_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T omb1, const T b2, const T omb2, const T eps) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  const long long n = row[4], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ m = (T*)row[2];
+  T* __restrict__ v = (T*)row[3];
+  radam_f15_reduce_block(g, m, v, n, nb, c, omb1, b2, omb2, eps, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void radam_f15_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 124 "flatopt/radam.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1248 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f15_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  radam_f15_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) radam_f15_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  radam_f15_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void radam_group_f15_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long base, const long long hi, const long long step, const T decay, const T eps, const T factor_rect, const T fold0) {
+  T p_r[4], g_r[4], m_r[4], v_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      m_r[k] = m[i];
+      v_r[k] = v[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 119 "flatopt/radam.py"
+      const T t0 = p_r[k] * decay;
+#line 124 "flatopt/radam.py"
+      const T t1 = sqrt(v_r[k]);
+      const T t2 = t1 + eps;
+      const T t3 = m_r[k] / t2;
+      const T t4 = t3 * g_r[k];
+      const int t5 = t4 > ((T)0x0.0p+0);
+      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = t6 * fold0;
+      const T t8 = t3 * t7;
+      const T t9 = t8 * factor_rect;
+      const T t10 = t0 + t9;
+#line 1296 "flatopt/kernels/generated/radam.cu"
+      p[i] = t10;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f15_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, const T* __restrict__ v, const long long n, const T decay, const T eps, const T factor_rect, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    radam_group_f15_map(p, g, m, v, base, n, (long long)blockDim.x, decay, eps, factor_rect, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) radam_f15_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const double factor_rect_0, const double factor_rect_1, const double factor_rect_2, const T eps, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 5 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ m = (const T*)row[2];
+  const T* __restrict__ v = (const T*)row[3];
+  const long long hi = lo + chunk < row[4] ? lo + chunk : row[4];
+  const double lr = base_lr * scales[ti];
+  const T decay = (T)(decay_0 - (lr * decay_1));
+  const T factor_rect = (T)((((-lr) * factor_rect_0) * factor_rect_1) / factor_rect_2);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    radam_group_f15_map(p, g, m, v, base, hi, (long long)blockDim.x, decay, eps, factor_rect, fold0);
   }
 }
 

@@ -6,6 +6,56 @@
 // The multi-tensor kernel derives the lr-dependent scalars per tensor in double (lr = base_lr * lr_scale)
 // with the host's operations (trace.trace_scalars), then rounds them to T.
 
+// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
+// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
+// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
+// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
+
+// The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
+// flatopt/core/sqsum.py `sq_sum` (its twin), documented there.  Included textually by the loader
+// (core/kernels.py `source`) for NVRTC; g++ (the CPU emulator) resolves the #include itself.
+#define SQ_THREADS 256
+#define SQ_LANES 16
+
+// The block's partial of the per-thread sums acc (thread t = i * SQ_LANES + j): b[j] = sum over i in order, then
+// b[0] + ... + b[SQ_LANES - 1] in order; valid in thread 0.  sh: SQ_THREADS entries.
+template <typename T>
+__device__ T sq_block(const T acc, T* sh) {
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.x < SQ_LANES) {
+    T b = sh[threadIdx.x];
+    for (int i = 1; i < SQ_LANES; ++i) b += sh[i * SQ_LANES + threadIdx.x];
+    sh[threadIdx.x] = b;  // row 0 is read only by its own thread above
+  }
+  __syncthreads();
+  T r = 0;
+  if (threadIdx.x == 0) {
+    r = sh[0];
+    for (int j = 1; j < SQ_LANES; ++j) r += sh[j];
+  }
+  __syncthreads();
+  return r;
+}
+
+// One block: the sum of the nb partials (thread t: parts[t], parts[t + SQ_THREADS], ... in order); valid in thread 0.
+template <typename T>
+__device__ T sq_fold(const T* __restrict__ parts, const long long nb, T* sh) {
+  T acc = 0;
+  for (long long k = threadIdx.x; k < nb; k += SQ_THREADS) acc += parts[k];
+  return sq_block(acc, sh);
+}
+
+// The column of thread t = i * SQ_LANES + j of block c among nb blocks (core/sqsum.py): i * nb * L + c * L + j.
+// (A multi-tensor pass, core/multi_tensor.py `Norms`, runs block c of a tensor as block b of its launch.)
+__device__ __forceinline__ long long sq_column(const long long nb, const long long c) {
+  const long long i = threadIdx.x / SQ_LANES, j = threadIdx.x % SQ_LANES;
+  return (i * nb + c) * SQ_LANES + j;
+}
+
+__device__ __forceinline__ long long sq_column(const long long nb) { return sq_column(nb, blockIdx.x); }
+
 template <typename T>
 __device__ __forceinline__ void sgd_group_f0(T* __restrict__ p, const T* __restrict__ g, const long long base, const long long hi, const long long step, const T neg_lr) {
   T p_r[4], g_r[4];
@@ -24,7 +74,7 @@ __device__ __forceinline__ void sgd_group_f0(T* __restrict__ p, const T* __restr
 #line 95 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
-#line 28 "flatopt/kernels/generated/sgd.cu"
+#line 78 "flatopt/kernels/generated/sgd.cu"
       p[i] = t1;
     }
   }
@@ -74,7 +124,7 @@ __device__ __forceinline__ void sgd_group_f1(T* __restrict__ p, const T* __restr
 #line 95 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
-#line 78 "flatopt/kernels/generated/sgd.cu"
+#line 128 "flatopt/kernels/generated/sgd.cu"
       p[i] = t3;
     }
   }
@@ -125,7 +175,7 @@ __device__ __forceinline__ void sgd_group_f2(T* __restrict__ p, const T* __restr
 #line 95 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
-#line 129 "flatopt/kernels/generated/sgd.cu"
+#line 179 "flatopt/kernels/generated/sgd.cu"
       p[i] = t3;
       buf[i] = t1;
     }
@@ -181,7 +231,7 @@ __device__ __forceinline__ void sgd_group_f3(T* __restrict__ p, const T* __restr
 #line 95 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
-#line 185 "flatopt/kernels/generated/sgd.cu"
+#line 235 "flatopt/kernels/generated/sgd.cu"
       p[i] = t5;
       buf[i] = t3;
     }
@@ -230,7 +280,7 @@ __device__ __forceinline__ void sgd_group_f6(T* __restrict__ p, const T* __restr
 #line 95 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
-#line 234 "flatopt/kernels/generated/sgd.cu"
+#line 284 "flatopt/kernels/generated/sgd.cu"
       p[i] = t1;
       buf[i] = g_r[k];
     }
@@ -282,7 +332,7 @@ __device__ __forceinline__ void sgd_group_f7(T* __restrict__ p, const T* __restr
 #line 95 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
-#line 286 "flatopt/kernels/generated/sgd.cu"
+#line 336 "flatopt/kernels/generated/sgd.cu"
       p[i] = t3;
       buf[i] = t1;
     }
@@ -336,7 +386,7 @@ __device__ __forceinline__ void sgd_group_f10(T* __restrict__ p, const T* __rest
 #line 95 "flatopt/sgd.py"
       const T t3 = t2 * neg_lr;
       const T t4 = p_r[k] + t3;
-#line 340 "flatopt/kernels/generated/sgd.cu"
+#line 390 "flatopt/kernels/generated/sgd.cu"
       p[i] = t4;
       buf[i] = t2;
     }
@@ -393,7 +443,7 @@ __device__ __forceinline__ void sgd_group_f11(T* __restrict__ p, const T* __rest
 #line 95 "flatopt/sgd.py"
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 397 "flatopt/kernels/generated/sgd.cu"
+#line 447 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
       buf[i] = t4;
     }
@@ -449,7 +499,7 @@ __device__ __forceinline__ void sgd_group_f18(T* __restrict__ p, const T* __rest
 #line 95 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
-#line 453 "flatopt/kernels/generated/sgd.cu"
+#line 503 "flatopt/kernels/generated/sgd.cu"
       p[i] = t5;
       buf[i] = t1;
     }
@@ -508,7 +558,7 @@ __device__ __forceinline__ void sgd_group_f19(T* __restrict__ p, const T* __rest
 #line 95 "flatopt/sgd.py"
       const T t6 = t5 * neg_lr;
       const T t7 = p_r[k] + t6;
-#line 512 "flatopt/kernels/generated/sgd.cu"
+#line 562 "flatopt/kernels/generated/sgd.cu"
       p[i] = t7;
       buf[i] = t3;
     }
@@ -560,7 +610,7 @@ __device__ __forceinline__ void sgd_group_f22(T* __restrict__ p, const T* __rest
 #line 95 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
-#line 564 "flatopt/kernels/generated/sgd.cu"
+#line 614 "flatopt/kernels/generated/sgd.cu"
       p[i] = t3;
       buf[i] = g_r[k];
     }
@@ -615,7 +665,7 @@ __device__ __forceinline__ void sgd_group_f23(T* __restrict__ p, const T* __rest
 #line 95 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
-#line 619 "flatopt/kernels/generated/sgd.cu"
+#line 669 "flatopt/kernels/generated/sgd.cu"
       p[i] = t5;
       buf[i] = t1;
     }
@@ -643,6 +693,1606 @@ __global__ void __launch_bounds__(256) sgd_f23_multi(const long long* __restrict
   const T neg_lr = (T)(-lr);
   for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
     sgd_group_f23(p, g, buf, base, hi, (long long)blockDim.x, wd, mom, neg_lr);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f32_reduce_block(const T* __restrict__ g, const long long n, const long long nb, const long long c, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+#line 95 "flatopt/sgd.py"
+    const T t0 = g_i * g_i;
+    const int t1 = t0 > ((T)0x0.0p+0);
+    const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t3 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 712 "flatopt/kernels/generated/sgd.cu"
+    acc0 += (T)(t2);
+    acc1 += (T)(t3);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f32_partials(const T* __restrict__ g, const long long n, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f32_reduce_block(g, n, nb, (long long)blockIdx.x, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f32_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  sgd_f32_reduce_block(g, n, nb, c, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f32_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 751 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f32_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f32_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f32_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f32_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f32_map(T* __restrict__ p, const T* __restrict__ g, const long long base, const long long hi, const long long step, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 95 "flatopt/sgd.py"
+      const T t0 = g_r[k] * g_r[k];
+      const int t1 = t0 > ((T)0x0.0p+0);
+      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t3 = t2 * fold0;
+      const T t4 = g_r[k] * t3;
+      const T t5 = t4 * neg_lr;
+      const T t6 = p_r[k] + t5;
+#line 792 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t6;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f32_map(T* __restrict__ p, const T* __restrict__ g, const long long n, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f32_map(p, g, base, n, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f32_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f32_map(p, g, base, hi, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f33_reduce_block(const T* __restrict__ p, const T* __restrict__ g, const long long n, const long long nb, const long long c, const T wd, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+#line 87 "flatopt/sgd.py"
+    const T t0 = p_i * wd;
+    const T t1 = t0 + g_i;
+#line 95 "flatopt/sgd.py"
+    const T t2 = t1 * t1;
+    const int t3 = t2 > ((T)0x0.0p+0);
+    const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t5 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 839 "flatopt/kernels/generated/sgd.cu"
+    acc0 += (T)(t4);
+    acc1 += (T)(t5);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f33_partials(const T* __restrict__ p, const T* __restrict__ g, const long long n, const T wd, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f33_reduce_block(p, g, n, nb, (long long)blockIdx.x, wd, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f33_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  sgd_f33_reduce_block(p, g, n, nb, c, wd, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f33_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 879 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f33_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f33_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f33_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f33_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f33_map(T* __restrict__ p, const T* __restrict__ g, const long long base, const long long hi, const long long step, const T wd, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 87 "flatopt/sgd.py"
+      const T t0 = p_r[k] * wd;
+      const T t1 = t0 + g_r[k];
+#line 95 "flatopt/sgd.py"
+      const T t2 = t1 * t1;
+      const int t3 = t2 > ((T)0x0.0p+0);
+      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t5 = t4 * fold0;
+      const T t6 = t1 * t5;
+      const T t7 = t6 * neg_lr;
+      const T t8 = p_r[k] + t7;
+#line 923 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t8;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f33_map(T* __restrict__ p, const T* __restrict__ g, const long long n, const T wd, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f33_map(p, g, base, n, (long long)blockDim.x, wd, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f33_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T wd, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f33_map(p, g, base, hi, (long long)blockDim.x, wd, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f34_reduce_block(const T* __restrict__ g, T* __restrict__ buf, const long long n, const long long nb, const long long c, const T mom, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T buf_i = buf[i];
+#line 93 "flatopt/sgd.py"
+    const T t0 = buf_i * mom;
+    const T t1 = t0 + g_i;
+#line 95 "flatopt/sgd.py"
+    const T t2 = t1 * g_i;
+    const int t3 = t2 > ((T)0x0.0p+0);
+    const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t5 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 970 "flatopt/kernels/generated/sgd.cu"
+    buf[i] = t1;
+    acc0 += (T)(t4);
+    acc1 += (T)(t5);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f34_partials(const T* __restrict__ g, T* __restrict__ buf, const long long n, const T mom, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f34_reduce_block(g, buf, n, nb, (long long)blockIdx.x, mom, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f34_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T mom) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  sgd_f34_reduce_block(g, buf, n, nb, c, mom, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f34_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1011 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f34_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f34_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f34_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f34_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f34_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long base, const long long hi, const long long step, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], buf_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      buf_r[k] = buf[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 95 "flatopt/sgd.py"
+      const T t0 = buf_r[k] * g_r[k];
+      const int t1 = t0 > ((T)0x0.0p+0);
+      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t3 = t2 * fold0;
+      const T t4 = buf_r[k] * t3;
+      const T t5 = t4 * neg_lr;
+      const T t6 = p_r[k] + t5;
+#line 1053 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t6;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f34_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long n, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f34_map(p, g, buf, base, n, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f34_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ buf = (const T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f34_map(p, g, buf, base, hi, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f35_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const long long nb, const long long c, const T wd, const T mom, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+    const T buf_i = buf[i];
+#line 87 "flatopt/sgd.py"
+    const T t0 = p_i * wd;
+    const T t1 = t0 + g_i;
+#line 93 "flatopt/sgd.py"
+    const T t2 = buf_i * mom;
+    const T t3 = t2 + t1;
+#line 95 "flatopt/sgd.py"
+    const T t4 = t3 * t1;
+    const int t5 = t4 > ((T)0x0.0p+0);
+    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1105 "flatopt/kernels/generated/sgd.cu"
+    buf[i] = t3;
+    acc0 += (T)(t6);
+    acc1 += (T)(t7);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f35_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const T wd, const T mom, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f35_reduce_block(p, g, buf, n, nb, (long long)blockIdx.x, wd, mom, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f35_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd, const T mom) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  sgd_f35_reduce_block(p, g, buf, n, nb, c, wd, mom, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f35_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1147 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f35_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f35_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f35_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f35_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f35_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long base, const long long hi, const long long step, const T wd, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], buf_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      buf_r[k] = buf[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 87 "flatopt/sgd.py"
+      const T t0 = p_r[k] * wd;
+      const T t1 = t0 + g_r[k];
+#line 95 "flatopt/sgd.py"
+      const T t2 = buf_r[k] * t1;
+      const int t3 = t2 > ((T)0x0.0p+0);
+      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t5 = t4 * fold0;
+      const T t6 = buf_r[k] * t5;
+      const T t7 = t6 * neg_lr;
+      const T t8 = p_r[k] + t7;
+#line 1192 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t8;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f35_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long n, const T wd, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f35_map(p, g, buf, base, n, (long long)blockDim.x, wd, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f35_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T wd, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ buf = (const T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f35_map(p, g, buf, base, hi, (long long)blockDim.x, wd, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f38_reduce_block(const T* __restrict__ g, const long long n, const long long nb, const long long c, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+#line 95 "flatopt/sgd.py"
+    const T t0 = g_i * g_i;
+    const int t1 = t0 > ((T)0x0.0p+0);
+    const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t3 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1236 "flatopt/kernels/generated/sgd.cu"
+    acc0 += (T)(t2);
+    acc1 += (T)(t3);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f38_partials(const T* __restrict__ g, const long long n, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f38_reduce_block(g, n, nb, (long long)blockIdx.x, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f38_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  sgd_f38_reduce_block(g, n, nb, c, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f38_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1275 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f38_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f38_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f38_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f38_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f38_map(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long base, const long long hi, const long long step, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 95 "flatopt/sgd.py"
+      const T t0 = g_r[k] * g_r[k];
+      const int t1 = t0 > ((T)0x0.0p+0);
+      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t3 = t2 * fold0;
+      const T t4 = g_r[k] * t3;
+      const T t5 = t4 * neg_lr;
+      const T t6 = p_r[k] + t5;
+#line 1316 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t6;
+      buf[i] = g_r[k];
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f38_map(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f38_map(p, g, buf, base, n, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f38_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f38_map(p, g, buf, base, hi, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f39_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const long long nb, const long long c, const T wd, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+#line 87 "flatopt/sgd.py"
+    const T t0 = p_i * wd;
+    const T t1 = t0 + g_i;
+#line 95 "flatopt/sgd.py"
+    const T t2 = t1 * t1;
+    const int t3 = t2 > ((T)0x0.0p+0);
+    const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t5 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1365 "flatopt/kernels/generated/sgd.cu"
+    buf[i] = t1;
+    acc0 += (T)(t4);
+    acc1 += (T)(t5);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f39_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const T wd, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f39_reduce_block(p, g, buf, n, nb, (long long)blockIdx.x, wd, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f39_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  sgd_f39_reduce_block(p, g, buf, n, nb, c, wd, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f39_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1407 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f39_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f39_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f39_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f39_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f39_map(T* __restrict__ p, const T* __restrict__ buf, const long long base, const long long hi, const long long step, const T neg_lr, const T fold0) {
+  T p_r[4], buf_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      buf_r[k] = buf[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 95 "flatopt/sgd.py"
+      const T t0 = buf_r[k] * buf_r[k];
+      const int t1 = t0 > ((T)0x0.0p+0);
+      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t3 = t2 * fold0;
+      const T t4 = buf_r[k] * t3;
+      const T t5 = t4 * neg_lr;
+      const T t6 = p_r[k] + t5;
+#line 1448 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t6;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f39_map(T* __restrict__ p, const T* __restrict__ buf, const long long n, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f39_map(p, buf, base, n, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f39_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ buf = (const T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f39_map(p, buf, base, hi, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f42_reduce_block(const T* __restrict__ g, T* __restrict__ buf, const long long n, const long long nb, const long long c, const T mom, const T omd, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T buf_i = buf[i];
+#line 93 "flatopt/sgd.py"
+    const T t0 = buf_i * mom;
+    const T t1 = g_i * omd;
+    const T t2 = t0 + t1;
+#line 95 "flatopt/sgd.py"
+    const T t3 = t2 * g_i;
+    const int t4 = t3 > ((T)0x0.0p+0);
+    const T t5 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t6 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1496 "flatopt/kernels/generated/sgd.cu"
+    buf[i] = t2;
+    acc0 += (T)(t5);
+    acc1 += (T)(t6);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f42_partials(const T* __restrict__ g, T* __restrict__ buf, const long long n, const T mom, const T omd, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f42_reduce_block(g, buf, n, nb, (long long)blockIdx.x, mom, omd, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f42_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T mom, const T omd) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  sgd_f42_reduce_block(g, buf, n, nb, c, mom, omd, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f42_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1537 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f42_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f42_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f42_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f42_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f42_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long base, const long long hi, const long long step, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], buf_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      buf_r[k] = buf[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 95 "flatopt/sgd.py"
+      const T t0 = buf_r[k] * g_r[k];
+      const int t1 = t0 > ((T)0x0.0p+0);
+      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t3 = t2 * fold0;
+      const T t4 = buf_r[k] * t3;
+      const T t5 = t4 * neg_lr;
+      const T t6 = p_r[k] + t5;
+#line 1579 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t6;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f42_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long n, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f42_map(p, g, buf, base, n, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f42_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ buf = (const T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f42_map(p, g, buf, base, hi, (long long)blockDim.x, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f43_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const long long nb, const long long c, const T wd, const T mom, const T omd, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+    const T buf_i = buf[i];
+#line 87 "flatopt/sgd.py"
+    const T t0 = p_i * wd;
+    const T t1 = t0 + g_i;
+#line 93 "flatopt/sgd.py"
+    const T t2 = buf_i * mom;
+    const T t3 = t1 * omd;
+    const T t4 = t2 + t3;
+#line 95 "flatopt/sgd.py"
+    const T t5 = t4 * t1;
+    const int t6 = t5 > ((T)0x0.0p+0);
+    const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t8 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1632 "flatopt/kernels/generated/sgd.cu"
+    buf[i] = t4;
+    acc0 += (T)(t7);
+    acc1 += (T)(t8);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f43_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const T wd, const T mom, const T omd, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f43_reduce_block(p, g, buf, n, nb, (long long)blockIdx.x, wd, mom, omd, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f43_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd, const T mom, const T omd) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  sgd_f43_reduce_block(p, g, buf, n, nb, c, wd, mom, omd, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f43_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1674 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f43_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f43_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f43_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f43_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f43_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long base, const long long hi, const long long step, const T wd, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], buf_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      buf_r[k] = buf[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 87 "flatopt/sgd.py"
+      const T t0 = p_r[k] * wd;
+      const T t1 = t0 + g_r[k];
+#line 95 "flatopt/sgd.py"
+      const T t2 = buf_r[k] * t1;
+      const int t3 = t2 > ((T)0x0.0p+0);
+      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t5 = t4 * fold0;
+      const T t6 = buf_r[k] * t5;
+      const T t7 = t6 * neg_lr;
+      const T t8 = p_r[k] + t7;
+#line 1719 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t8;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f43_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long n, const T wd, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f43_map(p, g, buf, base, n, (long long)blockDim.x, wd, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f43_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T wd, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ buf = (const T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f43_map(p, g, buf, base, hi, (long long)blockDim.x, wd, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f50_reduce_block(const T* __restrict__ g, T* __restrict__ buf, const long long n, const long long nb, const long long c, const T mom, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+    const T buf_i = buf[i];
+#line 93 "flatopt/sgd.py"
+    const T t0 = buf_i * mom;
+    const T t1 = t0 + g_i;
+#line 94 "flatopt/sgd.py"
+    const T t2 = t1 * mom;
+    const T t3 = g_i + t2;
+#line 95 "flatopt/sgd.py"
+    const T t4 = t3 * g_i;
+    const int t5 = t4 > ((T)0x0.0p+0);
+    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1770 "flatopt/kernels/generated/sgd.cu"
+    buf[i] = t1;
+    acc0 += (T)(t6);
+    acc1 += (T)(t7);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f50_partials(const T* __restrict__ g, T* __restrict__ buf, const long long n, const T mom, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f50_reduce_block(g, buf, n, nb, (long long)blockIdx.x, mom, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f50_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T mom) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  sgd_f50_reduce_block(g, buf, n, nb, c, mom, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f50_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1811 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f50_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f50_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f50_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f50_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f50_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long base, const long long hi, const long long step, const T mom, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], buf_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      buf_r[k] = buf[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 94 "flatopt/sgd.py"
+      const T t0 = buf_r[k] * mom;
+      const T t1 = g_r[k] + t0;
+#line 95 "flatopt/sgd.py"
+      const T t2 = t1 * g_r[k];
+      const int t3 = t2 > ((T)0x0.0p+0);
+      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t5 = t4 * fold0;
+      const T t6 = t1 * t5;
+      const T t7 = t6 * neg_lr;
+      const T t8 = p_r[k] + t7;
+#line 1856 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t8;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f50_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long n, const T mom, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f50_map(p, g, buf, base, n, (long long)blockDim.x, mom, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f50_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T mom, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ buf = (const T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f50_map(p, g, buf, base, hi, (long long)blockDim.x, mom, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f51_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const long long nb, const long long c, const T wd, const T mom, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+    const T buf_i = buf[i];
+#line 87 "flatopt/sgd.py"
+    const T t0 = p_i * wd;
+    const T t1 = t0 + g_i;
+#line 93 "flatopt/sgd.py"
+    const T t2 = buf_i * mom;
+    const T t3 = t2 + t1;
+#line 94 "flatopt/sgd.py"
+    const T t4 = t3 * mom;
+    const T t5 = t1 + t4;
+#line 95 "flatopt/sgd.py"
+    const T t6 = t5 * t1;
+    const int t7 = t6 > ((T)0x0.0p+0);
+    const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t9 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 1911 "flatopt/kernels/generated/sgd.cu"
+    buf[i] = t3;
+    acc0 += (T)(t8);
+    acc1 += (T)(t9);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f51_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const T wd, const T mom, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f51_reduce_block(p, g, buf, n, nb, (long long)blockIdx.x, wd, mom, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f51_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd, const T mom) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  sgd_f51_reduce_block(p, g, buf, n, nb, c, wd, mom, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f51_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 1953 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f51_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f51_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f51_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f51_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f51_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long base, const long long hi, const long long step, const T wd, const T mom, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4], buf_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+      buf_r[k] = buf[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 87 "flatopt/sgd.py"
+      const T t0 = p_r[k] * wd;
+      const T t1 = t0 + g_r[k];
+#line 94 "flatopt/sgd.py"
+      const T t2 = buf_r[k] * mom;
+      const T t3 = t1 + t2;
+#line 95 "flatopt/sgd.py"
+      const T t4 = t3 * t1;
+      const int t5 = t4 > ((T)0x0.0p+0);
+      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = t6 * fold0;
+      const T t8 = t3 * t7;
+      const T t9 = t8 * neg_lr;
+      const T t10 = p_r[k] + t9;
+#line 2001 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t10;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f51_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ buf, const long long n, const T wd, const T mom, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f51_map(p, g, buf, base, n, (long long)blockDim.x, wd, mom, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f51_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T wd, const T mom, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  const T* __restrict__ buf = (const T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f51_map(p, g, buf, base, hi, (long long)blockDim.x, wd, mom, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f54_reduce_block(const T* __restrict__ g, const long long n, const long long nb, const long long c, const T mom, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T g_i = g[i];
+#line 94 "flatopt/sgd.py"
+    const T t0 = g_i * mom;
+    const T t1 = g_i + t0;
+#line 95 "flatopt/sgd.py"
+    const T t2 = t1 * g_i;
+    const int t3 = t2 > ((T)0x0.0p+0);
+    const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t5 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 2048 "flatopt/kernels/generated/sgd.cu"
+    acc0 += (T)(t4);
+    acc1 += (T)(t5);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f54_partials(const T* __restrict__ g, const long long n, const T mom, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f54_reduce_block(g, n, nb, (long long)blockIdx.x, mom, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f54_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T mom) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ g = (const T*)row[1];
+  sgd_f54_reduce_block(g, n, nb, c, mom, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f54_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 2087 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f54_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f54_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f54_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f54_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f54_map(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long base, const long long hi, const long long step, const T mom, const T neg_lr, const T fold0) {
+  T p_r[4], g_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      g_r[k] = g[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 94 "flatopt/sgd.py"
+      const T t0 = g_r[k] * mom;
+      const T t1 = g_r[k] + t0;
+#line 95 "flatopt/sgd.py"
+      const T t2 = t1 * g_r[k];
+      const int t3 = t2 > ((T)0x0.0p+0);
+      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t5 = t4 * fold0;
+      const T t6 = t1 * t5;
+      const T t7 = t6 * neg_lr;
+      const T t8 = p_r[k] + t7;
+#line 2131 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t8;
+      buf[i] = g_r[k];
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f54_map(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const T mom, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f54_map(p, g, buf, base, n, (long long)blockDim.x, mom, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f54_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T mom, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f54_map(p, g, buf, base, hi, (long long)blockDim.x, mom, neg_lr, fold0);
+  }
+}
+
+// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.
+template <typename T>
+__device__ __forceinline__ void sgd_f55_reduce_block(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const long long nb, const long long c, const T wd, const T mom, T* sh, T* __restrict__ part0, T* __restrict__ part1) {
+  const long long stride = nb * SQ_THREADS;
+  T acc0 = 0, acc1 = 0;
+  for (long long i = sq_column(nb, c); i < n; i += stride) {
+    const T p_i = p[i];
+    const T g_i = g[i];
+#line 87 "flatopt/sgd.py"
+    const T t0 = p_i * wd;
+    const T t1 = t0 + g_i;
+#line 94 "flatopt/sgd.py"
+    const T t2 = t1 * mom;
+    const T t3 = t1 + t2;
+#line 95 "flatopt/sgd.py"
+    const T t4 = t3 * t1;
+    const int t5 = t4 > ((T)0x0.0p+0);
+    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+#line 2183 "flatopt/kernels/generated/sgd.cu"
+    buf[i] = t1;
+    acc0 += (T)(t6);
+    acc1 += (T)(t7);
+  }
+  acc0 = sq_block(acc0, sh);
+  acc1 = sq_block(acc1, sh);
+  if (threadIdx.x == 0) {
+    *part0 = acc0;
+    *part1 = acc1;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f55_partials(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ buf, const long long n, const T wd, const T mom, T* __restrict__ parts) {
+  __shared__ T sh[SQ_THREADS];
+  const long long nb = gridDim.x;
+  sgd_f55_reduce_block(p, g, buf, n, nb, (long long)blockIdx.x, wd, mom, sh, parts + 0 * nb + blockIdx.x, parts + 1 * nb + blockIdx.x);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f55_partials_multi(const long long* __restrict__ tensors, const long long* __restrict__ segs, const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts, const T wd, const T mom) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  const long long n = row[3], off = spans[2 * ti], nb = spans[2 * ti + 1];
+  const T* __restrict__ p = (const T*)row[0];
+  const T* __restrict__ g = (const T*)row[1];
+  T* __restrict__ buf = (T*)row[2];
+  sgd_f55_reduce_block(p, g, buf, n, nb, c, wd, mom, sh, parts + 0 * nparts + off + c, parts + 1 * nparts + off + c);
+}
+
+// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.
+template <typename T>
+__device__ __forceinline__ void sgd_f55_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
+  const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
+  const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
+  if (threadIdx.x == 0) {
+#line 95 "flatopt/sgd.py"
+    const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
+    const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
+    const T t2_f = t1_f * _sum1;
+#line 2225 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t2_f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f55_fold(const T* __restrict__ parts, const long long nb, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  sgd_f55_fold_one(parts, nb, nb, sh, scal);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256, 1) sgd_f55_fold_multi(const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, const double base_lr, const T* __restrict__ parts, T* __restrict__ scal) {
+  __shared__ T sh[SQ_THREADS];
+  const long long ti = blockIdx.x, off = spans[2 * ti], nb = spans[2 * ti + 1];
+  sgd_f55_fold_one(parts + off, nparts, nb, sh, scal + 1 * ti);
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_group_f55_map(T* __restrict__ p, const T* __restrict__ buf, const long long base, const long long hi, const long long step, const T mom, const T neg_lr, const T fold0) {
+  T p_r[4], buf_r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+      p_r[k] = p[i];
+      buf_r[k] = buf[i];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const long long i = base + k * step;
+    if (i < hi) {
+#line 94 "flatopt/sgd.py"
+      const T t0 = buf_r[k] * mom;
+      const T t1 = buf_r[k] + t0;
+#line 95 "flatopt/sgd.py"
+      const T t2 = t1 * buf_r[k];
+      const int t3 = t2 > ((T)0x0.0p+0);
+      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t5 = t4 * fold0;
+      const T t6 = t1 * t5;
+      const T t7 = t6 * neg_lr;
+      const T t8 = p_r[k] + t7;
+#line 2269 "flatopt/kernels/generated/sgd.cu"
+      p[i] = t8;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f55_map(T* __restrict__ p, const T* __restrict__ buf, const long long n, const T mom, const T neg_lr, const T* __restrict__ scal) {
+  const T fold0 = scal[0];
+  const long long stride = (long long)blockDim.x * gridDim.x * 4;
+  for (long long base = (long long)blockIdx.x * blockDim.x * 4 + threadIdx.x; base < n; base += stride) {
+    sgd_group_f55_map(p, buf, base, n, (long long)blockDim.x, mom, neg_lr, fold0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sgd_f55_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T mom, const T* __restrict__ scal) {
+  const long long ti = blocks[2 * (long long)blockIdx.x];
+  const long long lo = blocks[2 * (long long)blockIdx.x + 1];
+  const long long* row = tensors + 4 * ti;
+  T* __restrict__ p = (T*)row[0];
+  const T* __restrict__ buf = (const T*)row[2];
+  const long long hi = lo + chunk < row[3] ? lo + chunk : row[3];
+  const double lr = base_lr * scales[ti];
+  const T neg_lr = (T)(-lr);
+  const T fold0 = scal[1 * ti + 0];
+  for (long long base = lo + threadIdx.x; base < hi; base += 4 * (long long)blockDim.x) {
+    sgd_group_f55_map(p, buf, base, hi, (long long)blockDim.x, mom, neg_lr, fold0);
   }
 }
 
