@@ -16,12 +16,10 @@ when one answers, else on the emulated device (``tests/cuda_emu``), as ``tests/t
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import flatopt
 from flatopt import OptItem
 from flatopt.core import backend
 from flatopt.core import multi_tensor as mt
@@ -111,13 +109,6 @@ def _run(cp, kind, mode, chunk, monkeypatch, steps):
     return {n: backend.to_numpy(p) for n, p in params.items()}, st
 
 
-def _kernels_made(case) -> bool:
-    """Whether the case's kernels are generated: a cautious one needs the reduce stage's (the mask's count: partials,
-    fold, map); until then its optimizer runs the twin on the device."""
-    return not case.kwargs.get("cautious") or "_partials_multi" in (
-        Path(flatopt.__file__).parent / "kernels" / f"generated/{case.algorithm}.cu").read_text()
-
-
 @pytest.mark.parametrize("kind", sorted(MAKERS))
 @pytest.mark.parametrize("chunk", [256, mt.CHUNK], ids=["chunk256", "chunk_default"])
 def test_multi_tensor_bit_identical_to_per_tensor_kernel_and_twin(kind, chunk, monkeypatch, gpu_device):
@@ -127,8 +118,7 @@ def test_multi_tensor_bit_identical_to_per_tensor_kernel_and_twin(kind, chunk, m
     case = CASES[kind.removesuffix("-unscaled")]
     steps = max(3, case.space.min_steps)  # batch steps: RAdam's rectification starts within them
     got = {mode: _run(cp, kind, mode, chunk, monkeypatch, steps) for mode in ("single", "batch", "twin")}
-    kernels_made = _kernels_made(case)
-    if gpu_device == "emulated" and kernels_made:
+    if gpu_device == "emulated":
         multi = sum(v for k, v in emu.stats.by_kernel.items() if "_multi<" in k)
         # batch steps x (2 dtypes x 2 step counts) x the launches of a group
         assert multi == steps * 4 * case.launches, emu.stats.by_kernel
@@ -142,8 +132,6 @@ def test_multi_tensor_bit_identical_to_per_tensor_kernel_and_twin(kind, chunk, m
             assert backend.to_numpy(ref_s.buffers[key]).tobytes() == backend.to_numpy(s.buffers[key]).tobytes(), \
                 f"{mode}: {key}"
         assert s.params == ref_s.params
-    if not kernels_made:  # the bits above are the twin's on every path
-        pytest.skip("cautious: the reduce stage's CUDA kernels are not generated yet (the twin ran)")
 
 
 def _workload(cp, shapes, dtype=np.float32):
@@ -179,9 +167,6 @@ def test_steady_state_launches_syncs_allocations(kind, shapes, gpu_device):
     with fakecupy.forbid_sync():
         opt.step_batch(items)
     launches = fakecupy.stats.launches + fakecupy.stats.ops - ops
-    if not _kernels_made(CASES[kind.removesuffix("-unscaled")]):
-        assert fakecupy.stats.syncs == 0
-        pytest.skip("cautious: the reduce stage's CUDA kernels are not generated yet (the twin ran, without a sync)")
     assert launches <= 4, launches
     assert fakecupy.stats.launches == CASES[kind].launches  # one dtype, one step count: one group
     assert fakecupy.stats.syncs == 0
@@ -220,7 +205,7 @@ def test_weight_decay_mask_on_the_gpu_path(kind, monkeypatch, gpu_device):
                 for n, size, _ in layout:
                     opt.update_hessian(n, (size,), grads[n] * grads[n])
         got[key] = {n: backend.to_numpy(p) for n, p in params.items()}
-        if gpu_device == "emulated" and key == "batch" and _kernels_made(CASES[kind]):  # 2 steps x 2 dtypes x 2
+        if gpu_device == "emulated" and key == "batch":  # 2 steps x 2 dtypes x (with, without decay)
             multi = sum(v for k, v in emu.stats.by_kernel.items() if "_multi<" in k)
             assert multi == 2 * 4 * CASES[kind].launches, emu.stats.by_kernel
     for key in ("batch", "single"):
