@@ -47,8 +47,8 @@ and a device buffer of ``sums * nparts`` partials plus ``folds`` values per tens
 plan.  The fold kernel runs one block per tensor, folds its partials in the per-tensor fold's order and writes
 ``scal[ti * folds + k]``; the elementwise kernel reads them.  Signatures: ``partials(tensors, segs, spans, nparts,
 parts, <partial_args>)``, ``fold(spans, scales, nparts, base_lr, parts, scal, <fold_args>)``, the elementwise
-kernel's as above with ``scal`` last; ``norms.pick(config, t)`` names the partials and fold kernels of a flag set.
-When ``norms.active(config)`` is false (Mars without clip_c) only the elementwise kernel runs, without ``scal``.
+kernel's as above with ``scal`` last; ``norms.pick(config, t)`` names the partials and fold kernels of a flag set,
+or None for one without a sum (Mars without clip_c): then only the elementwise kernel runs, without ``scal``.
 """
 
 from __future__ import annotations
@@ -65,23 +65,16 @@ CHUNK = 1 << 15
 BLOCK = 256
 
 
-def _always(config: Any) -> bool:
-    return True
-
-
 @dataclasses.dataclass(frozen=True)
 class Norms:
-    """The per-tensor sums of squares a multi-tensor kernel needs first (see the module docstring)."""
+    """The per-tensor sums a multi-tensor kernel needs first (see the module docstring)."""
 
-    sums: int  # sums of squares per tensor
-    partials: str  # kernel: one block per (tensor, c) segment, the per-tensor first pass's block c
-    fold: str  # kernel: one block per tensor, folds its partials into scal[ti]
+    sums: int  # the most sums of a flag set: the partials' buffer holds sums * nparts
+    folds: int  # the most per-tensor values a fold writes: scal[ti * folds + k]
+    # (config, t) -> the (partials, fold) kernels of this launch, or None for a flag set without a sum
+    pick: Callable[[Any, int], tuple | None]
     partial_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after parts
-    active: Callable[[Any], bool] = _always  # (config) -> whether the passes run
-    folds: int = 1  # per-tensor values the fold writes: scal[ti * folds + k]
-    fold_args: Callable[[Any, int, type], tuple] | None = None  # the fold's arguments after scal
-    # (config, t) -> the (partials, fold) kernels of this launch, when they depend on them (a definition's flag set)
-    pick: Callable[[Any, int], tuple] | None = None
+    fold_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after scal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +144,6 @@ class Group:
         self.nparts = np.int64(nsegs)
         parts = cp.empty(spec.norms.sums * nsegs + spec.norms.folds * ntensors, self.dtype)  # once per plan
         self.parts, self.scal = parts[:spec.norms.sums * nsegs], parts[spec.norms.sums * nsegs:]
-        self.partials_fn = kernels.get(spec.source, spec.norms.partials, self.dtype)
-        self.fold_fn = kernels.get(spec.source, spec.norms.fold, self.dtype)
 
     def launch(self, config, t: int, base_lr: float) -> None:
         """One launch for every tensor of the group (no host synchronisation, nothing allocated)."""
@@ -174,23 +165,20 @@ class Group:
                 self.fn((self.nblocks,), (BLOCK,), args)
 
     def _launch_norms(self, config, t: int, base_lr: float, args: tuple) -> None:
-        """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``)."""
+        """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``); a flag set without a
+        sum: its plain kernel alone."""
         norms, dt, spec = self.spec.norms, self.dtype.type, self.spec
         fn = self.fn if spec.pick is None else kernels.get(spec.source, spec.pick(config, t), self.dtype)
-        if not norms.active(config):  # a flag set without a sum: its plain kernel
+        names = norms.pick(config, t)
+        if names is None:
             fn((self.nblocks,), (BLOCK,), args)
             return
-        partials_fn, fold_fn = self.partials_fn, self.fold_fn
-        if norms.pick is not None:
-            pn, fname = norms.pick(config, t)
-            partials_fn = kernels.get(spec.source, pn, self.dtype)
-            fold_fn = kernels.get(spec.source, fname, self.dtype)
+        partials_fn, fold_fn = (kernels.get(spec.source, k, self.dtype) for k in names)
         threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
         partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
                                              *norms.partial_args(config, t, dt)))
-        extra = norms.fold_args(config, t, dt) if norms.fold_args is not None else ()
         fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr), self.parts,
-                                            self.scal, *extra))
+                                            self.scal, *norms.fold_args(config, t, dt)))
         fn((self.nblocks,), (BLOCK,), (*args, self.scal))
 
 

@@ -1,13 +1,13 @@
-"""The NumPy paths of the per-tensor norms of Lamb and Mars: ``core.sqsum.sq_sum``'s blocked order, bit for bit, computed
-so that the sweeps which make the squares can run on many threads (one large tensor) or for many tensors at once (a
-bucket of small ones).
+"""The NumPy paths of the per-tensor sums of a definition with ``e.sum`` (``core/elementwise/reduce.py``: Lamb's and
+Mars's norms): ``core.sqsum.sq_sum``'s blocked order, bit for bit, computed so that the sweeps which make the terms
+can run on many threads (one large tensor) or for many tensors at once (a bucket of small ones).
 
 ``sqsum.sq_sum`` reads the n terms of a tensor as a zero-padded (K, G) matrix (G = nb·SQ_THREADS columns) and first
 sums every column in row order: ``a[g] = x[0, g] + x[1, g] + ... + x[K-1, g]``.  Here that matrix is the *column
 layout* of the flat buffer: ``full`` = n // G complete rows, then a ``tail`` row of n − full·G terms (the padding is
 +0, and adding +0 to a sum of squares changes nothing, so absent terms are skipped).  A task that owns the columns
-[c0, c1) sweeps rows 0, 1, ..., full − 1 and then the tail row (:func:`blocks`) and adds each row's squares to its
-columns in row order (:func:`add_squares`): exactly ``a[c0:c1]``, whichever thread runs it.  :func:`sq_fold` finishes
+[c0, c1) sweeps rows 0, 1, ..., full − 1 and then the tail row (:func:`blocks`) and adds each row's terms to its
+columns in row order (:func:`add_rows`; :func:`add_squares` squares them first): exactly ``a[c0:c1]``, whichever thread runs it.  :func:`sq_fold` finishes
 the sum from ``a`` (the lane sums and the fold of the partials, ``blocks._sq_np``'s steps).  :func:`sq_rows` is
 ``sq_sum`` on every row of a (T, K·G) matrix of T tensors' padded squares, with a leading axis added to each step
 (sequential sums only: ``add.reduce`` over a leading axis or ``add.accumulate``; never a pairwise inner loop).

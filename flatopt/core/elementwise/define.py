@@ -24,9 +24,10 @@ addition: the same bits on NumPy (``core/norms.py``'s column sums), the C pass a
 the arrays it computes that no sum changes), the sums, a fold (the per-tensor instructions that depend on a sum, run
 once per tensor in the dtype: its results ``fold<k>`` are scalars of the map) and a map (the rest, per element).
 A sum of a value that depends on another sum is refused (one reduce phase per step); a zero sum of terms that
-are all −0 may read ±0 by path (the blocked order pads with +0).  Such a definition's optimizer is not elementwise: it binds
-``np_phases_fn`` and ``np_rows_fn`` too (``run.bind``), and its state has an unsaved field ``work`` (the sums'
-work area).  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
+are all −0 may read ±0 by path (the blocked order pads with +0).  Such a definition's optimizer is not elementwise: ``run.bind_reduce(DEF)``
+gives its ``update_fn``, ``np_phases_fn``, ``np_rows_fn``, ``kernel_fn`` (three launches per tensor: partials, fold,
+map) and ``multi_tensor`` (three per dtype group), and its state has an unsaved field ``work`` (the sums' work area,
+the kernels' partials).  See ``flatopt/lamb.py`` and ``flatopt/mars.py``.  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
 whether any flag set has one.
 
 **Cautious.**  A config deriving from :class:`Cautious` has the keyword-only field ``cautious`` (a bool, False by

@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .. import cpu_plan, native, norms, sqsum
+from .. import cpu_plan, driver, native, norms, sqsum
 from . import lower_numpy, trace as tr
 
-CHUNK = 1 << 17  # elements per task of a phase: the driver's chunk (core/driver.py CHUNK)
+CHUNK = driver.CHUNK  # elements per task of a phase when a whole tensor runs serially
 
 
 @dataclasses.dataclass(frozen=True)

@@ -239,16 +239,15 @@ def bind_reduce(d: Definition) -> dict:
         fs = d.flags_of(cfg, t)
         return emit.cuda_name(d, fs, "map_multi" if d.split_at(fs) is not None else "multi")
 
-    def pick_norms(cfg: Any, t: int) -> tuple:
+    def pick_norms(cfg: Any, t: int) -> tuple | None:
         fs = d.flags_of(cfg, t)
+        if d.split_at(fs) is None:
+            return None
         return emit.cuda_name(d, fs, "partials_multi"), emit.cuda_name(d, fs, "fold_multi")
 
     splits = [sp for sp in (d.split_at(d.index(f)) for f in d.flag_sets()) if sp is not None]
-    fs0 = next(d.index(f) for f in d.flag_sets() if d.split_at(d.index(f)) is not None)
-    norms = Norms(max(len(sp.sums) for sp in splits), emit.cuda_name(d, fs0, "partials_multi"),
-                  emit.cuda_name(d, fs0, "fold_multi"), partial_args,
-                  active=lambda cfg: d.split_at(d.flags_of(cfg, 1)) is not None,
-                  folds=max(len(sp.folds) for sp in splits), fold_args=fold_args, pick=pick_norms)
+    norms = Norms(max(len(sp.sums) for sp in splits), max(len(sp.folds) for sp in splits), pick_norms, partial_args,
+                  fold_args)
     multi = MultiTensor(cuda_file(d), pick(d.example, 1), d.state_arrays, map_args, norms=norms, pick=pick)
     return dict(update_fn=update, np_phases_fn=np_phases, np_rows_fn=np_rows, kernel_fn=kernel_update,
                 multi_tensor=multi)
