@@ -151,21 +151,22 @@ class Intrinsics:
         rescaled, when the definition's flag ``cautious`` is set (Liang et al. 2024, as pytorch-optimizer 4.1.0's
         ``apply_cautious``); else ``u`` itself (no instruction)::
 
-            keep = u·g > 0;   mask = where(keep, 1, 0);   u·(mask·((1 / (Σ mask + 1))·Σ 1))
+            mask = cast(u·g > 0);   count = Σ mask;   numel = count + Σ (1 − mask)
+            u·(mask·((1 / (count + 1))·numel))
 
-        Σ 1 = Σ where(keep, 1, 1): the element count as a sum of ones in the dtype (the same blocked sums as the
-        mask's, so every path derives it alike; exact up to 2^24 elements in float32, beyond that within a rounding
-        of float32(numel)); ``1 / x · numel`` is torch's ``numel / x`` (``Tensor.__rtruediv__``: a reciprocal, then
-        a product).  Pass ``-g`` for a ``u`` that already carries −lr."""
+        numel: the element count as sums in the dtype (the blocked sums of the reduce stage, so that every path
+        derives it alike; exact up to 2^24 elements in float32, beyond that within a rounding of float32(numel));
+        ``1 / x · numel`` is torch's ``numel / x`` (``Tensor.__rtruediv__``: a reciprocal, then a product).  The mask
+        is a cast of the comparison, not a select: the C loops stay branch-free and vectorise."""
         if "cautious" not in self._flags:
             raise TypeError(f"{self._t.algo}.step: e.cautious needs the flag 'cautious' (a config deriving from "
                             f"core.elementwise.define.Cautious)")
         if not self._flags["cautious"]:
             return u
         u, g = self._t.lift(u), self._t.lift(g)
-        keep = u * g > 0
-        mask = self.where(keep, 1, 0)
-        scale = (1 / (self.sum(mask) + 1)) * self.sum(self.where(keep, 1, 1))
+        mask = self.cast(u * g > 0)
+        count = self.sum(mask)
+        scale = (1 / (count + 1)) * (count + self.sum(1 - mask))
         return u * (mask * scale)
 
 

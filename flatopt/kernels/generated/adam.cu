@@ -356,8 +356,8 @@ __device__ __forceinline__ void adam_f4_reduce_block(const T* __restrict__ g, T*
     const T t10 = t2 / t9;
     const T t11 = t10 * g_i;
     const int t12 = t11 > ((T)0x0.0p+0);
-    const T t13 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t14 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+    const T t13 = (T)t12;
+    const T t14 = ((T)0x1.0000000000000p+0) - t13;
 #line 362 "flatopt/kernels/generated/adam.cu"
     m[i] = t2;
     v[i] = t6;
@@ -400,9 +400,10 @@ __device__ __forceinline__ void adam_f4_fold_one(const T* __restrict__ parts, co
 #line 93 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 405 "flatopt/kernels/generated/adam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 406 "flatopt/kernels/generated/adam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -443,12 +444,12 @@ __device__ __forceinline__ void adam_group_f4_map(T* __restrict__ p, const T* __
       const T t3 = m_r[k] / t2;
       const T t4 = t3 * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
-      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_step;
       const T t10 = p_r[k] + t9;
-#line 452 "flatopt/kernels/generated/adam.cu"
+#line 453 "flatopt/kernels/generated/adam.cu"
       p[i] = t10;
     }
   }
@@ -509,9 +510,9 @@ __device__ __forceinline__ void adam_f5_reduce_block(const T* __restrict__ p, co
     const T t12 = t4 / t11;
     const T t13 = t12 * t1;
     const int t14 = t13 > ((T)0x0.0p+0);
-    const T t15 = (t14 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t16 = (t14 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 515 "flatopt/kernels/generated/adam.cu"
+    const T t15 = (T)t14;
+    const T t16 = ((T)0x1.0000000000000p+0) - t15;
+#line 516 "flatopt/kernels/generated/adam.cu"
     m[i] = t4;
     v[i] = t8;
     acc0 += (T)(t15);
@@ -554,9 +555,10 @@ __device__ __forceinline__ void adam_f5_fold_one(const T* __restrict__ parts, co
 #line 93 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 559 "flatopt/kernels/generated/adam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 561 "flatopt/kernels/generated/adam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -600,12 +602,12 @@ __device__ __forceinline__ void adam_group_f5_map(T* __restrict__ p, const T* __
       const T t5 = m_r[k] / t4;
       const T t6 = t5 * t1;
       const int t7 = t6 > ((T)0x0.0p+0);
-      const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t8 = (T)t7;
       const T t9 = t8 * fold0;
       const T t10 = t5 * t9;
       const T t11 = t10 * neg_step;
       const T t12 = p_r[k] + t11;
-#line 609 "flatopt/kernels/generated/adam.cu"
+#line 611 "flatopt/kernels/generated/adam.cu"
       p[i] = t12;
     }
   }
@@ -665,9 +667,9 @@ __device__ __forceinline__ void adam_f6_reduce_block(const T* __restrict__ g, T*
     const T t11 = t2 / t10;
     const T t12 = t11 * g_i;
     const int t13 = t12 > ((T)0x0.0p+0);
-    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 671 "flatopt/kernels/generated/adam.cu"
+    const T t14 = (T)t13;
+    const T t15 = ((T)0x1.0000000000000p+0) - t14;
+#line 673 "flatopt/kernels/generated/adam.cu"
     m[i] = t2;
     v[i] = t6;
     vmax[i] = t7;
@@ -711,9 +713,10 @@ __device__ __forceinline__ void adam_f6_fold_one(const T* __restrict__ parts, co
 #line 93 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 716 "flatopt/kernels/generated/adam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 719 "flatopt/kernels/generated/adam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -754,12 +757,12 @@ __device__ __forceinline__ void adam_group_f6_map(T* __restrict__ p, const T* __
       const T t3 = m_r[k] / t2;
       const T t4 = t3 * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
-      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_step;
       const T t10 = p_r[k] + t9;
-#line 763 "flatopt/kernels/generated/adam.cu"
+#line 766 "flatopt/kernels/generated/adam.cu"
       p[i] = t10;
     }
   }
@@ -823,9 +826,9 @@ __device__ __forceinline__ void adam_f7_reduce_block(const T* __restrict__ p, co
     const T t13 = t4 / t12;
     const T t14 = t13 * t1;
     const int t15 = t14 > ((T)0x0.0p+0);
-    const T t16 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t17 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 829 "flatopt/kernels/generated/adam.cu"
+    const T t16 = (T)t15;
+    const T t17 = ((T)0x1.0000000000000p+0) - t16;
+#line 832 "flatopt/kernels/generated/adam.cu"
     m[i] = t4;
     v[i] = t8;
     vmax[i] = t9;
@@ -870,9 +873,10 @@ __device__ __forceinline__ void adam_f7_fold_one(const T* __restrict__ parts, co
 #line 93 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 875 "flatopt/kernels/generated/adam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 879 "flatopt/kernels/generated/adam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -916,12 +920,12 @@ __device__ __forceinline__ void adam_group_f7_map(T* __restrict__ p, const T* __
       const T t5 = m_r[k] / t4;
       const T t6 = t5 * t1;
       const int t7 = t6 > ((T)0x0.0p+0);
-      const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t8 = (T)t7;
       const T t9 = t8 * fold0;
       const T t10 = t5 * t9;
       const T t11 = t10 * neg_step;
       const T t12 = p_r[k] + t11;
-#line 925 "flatopt/kernels/generated/adam.cu"
+#line 929 "flatopt/kernels/generated/adam.cu"
       p[i] = t12;
     }
   }

@@ -356,8 +356,8 @@ __device__ __forceinline__ void adamw_f4_reduce_block(const T* __restrict__ g, T
     const T t10 = t2 / t9;
     const T t11 = t10 * g_i;
     const int t12 = t11 > ((T)0x0.0p+0);
-    const T t13 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t14 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+    const T t13 = (T)t12;
+    const T t14 = ((T)0x1.0000000000000p+0) - t13;
 #line 362 "flatopt/kernels/generated/adamw.cu"
     m[i] = t2;
     v[i] = t6;
@@ -400,9 +400,10 @@ __device__ __forceinline__ void adamw_f4_fold_one(const T* __restrict__ parts, c
 #line 93 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 405 "flatopt/kernels/generated/adamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 406 "flatopt/kernels/generated/adamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -443,12 +444,12 @@ __device__ __forceinline__ void adamw_group_f4_map(T* __restrict__ p, const T* _
       const T t3 = m_r[k] / t2;
       const T t4 = t3 * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
-      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_step;
       const T t10 = p_r[k] + t9;
-#line 452 "flatopt/kernels/generated/adamw.cu"
+#line 453 "flatopt/kernels/generated/adamw.cu"
       p[i] = t10;
     }
   }
@@ -505,9 +506,9 @@ __device__ __forceinline__ void adamw_f5_reduce_block(const T* __restrict__ g, T
     const T t10 = t2 / t9;
     const T t11 = t10 * g_i;
     const int t12 = t11 > ((T)0x0.0p+0);
-    const T t13 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t14 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 511 "flatopt/kernels/generated/adamw.cu"
+    const T t13 = (T)t12;
+    const T t14 = ((T)0x1.0000000000000p+0) - t13;
+#line 512 "flatopt/kernels/generated/adamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t13);
@@ -549,9 +550,10 @@ __device__ __forceinline__ void adamw_f5_fold_one(const T* __restrict__ parts, c
 #line 93 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 554 "flatopt/kernels/generated/adamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 556 "flatopt/kernels/generated/adamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -594,12 +596,12 @@ __device__ __forceinline__ void adamw_group_f5_map(T* __restrict__ p, const T* _
       const T t4 = m_r[k] / t3;
       const T t5 = t4 * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
-      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = (T)t6;
       const T t8 = t7 * fold0;
       const T t9 = t4 * t8;
       const T t10 = t9 * neg_step;
       const T t11 = t0 + t10;
-#line 603 "flatopt/kernels/generated/adamw.cu"
+#line 605 "flatopt/kernels/generated/adamw.cu"
       p[i] = t11;
     }
   }
@@ -660,9 +662,9 @@ __device__ __forceinline__ void adamw_f6_reduce_block(const T* __restrict__ g, T
     const T t11 = t2 / t10;
     const T t12 = t11 * g_i;
     const int t13 = t12 > ((T)0x0.0p+0);
-    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 666 "flatopt/kernels/generated/adamw.cu"
+    const T t14 = (T)t13;
+    const T t15 = ((T)0x1.0000000000000p+0) - t14;
+#line 668 "flatopt/kernels/generated/adamw.cu"
     m[i] = t2;
     v[i] = t6;
     vmax[i] = t7;
@@ -706,9 +708,10 @@ __device__ __forceinline__ void adamw_f6_fold_one(const T* __restrict__ parts, c
 #line 93 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 711 "flatopt/kernels/generated/adamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 714 "flatopt/kernels/generated/adamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -749,12 +752,12 @@ __device__ __forceinline__ void adamw_group_f6_map(T* __restrict__ p, const T* _
       const T t3 = m_r[k] / t2;
       const T t4 = t3 * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
-      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_step;
       const T t10 = p_r[k] + t9;
-#line 758 "flatopt/kernels/generated/adamw.cu"
+#line 761 "flatopt/kernels/generated/adamw.cu"
       p[i] = t10;
     }
   }
@@ -814,9 +817,9 @@ __device__ __forceinline__ void adamw_f7_reduce_block(const T* __restrict__ g, T
     const T t11 = t2 / t10;
     const T t12 = t11 * g_i;
     const int t13 = t12 > ((T)0x0.0p+0);
-    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 820 "flatopt/kernels/generated/adamw.cu"
+    const T t14 = (T)t13;
+    const T t15 = ((T)0x1.0000000000000p+0) - t14;
+#line 823 "flatopt/kernels/generated/adamw.cu"
     m[i] = t2;
     v[i] = t6;
     vmax[i] = t7;
@@ -860,9 +863,10 @@ __device__ __forceinline__ void adamw_f7_fold_one(const T* __restrict__ parts, c
 #line 93 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 865 "flatopt/kernels/generated/adamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 869 "flatopt/kernels/generated/adamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -905,12 +909,12 @@ __device__ __forceinline__ void adamw_group_f7_map(T* __restrict__ p, const T* _
       const T t4 = m_r[k] / t3;
       const T t5 = t4 * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
-      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = (T)t6;
       const T t8 = t7 * fold0;
       const T t9 = t4 * t8;
       const T t10 = t9 * neg_step;
       const T t11 = t0 + t10;
-#line 914 "flatopt/kernels/generated/adamw.cu"
+#line 918 "flatopt/kernels/generated/adamw.cu"
       p[i] = t11;
     }
   }

@@ -294,8 +294,8 @@ CLONES static void adam_f4_float_columns(const float *restrict g, float *restric
             const float t10 = t2 / t9;
             const float t11 = t10 * g_i;
             const int t12 = t11 > ((float)0x0.0p+0);
-            const float t13 = (t12 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t14 = (t12 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t13 = (float)t12;
+            const float t14 = ((float)0x1.0000000000000p+0) - t13;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t13) : acc0[j] + (float)(t13);
@@ -317,7 +317,7 @@ CLONES static void adam_f4_float_map(float *restrict p, const float *restrict g,
         const float t3 = m_i / t2;
         const float t4 = t3 * g_i;
         const int t5 = t4 > ((float)0x0.0p+0);
-        const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t6 = (float)t5;
         const float t7 = t6 * fold0;
         const float t8 = t3 * t7;
         const float t9 = t8 * neg_step;
@@ -350,8 +350,8 @@ CLONES static void adam_f4_double_columns(const double *restrict g, double *rest
             const double t10 = t2 / t9;
             const double t11 = t10 * g_i;
             const int t12 = t11 > ((double)0x0.0p+0);
-            const double t13 = (t12 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t14 = (t12 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t13 = (double)t12;
+            const double t14 = ((double)0x1.0000000000000p+0) - t13;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t13) : acc0[j] + (double)(t13);
@@ -373,7 +373,7 @@ CLONES static void adam_f4_double_map(double *restrict p, const double *restrict
         const double t3 = m_i / t2;
         const double t4 = t3 * g_i;
         const int t5 = t4 > ((double)0x0.0p+0);
-        const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t6 = (double)t5;
         const double t7 = t6 * fold0;
         const double t8 = t3 * t7;
         const double t9 = t8 * neg_step;
@@ -409,8 +409,8 @@ CLONES static void adam_f5_float_columns(const float *restrict p, const float *r
             const float t12 = t4 / t11;
             const float t13 = t12 * t1;
             const int t14 = t13 > ((float)0x0.0p+0);
-            const float t15 = (t14 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t16 = (t14 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t15 = (float)t14;
+            const float t16 = ((float)0x1.0000000000000p+0) - t15;
             m[i] = t4;
             v[i] = t8;
             acc0[j] = fresh ? (float)(t15) : acc0[j] + (float)(t15);
@@ -435,7 +435,7 @@ CLONES static void adam_f5_float_map(float *restrict p, const float *restrict g,
         const float t5 = m_i / t4;
         const float t6 = t5 * t1;
         const int t7 = t6 > ((float)0x0.0p+0);
-        const float t8 = (t7 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t8 = (float)t7;
         const float t9 = t8 * fold0;
         const float t10 = t5 * t9;
         const float t11 = t10 * neg_step;
@@ -471,8 +471,8 @@ CLONES static void adam_f5_double_columns(const double *restrict p, const double
             const double t12 = t4 / t11;
             const double t13 = t12 * t1;
             const int t14 = t13 > ((double)0x0.0p+0);
-            const double t15 = (t14 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t16 = (t14 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t15 = (double)t14;
+            const double t16 = ((double)0x1.0000000000000p+0) - t15;
             m[i] = t4;
             v[i] = t8;
             acc0[j] = fresh ? (double)(t15) : acc0[j] + (double)(t15);
@@ -497,7 +497,7 @@ CLONES static void adam_f5_double_map(double *restrict p, const double *restrict
         const double t5 = m_i / t4;
         const double t6 = t5 * t1;
         const int t7 = t6 > ((double)0x0.0p+0);
-        const double t8 = (t7 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t8 = (double)t7;
         const double t9 = t8 * fold0;
         const double t10 = t5 * t9;
         const double t11 = t10 * neg_step;
@@ -531,8 +531,8 @@ CLONES static void adam_f6_float_columns(const float *restrict g, float *restric
             const float t11 = t2 / t10;
             const float t12 = t11 * g_i;
             const int t13 = t12 > ((float)0x0.0p+0);
-            const float t14 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t15 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             vmax[i] = t7;
@@ -555,7 +555,7 @@ CLONES static void adam_f6_float_map(float *restrict p, const float *restrict g,
         const float t3 = m_i / t2;
         const float t4 = t3 * g_i;
         const int t5 = t4 > ((float)0x0.0p+0);
-        const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t6 = (float)t5;
         const float t7 = t6 * fold0;
         const float t8 = t3 * t7;
         const float t9 = t8 * neg_step;
@@ -589,8 +589,8 @@ CLONES static void adam_f6_double_columns(const double *restrict g, double *rest
             const double t11 = t2 / t10;
             const double t12 = t11 * g_i;
             const int t13 = t12 > ((double)0x0.0p+0);
-            const double t14 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t15 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             vmax[i] = t7;
@@ -613,7 +613,7 @@ CLONES static void adam_f6_double_map(double *restrict p, const double *restrict
         const double t3 = m_i / t2;
         const double t4 = t3 * g_i;
         const int t5 = t4 > ((double)0x0.0p+0);
-        const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t6 = (double)t5;
         const double t7 = t6 * fold0;
         const double t8 = t3 * t7;
         const double t9 = t8 * neg_step;
@@ -650,8 +650,8 @@ CLONES static void adam_f7_float_columns(const float *restrict p, const float *r
             const float t13 = t4 / t12;
             const float t14 = t13 * t1;
             const int t15 = t14 > ((float)0x0.0p+0);
-            const float t16 = (t15 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t17 = (t15 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t16 = (float)t15;
+            const float t17 = ((float)0x1.0000000000000p+0) - t16;
             m[i] = t4;
             v[i] = t8;
             vmax[i] = t9;
@@ -677,7 +677,7 @@ CLONES static void adam_f7_float_map(float *restrict p, const float *restrict g,
         const float t5 = m_i / t4;
         const float t6 = t5 * t1;
         const int t7 = t6 > ((float)0x0.0p+0);
-        const float t8 = (t7 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t8 = (float)t7;
         const float t9 = t8 * fold0;
         const float t10 = t5 * t9;
         const float t11 = t10 * neg_step;
@@ -714,8 +714,8 @@ CLONES static void adam_f7_double_columns(const double *restrict p, const double
             const double t13 = t4 / t12;
             const double t14 = t13 * t1;
             const int t15 = t14 > ((double)0x0.0p+0);
-            const double t16 = (t15 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t17 = (t15 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t16 = (double)t15;
+            const double t17 = ((double)0x1.0000000000000p+0) - t16;
             m[i] = t4;
             v[i] = t8;
             vmax[i] = t9;
@@ -741,7 +741,7 @@ CLONES static void adam_f7_double_map(double *restrict p, const double *restrict
         const double t5 = m_i / t4;
         const double t6 = t5 * t1;
         const int t7 = t6 > ((double)0x0.0p+0);
-        const double t8 = (t7 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t8 = (double)t7;
         const double t9 = t8 * fold0;
         const double t10 = t5 * t9;
         const double t11 = t10 * neg_step;
@@ -1068,8 +1068,8 @@ CLONES static void adamw_f4_float_columns(const float *restrict g, float *restri
             const float t10 = t2 / t9;
             const float t11 = t10 * g_i;
             const int t12 = t11 > ((float)0x0.0p+0);
-            const float t13 = (t12 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t14 = (t12 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t13 = (float)t12;
+            const float t14 = ((float)0x1.0000000000000p+0) - t13;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t13) : acc0[j] + (float)(t13);
@@ -1091,7 +1091,7 @@ CLONES static void adamw_f4_float_map(float *restrict p, const float *restrict g
         const float t3 = m_i / t2;
         const float t4 = t3 * g_i;
         const int t5 = t4 > ((float)0x0.0p+0);
-        const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t6 = (float)t5;
         const float t7 = t6 * fold0;
         const float t8 = t3 * t7;
         const float t9 = t8 * neg_step;
@@ -1124,8 +1124,8 @@ CLONES static void adamw_f4_double_columns(const double *restrict g, double *res
             const double t10 = t2 / t9;
             const double t11 = t10 * g_i;
             const int t12 = t11 > ((double)0x0.0p+0);
-            const double t13 = (t12 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t14 = (t12 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t13 = (double)t12;
+            const double t14 = ((double)0x1.0000000000000p+0) - t13;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t13) : acc0[j] + (double)(t13);
@@ -1147,7 +1147,7 @@ CLONES static void adamw_f4_double_map(double *restrict p, const double *restric
         const double t3 = m_i / t2;
         const double t4 = t3 * g_i;
         const int t5 = t4 > ((double)0x0.0p+0);
-        const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t6 = (double)t5;
         const double t7 = t6 * fold0;
         const double t8 = t3 * t7;
         const double t9 = t8 * neg_step;
@@ -1180,8 +1180,8 @@ CLONES static void adamw_f5_float_columns(const float *restrict g, float *restri
             const float t10 = t2 / t9;
             const float t11 = t10 * g_i;
             const int t12 = t11 > ((float)0x0.0p+0);
-            const float t13 = (t12 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t14 = (t12 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t13 = (float)t12;
+            const float t14 = ((float)0x1.0000000000000p+0) - t13;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t13) : acc0[j] + (float)(t13);
@@ -1205,7 +1205,7 @@ CLONES static void adamw_f5_float_map(float *restrict p, const float *restrict g
         const float t4 = m_i / t3;
         const float t5 = t4 * g_i;
         const int t6 = t5 > ((float)0x0.0p+0);
-        const float t7 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t7 = (float)t6;
         const float t8 = t7 * fold0;
         const float t9 = t4 * t8;
         const float t10 = t9 * neg_step;
@@ -1238,8 +1238,8 @@ CLONES static void adamw_f5_double_columns(const double *restrict g, double *res
             const double t10 = t2 / t9;
             const double t11 = t10 * g_i;
             const int t12 = t11 > ((double)0x0.0p+0);
-            const double t13 = (t12 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t14 = (t12 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t13 = (double)t12;
+            const double t14 = ((double)0x1.0000000000000p+0) - t13;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t13) : acc0[j] + (double)(t13);
@@ -1263,7 +1263,7 @@ CLONES static void adamw_f5_double_map(double *restrict p, const double *restric
         const double t4 = m_i / t3;
         const double t5 = t4 * g_i;
         const int t6 = t5 > ((double)0x0.0p+0);
-        const double t7 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t7 = (double)t6;
         const double t8 = t7 * fold0;
         const double t9 = t4 * t8;
         const double t10 = t9 * neg_step;
@@ -1297,8 +1297,8 @@ CLONES static void adamw_f6_float_columns(const float *restrict g, float *restri
             const float t11 = t2 / t10;
             const float t12 = t11 * g_i;
             const int t13 = t12 > ((float)0x0.0p+0);
-            const float t14 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t15 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             vmax[i] = t7;
@@ -1321,7 +1321,7 @@ CLONES static void adamw_f6_float_map(float *restrict p, const float *restrict g
         const float t3 = m_i / t2;
         const float t4 = t3 * g_i;
         const int t5 = t4 > ((float)0x0.0p+0);
-        const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t6 = (float)t5;
         const float t7 = t6 * fold0;
         const float t8 = t3 * t7;
         const float t9 = t8 * neg_step;
@@ -1355,8 +1355,8 @@ CLONES static void adamw_f6_double_columns(const double *restrict g, double *res
             const double t11 = t2 / t10;
             const double t12 = t11 * g_i;
             const int t13 = t12 > ((double)0x0.0p+0);
-            const double t14 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t15 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             vmax[i] = t7;
@@ -1379,7 +1379,7 @@ CLONES static void adamw_f6_double_map(double *restrict p, const double *restric
         const double t3 = m_i / t2;
         const double t4 = t3 * g_i;
         const int t5 = t4 > ((double)0x0.0p+0);
-        const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t6 = (double)t5;
         const double t7 = t6 * fold0;
         const double t8 = t3 * t7;
         const double t9 = t8 * neg_step;
@@ -1413,8 +1413,8 @@ CLONES static void adamw_f7_float_columns(const float *restrict g, float *restri
             const float t11 = t2 / t10;
             const float t12 = t11 * g_i;
             const int t13 = t12 > ((float)0x0.0p+0);
-            const float t14 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t15 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             vmax[i] = t7;
@@ -1439,7 +1439,7 @@ CLONES static void adamw_f7_float_map(float *restrict p, const float *restrict g
         const float t4 = m_i / t3;
         const float t5 = t4 * g_i;
         const int t6 = t5 > ((float)0x0.0p+0);
-        const float t7 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t7 = (float)t6;
         const float t8 = t7 * fold0;
         const float t9 = t4 * t8;
         const float t10 = t9 * neg_step;
@@ -1473,8 +1473,8 @@ CLONES static void adamw_f7_double_columns(const double *restrict g, double *res
             const double t11 = t2 / t10;
             const double t12 = t11 * g_i;
             const int t13 = t12 > ((double)0x0.0p+0);
-            const double t14 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t15 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             vmax[i] = t7;
@@ -1499,7 +1499,7 @@ CLONES static void adamw_f7_double_map(double *restrict p, const double *restric
         const double t4 = m_i / t3;
         const double t5 = t4 * g_i;
         const int t6 = t5 > ((double)0x0.0p+0);
-        const double t7 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t7 = (double)t6;
         const double t8 = t7 * fold0;
         const double t9 = t4 * t8;
         const double t10 = t9 * neg_step;
@@ -1926,8 +1926,8 @@ CLONES static void lion_f2_float_columns(const float *restrict g, const float *r
             const float t3 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
             const float t4 = t3 * g_i;
             const int t5 = t4 > ((float)0x0.0p+0);
-            const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t7 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
             acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
             acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
         }
@@ -1949,7 +1949,7 @@ CLONES static void lion_f2_float_map(float *restrict p, const float *restrict g,
         const float t3 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
         const float t4 = t3 * g_i;
         const int t5 = t4 > ((float)0x0.0p+0);
-        const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t6 = (float)t5;
         const float t7 = t6 * fold0;
         const float t8 = t3 * t7;
         const float t9 = t8 * neg_lr;
@@ -1976,8 +1976,8 @@ CLONES static void lion_f2_double_columns(const double *restrict g, const double
             const double t3 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
             const double t4 = t3 * g_i;
             const int t5 = t4 > ((double)0x0.0p+0);
-            const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t7 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
             acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
             acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
         }
@@ -1999,7 +1999,7 @@ CLONES static void lion_f2_double_map(double *restrict p, const double *restrict
         const double t3 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
         const double t4 = t3 * g_i;
         const int t5 = t4 > ((double)0x0.0p+0);
-        const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t6 = (double)t5;
         const double t7 = t6 * fold0;
         const double t8 = t3 * t7;
         const double t9 = t8 * neg_lr;
@@ -2026,8 +2026,8 @@ CLONES static void lion_f3_float_columns(const float *restrict g, const float *r
             const float t3 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
             const float t4 = t3 * g_i;
             const int t5 = t4 > ((float)0x0.0p+0);
-            const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t7 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
             acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
             acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
         }
@@ -2051,7 +2051,7 @@ CLONES static void lion_f3_float_map(float *restrict p, const float *restrict g,
         const float t4 = (t3 != t3 ? t3 : (float)(t3 > (float)0) - (float)(t3 < (float)0));
         const float t5 = t4 * g_i;
         const int t6 = t5 > ((float)0x0.0p+0);
-        const float t7 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t7 = (float)t6;
         const float t8 = t7 * fold0;
         const float t9 = t4 * t8;
         const float t10 = t9 * neg_lr;
@@ -2078,8 +2078,8 @@ CLONES static void lion_f3_double_columns(const double *restrict g, const double
             const double t3 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
             const double t4 = t3 * g_i;
             const int t5 = t4 > ((double)0x0.0p+0);
-            const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t7 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
             acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
             acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
         }
@@ -2103,7 +2103,7 @@ CLONES static void lion_f3_double_map(double *restrict p, const double *restrict
         const double t4 = (t3 != t3 ? t3 : (double)(t3 > (double)0) - (double)(t3 < (double)0));
         const double t5 = t4 * g_i;
         const int t6 = t5 > ((double)0x0.0p+0);
-        const double t7 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t7 = (double)t6;
         const double t8 = t7 * fold0;
         const double t9 = t4 * t8;
         const double t10 = t9 * neg_lr;
@@ -2711,8 +2711,8 @@ CLONES static void nadamw_f2_float_columns(const float *restrict g, float *restr
             const float t14 = t11 + t13;
             const float t15 = t14 * g_i;
             const int t16 = t15 > ((float)0x0.0p+0);
-            const float t17 = (t16 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t18 = (t16 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t17 = (float)t16;
+            const float t18 = ((float)0x1.0000000000000p+0) - t17;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t17) : acc0[j] + (float)(t17);
@@ -2740,7 +2740,7 @@ CLONES static void nadamw_f2_float_map(float *restrict p, const float *restrict 
         const float t7 = t4 + t6;
         const float t8 = t7 * g_i;
         const int t9 = t8 > ((float)0x0.0p+0);
-        const float t10 = (t9 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t10 = (float)t9;
         const float t11 = t10 * fold0;
         const float t12 = t7 * t11;
         const float t13 = t12 * neg_lr;
@@ -2779,8 +2779,8 @@ CLONES static void nadamw_f2_double_columns(const double *restrict g, double *re
             const double t14 = t11 + t13;
             const double t15 = t14 * g_i;
             const int t16 = t15 > ((double)0x0.0p+0);
-            const double t17 = (t16 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t18 = (t16 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t17 = (double)t16;
+            const double t18 = ((double)0x1.0000000000000p+0) - t17;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t17) : acc0[j] + (double)(t17);
@@ -2808,7 +2808,7 @@ CLONES static void nadamw_f2_double_map(double *restrict p, const double *restri
         const double t7 = t4 + t6;
         const double t8 = t7 * g_i;
         const int t9 = t8 > ((double)0x0.0p+0);
-        const double t10 = (t9 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t10 = (double)t9;
         const double t11 = t10 * fold0;
         const double t12 = t7 * t11;
         const double t13 = t12 * neg_lr;
@@ -2847,8 +2847,8 @@ CLONES static void nadamw_f3_float_columns(const float *restrict g, float *restr
             const float t14 = t11 + t13;
             const float t15 = t14 * g_i;
             const int t16 = t15 > ((float)0x0.0p+0);
-            const float t17 = (t16 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t18 = (t16 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t17 = (float)t16;
+            const float t18 = ((float)0x1.0000000000000p+0) - t17;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t17) : acc0[j] + (float)(t17);
@@ -2878,7 +2878,7 @@ CLONES static void nadamw_f3_float_map(float *restrict p, const float *restrict 
         const float t8 = t5 + t7;
         const float t9 = t8 * g_i;
         const int t10 = t9 > ((float)0x0.0p+0);
-        const float t11 = (t10 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t11 = (float)t10;
         const float t12 = t11 * fold0;
         const float t13 = t8 * t12;
         const float t14 = t13 * neg_lr;
@@ -2917,8 +2917,8 @@ CLONES static void nadamw_f3_double_columns(const double *restrict g, double *re
             const double t14 = t11 + t13;
             const double t15 = t14 * g_i;
             const int t16 = t15 > ((double)0x0.0p+0);
-            const double t17 = (t16 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t18 = (t16 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t17 = (double)t16;
+            const double t18 = ((double)0x1.0000000000000p+0) - t17;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t17) : acc0[j] + (double)(t17);
@@ -2948,7 +2948,7 @@ CLONES static void nadamw_f3_double_map(double *restrict p, const double *restri
         const double t8 = t5 + t7;
         const double t9 = t8 * g_i;
         const int t10 = t9 > ((double)0x0.0p+0);
-        const double t11 = (t10 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t11 = (double)t10;
         const double t12 = t11 * fold0;
         const double t13 = t8 * t12;
         const double t14 = t13 * neg_lr;
@@ -3580,8 +3580,8 @@ CLONES static void qhadamw_f8_float_columns(const float *restrict g, float *rest
             const float t11 = t7 / t10;
             const float t12 = t11 * g_i;
             const int t13 = t12 > ((float)0x0.0p+0);
-            const float t14 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t15 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
@@ -3605,7 +3605,7 @@ CLONES static void qhadamw_f8_float_map(float *restrict p, const float *restrict
         const float t4 = t0 / t3;
         const float t5 = t4 * g_i;
         const int t6 = t5 > ((float)0x0.0p+0);
-        const float t7 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t7 = (float)t6;
         const float t8 = t7 * fold0;
         const float t9 = t4 * t8;
         const float t10 = t9 * neg_lr;
@@ -3640,8 +3640,8 @@ CLONES static void qhadamw_f8_double_columns(const double *restrict g, double *r
             const double t11 = t7 / t10;
             const double t12 = t11 * g_i;
             const int t13 = t12 > ((double)0x0.0p+0);
-            const double t14 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t15 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
@@ -3665,7 +3665,7 @@ CLONES static void qhadamw_f8_double_map(double *restrict p, const double *restr
         const double t4 = t0 / t3;
         const double t5 = t4 * g_i;
         const int t6 = t5 > ((double)0x0.0p+0);
-        const double t7 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t7 = (double)t6;
         const double t8 = t7 * fold0;
         const double t9 = t4 * t8;
         const double t10 = t9 * neg_lr;
@@ -3700,8 +3700,8 @@ CLONES static void qhadamw_f9_float_columns(const float *restrict g, float *rest
             const float t11 = t7 / t10;
             const float t12 = t11 * g_i;
             const int t13 = t12 > ((float)0x0.0p+0);
-            const float t14 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t15 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
@@ -3727,7 +3727,7 @@ CLONES static void qhadamw_f9_float_map(float *restrict p, const float *restrict
         const float t5 = t1 / t4;
         const float t6 = t5 * g_i;
         const int t7 = t6 > ((float)0x0.0p+0);
-        const float t8 = (t7 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t8 = (float)t7;
         const float t9 = t8 * fold0;
         const float t10 = t5 * t9;
         const float t11 = t10 * neg_lr;
@@ -3762,8 +3762,8 @@ CLONES static void qhadamw_f9_double_columns(const double *restrict g, double *r
             const double t11 = t7 / t10;
             const double t12 = t11 * g_i;
             const int t13 = t12 > ((double)0x0.0p+0);
-            const double t14 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t15 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
@@ -3789,7 +3789,7 @@ CLONES static void qhadamw_f9_double_map(double *restrict p, const double *restr
         const double t5 = t1 / t4;
         const double t6 = t5 * g_i;
         const int t7 = t6 > ((double)0x0.0p+0);
-        const double t8 = (t7 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t8 = (double)t7;
         const double t9 = t8 * fold0;
         const double t10 = t5 * t9;
         const double t11 = t10 * neg_lr;
@@ -3827,8 +3827,8 @@ CLONES static void qhadamw_f10_float_columns(const float *restrict g, float *res
             const float t13 = t9 / t12;
             const float t14 = t13 * g_i;
             const int t15 = t14 > ((float)0x0.0p+0);
-            const float t16 = (t15 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t17 = (t15 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t16 = (float)t15;
+            const float t17 = ((float)0x1.0000000000000p+0) - t16;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t16) : acc0[j] + (float)(t16);
@@ -3855,7 +3855,7 @@ CLONES static void qhadamw_f10_float_map(float *restrict p, const float *restric
         const float t6 = t2 / t5;
         const float t7 = t6 * g_i;
         const int t8 = t7 > ((float)0x0.0p+0);
-        const float t9 = (t8 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t9 = (float)t8;
         const float t10 = t9 * fold0;
         const float t11 = t6 * t10;
         const float t12 = t11 * neg_lr;
@@ -3893,8 +3893,8 @@ CLONES static void qhadamw_f10_double_columns(const double *restrict g, double *
             const double t13 = t9 / t12;
             const double t14 = t13 * g_i;
             const int t15 = t14 > ((double)0x0.0p+0);
-            const double t16 = (t15 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t17 = (t15 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t16 = (double)t15;
+            const double t17 = ((double)0x1.0000000000000p+0) - t16;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t16) : acc0[j] + (double)(t16);
@@ -3921,7 +3921,7 @@ CLONES static void qhadamw_f10_double_map(double *restrict p, const double *rest
         const double t6 = t2 / t5;
         const double t7 = t6 * g_i;
         const int t8 = t7 > ((double)0x0.0p+0);
-        const double t9 = (t8 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t9 = (double)t8;
         const double t10 = t9 * fold0;
         const double t11 = t6 * t10;
         const double t12 = t11 * neg_lr;
@@ -3959,8 +3959,8 @@ CLONES static void qhadamw_f11_float_columns(const float *restrict g, float *res
             const float t13 = t9 / t12;
             const float t14 = t13 * g_i;
             const int t15 = t14 > ((float)0x0.0p+0);
-            const float t16 = (t15 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t17 = (t15 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t16 = (float)t15;
+            const float t17 = ((float)0x1.0000000000000p+0) - t16;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t16) : acc0[j] + (float)(t16);
@@ -3989,7 +3989,7 @@ CLONES static void qhadamw_f11_float_map(float *restrict p, const float *restric
         const float t7 = t3 / t6;
         const float t8 = t7 * g_i;
         const int t9 = t8 > ((float)0x0.0p+0);
-        const float t10 = (t9 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t10 = (float)t9;
         const float t11 = t10 * fold0;
         const float t12 = t7 * t11;
         const float t13 = t12 * neg_lr;
@@ -4027,8 +4027,8 @@ CLONES static void qhadamw_f11_double_columns(const double *restrict g, double *
             const double t13 = t9 / t12;
             const double t14 = t13 * g_i;
             const int t15 = t14 > ((double)0x0.0p+0);
-            const double t16 = (t15 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t17 = (t15 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t16 = (double)t15;
+            const double t17 = ((double)0x1.0000000000000p+0) - t16;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t16) : acc0[j] + (double)(t16);
@@ -4057,7 +4057,7 @@ CLONES static void qhadamw_f11_double_map(double *restrict p, const double *rest
         const double t7 = t3 / t6;
         const double t8 = t7 * g_i;
         const int t9 = t8 > ((double)0x0.0p+0);
-        const double t10 = (t9 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t10 = (double)t9;
         const double t11 = t10 * fold0;
         const double t12 = t7 * t11;
         const double t13 = t12 * neg_lr;
@@ -4096,8 +4096,8 @@ CLONES static void qhadamw_f12_float_columns(const float *restrict g, float *res
             const float t14 = t7 / t13;
             const float t15 = t14 * g_i;
             const int t16 = t15 > ((float)0x0.0p+0);
-            const float t17 = (t16 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t18 = (t16 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t17 = (float)t16;
+            const float t18 = ((float)0x1.0000000000000p+0) - t17;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t17) : acc0[j] + (float)(t17);
@@ -4125,7 +4125,7 @@ CLONES static void qhadamw_f12_float_map(float *restrict p, const float *restric
         const float t7 = t0 / t6;
         const float t8 = t7 * g_i;
         const int t9 = t8 > ((float)0x0.0p+0);
-        const float t10 = (t9 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t10 = (float)t9;
         const float t11 = t10 * fold0;
         const float t12 = t7 * t11;
         const float t13 = t12 * neg_lr;
@@ -4164,8 +4164,8 @@ CLONES static void qhadamw_f12_double_columns(const double *restrict g, double *
             const double t14 = t7 / t13;
             const double t15 = t14 * g_i;
             const int t16 = t15 > ((double)0x0.0p+0);
-            const double t17 = (t16 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t18 = (t16 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t17 = (double)t16;
+            const double t18 = ((double)0x1.0000000000000p+0) - t17;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t17) : acc0[j] + (double)(t17);
@@ -4193,7 +4193,7 @@ CLONES static void qhadamw_f12_double_map(double *restrict p, const double *rest
         const double t7 = t0 / t6;
         const double t8 = t7 * g_i;
         const int t9 = t8 > ((double)0x0.0p+0);
-        const double t10 = (t9 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t10 = (double)t9;
         const double t11 = t10 * fold0;
         const double t12 = t7 * t11;
         const double t13 = t12 * neg_lr;
@@ -4232,8 +4232,8 @@ CLONES static void qhadamw_f13_float_columns(const float *restrict g, float *res
             const float t14 = t7 / t13;
             const float t15 = t14 * g_i;
             const int t16 = t15 > ((float)0x0.0p+0);
-            const float t17 = (t16 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t18 = (t16 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t17 = (float)t16;
+            const float t18 = ((float)0x1.0000000000000p+0) - t17;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t17) : acc0[j] + (float)(t17);
@@ -4263,7 +4263,7 @@ CLONES static void qhadamw_f13_float_map(float *restrict p, const float *restric
         const float t8 = t1 / t7;
         const float t9 = t8 * g_i;
         const int t10 = t9 > ((float)0x0.0p+0);
-        const float t11 = (t10 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t11 = (float)t10;
         const float t12 = t11 * fold0;
         const float t13 = t8 * t12;
         const float t14 = t13 * neg_lr;
@@ -4302,8 +4302,8 @@ CLONES static void qhadamw_f13_double_columns(const double *restrict g, double *
             const double t14 = t7 / t13;
             const double t15 = t14 * g_i;
             const int t16 = t15 > ((double)0x0.0p+0);
-            const double t17 = (t16 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t18 = (t16 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t17 = (double)t16;
+            const double t18 = ((double)0x1.0000000000000p+0) - t17;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t17) : acc0[j] + (double)(t17);
@@ -4333,7 +4333,7 @@ CLONES static void qhadamw_f13_double_map(double *restrict p, const double *rest
         const double t8 = t1 / t7;
         const double t9 = t8 * g_i;
         const int t10 = t9 > ((double)0x0.0p+0);
-        const double t11 = (t10 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t11 = (double)t10;
         const double t12 = t11 * fold0;
         const double t13 = t8 * t12;
         const double t14 = t13 * neg_lr;
@@ -4375,8 +4375,8 @@ CLONES static void qhadamw_f14_float_columns(const float *restrict g, float *res
             const float t16 = t9 / t15;
             const float t17 = t16 * g_i;
             const int t18 = t17 > ((float)0x0.0p+0);
-            const float t19 = (t18 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t20 = (t18 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t19 = (float)t18;
+            const float t20 = ((float)0x1.0000000000000p+0) - t19;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t19) : acc0[j] + (float)(t19);
@@ -4407,7 +4407,7 @@ CLONES static void qhadamw_f14_float_map(float *restrict p, const float *restric
         const float t9 = t2 / t8;
         const float t10 = t9 * g_i;
         const int t11 = t10 > ((float)0x0.0p+0);
-        const float t12 = (t11 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t12 = (float)t11;
         const float t13 = t12 * fold0;
         const float t14 = t9 * t13;
         const float t15 = t14 * neg_lr;
@@ -4449,8 +4449,8 @@ CLONES static void qhadamw_f14_double_columns(const double *restrict g, double *
             const double t16 = t9 / t15;
             const double t17 = t16 * g_i;
             const int t18 = t17 > ((double)0x0.0p+0);
-            const double t19 = (t18 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t20 = (t18 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t19 = (double)t18;
+            const double t20 = ((double)0x1.0000000000000p+0) - t19;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t19) : acc0[j] + (double)(t19);
@@ -4481,7 +4481,7 @@ CLONES static void qhadamw_f14_double_map(double *restrict p, const double *rest
         const double t9 = t2 / t8;
         const double t10 = t9 * g_i;
         const int t11 = t10 > ((double)0x0.0p+0);
-        const double t12 = (t11 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t12 = (double)t11;
         const double t13 = t12 * fold0;
         const double t14 = t9 * t13;
         const double t15 = t14 * neg_lr;
@@ -4523,8 +4523,8 @@ CLONES static void qhadamw_f15_float_columns(const float *restrict g, float *res
             const float t16 = t9 / t15;
             const float t17 = t16 * g_i;
             const int t18 = t17 > ((float)0x0.0p+0);
-            const float t19 = (t18 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t20 = (t18 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t19 = (float)t18;
+            const float t20 = ((float)0x1.0000000000000p+0) - t19;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t19) : acc0[j] + (float)(t19);
@@ -4557,7 +4557,7 @@ CLONES static void qhadamw_f15_float_map(float *restrict p, const float *restric
         const float t10 = t3 / t9;
         const float t11 = t10 * g_i;
         const int t12 = t11 > ((float)0x0.0p+0);
-        const float t13 = (t12 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t13 = (float)t12;
         const float t14 = t13 * fold0;
         const float t15 = t10 * t14;
         const float t16 = t15 * neg_lr;
@@ -4599,8 +4599,8 @@ CLONES static void qhadamw_f15_double_columns(const double *restrict g, double *
             const double t16 = t9 / t15;
             const double t17 = t16 * g_i;
             const int t18 = t17 > ((double)0x0.0p+0);
-            const double t19 = (t18 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t20 = (t18 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t19 = (double)t18;
+            const double t20 = ((double)0x1.0000000000000p+0) - t19;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t19) : acc0[j] + (double)(t19);
@@ -4633,7 +4633,7 @@ CLONES static void qhadamw_f15_double_map(double *restrict p, const double *rest
         const double t10 = t3 / t9;
         const double t11 = t10 * g_i;
         const int t12 = t11 > ((double)0x0.0p+0);
-        const double t13 = (t12 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t13 = (double)t12;
         const double t14 = t13 * fold0;
         const double t15 = t10 * t14;
         const double t16 = t15 * neg_lr;
@@ -5041,8 +5041,8 @@ CLONES static void radam_f8_float_columns(const float *restrict g, float *restri
             const float t2 = m_i + t1;
             const float t3 = t2 * g_i;
             const int t4 = t3 > ((float)0x0.0p+0);
-            const float t5 = (t4 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t6 = (t4 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t5 = (float)t4;
+            const float t6 = ((float)0x1.0000000000000p+0) - t5;
             m[i] = t2;
             acc0[j] = fresh ? (float)(t5) : acc0[j] + (float)(t5);
             acc1[j] = fresh ? (float)(t6) : acc1[j] + (float)(t6);
@@ -5063,7 +5063,7 @@ CLONES static void radam_f8_float_map(float *restrict p, const float *restrict g
         const float t3 = t0 + t2;
         const float t4 = m_i * g_i;
         const int t5 = t4 > ((float)0x0.0p+0);
-        const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t6 = (float)t5;
         const float t7 = t6 * fold0;
         const float t8 = m_i * t7;
         const float t9 = t8 * factor;
@@ -5085,8 +5085,8 @@ CLONES static void radam_f8_double_columns(const double *restrict g, double *res
             const double t2 = m_i + t1;
             const double t3 = t2 * g_i;
             const int t4 = t3 > ((double)0x0.0p+0);
-            const double t5 = (t4 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t6 = (t4 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t5 = (double)t4;
+            const double t6 = ((double)0x1.0000000000000p+0) - t5;
             m[i] = t2;
             acc0[j] = fresh ? (double)(t5) : acc0[j] + (double)(t5);
             acc1[j] = fresh ? (double)(t6) : acc1[j] + (double)(t6);
@@ -5107,7 +5107,7 @@ CLONES static void radam_f8_double_map(double *restrict p, const double *restric
         const double t3 = t0 + t2;
         const double t4 = m_i * g_i;
         const int t5 = t4 > ((double)0x0.0p+0);
-        const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t6 = (double)t5;
         const double t7 = t6 * fold0;
         const double t8 = m_i * t7;
         const double t9 = t8 * factor;
@@ -5132,8 +5132,8 @@ CLONES static void radam_f9_float_columns(const float *restrict p, const float *
             const float t4 = m_i + t3;
             const float t5 = t4 * t1;
             const int t6 = t5 > ((float)0x0.0p+0);
-            const float t7 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t8 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t7 = (float)t6;
+            const float t8 = ((float)0x1.0000000000000p+0) - t7;
             m[i] = t4;
             acc0[j] = fresh ? (float)(t7) : acc0[j] + (float)(t7);
             acc1[j] = fresh ? (float)(t8) : acc1[j] + (float)(t8);
@@ -5157,7 +5157,7 @@ CLONES static void radam_f9_float_map(float *restrict p, const float *restrict g
         const float t5 = t2 + t4;
         const float t6 = m_i * t1;
         const int t7 = t6 > ((float)0x0.0p+0);
-        const float t8 = (t7 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t8 = (float)t7;
         const float t9 = t8 * fold0;
         const float t10 = m_i * t9;
         const float t11 = t10 * factor;
@@ -5182,8 +5182,8 @@ CLONES static void radam_f9_double_columns(const double *restrict p, const doubl
             const double t4 = m_i + t3;
             const double t5 = t4 * t1;
             const int t6 = t5 > ((double)0x0.0p+0);
-            const double t7 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t8 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t7 = (double)t6;
+            const double t8 = ((double)0x1.0000000000000p+0) - t7;
             m[i] = t4;
             acc0[j] = fresh ? (double)(t7) : acc0[j] + (double)(t7);
             acc1[j] = fresh ? (double)(t8) : acc1[j] + (double)(t8);
@@ -5207,7 +5207,7 @@ CLONES static void radam_f9_double_map(double *restrict p, const double *restric
         const double t5 = t2 + t4;
         const double t6 = m_i * t1;
         const int t7 = t6 > ((double)0x0.0p+0);
-        const double t8 = (t7 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t8 = (double)t7;
         const double t9 = t8 * fold0;
         const double t10 = m_i * t9;
         const double t11 = t10 * factor;
@@ -5229,8 +5229,8 @@ CLONES static void radam_f11_float_columns(const float *restrict g, float *restr
             const float t2 = m_i + t1;
             const float t3 = t2 * g_i;
             const int t4 = t3 > ((float)0x0.0p+0);
-            const float t5 = (t4 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t6 = (t4 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t5 = (float)t4;
+            const float t6 = ((float)0x1.0000000000000p+0) - t5;
             m[i] = t2;
             acc0[j] = fresh ? (float)(t5) : acc0[j] + (float)(t5);
             acc1[j] = fresh ? (float)(t6) : acc1[j] + (float)(t6);
@@ -5253,7 +5253,7 @@ CLONES static void radam_f11_float_map(float *restrict p, const float *restrict 
         const float t4 = t1 + t3;
         const float t5 = m_i * g_i;
         const int t6 = t5 > ((float)0x0.0p+0);
-        const float t7 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t7 = (float)t6;
         const float t8 = t7 * fold0;
         const float t9 = m_i * t8;
         const float t10 = t9 * factor;
@@ -5275,8 +5275,8 @@ CLONES static void radam_f11_double_columns(const double *restrict g, double *re
             const double t2 = m_i + t1;
             const double t3 = t2 * g_i;
             const int t4 = t3 > ((double)0x0.0p+0);
-            const double t5 = (t4 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t6 = (t4 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t5 = (double)t4;
+            const double t6 = ((double)0x1.0000000000000p+0) - t5;
             m[i] = t2;
             acc0[j] = fresh ? (double)(t5) : acc0[j] + (double)(t5);
             acc1[j] = fresh ? (double)(t6) : acc1[j] + (double)(t6);
@@ -5299,7 +5299,7 @@ CLONES static void radam_f11_double_map(double *restrict p, const double *restri
         const double t4 = t1 + t3;
         const double t5 = m_i * g_i;
         const int t6 = t5 > ((double)0x0.0p+0);
-        const double t7 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t7 = (double)t6;
         const double t8 = t7 * fold0;
         const double t9 = m_i * t8;
         const double t10 = t9 * factor;
@@ -5331,8 +5331,8 @@ CLONES static void radam_f12_float_columns(const float *restrict g, float *restr
             const float t9 = t2 / t8;
             const float t10 = t9 * g_i;
             const int t11 = t10 > ((float)0x0.0p+0);
-            const float t12 = (t11 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t13 = (t11 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t12 = (float)t11;
+            const float t13 = ((float)0x1.0000000000000p+0) - t12;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
@@ -5352,7 +5352,7 @@ CLONES static void radam_f12_float_map(float *restrict p, const float *restrict 
         const float t2 = m_i / t1;
         const float t3 = t2 * g_i;
         const int t4 = t3 > ((float)0x0.0p+0);
-        const float t5 = (t4 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t5 = (float)t4;
         const float t6 = t5 * fold0;
         const float t7 = t2 * t6;
         const float t8 = t7 * factor_rect;
@@ -5383,8 +5383,8 @@ CLONES static void radam_f12_double_columns(const double *restrict g, double *re
             const double t9 = t2 / t8;
             const double t10 = t9 * g_i;
             const int t11 = t10 > ((double)0x0.0p+0);
-            const double t12 = (t11 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t13 = (t11 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t12 = (double)t11;
+            const double t13 = ((double)0x1.0000000000000p+0) - t12;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
@@ -5404,7 +5404,7 @@ CLONES static void radam_f12_double_map(double *restrict p, const double *restri
         const double t2 = m_i / t1;
         const double t3 = t2 * g_i;
         const int t4 = t3 > ((double)0x0.0p+0);
-        const double t5 = (t4 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t5 = (double)t4;
         const double t6 = t5 * fold0;
         const double t7 = t2 * t6;
         const double t8 = t7 * factor_rect;
@@ -5438,8 +5438,8 @@ CLONES static void radam_f13_float_columns(const float *restrict p, const float 
             const float t11 = t4 / t10;
             const float t12 = t11 * t1;
             const int t13 = t12 > ((float)0x0.0p+0);
-            const float t14 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t15 = (t13 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
             m[i] = t4;
             v[i] = t8;
             acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
@@ -5462,7 +5462,7 @@ CLONES static void radam_f13_float_map(float *restrict p, const float *restrict 
         const float t4 = m_i / t3;
         const float t5 = t4 * t1;
         const int t6 = t5 > ((float)0x0.0p+0);
-        const float t7 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t7 = (float)t6;
         const float t8 = t7 * fold0;
         const float t9 = t4 * t8;
         const float t10 = t9 * factor_rect;
@@ -5496,8 +5496,8 @@ CLONES static void radam_f13_double_columns(const double *restrict p, const doub
             const double t11 = t4 / t10;
             const double t12 = t11 * t1;
             const int t13 = t12 > ((double)0x0.0p+0);
-            const double t14 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t15 = (t13 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
             m[i] = t4;
             v[i] = t8;
             acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
@@ -5520,7 +5520,7 @@ CLONES static void radam_f13_double_map(double *restrict p, const double *restri
         const double t4 = m_i / t3;
         const double t5 = t4 * t1;
         const int t6 = t5 > ((double)0x0.0p+0);
-        const double t7 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t7 = (double)t6;
         const double t8 = t7 * fold0;
         const double t9 = t4 * t8;
         const double t10 = t9 * factor_rect;
@@ -5551,8 +5551,8 @@ CLONES static void radam_f15_float_columns(const float *restrict g, float *restr
             const float t9 = t2 / t8;
             const float t10 = t9 * g_i;
             const int t11 = t10 > ((float)0x0.0p+0);
-            const float t12 = (t11 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t13 = (t11 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t12 = (float)t11;
+            const float t13 = ((float)0x1.0000000000000p+0) - t12;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
@@ -5574,7 +5574,7 @@ CLONES static void radam_f15_float_map(float *restrict p, const float *restrict 
         const float t3 = m_i / t2;
         const float t4 = t3 * g_i;
         const int t5 = t4 > ((float)0x0.0p+0);
-        const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t6 = (float)t5;
         const float t7 = t6 * fold0;
         const float t8 = t3 * t7;
         const float t9 = t8 * factor_rect;
@@ -5605,8 +5605,8 @@ CLONES static void radam_f15_double_columns(const double *restrict g, double *re
             const double t9 = t2 / t8;
             const double t10 = t9 * g_i;
             const int t11 = t10 > ((double)0x0.0p+0);
-            const double t12 = (t11 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t13 = (t11 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t12 = (double)t11;
+            const double t13 = ((double)0x1.0000000000000p+0) - t12;
             m[i] = t2;
             v[i] = t6;
             acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
@@ -5628,7 +5628,7 @@ CLONES static void radam_f15_double_map(double *restrict p, const double *restri
         const double t3 = m_i / t2;
         const double t4 = t3 * g_i;
         const int t5 = t4 > ((double)0x0.0p+0);
-        const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t6 = (double)t5;
         const double t7 = t6 * fold0;
         const double t8 = t3 * t7;
         const double t9 = t8 * factor_rect;
@@ -6068,8 +6068,8 @@ CLONES static void sgd_f32_float_columns(const float *restrict g, float *restric
             const float g_i = g[i];
             const float t0 = g_i * g_i;
             const int t1 = t0 > ((float)0x0.0p+0);
-            const float t2 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t3 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t2 = (float)t1;
+            const float t3 = ((float)0x1.0000000000000p+0) - t2;
             acc0[j] = fresh ? (float)(t2) : acc0[j] + (float)(t2);
             acc1[j] = fresh ? (float)(t3) : acc1[j] + (float)(t3);
         }
@@ -6083,7 +6083,7 @@ CLONES static void sgd_f32_float_map(float *restrict p, const float *restrict g,
         const float p_i = p[i], g_i = g[i];
         const float t0 = g_i * g_i;
         const int t1 = t0 > ((float)0x0.0p+0);
-        const float t2 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t2 = (float)t1;
         const float t3 = t2 * fold0;
         const float t4 = g_i * t3;
         const float t5 = t4 * neg_lr;
@@ -6100,8 +6100,8 @@ CLONES static void sgd_f32_double_columns(const double *restrict g, double *rest
             const double g_i = g[i];
             const double t0 = g_i * g_i;
             const int t1 = t0 > ((double)0x0.0p+0);
-            const double t2 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t3 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t2 = (double)t1;
+            const double t3 = ((double)0x1.0000000000000p+0) - t2;
             acc0[j] = fresh ? (double)(t2) : acc0[j] + (double)(t2);
             acc1[j] = fresh ? (double)(t3) : acc1[j] + (double)(t3);
         }
@@ -6115,7 +6115,7 @@ CLONES static void sgd_f32_double_map(double *restrict p, const double *restrict
         const double p_i = p[i], g_i = g[i];
         const double t0 = g_i * g_i;
         const int t1 = t0 > ((double)0x0.0p+0);
-        const double t2 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t2 = (double)t1;
         const double t3 = t2 * fold0;
         const double t4 = g_i * t3;
         const double t5 = t4 * neg_lr;
@@ -6135,8 +6135,8 @@ CLONES static void sgd_f33_float_columns(const float *restrict p, const float *r
             const float t1 = t0 + g_i;
             const float t2 = t1 * t1;
             const int t3 = t2 > ((float)0x0.0p+0);
-            const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t5 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t4 = (float)t3;
+            const float t5 = ((float)0x1.0000000000000p+0) - t4;
             acc0[j] = fresh ? (float)(t4) : acc0[j] + (float)(t4);
             acc1[j] = fresh ? (float)(t5) : acc1[j] + (float)(t5);
         }
@@ -6153,7 +6153,7 @@ CLONES static void sgd_f33_float_map(float *restrict p, const float *restrict g,
         const float t1 = t0 + g_i;
         const float t2 = t1 * t1;
         const int t3 = t2 > ((float)0x0.0p+0);
-        const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t4 = (float)t3;
         const float t5 = t4 * fold0;
         const float t6 = t1 * t5;
         const float t7 = t6 * neg_lr;
@@ -6173,8 +6173,8 @@ CLONES static void sgd_f33_double_columns(const double *restrict p, const double
             const double t1 = t0 + g_i;
             const double t2 = t1 * t1;
             const int t3 = t2 > ((double)0x0.0p+0);
-            const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t5 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t4 = (double)t3;
+            const double t5 = ((double)0x1.0000000000000p+0) - t4;
             acc0[j] = fresh ? (double)(t4) : acc0[j] + (double)(t4);
             acc1[j] = fresh ? (double)(t5) : acc1[j] + (double)(t5);
         }
@@ -6191,7 +6191,7 @@ CLONES static void sgd_f33_double_map(double *restrict p, const double *restrict
         const double t1 = t0 + g_i;
         const double t2 = t1 * t1;
         const int t3 = t2 > ((double)0x0.0p+0);
-        const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t4 = (double)t3;
         const double t5 = t4 * fold0;
         const double t6 = t1 * t5;
         const double t7 = t6 * neg_lr;
@@ -6211,8 +6211,8 @@ CLONES static void sgd_f34_float_columns(const float *restrict g, float *restric
             const float t1 = t0 + g_i;
             const float t2 = t1 * g_i;
             const int t3 = t2 > ((float)0x0.0p+0);
-            const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t5 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t4 = (float)t3;
+            const float t5 = ((float)0x1.0000000000000p+0) - t4;
             buf[i] = t1;
             acc0[j] = fresh ? (float)(t4) : acc0[j] + (float)(t4);
             acc1[j] = fresh ? (float)(t5) : acc1[j] + (float)(t5);
@@ -6227,7 +6227,7 @@ CLONES static void sgd_f34_float_map(float *restrict p, const float *restrict g,
         const float p_i = p[i], g_i = g[i], buf_i = buf[i];
         const float t0 = buf_i * g_i;
         const int t1 = t0 > ((float)0x0.0p+0);
-        const float t2 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t2 = (float)t1;
         const float t3 = t2 * fold0;
         const float t4 = buf_i * t3;
         const float t5 = t4 * neg_lr;
@@ -6247,8 +6247,8 @@ CLONES static void sgd_f34_double_columns(const double *restrict g, double *rest
             const double t1 = t0 + g_i;
             const double t2 = t1 * g_i;
             const int t3 = t2 > ((double)0x0.0p+0);
-            const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t5 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t4 = (double)t3;
+            const double t5 = ((double)0x1.0000000000000p+0) - t4;
             buf[i] = t1;
             acc0[j] = fresh ? (double)(t4) : acc0[j] + (double)(t4);
             acc1[j] = fresh ? (double)(t5) : acc1[j] + (double)(t5);
@@ -6263,7 +6263,7 @@ CLONES static void sgd_f34_double_map(double *restrict p, const double *restrict
         const double p_i = p[i], g_i = g[i], buf_i = buf[i];
         const double t0 = buf_i * g_i;
         const int t1 = t0 > ((double)0x0.0p+0);
-        const double t2 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t2 = (double)t1;
         const double t3 = t2 * fold0;
         const double t4 = buf_i * t3;
         const double t5 = t4 * neg_lr;
@@ -6286,8 +6286,8 @@ CLONES static void sgd_f35_float_columns(const float *restrict p, const float *r
             const float t3 = t2 + t1;
             const float t4 = t3 * t1;
             const int t5 = t4 > ((float)0x0.0p+0);
-            const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t7 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
             buf[i] = t3;
             acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
             acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
@@ -6305,7 +6305,7 @@ CLONES static void sgd_f35_float_map(float *restrict p, const float *restrict g,
         const float t1 = t0 + g_i;
         const float t2 = buf_i * t1;
         const int t3 = t2 > ((float)0x0.0p+0);
-        const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t4 = (float)t3;
         const float t5 = t4 * fold0;
         const float t6 = buf_i * t5;
         const float t7 = t6 * neg_lr;
@@ -6328,8 +6328,8 @@ CLONES static void sgd_f35_double_columns(const double *restrict p, const double
             const double t3 = t2 + t1;
             const double t4 = t3 * t1;
             const int t5 = t4 > ((double)0x0.0p+0);
-            const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t7 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
             buf[i] = t3;
             acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
             acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
@@ -6347,7 +6347,7 @@ CLONES static void sgd_f35_double_map(double *restrict p, const double *restrict
         const double t1 = t0 + g_i;
         const double t2 = buf_i * t1;
         const int t3 = t2 > ((double)0x0.0p+0);
-        const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t4 = (double)t3;
         const double t5 = t4 * fold0;
         const double t6 = buf_i * t5;
         const double t7 = t6 * neg_lr;
@@ -6364,8 +6364,8 @@ CLONES static void sgd_f38_float_columns(const float *restrict g, float *restric
             const float g_i = g[i];
             const float t0 = g_i * g_i;
             const int t1 = t0 > ((float)0x0.0p+0);
-            const float t2 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t3 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t2 = (float)t1;
+            const float t3 = ((float)0x1.0000000000000p+0) - t2;
             acc0[j] = fresh ? (float)(t2) : acc0[j] + (float)(t2);
             acc1[j] = fresh ? (float)(t3) : acc1[j] + (float)(t3);
         }
@@ -6379,7 +6379,7 @@ CLONES static void sgd_f38_float_map(float *restrict p, const float *restrict g,
         const float p_i = p[i], g_i = g[i];
         const float t0 = g_i * g_i;
         const int t1 = t0 > ((float)0x0.0p+0);
-        const float t2 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t2 = (float)t1;
         const float t3 = t2 * fold0;
         const float t4 = g_i * t3;
         const float t5 = t4 * neg_lr;
@@ -6397,8 +6397,8 @@ CLONES static void sgd_f38_double_columns(const double *restrict g, double *rest
             const double g_i = g[i];
             const double t0 = g_i * g_i;
             const int t1 = t0 > ((double)0x0.0p+0);
-            const double t2 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t3 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t2 = (double)t1;
+            const double t3 = ((double)0x1.0000000000000p+0) - t2;
             acc0[j] = fresh ? (double)(t2) : acc0[j] + (double)(t2);
             acc1[j] = fresh ? (double)(t3) : acc1[j] + (double)(t3);
         }
@@ -6412,7 +6412,7 @@ CLONES static void sgd_f38_double_map(double *restrict p, const double *restrict
         const double p_i = p[i], g_i = g[i];
         const double t0 = g_i * g_i;
         const int t1 = t0 > ((double)0x0.0p+0);
-        const double t2 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t2 = (double)t1;
         const double t3 = t2 * fold0;
         const double t4 = g_i * t3;
         const double t5 = t4 * neg_lr;
@@ -6433,8 +6433,8 @@ CLONES static void sgd_f39_float_columns(const float *restrict p, const float *r
             const float t1 = t0 + g_i;
             const float t2 = t1 * t1;
             const int t3 = t2 > ((float)0x0.0p+0);
-            const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t5 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t4 = (float)t3;
+            const float t5 = ((float)0x1.0000000000000p+0) - t4;
             buf[i] = t1;
             acc0[j] = fresh ? (float)(t4) : acc0[j] + (float)(t4);
             acc1[j] = fresh ? (float)(t5) : acc1[j] + (float)(t5);
@@ -6449,7 +6449,7 @@ CLONES static void sgd_f39_float_map(float *restrict p, const float *restrict bu
         const float p_i = p[i], buf_i = buf[i];
         const float t0 = buf_i * buf_i;
         const int t1 = t0 > ((float)0x0.0p+0);
-        const float t2 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t2 = (float)t1;
         const float t3 = t2 * fold0;
         const float t4 = buf_i * t3;
         const float t5 = t4 * neg_lr;
@@ -6469,8 +6469,8 @@ CLONES static void sgd_f39_double_columns(const double *restrict p, const double
             const double t1 = t0 + g_i;
             const double t2 = t1 * t1;
             const int t3 = t2 > ((double)0x0.0p+0);
-            const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t5 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t4 = (double)t3;
+            const double t5 = ((double)0x1.0000000000000p+0) - t4;
             buf[i] = t1;
             acc0[j] = fresh ? (double)(t4) : acc0[j] + (double)(t4);
             acc1[j] = fresh ? (double)(t5) : acc1[j] + (double)(t5);
@@ -6485,7 +6485,7 @@ CLONES static void sgd_f39_double_map(double *restrict p, const double *restrict
         const double p_i = p[i], buf_i = buf[i];
         const double t0 = buf_i * buf_i;
         const int t1 = t0 > ((double)0x0.0p+0);
-        const double t2 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t2 = (double)t1;
         const double t3 = t2 * fold0;
         const double t4 = buf_i * t3;
         const double t5 = t4 * neg_lr;
@@ -6507,8 +6507,8 @@ CLONES static void sgd_f42_float_columns(const float *restrict g, float *restric
             const float t2 = t0 + t1;
             const float t3 = t2 * g_i;
             const int t4 = t3 > ((float)0x0.0p+0);
-            const float t5 = (t4 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t6 = (t4 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t5 = (float)t4;
+            const float t6 = ((float)0x1.0000000000000p+0) - t5;
             buf[i] = t2;
             acc0[j] = fresh ? (float)(t5) : acc0[j] + (float)(t5);
             acc1[j] = fresh ? (float)(t6) : acc1[j] + (float)(t6);
@@ -6523,7 +6523,7 @@ CLONES static void sgd_f42_float_map(float *restrict p, const float *restrict g,
         const float p_i = p[i], g_i = g[i], buf_i = buf[i];
         const float t0 = buf_i * g_i;
         const int t1 = t0 > ((float)0x0.0p+0);
-        const float t2 = (t1 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t2 = (float)t1;
         const float t3 = t2 * fold0;
         const float t4 = buf_i * t3;
         const float t5 = t4 * neg_lr;
@@ -6545,8 +6545,8 @@ CLONES static void sgd_f42_double_columns(const double *restrict g, double *rest
             const double t2 = t0 + t1;
             const double t3 = t2 * g_i;
             const int t4 = t3 > ((double)0x0.0p+0);
-            const double t5 = (t4 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t6 = (t4 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t5 = (double)t4;
+            const double t6 = ((double)0x1.0000000000000p+0) - t5;
             buf[i] = t2;
             acc0[j] = fresh ? (double)(t5) : acc0[j] + (double)(t5);
             acc1[j] = fresh ? (double)(t6) : acc1[j] + (double)(t6);
@@ -6561,7 +6561,7 @@ CLONES static void sgd_f42_double_map(double *restrict p, const double *restrict
         const double p_i = p[i], g_i = g[i], buf_i = buf[i];
         const double t0 = buf_i * g_i;
         const int t1 = t0 > ((double)0x0.0p+0);
-        const double t2 = (t1 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t2 = (double)t1;
         const double t3 = t2 * fold0;
         const double t4 = buf_i * t3;
         const double t5 = t4 * neg_lr;
@@ -6586,8 +6586,8 @@ CLONES static void sgd_f43_float_columns(const float *restrict p, const float *r
             const float t4 = t2 + t3;
             const float t5 = t4 * t1;
             const int t6 = t5 > ((float)0x0.0p+0);
-            const float t7 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t8 = (t6 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t7 = (float)t6;
+            const float t8 = ((float)0x1.0000000000000p+0) - t7;
             buf[i] = t4;
             acc0[j] = fresh ? (float)(t7) : acc0[j] + (float)(t7);
             acc1[j] = fresh ? (float)(t8) : acc1[j] + (float)(t8);
@@ -6605,7 +6605,7 @@ CLONES static void sgd_f43_float_map(float *restrict p, const float *restrict g,
         const float t1 = t0 + g_i;
         const float t2 = buf_i * t1;
         const int t3 = t2 > ((float)0x0.0p+0);
-        const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t4 = (float)t3;
         const float t5 = t4 * fold0;
         const float t6 = buf_i * t5;
         const float t7 = t6 * neg_lr;
@@ -6630,8 +6630,8 @@ CLONES static void sgd_f43_double_columns(const double *restrict p, const double
             const double t4 = t2 + t3;
             const double t5 = t4 * t1;
             const int t6 = t5 > ((double)0x0.0p+0);
-            const double t7 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t8 = (t6 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t7 = (double)t6;
+            const double t8 = ((double)0x1.0000000000000p+0) - t7;
             buf[i] = t4;
             acc0[j] = fresh ? (double)(t7) : acc0[j] + (double)(t7);
             acc1[j] = fresh ? (double)(t8) : acc1[j] + (double)(t8);
@@ -6649,7 +6649,7 @@ CLONES static void sgd_f43_double_map(double *restrict p, const double *restrict
         const double t1 = t0 + g_i;
         const double t2 = buf_i * t1;
         const int t3 = t2 > ((double)0x0.0p+0);
-        const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t4 = (double)t3;
         const double t5 = t4 * fold0;
         const double t6 = buf_i * t5;
         const double t7 = t6 * neg_lr;
@@ -6671,8 +6671,8 @@ CLONES static void sgd_f50_float_columns(const float *restrict g, float *restric
             const float t3 = g_i + t2;
             const float t4 = t3 * g_i;
             const int t5 = t4 > ((float)0x0.0p+0);
-            const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t7 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
             buf[i] = t1;
             acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
             acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
@@ -6690,7 +6690,7 @@ CLONES static void sgd_f50_float_map(float *restrict p, const float *restrict g,
         const float t1 = g_i + t0;
         const float t2 = t1 * g_i;
         const int t3 = t2 > ((float)0x0.0p+0);
-        const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t4 = (float)t3;
         const float t5 = t4 * fold0;
         const float t6 = t1 * t5;
         const float t7 = t6 * neg_lr;
@@ -6712,8 +6712,8 @@ CLONES static void sgd_f50_double_columns(const double *restrict g, double *rest
             const double t3 = g_i + t2;
             const double t4 = t3 * g_i;
             const int t5 = t4 > ((double)0x0.0p+0);
-            const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t7 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
             buf[i] = t1;
             acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
             acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
@@ -6731,7 +6731,7 @@ CLONES static void sgd_f50_double_map(double *restrict p, const double *restrict
         const double t1 = g_i + t0;
         const double t2 = t1 * g_i;
         const int t3 = t2 > ((double)0x0.0p+0);
-        const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t4 = (double)t3;
         const double t5 = t4 * fold0;
         const double t6 = t1 * t5;
         const double t7 = t6 * neg_lr;
@@ -6756,8 +6756,8 @@ CLONES static void sgd_f51_float_columns(const float *restrict p, const float *r
             const float t5 = t1 + t4;
             const float t6 = t5 * t1;
             const int t7 = t6 > ((float)0x0.0p+0);
-            const float t8 = (t7 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t9 = (t7 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t8 = (float)t7;
+            const float t9 = ((float)0x1.0000000000000p+0) - t8;
             buf[i] = t3;
             acc0[j] = fresh ? (float)(t8) : acc0[j] + (float)(t8);
             acc1[j] = fresh ? (float)(t9) : acc1[j] + (float)(t9);
@@ -6778,7 +6778,7 @@ CLONES static void sgd_f51_float_map(float *restrict p, const float *restrict g,
         const float t3 = t1 + t2;
         const float t4 = t3 * t1;
         const int t5 = t4 > ((float)0x0.0p+0);
-        const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t6 = (float)t5;
         const float t7 = t6 * fold0;
         const float t8 = t3 * t7;
         const float t9 = t8 * neg_lr;
@@ -6803,8 +6803,8 @@ CLONES static void sgd_f51_double_columns(const double *restrict p, const double
             const double t5 = t1 + t4;
             const double t6 = t5 * t1;
             const int t7 = t6 > ((double)0x0.0p+0);
-            const double t8 = (t7 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t9 = (t7 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t8 = (double)t7;
+            const double t9 = ((double)0x1.0000000000000p+0) - t8;
             buf[i] = t3;
             acc0[j] = fresh ? (double)(t8) : acc0[j] + (double)(t8);
             acc1[j] = fresh ? (double)(t9) : acc1[j] + (double)(t9);
@@ -6825,7 +6825,7 @@ CLONES static void sgd_f51_double_map(double *restrict p, const double *restrict
         const double t3 = t1 + t2;
         const double t4 = t3 * t1;
         const int t5 = t4 > ((double)0x0.0p+0);
-        const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t6 = (double)t5;
         const double t7 = t6 * fold0;
         const double t8 = t3 * t7;
         const double t9 = t8 * neg_lr;
@@ -6845,8 +6845,8 @@ CLONES static void sgd_f54_float_columns(const float *restrict g, float *restric
             const float t1 = g_i + t0;
             const float t2 = t1 * g_i;
             const int t3 = t2 > ((float)0x0.0p+0);
-            const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t5 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t4 = (float)t3;
+            const float t5 = ((float)0x1.0000000000000p+0) - t4;
             acc0[j] = fresh ? (float)(t4) : acc0[j] + (float)(t4);
             acc1[j] = fresh ? (float)(t5) : acc1[j] + (float)(t5);
         }
@@ -6863,7 +6863,7 @@ CLONES static void sgd_f54_float_map(float *restrict p, const float *restrict g,
         const float t1 = g_i + t0;
         const float t2 = t1 * g_i;
         const int t3 = t2 > ((float)0x0.0p+0);
-        const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t4 = (float)t3;
         const float t5 = t4 * fold0;
         const float t6 = t1 * t5;
         const float t7 = t6 * neg_lr;
@@ -6884,8 +6884,8 @@ CLONES static void sgd_f54_double_columns(const double *restrict g, double *rest
             const double t1 = g_i + t0;
             const double t2 = t1 * g_i;
             const int t3 = t2 > ((double)0x0.0p+0);
-            const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t5 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t4 = (double)t3;
+            const double t5 = ((double)0x1.0000000000000p+0) - t4;
             acc0[j] = fresh ? (double)(t4) : acc0[j] + (double)(t4);
             acc1[j] = fresh ? (double)(t5) : acc1[j] + (double)(t5);
         }
@@ -6902,7 +6902,7 @@ CLONES static void sgd_f54_double_map(double *restrict p, const double *restrict
         const double t1 = g_i + t0;
         const double t2 = t1 * g_i;
         const int t3 = t2 > ((double)0x0.0p+0);
-        const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t4 = (double)t3;
         const double t5 = t4 * fold0;
         const double t6 = t1 * t5;
         const double t7 = t6 * neg_lr;
@@ -6926,8 +6926,8 @@ CLONES static void sgd_f55_float_columns(const float *restrict p, const float *r
             const float t3 = t1 + t2;
             const float t4 = t3 * t1;
             const int t5 = t4 > ((float)0x0.0p+0);
-            const float t6 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
-            const float t7 = (t5 ? ((float)0x1.0000000000000p+0) : ((float)0x1.0000000000000p+0));
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
             buf[i] = t1;
             acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
             acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
@@ -6945,7 +6945,7 @@ CLONES static void sgd_f55_float_map(float *restrict p, const float *restrict bu
         const float t1 = buf_i + t0;
         const float t2 = t1 * buf_i;
         const int t3 = t2 > ((float)0x0.0p+0);
-        const float t4 = (t3 ? ((float)0x1.0000000000000p+0) : ((float)0x0.0p+0));
+        const float t4 = (float)t3;
         const float t5 = t4 * fold0;
         const float t6 = t1 * t5;
         const float t7 = t6 * neg_lr;
@@ -6968,8 +6968,8 @@ CLONES static void sgd_f55_double_columns(const double *restrict p, const double
             const double t3 = t1 + t2;
             const double t4 = t3 * t1;
             const int t5 = t4 > ((double)0x0.0p+0);
-            const double t6 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
-            const double t7 = (t5 ? ((double)0x1.0000000000000p+0) : ((double)0x1.0000000000000p+0));
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
             buf[i] = t1;
             acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
             acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
@@ -6987,7 +6987,7 @@ CLONES static void sgd_f55_double_map(double *restrict p, const double *restrict
         const double t1 = buf_i + t0;
         const double t2 = t1 * buf_i;
         const int t3 = t2 > ((double)0x0.0p+0);
-        const double t4 = (t3 ? ((double)0x1.0000000000000p+0) : ((double)0x0.0p+0));
+        const double t4 = (double)t3;
         const double t5 = t4 * fold0;
         const double t6 = t1 * t5;
         const double t7 = t6 * neg_lr;

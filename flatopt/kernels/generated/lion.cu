@@ -193,8 +193,8 @@ __device__ __forceinline__ void lion_f2_reduce_block(const T* __restrict__ g, co
     const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t4 = t3 * g_i;
     const int t5 = t4 > ((T)0x0.0p+0);
-    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+    const T t6 = (T)t5;
+    const T t7 = ((T)0x1.0000000000000p+0) - t6;
 #line 199 "flatopt/kernels/generated/lion.cu"
     acc0 += (T)(t6);
     acc1 += (T)(t7);
@@ -234,9 +234,10 @@ __device__ __forceinline__ void lion_f2_fold_one(const T* __restrict__ parts, co
 #line 81 "flatopt/lion.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 239 "flatopt/kernels/generated/lion.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 240 "flatopt/kernels/generated/lion.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -277,7 +278,7 @@ __device__ __forceinline__ void lion_group_f2_map(T* __restrict__ p, const T* __
       const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
       const T t4 = t3 * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
-      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_lr;
@@ -286,7 +287,7 @@ __device__ __forceinline__ void lion_group_f2_map(T* __restrict__ p, const T* __
       const T t11 = m_r[k] * b2;
       const T t12 = g_r[k] * omb2;
       const T t13 = t11 + t12;
-#line 290 "flatopt/kernels/generated/lion.cu"
+#line 291 "flatopt/kernels/generated/lion.cu"
       p[i] = t10;
       m[i] = t13;
     }
@@ -335,9 +336,9 @@ __device__ __forceinline__ void lion_f3_reduce_block(const T* __restrict__ g, co
     const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t4 = t3 * g_i;
     const int t5 = t4 > ((T)0x0.0p+0);
-    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 341 "flatopt/kernels/generated/lion.cu"
+    const T t6 = (T)t5;
+    const T t7 = ((T)0x1.0000000000000p+0) - t6;
+#line 342 "flatopt/kernels/generated/lion.cu"
     acc0 += (T)(t6);
     acc1 += (T)(t7);
   }
@@ -376,9 +377,10 @@ __device__ __forceinline__ void lion_f3_fold_one(const T* __restrict__ parts, co
 #line 81 "flatopt/lion.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 381 "flatopt/kernels/generated/lion.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 383 "flatopt/kernels/generated/lion.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -421,7 +423,7 @@ __device__ __forceinline__ void lion_group_f3_map(T* __restrict__ p, const T* __
       const T t4 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
       const T t5 = t4 * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
-      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = (T)t6;
       const T t8 = t7 * fold0;
       const T t9 = t4 * t8;
       const T t10 = t9 * neg_lr;
@@ -430,7 +432,7 @@ __device__ __forceinline__ void lion_group_f3_map(T* __restrict__ p, const T* __
       const T t12 = m_r[k] * b2;
       const T t13 = g_r[k] * omb2;
       const T t14 = t12 + t13;
-#line 434 "flatopt/kernels/generated/lion.cu"
+#line 436 "flatopt/kernels/generated/lion.cu"
       p[i] = t11;
       m[i] = t14;
     }

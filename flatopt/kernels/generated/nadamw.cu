@@ -230,8 +230,8 @@ __device__ __forceinline__ void nadamw_f2_reduce_block(const T* __restrict__ g, 
     const T t14 = t11 + t13;
     const T t15 = t14 * g_i;
     const int t16 = t15 > ((T)0x0.0p+0);
-    const T t17 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t18 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+    const T t17 = (T)t16;
+    const T t18 = ((T)0x1.0000000000000p+0) - t17;
 #line 236 "flatopt/kernels/generated/nadamw.cu"
     m[i] = t2;
     v[i] = t6;
@@ -274,9 +274,10 @@ __device__ __forceinline__ void nadamw_f2_fold_one(const T* __restrict__ parts, 
 #line 98 "flatopt/nadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 279 "flatopt/kernels/generated/nadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 280 "flatopt/kernels/generated/nadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -322,12 +323,12 @@ __device__ __forceinline__ void nadamw_group_f2_map(T* __restrict__ p, const T* 
       const T t7 = t4 + t6;
       const T t8 = t7 * g_r[k];
       const int t9 = t8 > ((T)0x0.0p+0);
-      const T t10 = (t9 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t10 = (T)t9;
       const T t11 = t10 * fold0;
       const T t12 = t7 * t11;
       const T t13 = t12 * neg_lr;
       const T t14 = p_r[k] + t13;
-#line 331 "flatopt/kernels/generated/nadamw.cu"
+#line 332 "flatopt/kernels/generated/nadamw.cu"
       p[i] = t14;
     }
   }
@@ -389,9 +390,9 @@ __device__ __forceinline__ void nadamw_f3_reduce_block(const T* __restrict__ g, 
     const T t14 = t11 + t13;
     const T t15 = t14 * g_i;
     const int t16 = t15 > ((T)0x0.0p+0);
-    const T t17 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t18 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 395 "flatopt/kernels/generated/nadamw.cu"
+    const T t17 = (T)t16;
+    const T t18 = ((T)0x1.0000000000000p+0) - t17;
+#line 396 "flatopt/kernels/generated/nadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t17);
@@ -433,9 +434,10 @@ __device__ __forceinline__ void nadamw_f3_fold_one(const T* __restrict__ parts, 
 #line 98 "flatopt/nadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 438 "flatopt/kernels/generated/nadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 440 "flatopt/kernels/generated/nadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -483,12 +485,12 @@ __device__ __forceinline__ void nadamw_group_f3_map(T* __restrict__ p, const T* 
       const T t8 = t5 + t7;
       const T t9 = t8 * g_r[k];
       const int t10 = t9 > ((T)0x0.0p+0);
-      const T t11 = (t10 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t11 = (T)t10;
       const T t12 = t11 * fold0;
       const T t13 = t8 * t12;
       const T t14 = t13 * neg_lr;
       const T t15 = t0 + t14;
-#line 492 "flatopt/kernels/generated/nadamw.cu"
+#line 494 "flatopt/kernels/generated/nadamw.cu"
       p[i] = t15;
     }
   }

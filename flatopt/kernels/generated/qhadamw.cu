@@ -667,8 +667,8 @@ __device__ __forceinline__ void qhadamw_f8_reduce_block(const T* __restrict__ g,
     const T t11 = t7 / t10;
     const T t12 = t11 * g_i;
     const int t13 = t12 > ((T)0x0.0p+0);
-    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+    const T t14 = (T)t13;
+    const T t15 = ((T)0x1.0000000000000p+0) - t14;
 #line 673 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
@@ -711,9 +711,10 @@ __device__ __forceinline__ void qhadamw_f8_fold_one(const T* __restrict__ parts,
 #line 104 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 716 "flatopt/kernels/generated/qhadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 717 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -757,12 +758,12 @@ __device__ __forceinline__ void qhadamw_group_f8_map(T* __restrict__ p, const T*
       const T t4 = t0 / t3;
       const T t5 = t4 * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
-      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = (T)t6;
       const T t8 = t7 * fold0;
       const T t9 = t4 * t8;
       const T t10 = t9 * neg_lr;
       const T t11 = p_r[k] + t10;
-#line 766 "flatopt/kernels/generated/qhadamw.cu"
+#line 767 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t11;
     }
   }
@@ -822,9 +823,9 @@ __device__ __forceinline__ void qhadamw_f9_reduce_block(const T* __restrict__ g,
     const T t11 = t7 / t10;
     const T t12 = t11 * g_i;
     const int t13 = t12 > ((T)0x0.0p+0);
-    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 828 "flatopt/kernels/generated/qhadamw.cu"
+    const T t14 = (T)t13;
+    const T t15 = ((T)0x1.0000000000000p+0) - t14;
+#line 829 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t14);
@@ -866,9 +867,10 @@ __device__ __forceinline__ void qhadamw_f9_fold_one(const T* __restrict__ parts,
 #line 104 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 871 "flatopt/kernels/generated/qhadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 873 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -914,12 +916,12 @@ __device__ __forceinline__ void qhadamw_group_f9_map(T* __restrict__ p, const T*
       const T t5 = t1 / t4;
       const T t6 = t5 * g_r[k];
       const int t7 = t6 > ((T)0x0.0p+0);
-      const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t8 = (T)t7;
       const T t9 = t8 * fold0;
       const T t10 = t5 * t9;
       const T t11 = t10 * neg_lr;
       const T t12 = t0 + t11;
-#line 923 "flatopt/kernels/generated/qhadamw.cu"
+#line 925 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t12;
     }
   }
@@ -983,9 +985,9 @@ __device__ __forceinline__ void qhadamw_f10_reduce_block(const T* __restrict__ g
     const T t13 = t9 / t12;
     const T t14 = t13 * g_i;
     const int t15 = t14 > ((T)0x0.0p+0);
-    const T t16 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t17 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 989 "flatopt/kernels/generated/qhadamw.cu"
+    const T t16 = (T)t15;
+    const T t17 = ((T)0x1.0000000000000p+0) - t16;
+#line 991 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t16);
@@ -1027,9 +1029,10 @@ __device__ __forceinline__ void qhadamw_f10_fold_one(const T* __restrict__ parts
 #line 104 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1032 "flatopt/kernels/generated/qhadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1035 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1076,12 +1079,12 @@ __device__ __forceinline__ void qhadamw_group_f10_map(T* __restrict__ p, const T
       const T t6 = t2 / t5;
       const T t7 = t6 * g_r[k];
       const int t8 = t7 > ((T)0x0.0p+0);
-      const T t9 = (t8 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t9 = (T)t8;
       const T t10 = t9 * fold0;
       const T t11 = t6 * t10;
       const T t12 = t11 * neg_lr;
       const T t13 = p_r[k] + t12;
-#line 1085 "flatopt/kernels/generated/qhadamw.cu"
+#line 1088 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t13;
     }
   }
@@ -1144,9 +1147,9 @@ __device__ __forceinline__ void qhadamw_f11_reduce_block(const T* __restrict__ g
     const T t13 = t9 / t12;
     const T t14 = t13 * g_i;
     const int t15 = t14 > ((T)0x0.0p+0);
-    const T t16 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t17 = (t15 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1150 "flatopt/kernels/generated/qhadamw.cu"
+    const T t16 = (T)t15;
+    const T t17 = ((T)0x1.0000000000000p+0) - t16;
+#line 1153 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t16);
@@ -1188,9 +1191,10 @@ __device__ __forceinline__ void qhadamw_f11_fold_one(const T* __restrict__ parts
 #line 104 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1193 "flatopt/kernels/generated/qhadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1197 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1239,12 +1243,12 @@ __device__ __forceinline__ void qhadamw_group_f11_map(T* __restrict__ p, const T
       const T t7 = t3 / t6;
       const T t8 = t7 * g_r[k];
       const int t9 = t8 > ((T)0x0.0p+0);
-      const T t10 = (t9 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t10 = (T)t9;
       const T t11 = t10 * fold0;
       const T t12 = t7 * t11;
       const T t13 = t12 * neg_lr;
       const T t14 = t0 + t13;
-#line 1248 "flatopt/kernels/generated/qhadamw.cu"
+#line 1252 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t14;
     }
   }
@@ -1309,9 +1313,9 @@ __device__ __forceinline__ void qhadamw_f12_reduce_block(const T* __restrict__ g
     const T t14 = t7 / t13;
     const T t15 = t14 * g_i;
     const int t16 = t15 > ((T)0x0.0p+0);
-    const T t17 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t18 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1315 "flatopt/kernels/generated/qhadamw.cu"
+    const T t17 = (T)t16;
+    const T t18 = ((T)0x1.0000000000000p+0) - t17;
+#line 1319 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t17);
@@ -1353,9 +1357,10 @@ __device__ __forceinline__ void qhadamw_f12_fold_one(const T* __restrict__ parts
 #line 104 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1358 "flatopt/kernels/generated/qhadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1363 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1403,12 +1408,12 @@ __device__ __forceinline__ void qhadamw_group_f12_map(T* __restrict__ p, const T
       const T t7 = t0 / t6;
       const T t8 = t7 * g_r[k];
       const int t9 = t8 > ((T)0x0.0p+0);
-      const T t10 = (t9 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t10 = (T)t9;
       const T t11 = t10 * fold0;
       const T t12 = t7 * t11;
       const T t13 = t12 * neg_lr;
       const T t14 = p_r[k] + t13;
-#line 1412 "flatopt/kernels/generated/qhadamw.cu"
+#line 1417 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t14;
     }
   }
@@ -1472,9 +1477,9 @@ __device__ __forceinline__ void qhadamw_f13_reduce_block(const T* __restrict__ g
     const T t14 = t7 / t13;
     const T t15 = t14 * g_i;
     const int t16 = t15 > ((T)0x0.0p+0);
-    const T t17 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t18 = (t16 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1478 "flatopt/kernels/generated/qhadamw.cu"
+    const T t17 = (T)t16;
+    const T t18 = ((T)0x1.0000000000000p+0) - t17;
+#line 1483 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t17);
@@ -1516,9 +1521,10 @@ __device__ __forceinline__ void qhadamw_f13_fold_one(const T* __restrict__ parts
 #line 104 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1521 "flatopt/kernels/generated/qhadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1527 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1568,12 +1574,12 @@ __device__ __forceinline__ void qhadamw_group_f13_map(T* __restrict__ p, const T
       const T t8 = t1 / t7;
       const T t9 = t8 * g_r[k];
       const int t10 = t9 > ((T)0x0.0p+0);
-      const T t11 = (t10 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t11 = (T)t10;
       const T t12 = t11 * fold0;
       const T t13 = t8 * t12;
       const T t14 = t13 * neg_lr;
       const T t15 = t0 + t14;
-#line 1577 "flatopt/kernels/generated/qhadamw.cu"
+#line 1583 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t15;
     }
   }
@@ -1641,9 +1647,9 @@ __device__ __forceinline__ void qhadamw_f14_reduce_block(const T* __restrict__ g
     const T t16 = t9 / t15;
     const T t17 = t16 * g_i;
     const int t18 = t17 > ((T)0x0.0p+0);
-    const T t19 = (t18 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t20 = (t18 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1647 "flatopt/kernels/generated/qhadamw.cu"
+    const T t19 = (T)t18;
+    const T t20 = ((T)0x1.0000000000000p+0) - t19;
+#line 1653 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t19);
@@ -1685,9 +1691,10 @@ __device__ __forceinline__ void qhadamw_f14_fold_one(const T* __restrict__ parts
 #line 104 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1690 "flatopt/kernels/generated/qhadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1697 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1738,12 +1745,12 @@ __device__ __forceinline__ void qhadamw_group_f14_map(T* __restrict__ p, const T
       const T t9 = t2 / t8;
       const T t10 = t9 * g_r[k];
       const int t11 = t10 > ((T)0x0.0p+0);
-      const T t12 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t12 = (T)t11;
       const T t13 = t12 * fold0;
       const T t14 = t9 * t13;
       const T t15 = t14 * neg_lr;
       const T t16 = p_r[k] + t15;
-#line 1747 "flatopt/kernels/generated/qhadamw.cu"
+#line 1754 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t16;
     }
   }
@@ -1810,9 +1817,9 @@ __device__ __forceinline__ void qhadamw_f15_reduce_block(const T* __restrict__ g
     const T t16 = t9 / t15;
     const T t17 = t16 * g_i;
     const int t18 = t17 > ((T)0x0.0p+0);
-    const T t19 = (t18 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t20 = (t18 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1816 "flatopt/kernels/generated/qhadamw.cu"
+    const T t19 = (T)t18;
+    const T t20 = ((T)0x1.0000000000000p+0) - t19;
+#line 1823 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t19);
@@ -1854,9 +1861,10 @@ __device__ __forceinline__ void qhadamw_f15_fold_one(const T* __restrict__ parts
 #line 104 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1859 "flatopt/kernels/generated/qhadamw.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1867 "flatopt/kernels/generated/qhadamw.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1909,12 +1917,12 @@ __device__ __forceinline__ void qhadamw_group_f15_map(T* __restrict__ p, const T
       const T t10 = t3 / t9;
       const T t11 = t10 * g_r[k];
       const int t12 = t11 > ((T)0x0.0p+0);
-      const T t13 = (t12 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t13 = (T)t12;
       const T t14 = t13 * fold0;
       const T t15 = t10 * t14;
       const T t16 = t15 * neg_lr;
       const T t17 = t0 + t16;
-#line 1918 "flatopt/kernels/generated/qhadamw.cu"
+#line 1926 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t17;
     }
   }

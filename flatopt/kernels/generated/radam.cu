@@ -458,8 +458,8 @@ __device__ __forceinline__ void radam_f8_reduce_block(const T* __restrict__ g, T
 #line 126 "flatopt/radam.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
-    const T t5 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t6 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+    const T t5 = (T)t4;
+    const T t6 = ((T)0x1.0000000000000p+0) - t5;
 #line 464 "flatopt/kernels/generated/radam.cu"
     m[i] = t2;
     acc0 += (T)(t5);
@@ -500,9 +500,10 @@ __device__ __forceinline__ void radam_f8_fold_one(const T* __restrict__ parts, c
 #line 126 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 505 "flatopt/kernels/generated/radam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 506 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -544,12 +545,12 @@ __device__ __forceinline__ void radam_group_f8_map(T* __restrict__ p, const T* _
 #line 126 "flatopt/radam.py"
       const T t4 = m_r[k] * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
-      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = m_r[k] * t7;
       const T t9 = t8 * factor;
       const T t10 = p_r[k] + t9;
-#line 553 "flatopt/kernels/generated/radam.cu"
+#line 554 "flatopt/kernels/generated/radam.cu"
       p[i] = t10;
       v[i] = t3;
     }
@@ -602,9 +603,9 @@ __device__ __forceinline__ void radam_f9_reduce_block(const T* __restrict__ p, c
 #line 126 "flatopt/radam.py"
     const T t5 = t4 * t1;
     const int t6 = t5 > ((T)0x0.0p+0);
-    const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t8 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 608 "flatopt/kernels/generated/radam.cu"
+    const T t7 = (T)t6;
+    const T t8 = ((T)0x1.0000000000000p+0) - t7;
+#line 609 "flatopt/kernels/generated/radam.cu"
     m[i] = t4;
     acc0 += (T)(t7);
     acc1 += (T)(t8);
@@ -645,9 +646,10 @@ __device__ __forceinline__ void radam_f9_fold_one(const T* __restrict__ parts, c
 #line 126 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 650 "flatopt/kernels/generated/radam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 652 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -692,12 +694,12 @@ __device__ __forceinline__ void radam_group_f9_map(T* __restrict__ p, const T* _
 #line 126 "flatopt/radam.py"
       const T t6 = m_r[k] * t1;
       const int t7 = t6 > ((T)0x0.0p+0);
-      const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t8 = (T)t7;
       const T t9 = t8 * fold0;
       const T t10 = m_r[k] * t9;
       const T t11 = t10 * factor;
       const T t12 = p_r[k] + t11;
-#line 701 "flatopt/kernels/generated/radam.cu"
+#line 703 "flatopt/kernels/generated/radam.cu"
       p[i] = t12;
       v[i] = t5;
     }
@@ -746,9 +748,9 @@ __device__ __forceinline__ void radam_f11_reduce_block(const T* __restrict__ g, 
 #line 126 "flatopt/radam.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
-    const T t5 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t6 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 752 "flatopt/kernels/generated/radam.cu"
+    const T t5 = (T)t4;
+    const T t6 = ((T)0x1.0000000000000p+0) - t5;
+#line 754 "flatopt/kernels/generated/radam.cu"
     m[i] = t2;
     acc0 += (T)(t5);
     acc1 += (T)(t6);
@@ -788,9 +790,10 @@ __device__ __forceinline__ void radam_f11_fold_one(const T* __restrict__ parts, 
 #line 126 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 793 "flatopt/kernels/generated/radam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 796 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -834,12 +837,12 @@ __device__ __forceinline__ void radam_group_f11_map(T* __restrict__ p, const T* 
 #line 126 "flatopt/radam.py"
       const T t5 = m_r[k] * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
-      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = (T)t6;
       const T t8 = t7 * fold0;
       const T t9 = m_r[k] * t8;
       const T t10 = t9 * factor;
       const T t11 = t0 + t10;
-#line 843 "flatopt/kernels/generated/radam.cu"
+#line 846 "flatopt/kernels/generated/radam.cu"
       p[i] = t11;
       v[i] = t4;
     }
@@ -897,9 +900,9 @@ __device__ __forceinline__ void radam_f12_reduce_block(const T* __restrict__ g, 
     const T t9 = t2 / t8;
     const T t10 = t9 * g_i;
     const int t11 = t10 > ((T)0x0.0p+0);
-    const T t12 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t13 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 903 "flatopt/kernels/generated/radam.cu"
+    const T t12 = (T)t11;
+    const T t13 = ((T)0x1.0000000000000p+0) - t12;
+#line 906 "flatopt/kernels/generated/radam.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t12);
@@ -941,9 +944,10 @@ __device__ __forceinline__ void radam_f12_fold_one(const T* __restrict__ parts, 
 #line 124 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 946 "flatopt/kernels/generated/radam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 950 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -983,12 +987,12 @@ __device__ __forceinline__ void radam_group_f12_map(T* __restrict__ p, const T* 
       const T t2 = m_r[k] / t1;
       const T t3 = t2 * g_r[k];
       const int t4 = t3 > ((T)0x0.0p+0);
-      const T t5 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t5 = (T)t4;
       const T t6 = t5 * fold0;
       const T t7 = t2 * t6;
       const T t8 = t7 * factor_rect;
       const T t9 = p_r[k] + t8;
-#line 992 "flatopt/kernels/generated/radam.cu"
+#line 996 "flatopt/kernels/generated/radam.cu"
       p[i] = t9;
     }
   }
@@ -1048,9 +1052,9 @@ __device__ __forceinline__ void radam_f13_reduce_block(const T* __restrict__ p, 
     const T t11 = t4 / t10;
     const T t12 = t11 * t1;
     const int t13 = t12 > ((T)0x0.0p+0);
-    const T t14 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t15 = (t13 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1054 "flatopt/kernels/generated/radam.cu"
+    const T t14 = (T)t13;
+    const T t15 = ((T)0x1.0000000000000p+0) - t14;
+#line 1058 "flatopt/kernels/generated/radam.cu"
     m[i] = t4;
     v[i] = t8;
     acc0 += (T)(t14);
@@ -1093,9 +1097,10 @@ __device__ __forceinline__ void radam_f13_fold_one(const T* __restrict__ parts, 
 #line 124 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1098 "flatopt/kernels/generated/radam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1103 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1138,12 +1143,12 @@ __device__ __forceinline__ void radam_group_f13_map(T* __restrict__ p, const T* 
       const T t4 = m_r[k] / t3;
       const T t5 = t4 * t1;
       const int t6 = t5 > ((T)0x0.0p+0);
-      const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t7 = (T)t6;
       const T t8 = t7 * fold0;
       const T t9 = t4 * t8;
       const T t10 = t9 * factor_rect;
       const T t11 = p_r[k] + t10;
-#line 1147 "flatopt/kernels/generated/radam.cu"
+#line 1152 "flatopt/kernels/generated/radam.cu"
       p[i] = t11;
     }
   }
@@ -1199,9 +1204,9 @@ __device__ __forceinline__ void radam_f15_reduce_block(const T* __restrict__ g, 
     const T t9 = t2 / t8;
     const T t10 = t9 * g_i;
     const int t11 = t10 > ((T)0x0.0p+0);
-    const T t12 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t13 = (t11 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1205 "flatopt/kernels/generated/radam.cu"
+    const T t12 = (T)t11;
+    const T t13 = ((T)0x1.0000000000000p+0) - t12;
+#line 1210 "flatopt/kernels/generated/radam.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t12);
@@ -1243,9 +1248,10 @@ __device__ __forceinline__ void radam_f15_fold_one(const T* __restrict__ parts, 
 #line 124 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1248 "flatopt/kernels/generated/radam.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1254 "flatopt/kernels/generated/radam.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1287,12 +1293,12 @@ __device__ __forceinline__ void radam_group_f15_map(T* __restrict__ p, const T* 
       const T t3 = m_r[k] / t2;
       const T t4 = t3 * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
-      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
       const T t9 = t8 * factor_rect;
       const T t10 = t0 + t9;
-#line 1296 "flatopt/kernels/generated/radam.cu"
+#line 1302 "flatopt/kernels/generated/radam.cu"
       p[i] = t10;
     }
   }

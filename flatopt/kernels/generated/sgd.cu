@@ -706,8 +706,8 @@ __device__ __forceinline__ void sgd_f32_reduce_block(const T* __restrict__ g, co
 #line 95 "flatopt/sgd.py"
     const T t0 = g_i * g_i;
     const int t1 = t0 > ((T)0x0.0p+0);
-    const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t3 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
+    const T t2 = (T)t1;
+    const T t3 = ((T)0x1.0000000000000p+0) - t2;
 #line 712 "flatopt/kernels/generated/sgd.cu"
     acc0 += (T)(t2);
     acc1 += (T)(t3);
@@ -746,9 +746,10 @@ __device__ __forceinline__ void sgd_f32_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 751 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 752 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -783,12 +784,12 @@ __device__ __forceinline__ void sgd_group_f32_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t0 = g_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
-      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t2 = (T)t1;
       const T t3 = t2 * fold0;
       const T t4 = g_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 792 "flatopt/kernels/generated/sgd.cu"
+#line 793 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
     }
   }
@@ -833,9 +834,9 @@ __device__ __forceinline__ void sgd_f33_reduce_block(const T* __restrict__ p, co
 #line 95 "flatopt/sgd.py"
     const T t2 = t1 * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
-    const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t5 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 839 "flatopt/kernels/generated/sgd.cu"
+    const T t4 = (T)t3;
+    const T t5 = ((T)0x1.0000000000000p+0) - t4;
+#line 840 "flatopt/kernels/generated/sgd.cu"
     acc0 += (T)(t4);
     acc1 += (T)(t5);
   }
@@ -874,9 +875,10 @@ __device__ __forceinline__ void sgd_f33_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 879 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 881 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -914,12 +916,12 @@ __device__ __forceinline__ void sgd_group_f33_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t2 = t1 * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
-      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t4 = (T)t3;
       const T t5 = t4 * fold0;
       const T t6 = t1 * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 923 "flatopt/kernels/generated/sgd.cu"
+#line 925 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -964,9 +966,9 @@ __device__ __forceinline__ void sgd_f34_reduce_block(const T* __restrict__ g, T*
 #line 95 "flatopt/sgd.py"
     const T t2 = t1 * g_i;
     const int t3 = t2 > ((T)0x0.0p+0);
-    const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t5 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 970 "flatopt/kernels/generated/sgd.cu"
+    const T t4 = (T)t3;
+    const T t5 = ((T)0x1.0000000000000p+0) - t4;
+#line 972 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t1;
     acc0 += (T)(t4);
     acc1 += (T)(t5);
@@ -1006,9 +1008,10 @@ __device__ __forceinline__ void sgd_f34_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1011 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1014 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1044,12 +1047,12 @@ __device__ __forceinline__ void sgd_group_f34_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t0 = buf_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
-      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t2 = (T)t1;
       const T t3 = t2 * fold0;
       const T t4 = buf_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 1053 "flatopt/kernels/generated/sgd.cu"
+#line 1056 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
     }
   }
@@ -1099,9 +1102,9 @@ __device__ __forceinline__ void sgd_f35_reduce_block(const T* __restrict__ p, co
 #line 95 "flatopt/sgd.py"
     const T t4 = t3 * t1;
     const int t5 = t4 > ((T)0x0.0p+0);
-    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1105 "flatopt/kernels/generated/sgd.cu"
+    const T t6 = (T)t5;
+    const T t7 = ((T)0x1.0000000000000p+0) - t6;
+#line 1108 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t3;
     acc0 += (T)(t6);
     acc1 += (T)(t7);
@@ -1142,9 +1145,10 @@ __device__ __forceinline__ void sgd_f35_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1147 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1151 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1183,12 +1187,12 @@ __device__ __forceinline__ void sgd_group_f35_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t2 = buf_r[k] * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
-      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t4 = (T)t3;
       const T t5 = t4 * fold0;
       const T t6 = buf_r[k] * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 1192 "flatopt/kernels/generated/sgd.cu"
+#line 1196 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -1230,9 +1234,9 @@ __device__ __forceinline__ void sgd_f38_reduce_block(const T* __restrict__ g, co
 #line 95 "flatopt/sgd.py"
     const T t0 = g_i * g_i;
     const int t1 = t0 > ((T)0x0.0p+0);
-    const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t3 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1236 "flatopt/kernels/generated/sgd.cu"
+    const T t2 = (T)t1;
+    const T t3 = ((T)0x1.0000000000000p+0) - t2;
+#line 1240 "flatopt/kernels/generated/sgd.cu"
     acc0 += (T)(t2);
     acc1 += (T)(t3);
   }
@@ -1270,9 +1274,10 @@ __device__ __forceinline__ void sgd_f38_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1275 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1280 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1307,12 +1312,12 @@ __device__ __forceinline__ void sgd_group_f38_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t0 = g_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
-      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t2 = (T)t1;
       const T t3 = t2 * fold0;
       const T t4 = g_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 1316 "flatopt/kernels/generated/sgd.cu"
+#line 1321 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
       buf[i] = g_r[k];
     }
@@ -1359,9 +1364,9 @@ __device__ __forceinline__ void sgd_f39_reduce_block(const T* __restrict__ p, co
 #line 95 "flatopt/sgd.py"
     const T t2 = t1 * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
-    const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t5 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1365 "flatopt/kernels/generated/sgd.cu"
+    const T t4 = (T)t3;
+    const T t5 = ((T)0x1.0000000000000p+0) - t4;
+#line 1370 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t1;
     acc0 += (T)(t4);
     acc1 += (T)(t5);
@@ -1402,9 +1407,10 @@ __device__ __forceinline__ void sgd_f39_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1407 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1413 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1439,12 +1445,12 @@ __device__ __forceinline__ void sgd_group_f39_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t0 = buf_r[k] * buf_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
-      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t2 = (T)t1;
       const T t3 = t2 * fold0;
       const T t4 = buf_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 1448 "flatopt/kernels/generated/sgd.cu"
+#line 1454 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
     }
   }
@@ -1490,9 +1496,9 @@ __device__ __forceinline__ void sgd_f42_reduce_block(const T* __restrict__ g, T*
 #line 95 "flatopt/sgd.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
-    const T t5 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t6 = (t4 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1496 "flatopt/kernels/generated/sgd.cu"
+    const T t5 = (T)t4;
+    const T t6 = ((T)0x1.0000000000000p+0) - t5;
+#line 1502 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t2;
     acc0 += (T)(t5);
     acc1 += (T)(t6);
@@ -1532,9 +1538,10 @@ __device__ __forceinline__ void sgd_f42_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1537 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1544 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1570,12 +1577,12 @@ __device__ __forceinline__ void sgd_group_f42_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t0 = buf_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
-      const T t2 = (t1 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t2 = (T)t1;
       const T t3 = t2 * fold0;
       const T t4 = buf_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 1579 "flatopt/kernels/generated/sgd.cu"
+#line 1586 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
     }
   }
@@ -1626,9 +1633,9 @@ __device__ __forceinline__ void sgd_f43_reduce_block(const T* __restrict__ p, co
 #line 95 "flatopt/sgd.py"
     const T t5 = t4 * t1;
     const int t6 = t5 > ((T)0x0.0p+0);
-    const T t7 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t8 = (t6 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1632 "flatopt/kernels/generated/sgd.cu"
+    const T t7 = (T)t6;
+    const T t8 = ((T)0x1.0000000000000p+0) - t7;
+#line 1639 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t4;
     acc0 += (T)(t7);
     acc1 += (T)(t8);
@@ -1669,9 +1676,10 @@ __device__ __forceinline__ void sgd_f43_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1674 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1682 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1710,12 +1718,12 @@ __device__ __forceinline__ void sgd_group_f43_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t2 = buf_r[k] * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
-      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t4 = (T)t3;
       const T t5 = t4 * fold0;
       const T t6 = buf_r[k] * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 1719 "flatopt/kernels/generated/sgd.cu"
+#line 1727 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -1764,9 +1772,9 @@ __device__ __forceinline__ void sgd_f50_reduce_block(const T* __restrict__ g, T*
 #line 95 "flatopt/sgd.py"
     const T t4 = t3 * g_i;
     const int t5 = t4 > ((T)0x0.0p+0);
-    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1770 "flatopt/kernels/generated/sgd.cu"
+    const T t6 = (T)t5;
+    const T t7 = ((T)0x1.0000000000000p+0) - t6;
+#line 1778 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t1;
     acc0 += (T)(t6);
     acc1 += (T)(t7);
@@ -1806,9 +1814,10 @@ __device__ __forceinline__ void sgd_f50_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1811 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1820 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1847,12 +1856,12 @@ __device__ __forceinline__ void sgd_group_f50_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t2 = t1 * g_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
-      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t4 = (T)t3;
       const T t5 = t4 * fold0;
       const T t6 = t1 * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 1856 "flatopt/kernels/generated/sgd.cu"
+#line 1865 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -1905,9 +1914,9 @@ __device__ __forceinline__ void sgd_f51_reduce_block(const T* __restrict__ p, co
 #line 95 "flatopt/sgd.py"
     const T t6 = t5 * t1;
     const int t7 = t6 > ((T)0x0.0p+0);
-    const T t8 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t9 = (t7 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 1911 "flatopt/kernels/generated/sgd.cu"
+    const T t8 = (T)t7;
+    const T t9 = ((T)0x1.0000000000000p+0) - t8;
+#line 1920 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t3;
     acc0 += (T)(t8);
     acc1 += (T)(t9);
@@ -1948,9 +1957,10 @@ __device__ __forceinline__ void sgd_f51_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 1953 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 1963 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -1992,12 +2002,12 @@ __device__ __forceinline__ void sgd_group_f51_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t4 = t3 * t1;
       const int t5 = t4 > ((T)0x0.0p+0);
-      const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_lr;
       const T t10 = p_r[k] + t9;
-#line 2001 "flatopt/kernels/generated/sgd.cu"
+#line 2011 "flatopt/kernels/generated/sgd.cu"
       p[i] = t10;
     }
   }
@@ -2042,9 +2052,9 @@ __device__ __forceinline__ void sgd_f54_reduce_block(const T* __restrict__ g, co
 #line 95 "flatopt/sgd.py"
     const T t2 = t1 * g_i;
     const int t3 = t2 > ((T)0x0.0p+0);
-    const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t5 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 2048 "flatopt/kernels/generated/sgd.cu"
+    const T t4 = (T)t3;
+    const T t5 = ((T)0x1.0000000000000p+0) - t4;
+#line 2058 "flatopt/kernels/generated/sgd.cu"
     acc0 += (T)(t4);
     acc1 += (T)(t5);
   }
@@ -2082,9 +2092,10 @@ __device__ __forceinline__ void sgd_f54_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 2087 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 2098 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -2122,12 +2133,12 @@ __device__ __forceinline__ void sgd_group_f54_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t2 = t1 * g_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
-      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t4 = (T)t3;
       const T t5 = t4 * fold0;
       const T t6 = t1 * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 2131 "flatopt/kernels/generated/sgd.cu"
+#line 2142 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
       buf[i] = g_r[k];
     }
@@ -2177,9 +2188,9 @@ __device__ __forceinline__ void sgd_f55_reduce_block(const T* __restrict__ p, co
 #line 95 "flatopt/sgd.py"
     const T t4 = t3 * t1;
     const int t5 = t4 > ((T)0x0.0p+0);
-    const T t6 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
-    const T t7 = (t5 ? ((T)0x1.0000000000000p+0) : ((T)0x1.0000000000000p+0));
-#line 2183 "flatopt/kernels/generated/sgd.cu"
+    const T t6 = (T)t5;
+    const T t7 = ((T)0x1.0000000000000p+0) - t6;
+#line 2194 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t1;
     acc0 += (T)(t6);
     acc1 += (T)(t7);
@@ -2220,9 +2231,10 @@ __device__ __forceinline__ void sgd_f55_fold_one(const T* __restrict__ parts, co
 #line 95 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
-    const T t2_f = t1_f * _sum1;
-#line 2225 "flatopt/kernels/generated/sgd.cu"
-    scal[0] = t2_f;
+    const T t2_f = _sum0 + _sum1;
+    const T t3_f = t1_f * t2_f;
+#line 2237 "flatopt/kernels/generated/sgd.cu"
+    scal[0] = t3_f;
   }
 }
 
@@ -2260,12 +2272,12 @@ __device__ __forceinline__ void sgd_group_f55_map(T* __restrict__ p, const T* __
 #line 95 "flatopt/sgd.py"
       const T t2 = t1 * buf_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
-      const T t4 = (t3 ? ((T)0x1.0000000000000p+0) : ((T)0x0.0p+0));
+      const T t4 = (T)t3;
       const T t5 = t4 * fold0;
       const T t6 = t1 * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 2269 "flatopt/kernels/generated/sgd.cu"
+#line 2281 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
