@@ -20,6 +20,8 @@ parameter's dtype with float64 bias corrections.  Every path is derived from the
 ``kernels/generated/``).  ``end_iteration`` only counts iterations (bias correction uses the per-name t).  State:
 ``m``, ``v`` (and ``vmax``): 8 B/param in float32 (12 with amsgrad).  Use it where a model was tuned with L2-coupled
 Adam; otherwise prefer AdamW.
+``cautious=True``: the direction m/(√v̂ + ε) masked where it disagrees in sign with g' (L2-decayed), times
+numel/(count + 1) per tensor, as pytorch-optimizer's ``apply_cautious`` (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import math
 from typing import Any
 
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.driver import PerParamOptimizer
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
@@ -83,7 +86,7 @@ def adam_family_step(decoupled: bool) -> Any:
         src = v
         if f.ams:
             vmax = src = e.maximum(vmax, v)  # NumPy's NaN rule
-        p = p + (m / (e.sqrt(src) / s.bc2_sqrt + s.eps)) * s.neg_step
+        p = p + e.cautious(m / (e.sqrt(src) / s.bc2_sqrt + s.eps), g) * s.neg_step
         return dict(p=p, m=m, v=v, vmax=vmax)
     return step
 
@@ -106,7 +109,7 @@ def zeros_state(xp: Any, n: int, dtype: Any, k: int) -> list[Array]:
 
 # ------------------------------------------------------------------------------------------------ Adam
 @dataclasses.dataclass(frozen=True)
-class AdamConfig:
+class AdamConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -157,7 +160,8 @@ class Adam(PerParamOptimizer):
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, *, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, cautious: bool = False,
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

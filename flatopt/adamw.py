@@ -16,6 +16,8 @@ ulps rather than bit for bit.  Every path is derived from the definition below (
 ``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
 (the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
 ``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
+``cautious=True``: the direction m/(√v̂ + ε) masked where it disagrees in sign with g, times numel/(count + 1) per
+tensor; the decay stays outside, as pytorch-optimizer's ``apply_cautious`` (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from typing import Any
 
 from .adam import adam_family
 from .core.elementwise import run
+from .core.elementwise.define import Cautious
 from .core.driver import PerParamOptimizer
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class AdamWConfig:
+class AdamWConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -101,8 +104,9 @@ class AdamW(PerParamOptimizer):
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, *, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad), lr_scale=lr_scale,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, cautious: bool = False,
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
 

@@ -15,6 +15,8 @@ with other roundings.  Every path is derived from the definition below (``step``
 NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists (the same bits; otherwise the
 NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in ``kernels/generated/``).
 ``end_iteration`` only counts iterations.  State: ``m`` (4 B/param in float32).
+``cautious=True``: sign(c) masked where it disagrees in sign with g, times numel/(count + 1) per tensor, as
+pytorch-optimizer's ``Lion(cautious=True)`` (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from typing import Any
 
 from .adam import check_common
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.driver import PerParamOptimizer
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class LionConfig:
+class LionConfig(Cautious):
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.0
@@ -67,7 +70,7 @@ def step(e: Any, p: Any, g: Any, m: Any, *, s: Any, f: Any) -> dict[str, Any]:
     if f.wd:
         p = p * s.decay
     c = m * s.b1 + g * s.omb1
-    p = p + e.sign(c) * s.neg_lr
+    p = p + e.cautious(e.sign(c), g) * s.neg_lr
     m = m * s.b2 + g * s.omb2
     return dict(p=p, m=m)
 
@@ -89,5 +92,7 @@ class Lion(PerParamOptimizer):
     scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(LionConfig(lr, betas, weight_decay), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(LionConfig(lr, betas, weight_decay, cautious=cautious), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -20,6 +20,8 @@ it ~7e-6 away at β2 = 0.999.  Every path is derived from the definition below (
 ``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
 (the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
 ``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+``cautious=True``: the direction (both terms together) masked where it disagrees in sign with g, times
+numel/(count + 1) per tensor, then added to p at once, not term by term (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ from typing import Any
 from .adam import adam_moments, bias_corrections, check_common, zeros_state
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class NAdamWConfig:
+class NAdamWConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -64,7 +67,8 @@ def scalars(cfg: NAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
     bc1, bc2 = bias_corrections(cfg.betas, t)
     bc1_next = 1.0 - b1 ** (t + 1)
     return dict(decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc2=bc2, eps=cfg.eps,
-                c_g=-lr * (1.0 - b1) / bc1, c_m=-lr * b1 / bc1_next)
+                c_g=-lr * (1.0 - b1) / bc1, c_m=-lr * b1 / bc1_next, k_g=(1.0 - b1) / bc1, k_m=b1 / bc1_next,
+                neg_lr=-lr)  # k_g, k_m, neg_lr: the cautious direction's (its mask's count reads no lr)
 
 
 def flags(cfg: NAdamWConfig, t: int) -> dict[str, bool]:
@@ -77,8 +81,11 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)
     d = e.sqrt(v / s.bc2) + s.eps
-    p = p + (g / d) * s.c_g
-    p = p + (m / d) * s.c_m
+    if f.cautious:  # one masked direction (both terms), then −η
+        p = p + e.cautious((g / d) * s.k_g + (m / d) * s.k_m, g) * s.neg_lr
+    else:
+        p = p + (g / d) * s.c_g
+        p = p + (m / d) * s.c_m
     return dict(p=p, m=m, v=v)
 
 
@@ -100,6 +107,8 @@ class NAdamW(PerParamOptimizer):
     scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(NAdamWConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale,
+                 weight_decay: float = 1e-2, *, cautious: bool = False, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(NAdamWConfig(lr, betas, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -17,6 +17,8 @@ debiases with float64 β^t, identical in exact arithmetic (rlx-optim does the sa
 ``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
 (the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
 ``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+``cautious=True``: the direction n/d masked where it disagrees in sign with g, times numel/(count + 1) per tensor
+(docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from typing import Any
 from .adam import adam_moments, bias_corrections, check_common, zeros_state
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class QHAdamWConfig:
+class QHAdamWConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.995, 0.999)
     nus: tuple[float, float] = (0.7, 1.0)
@@ -85,7 +88,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
     den = v * s.c_v
     if f.nu2:
         den = den + (g * s.c_gg) * g
-    p = p + (num / (e.sqrt(den) + s.eps)) * s.neg_lr
+    p = p + e.cautious(num / (e.sqrt(den) + s.eps), g) * s.neg_lr
     return dict(p=p, m=m, v=v)
 
 
@@ -109,6 +112,7 @@ class QHAdamW(PerParamOptimizer):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.995, 0.999),
                  nus: tuple[float, float] = (0.7, 1.0), eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay), lr_scale=lr_scale,
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

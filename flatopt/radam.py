@@ -22,6 +22,8 @@ through ``core/elementwise``): the NumPy/CuPy path, the compiled C pass that run
 exists (the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the
 snapshots in ``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in
 float32).
+``cautious=True``: the direction (m/(√v + ε), or m unrectified) masked where it disagrees in sign with g', times
+numel/(count + 1) per tensor (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from typing import Any
 from .adam import adam_moments, bias_corrections, check_bool, check_common, zeros_state
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class RAdamConfig:
+class RAdamConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -100,9 +103,9 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
         g = g + p * s.wd
     m, v = adam_moments(g, m, v, s)
     if f.rect:
-        p = p + (m / (e.sqrt(v) + s.eps)) * s.factor_rect
+        p = p + e.cautious(m / (e.sqrt(v) + s.eps), g) * s.factor_rect
     else:
-        p = p + m * s.factor
+        p = p + e.cautious(m, g) * s.factor
     return dict(p=p, m=m, v=v)
 
 
@@ -126,6 +129,7 @@ class RAdam(PerParamOptimizer):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False, threshold: float = 5.0, *,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold),
-                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold,
+                                     cautious=cautious), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -15,6 +15,7 @@ Arithmetic is in the parameter's dtype.  Every path is derived from the definiti
 (the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
 ``kernels/generated/``).  ``end_iteration`` only counts iterations (SGD has no schedule). State: ``buf`` (only when
 momentum != 0).
+``cautious=True``: d masked where d·g' ≤ 0, times numel/(count + 1) per tensor (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import dataclasses
 from typing import Any
 
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.driver import PerParamOptimizer
 from .core.types import Array, DecayMask, JSONDict, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class SGDConfig:
+class SGDConfig(Cautious):
     lr: float
     momentum: float = 0.0
     dampening: float = 0.0
@@ -81,13 +83,14 @@ def step(e: Any, p: Any, g: Any, buf: Any, *, s: Any, f: Any) -> dict[str, Any]:
     d = g
     if f.wd:
         d = p * s.wd + d
+    gd = d  # the (decayed) gradient the cautious mask compares with
     if f.mom:
         if f.first:
             buf = d
         else:
             buf = buf * s.mom + (d * s.omd if f.damp else d)
         d = d + buf * s.mom if f.nest else buf
-    p = p + d * s.neg_lr
+    p = p + e.cautious(d, gd) * s.neg_lr
     return dict(p=p, buf=buf)
 
 
@@ -110,9 +113,11 @@ class SGD(PerParamOptimizer):
     matters = ("momentum",)  # whether a momentum buffer exists
 
     def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                 weight_decay: float = 0.0, *, cautious: bool = False, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay, cautious=cautious),
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
 
     def _config_key(self) -> JSONDict:
         return {"momentum": self.config.momentum != 0}

@@ -7,6 +7,7 @@ accepts, and a learning rate at which it must decrease a quadratic and the Rosen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Callable
 
@@ -195,6 +196,20 @@ FLAG_SPACE: dict[str, FlagSpace] = {
 }
 
 
+# cautious=True (the config base core.elementwise.define.Cautious): an option of every algorithm whose config has the
+# field, derived from the definitions; its mask's count is a per-tensor sum (3 launches per multi-tensor group)
+for _space in FLAG_SPACE.values():
+    if "cautious" in {f.name for f in dataclasses.fields(_space.cls.config_cls)}:
+        _space.options["cautious"] = {"": False, "cautious": True}
+
+
+# and the contract suite (every test over REGISTRY) runs each such algorithm's registry entry with the flag on
+for _algo, _space in FLAG_SPACE.items():
+    if "cautious" in _space.options and _algo in REGISTRY:
+        REGISTRY[f"{_algo}_cautious"] = dataclasses.replace(
+            REGISTRY[_algo], make=functools.partial(REGISTRY[_algo].make, cautious=True))
+
+
 @dataclasses.dataclass(frozen=True)
 class FlagCase:
     algorithm: str
@@ -215,7 +230,7 @@ class FlagCase:
     @property
     def launches(self) -> int:
         """Multi-tensor launches per group: the norm's partials, folds and map when the step takes a norm."""
-        return 3 if self.space.norms and self.kwargs.get("clip_c", True) else 1
+        return 3 if (self.space.norms and self.kwargs.get("clip_c", True)) or self.kwargs.get("cautious") else 1
 
 
 def policy_of(opt) -> str:

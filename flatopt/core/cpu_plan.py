@@ -253,7 +253,7 @@ def _tensor_tasks(opt, entries: list[Entry], chunk: int) -> list[Task]:
     """``_make`` for a per-tensor algorithm: small items of one size share a ``cpu_tensors.RowsPlan`` when the
     algorithm has ``np_rows_fn``; every other item is a ``PhasedTask`` (with ``np_phases_fn``) or a whole task."""
     out = []
-    rows = type(opt).np_rows_fn is not None and len(entries) > 1
+    rows = opt.np_rows_fn is not None and len(entries) > 1
     total = sum(e.param.size for e in entries)
     groups: dict = {}
     for entry in entries:
@@ -275,7 +275,7 @@ def _tensor_tasks(opt, entries: list[Entry], chunk: int) -> list[Task]:
 
 def _whole_task(opt, e: Entry, chunk: int, split: bool = False) -> Task:
     slot = e.slot
-    if type(opt).np_phases_fn is not None:
+    if opt.np_phases_fn is not None:
         fn: Any = cpu_tensors.PhasedTask(opt, slot.state, e.param, e.grad, slot.t, e.lr, chunk, split)
     else:
         fn = _WholeTask(opt, slot.state, e.param, e.grad, slot.t, e.lr)

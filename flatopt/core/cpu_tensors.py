@@ -131,7 +131,7 @@ class RowsTask(PackedTask):
         np.concatenate(self.params, out=plan.p_flat)
         np.concatenate(self.grads, out=plan.g_flat)
         opt = self.opt
-        type(opt).np_rows_fn(opt.config, plan.state, plan.p, plan.g, t=self.t, lr=self.lr, work=plan.work)
+        opt.np_rows_fn(opt.config, plan.state, plan.p, plan.g, t=self.t, lr=self.lr, work=plan.work)
         copyto = np.copyto
         for dst, src in zip(self.params, plan.p_rows):
             copyto(dst, src)
@@ -149,7 +149,7 @@ class PhasedTask:
 
     def phases(self) -> Any:
         opt = self.opt
-        return type(opt).np_phases_fn(opt.config, self.st, self.p, self.g, t=self.t, lr=self.lr, chunk=self.chunk)
+        return opt.np_phases_fn(opt.config, self.st, self.p, self.g, t=self.t, lr=self.lr, chunk=self.chunk)
 
     def __call__(self) -> None:
         blocks.run_serial(self.phases())

@@ -521,8 +521,14 @@ class PerParamOptimizer:
             except (TypeError, ValueError) as exc:
                 raise IncompatibleStateError(f"snapshot field 'config' does not make a "
                                              f"{self.config_cls.__name__}: {exc}") from None
+            if getattr(config, "cautious", None) != getattr(self.config, "cautious", None):
+                # bound at construction (core/elementwise/run.py `configure`): kept, like a field that matters
+                config = dataclasses.replace(config, cautious=self.config.cautious)
+                was = state.config.get("cautious", False)
+                notes = [*(n for n in notes if not n.startswith("cautious: ")),
+                         f"cautious: kept {self.config.cautious!r} (snapshot had {was!r}; fixed at construction)"]
             cur = self._config_dict()
-            differ = {k: v for k, v in state.config.items() if k in cur and cur[k] != v}
+            differ = {k: v for k, v in state.config.items() if k in cur and cur[k] != v and k != "cautious"}
             notes = [n for n in notes if not any(n.startswith(f"{k}: kept ") for k in differ)] + [
                 f"{k}: restored {v!r} from the snapshot (this object had {cur[k]!r})" for k, v in differ.items()]
         if recorded:

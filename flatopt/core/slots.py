@@ -133,7 +133,12 @@ def config_to_dict(config: Any) -> dict:
             return [conv(x) for x in v]
         return v
 
-    return {f.name: conv(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    # an option added later (``cautious``) is written only when on: off reads as it did before the option existed
+    return {f.name: conv(getattr(config, f.name)) for f in dataclasses.fields(config)
+            if not (f.name in LATER_OPTIONS and getattr(config, f.name) is False)}
+
+
+LATER_OPTIONS = frozenset({"cautious"})  # config fields absent from older snapshots and config keys when off
 
 
 def config_from_dict(cls: type, d: Mapping) -> Any:

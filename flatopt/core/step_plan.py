@@ -166,7 +166,7 @@ class StepPlan:
         self.gpu_all = gpu_items
         if cpu_entries:  # (grouped by t: only the differences between the slots' t matter, see run())
             self.cpu = cpu_plan.StaticPlan(opt, cpu_entries, self.chunk)
-        spec = type(opt).multi_tensor
+        spec = opt.multi_tensor
         by_class: dict = {}
         for i in gpu_items:
             p = params[i]

@@ -35,6 +35,17 @@ map) and ``multi_tensor`` (three per dtype group), and its state has an unsaved 
 the kernels' partials).  See ``flatopt/lamb.py`` and ``flatopt/mars.py``.  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
 whether any flag set has one.
 
+**Cautious.**  A config deriving from :class:`Cautious` has the keyword-only field ``cautious`` (a bool, False by
+default, checked before the config's own checks); its definition gains the flag ``cautious`` as its last (the
+other flag sets keep their numbers, programs and kernels), and its step marks its update direction once::
+
+    p = p + e.cautious(u, g) * s.neg_lr         # u when the flag is off (no instruction)
+
+With the flag on, ``e.cautious`` (``trace.Intrinsics.cautious``) masks u where u·g ≤ 0 and scales it by
+numel/(count + 1) (both sums over the tensor), so those flag sets are reduce-then-map programs and
+``run.configure`` binds the optimizer to their forms (``run.bind_reduce``).  ``plain_flag_sets()`` lists the flag
+sets without a sum.
+
 From it (all cached per flag set): the instruction list (``trace``), the NumPy/CuPy path (``lower_numpy``), the C
 pass (``emit_c``, compiled by ``core/native.py``) and the CUDA kernels (``emit_cuda``, loaded by
 ``core/kernels.py``).  ``update``, ``kernel_update`` and ``multi`` are what the optimizer class binds.
@@ -42,6 +53,7 @@ pass (``emit_c``, compiled by ``core/native.py``) and the CUDA kernels (``emit_c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -53,12 +65,44 @@ from . import reduce, trace as tr
 REGISTRY: dict[str, "Definition"] = {}  # filled as the algorithm modules are imported
 
 
+@dataclasses.dataclass(frozen=True)
+class Cautious:
+    """The config base of an elementwise algorithm whose step marks its update direction with ``e.cautious``: the
+    keyword-only field ``cautious`` (a bool, default False; a snapshot's config without it reads False), checked
+    before the subclass's own ``__post_init__``; the definition then gains the flag ``cautious`` (its last)."""
+
+    cautious: bool = dataclasses.field(default=False, kw_only=True)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        own = cls.__dict__.get("__post_init__")
+        if own is None or getattr(own, "checks_cautious", False):
+            return
+
+        def __post_init__(self: Any) -> None:
+            _check_cautious(self)
+            own(self)
+
+        __post_init__.checks_cautious = True  # type: ignore[attr-defined]
+        cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
+
+    def __post_init__(self) -> None:
+        _check_cautious(self)
+
+
+def _check_cautious(cfg: Any) -> None:
+    if not isinstance(cfg.cautious, bool):
+        raise TypeError(f"{type(cfg).__name__.removesuffix('Config')}: cautious must be a bool, got {cfg.cautious!r}")
+
+
 class Definition:
     def __init__(self, name: str, step: Callable, *, scalars: Callable, flags: Callable, flag_names: tuple,
                  slots: tuple, example: Any, valid: Callable[[dict], bool] | None = None, host: tuple = (),
                  register: bool = True):
         self.name, self.step_fn, self.scalars_fn, self.flags_fn = name, step, scalars, flags
-        self.flag_names, self.slots, self.example = tuple(flag_names), tuple(slots), example
+        self.cautious = isinstance(example, Cautious)  # the flag ``cautious`` (last): the step calls e.cautious
+        self.flag_names = tuple(flag_names) + (("cautious",) if self.cautious else ())
+        self.slots, self.example = tuple(slots), example
         params = list(inspect.signature(step).parameters)
         self.arrays = tuple(params[1:3]) + self.slots  # p, g, then the slots
         if tuple(params[3:3 + len(self.slots)]) != self.slots:
@@ -96,6 +140,10 @@ class Definition:
         """Flag set ``fs``'s program cut at its sums (``reduce.split``), or None when it has no sum."""
         return reduce.split(self.program_at(fs), self.arrays, self.scalar_names)
 
+    def plain_flag_sets(self) -> list[dict]:
+        """The flag sets without a sum (elementwise: one C loop and one pair of CUDA kernels each)."""
+        return [f for f in self.flag_sets() if self.split_at(self.index(f)) is None]
+
     def has_sums(self) -> bool:
         """Whether some flag set sums over the tensor (the optimizer is then not elementwise)."""
         return any(self.split_at(self.index(f)) is not None for f in self.flag_sets())
@@ -109,6 +157,8 @@ class Definition:
     @functools.lru_cache(maxsize=256)  # noqa: B019
     def _flags_of(self, cfg: Any, t: int, host: tuple) -> int:
         f = self.flags_fn(cfg, t, *host)
+        if self.cautious:
+            f = {**f, "cautious": cfg.cautious}
         if tuple(f) != self.flag_names:
             raise ValueError(f"{self.name}.flags returned {tuple(f)}, declared {self.flag_names}")
         return self.index(f)

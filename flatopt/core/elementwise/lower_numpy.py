@@ -170,6 +170,8 @@ class Runner:
             a = [ref(x) for x in args]
             if op == "signmul":
                 body.append(f"signed_mul(xp, {a[0]}, {a[1]}, {ref(dst)}, {a[2]})")
+            elif op == "cast" and args[0][0] == "bool":  # a comparison's 1/0 in the dtype (no ufunc takes bool)
+                body.append(f"copyto({ref(dst)}, {a[0]})")
             elif op == "where":  # out = b, then a where c (out is never a's buffer: allocate bans it)
                 if dst != args[2]:
                     body.append(f"copyto({ref(dst)}, {a[2]})")

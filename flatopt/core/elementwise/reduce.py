@@ -185,14 +185,25 @@ def fold_values(xp: Any, fold: tr.Program, sums: dict, sc: dict, dt: Any) -> dic
 
 
 # --------------------------------------------------------------------------------------------- NumPy phases
-@functools.lru_cache(maxsize=None)
 def runners(d: Any, fs: int, xp: Any) -> tuple:
     """(reduce runner, map runner, scratch buffers, boolean buffers) of flag set ``fs`` on ``xp``."""
-    sp = d.split_at(fs)
-    rp, mp = lower_numpy.allocate(sp.reduce), lower_numpy.allocate(sp.map)
-    r = lower_numpy.Runner(rp, xp, tuple(d.arrays) + sp.sums)
-    m = lower_numpy.Runner(mp, xp, tuple(d.arrays))
-    return r, m, max(rp.scratch, mp.scratch), max(rp.bools, mp.bools)
+    return _runners(d, xp)[fs]
+
+
+@functools.lru_cache(maxsize=None)
+def _runners(d: Any, xp: Any) -> dict:
+    """``runners`` of every flag set with a sum, made at once and with the largest buffer counts among them: a flag
+    set that changes with t (RAdam's rectification) then compiles and allocates nothing on its first step."""
+    plans = {}
+    for f in d.flag_sets():
+        fs = d.index(f)
+        sp = d.split_at(fs)
+        if sp is not None:
+            plans[fs] = (sp, lower_numpy.allocate(sp.reduce), lower_numpy.allocate(sp.map))
+    nscr = max(max(rp.scratch, mp.scratch) for _, rp, mp in plans.values())
+    nbool = max(max(rp.bools, mp.bools) for _, rp, mp in plans.values())
+    return {fs: (lower_numpy.Runner(rp, xp, tuple(d.arrays) + sp.sums), lower_numpy.Runner(mp, xp, tuple(d.arrays)),
+                 nscr, nbool) for fs, (sp, rp, mp) in plans.items()}
 
 
 def _bools(k: int, n: int) -> list:
@@ -202,7 +213,7 @@ def _bools(k: int, n: int) -> list:
 
 def work(st: Any, size: int, dtype: Any, xp: Any = np) -> Any:
     """The state's unsaved ``work`` area of ``size`` elements (zero-filled when made)."""
-    w = st.work
+    w = getattr(st, "work", None)  # a field of the state, or an attribute set here (an unsaved one either way)
     if w is None or w.size != size or w.dtype != dtype:
         w = st.work = xp.zeros(size, dtype)
     return w

@@ -75,8 +75,9 @@ def _prepared(d: Definition, cfg: Any, t: int, lr: float, dtype: Any, xp: Any, s
 
 
 def scratch_needed(d: Definition) -> int:
-    """The float scratch buffers the NumPy path needs (the largest over the flag sets)."""
-    return max(plan(d, d.index(f)).scratch for f in d.flag_sets())
+    """The float scratch buffers the NumPy path needs (the largest over the flag sets without a sum: the chunked
+    elementwise path's; over all of them when every flag set sums)."""
+    return max(plan(d, d.index(f)).scratch for f in d.plain_flag_sets() or d.flag_sets())
 
 
 def numpy_update(d: Definition, xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float,
@@ -301,3 +302,31 @@ def _multi(d: Definition, cfg: Any, t: int, fs: int, hv: tuple = (), part: str |
     prog = d.program_at(fs) if part is None else getattr(d.split_at(fs), part)
     doubles, plain = emit.multi_params(d, prog, shape)
     return doubles, plain, dict(numbers)
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_bound(d: Definition) -> dict:
+    return bind_reduce(d)
+
+
+def configure(opt: Any, d: Definition) -> None:
+    """Bind an optimizer built on ``d`` to its configuration: with ``cautious`` on, the step sums over each tensor
+    (the mask's count), so the optimizer is not elementwise and runs the reduce-then-map forms of ``d``
+    (``bind_reduce``: whole tensors, NumPy phases and rows); otherwise nothing changes.  Decided at construction:
+    ``load_state_dict`` keeps the object's ``cautious`` (``core/driver.py``)."""
+    if not getattr(opt.config, "cautious", False):
+        return
+    b = _reduce_bound(d)
+    update, kernel = b["update_fn"], b.get("kernel_fn")
+    opt.elementwise = False
+    opt.scratch_buffers = 0  # the whole-tensor forms keep their work area in the state
+    opt.multi_tensor = b.get("multi_tensor")
+    opt.np_phases_fn, opt.np_rows_fn = b["np_phases_fn"], b["np_rows_fn"]
+
+    def update_hook(xp: Any, st: Any, p: Any, g: Any, *, t: int, lr: float, scratch: list) -> None:
+        update(xp, opt.config, st, p, g, t=t, lr=lr, scratch=scratch)
+
+    def kernel_hook(st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
+        return kernel is not None and kernel(opt.config, st, p, g, t=t, lr=lr)
+
+    opt.hooks = opt.hooks.replace(update=update_hook, kernel_update=kernel_hook)

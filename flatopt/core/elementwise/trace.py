@@ -102,8 +102,8 @@ class Intrinsics:
     """``e``: the operations a step may use besides + - * / and the comparisons; each has NumPy's semantics
     (``maximum``/``minimum`` propagate a NaN, ``sign`` of ±0 is 0 and of a NaN the NaN)."""
 
-    def __init__(self, t: "_Tracer"):
-        self._t = t
+    def __init__(self, t: "_Tracer", flags: dict | None = None):
+        self._t, self._flags = t, flags or {}
 
     def _u(self, op: str, x: Any) -> Sym:
         return self._t.emit(op, (self._t.lift(x),))
@@ -145,6 +145,29 @@ class Intrinsics:
         """``sum(x * x)``: the sum of squares of ``x``."""
         x = self._t.lift(x)
         return self.sum(x * x)
+
+    def cautious(self, u: Any, g: Any) -> Any:
+        """The update direction ``u`` (the step subtracts lr·u), masked where it disagrees in sign with ``g`` and
+        rescaled, when the definition's flag ``cautious`` is set (Liang et al. 2024, as pytorch-optimizer 4.1.0's
+        ``apply_cautious``); else ``u`` itself (no instruction)::
+
+            mask = cast(u·g > 0);   count = Σ mask;   numel = count + Σ (1 − mask)
+            u·(mask·((1 / (count + 1))·numel))
+
+        numel: the element count as sums in the dtype (the blocked sums of the reduce stage, so that every path
+        derives it alike; exact up to 2^24 elements in float32, beyond that within a rounding of float32(numel));
+        ``1 / x · numel`` is torch's ``numel / x`` (``Tensor.__rtruediv__``: a reciprocal, then a product).  The mask
+        is a cast of the comparison, not a select: the C loops stay branch-free and vectorise."""
+        if "cautious" not in self._flags:
+            raise TypeError(f"{self._t.algo}.step: e.cautious needs the flag 'cautious' (a config deriving from "
+                            f"core.elementwise.define.Cautious)")
+        if not self._flags["cautious"]:
+            return u
+        u, g = self._t.lift(u), self._t.lift(g)
+        mask = self.cast(u * g > 0)
+        count = self.sum(mask)
+        scale = (1 / (count + 1)) * (count + self.sum(1 - mask))
+        return u * (mask * scale)
 
 
 class _Tracer:
@@ -197,7 +220,7 @@ def trace(algo: str, step: Callable, arrays: tuple, scalar_names: tuple, flags: 
     t = _Tracer(algo, step)
     ins = {a: Sym(t, ("in", a)) for a in arrays}
     s = _Named("scalar", {k: Sym(t, ("s", k)) for k in scalar_names})
-    out = step(Intrinsics(t), *ins.values(), s=s, f=_Named("flag", dict(flags)))
+    out = step(Intrinsics(t, flags), *ins.values(), s=s, f=_Named("flag", dict(flags)))
     if not isinstance(out, dict):
         raise TypeError(f"{algo}.step must return a dict of the arrays it writes")
     outputs = []

@@ -14,7 +14,7 @@
 #define CLONES
 #endif
 
-/* ---- adam: adam.py `step` (flags: wd, ams) */
+/* ---- adam: adam.py `step` (flags: wd, ams, cautious) */
 struct adam_scalars {
     double wd;
     double omb1;
@@ -23,6 +23,7 @@ struct adam_scalars {
     double bc2_sqrt;
     double eps;
     double neg_step;
+    double fold0;
 };
 
 CLONES static void adam_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct adam_scalars *s) {
@@ -269,6 +270,486 @@ CLONES static void adam_f3_double(double *restrict p, const double *restrict g, 
     }
 }
 
+CLONES static void adam_f4_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = sqrtf(t6);
+            const float t8 = t7 / bc2_sqrt;
+            const float t9 = t8 + eps;
+            const float t10 = t2 / t9;
+            const float t11 = t10 * g_i;
+            const int t12 = t11 > ((float)0x0.0p+0);
+            const float t13 = (float)t12;
+            const float t14 = ((float)0x1.0000000000000p+0) - t13;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t13) : acc0[j] + (float)(t13);
+            acc1[j] = fresh ? (float)(t14) : acc1[j] + (float)(t14);
+        }
+    }
+}
+
+CLONES static void adam_f4_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct adam_scalars *s) {
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = sqrtf(v_i);
+        const float t1 = t0 / bc2_sqrt;
+        const float t2 = t1 + eps;
+        const float t3 = m_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = t8 * neg_step;
+        const float t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void adam_f4_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = sqrt(t6);
+            const double t8 = t7 / bc2_sqrt;
+            const double t9 = t8 + eps;
+            const double t10 = t2 / t9;
+            const double t11 = t10 * g_i;
+            const int t12 = t11 > ((double)0x0.0p+0);
+            const double t13 = (double)t12;
+            const double t14 = ((double)0x1.0000000000000p+0) - t13;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t13) : acc0[j] + (double)(t13);
+            acc1[j] = fresh ? (double)(t14) : acc1[j] + (double)(t14);
+        }
+    }
+}
+
+CLONES static void adam_f4_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct adam_scalars *s) {
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = sqrt(v_i);
+        const double t1 = t0 / bc2_sqrt;
+        const double t2 = t1 + eps;
+        const double t3 = m_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = t8 * neg_step;
+        const double t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void adam_f5_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = p_i * wd;
+            const float t1 = g_i + t0;
+            const float t2 = t1 - m_i;
+            const float t3 = t2 * omb1;
+            const float t4 = m_i + t3;
+            const float t5 = v_i * b2;
+            const float t6 = t1 * omb2;
+            const float t7 = t6 * t1;
+            const float t8 = t5 + t7;
+            const float t9 = sqrtf(t8);
+            const float t10 = t9 / bc2_sqrt;
+            const float t11 = t10 + eps;
+            const float t12 = t4 / t11;
+            const float t13 = t12 * t1;
+            const int t14 = t13 > ((float)0x0.0p+0);
+            const float t15 = (float)t14;
+            const float t16 = ((float)0x1.0000000000000p+0) - t15;
+            m[i] = t4;
+            v[i] = t8;
+            acc0[j] = fresh ? (float)(t15) : acc0[j] + (float)(t15);
+            acc1[j] = fresh ? (float)(t16) : acc1[j] + (float)(t16);
+        }
+    }
+}
+
+CLONES static void adam_f5_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct adam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = sqrtf(v_i);
+        const float t3 = t2 / bc2_sqrt;
+        const float t4 = t3 + eps;
+        const float t5 = m_i / t4;
+        const float t6 = t5 * t1;
+        const int t7 = t6 > ((float)0x0.0p+0);
+        const float t8 = (float)t7;
+        const float t9 = t8 * fold0;
+        const float t10 = t5 * t9;
+        const float t11 = t10 * neg_step;
+        const float t12 = p_i + t11;
+        p[i] = t12;
+    }
+}
+
+CLONES static void adam_f5_double_columns(const double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = p_i * wd;
+            const double t1 = g_i + t0;
+            const double t2 = t1 - m_i;
+            const double t3 = t2 * omb1;
+            const double t4 = m_i + t3;
+            const double t5 = v_i * b2;
+            const double t6 = t1 * omb2;
+            const double t7 = t6 * t1;
+            const double t8 = t5 + t7;
+            const double t9 = sqrt(t8);
+            const double t10 = t9 / bc2_sqrt;
+            const double t11 = t10 + eps;
+            const double t12 = t4 / t11;
+            const double t13 = t12 * t1;
+            const int t14 = t13 > ((double)0x0.0p+0);
+            const double t15 = (double)t14;
+            const double t16 = ((double)0x1.0000000000000p+0) - t15;
+            m[i] = t4;
+            v[i] = t8;
+            acc0[j] = fresh ? (double)(t15) : acc0[j] + (double)(t15);
+            acc1[j] = fresh ? (double)(t16) : acc1[j] + (double)(t16);
+        }
+    }
+}
+
+CLONES static void adam_f5_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct adam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = sqrt(v_i);
+        const double t3 = t2 / bc2_sqrt;
+        const double t4 = t3 + eps;
+        const double t5 = m_i / t4;
+        const double t6 = t5 * t1;
+        const int t7 = t6 > ((double)0x0.0p+0);
+        const double t8 = (double)t7;
+        const double t9 = t8 * fold0;
+        const double t10 = t5 * t9;
+        const double t11 = t10 * neg_step;
+        const double t12 = p_i + t11;
+        p[i] = t12;
+    }
+}
+
+CLONES static void adam_f6_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict vmax, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i], vmax_i = vmax[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+            const float t8 = sqrtf(t7);
+            const float t9 = t8 / bc2_sqrt;
+            const float t10 = t9 + eps;
+            const float t11 = t2 / t10;
+            const float t12 = t11 * g_i;
+            const int t13 = t12 > ((float)0x0.0p+0);
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            vmax[i] = t7;
+            acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
+            acc1[j] = fresh ? (float)(t15) : acc1[j] + (float)(t15);
+        }
+    }
+}
+
+CLONES static void adam_f6_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict vmax, int64_t n, const struct adam_scalars *s) {
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], vmax_i = vmax[i];
+        const float t0 = sqrtf(vmax_i);
+        const float t1 = t0 / bc2_sqrt;
+        const float t2 = t1 + eps;
+        const float t3 = m_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = t8 * neg_step;
+        const float t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void adam_f6_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict vmax, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i], vmax_i = vmax[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+            const double t8 = sqrt(t7);
+            const double t9 = t8 / bc2_sqrt;
+            const double t10 = t9 + eps;
+            const double t11 = t2 / t10;
+            const double t12 = t11 * g_i;
+            const int t13 = t12 > ((double)0x0.0p+0);
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            vmax[i] = t7;
+            acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
+            acc1[j] = fresh ? (double)(t15) : acc1[j] + (double)(t15);
+        }
+    }
+}
+
+CLONES static void adam_f6_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict vmax, int64_t n, const struct adam_scalars *s) {
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], vmax_i = vmax[i];
+        const double t0 = sqrt(vmax_i);
+        const double t1 = t0 / bc2_sqrt;
+        const double t2 = t1 + eps;
+        const double t3 = m_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = t8 * neg_step;
+        const double t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void adam_f7_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict vmax, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], vmax_i = vmax[i];
+            const float t0 = p_i * wd;
+            const float t1 = g_i + t0;
+            const float t2 = t1 - m_i;
+            const float t3 = t2 * omb1;
+            const float t4 = m_i + t3;
+            const float t5 = v_i * b2;
+            const float t6 = t1 * omb2;
+            const float t7 = t6 * t1;
+            const float t8 = t5 + t7;
+            const float t9 = ((vmax_i >= t8 || vmax_i != vmax_i) ? vmax_i : t8);
+            const float t10 = sqrtf(t9);
+            const float t11 = t10 / bc2_sqrt;
+            const float t12 = t11 + eps;
+            const float t13 = t4 / t12;
+            const float t14 = t13 * t1;
+            const int t15 = t14 > ((float)0x0.0p+0);
+            const float t16 = (float)t15;
+            const float t17 = ((float)0x1.0000000000000p+0) - t16;
+            m[i] = t4;
+            v[i] = t8;
+            vmax[i] = t9;
+            acc0[j] = fresh ? (float)(t16) : acc0[j] + (float)(t16);
+            acc1[j] = fresh ? (float)(t17) : acc1[j] + (float)(t17);
+        }
+    }
+}
+
+CLONES static void adam_f7_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict vmax, int64_t n, const struct adam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], vmax_i = vmax[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = sqrtf(vmax_i);
+        const float t3 = t2 / bc2_sqrt;
+        const float t4 = t3 + eps;
+        const float t5 = m_i / t4;
+        const float t6 = t5 * t1;
+        const int t7 = t6 > ((float)0x0.0p+0);
+        const float t8 = (float)t7;
+        const float t9 = t8 * fold0;
+        const float t10 = t5 * t9;
+        const float t11 = t10 * neg_step;
+        const float t12 = p_i + t11;
+        p[i] = t12;
+    }
+}
+
+CLONES static void adam_f7_double_columns(const double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict vmax, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], vmax_i = vmax[i];
+            const double t0 = p_i * wd;
+            const double t1 = g_i + t0;
+            const double t2 = t1 - m_i;
+            const double t3 = t2 * omb1;
+            const double t4 = m_i + t3;
+            const double t5 = v_i * b2;
+            const double t6 = t1 * omb2;
+            const double t7 = t6 * t1;
+            const double t8 = t5 + t7;
+            const double t9 = ((vmax_i >= t8 || vmax_i != vmax_i) ? vmax_i : t8);
+            const double t10 = sqrt(t9);
+            const double t11 = t10 / bc2_sqrt;
+            const double t12 = t11 + eps;
+            const double t13 = t4 / t12;
+            const double t14 = t13 * t1;
+            const int t15 = t14 > ((double)0x0.0p+0);
+            const double t16 = (double)t15;
+            const double t17 = ((double)0x1.0000000000000p+0) - t16;
+            m[i] = t4;
+            v[i] = t8;
+            vmax[i] = t9;
+            acc0[j] = fresh ? (double)(t16) : acc0[j] + (double)(t16);
+            acc1[j] = fresh ? (double)(t17) : acc1[j] + (double)(t17);
+        }
+    }
+}
+
+CLONES static void adam_f7_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict vmax, int64_t n, const struct adam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], vmax_i = vmax[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = sqrt(vmax_i);
+        const double t3 = t2 / bc2_sqrt;
+        const double t4 = t3 + eps;
+        const double t5 = m_i / t4;
+        const double t6 = t5 * t1;
+        const int t7 = t6 > ((double)0x0.0p+0);
+        const double t8 = (double)t7;
+        const double t9 = t8 * fold0;
+        const double t10 = t5 * t9;
+        const double t11 = t10 * neg_step;
+        const double t12 = p_i + t11;
+        p[i] = t12;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_adam(int dt, int fs, void *const *a, int64_t n, const struct adam_scalars *s) {
     switch (2 * fs + dt) {
     case 0: adam_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
@@ -283,7 +764,35 @@ __attribute__((visibility("default"))) int flatopt_gen_adam(int dt, int fs, void
     }
 }
 
-/* ---- adamw: adam.py `step` (flags: wd, ams) */
+__attribute__((visibility("default"))) int flatopt_gen_adam_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct adam_scalars *s) {
+    switch (2 * fs + dt) {
+    case 8: adam_f4_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 9: adam_f4_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 10: adam_f5_float_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 11: adam_f5_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 12: adam_f6_float_columns(a[1], a[2], a[3], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 13: adam_f6_double_columns(a[1], a[2], a[3], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 14: adam_f7_float_columns(a[0], a[1], a[2], a[3], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 15: adam_f7_double_columns(a[0], a[1], a[2], a[3], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_adam_map(int dt, int fs, void *const *a, int64_t n, const struct adam_scalars *s) {
+    switch (2 * fs + dt) {
+    case 8: adam_f4_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 9: adam_f4_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 10: adam_f5_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 11: adam_f5_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 12: adam_f6_float_map(a[0], a[1], a[2], a[4], n, s); return 0;
+    case 13: adam_f6_double_map(a[0], a[1], a[2], a[4], n, s); return 0;
+    case 14: adam_f7_float_map(a[0], a[1], a[2], a[4], n, s); return 0;
+    case 15: adam_f7_double_map(a[0], a[1], a[2], a[4], n, s); return 0;
+    default: return -1;
+    }
+}
+
+/* ---- adamw: adam.py `step` (flags: wd, ams, cautious) */
 struct adamw_scalars {
     double decay;
     double omb1;
@@ -292,6 +801,7 @@ struct adamw_scalars {
     double bc2_sqrt;
     double eps;
     double neg_step;
+    double fold0;
 };
 
 CLONES static void adamw_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct adamw_scalars *s) {
@@ -534,6 +1044,470 @@ CLONES static void adamw_f3_double(double *restrict p, const double *restrict g,
     }
 }
 
+CLONES static void adamw_f4_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = sqrtf(t6);
+            const float t8 = t7 / bc2_sqrt;
+            const float t9 = t8 + eps;
+            const float t10 = t2 / t9;
+            const float t11 = t10 * g_i;
+            const int t12 = t11 > ((float)0x0.0p+0);
+            const float t13 = (float)t12;
+            const float t14 = ((float)0x1.0000000000000p+0) - t13;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t13) : acc0[j] + (float)(t13);
+            acc1[j] = fresh ? (float)(t14) : acc1[j] + (float)(t14);
+        }
+    }
+}
+
+CLONES static void adamw_f4_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct adamw_scalars *s) {
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = sqrtf(v_i);
+        const float t1 = t0 / bc2_sqrt;
+        const float t2 = t1 + eps;
+        const float t3 = m_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = t8 * neg_step;
+        const float t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void adamw_f4_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = sqrt(t6);
+            const double t8 = t7 / bc2_sqrt;
+            const double t9 = t8 + eps;
+            const double t10 = t2 / t9;
+            const double t11 = t10 * g_i;
+            const int t12 = t11 > ((double)0x0.0p+0);
+            const double t13 = (double)t12;
+            const double t14 = ((double)0x1.0000000000000p+0) - t13;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t13) : acc0[j] + (double)(t13);
+            acc1[j] = fresh ? (double)(t14) : acc1[j] + (double)(t14);
+        }
+    }
+}
+
+CLONES static void adamw_f4_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct adamw_scalars *s) {
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = sqrt(v_i);
+        const double t1 = t0 / bc2_sqrt;
+        const double t2 = t1 + eps;
+        const double t3 = m_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = t8 * neg_step;
+        const double t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void adamw_f5_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = sqrtf(t6);
+            const float t8 = t7 / bc2_sqrt;
+            const float t9 = t8 + eps;
+            const float t10 = t2 / t9;
+            const float t11 = t10 * g_i;
+            const int t12 = t11 > ((float)0x0.0p+0);
+            const float t13 = (float)t12;
+            const float t14 = ((float)0x1.0000000000000p+0) - t13;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t13) : acc0[j] + (float)(t13);
+            acc1[j] = fresh ? (float)(t14) : acc1[j] + (float)(t14);
+        }
+    }
+}
+
+CLONES static void adamw_f5_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct adamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = sqrtf(v_i);
+        const float t2 = t1 / bc2_sqrt;
+        const float t3 = t2 + eps;
+        const float t4 = m_i / t3;
+        const float t5 = t4 * g_i;
+        const int t6 = t5 > ((float)0x0.0p+0);
+        const float t7 = (float)t6;
+        const float t8 = t7 * fold0;
+        const float t9 = t4 * t8;
+        const float t10 = t9 * neg_step;
+        const float t11 = t0 + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void adamw_f5_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = sqrt(t6);
+            const double t8 = t7 / bc2_sqrt;
+            const double t9 = t8 + eps;
+            const double t10 = t2 / t9;
+            const double t11 = t10 * g_i;
+            const int t12 = t11 > ((double)0x0.0p+0);
+            const double t13 = (double)t12;
+            const double t14 = ((double)0x1.0000000000000p+0) - t13;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t13) : acc0[j] + (double)(t13);
+            acc1[j] = fresh ? (double)(t14) : acc1[j] + (double)(t14);
+        }
+    }
+}
+
+CLONES static void adamw_f5_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct adamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = sqrt(v_i);
+        const double t2 = t1 / bc2_sqrt;
+        const double t3 = t2 + eps;
+        const double t4 = m_i / t3;
+        const double t5 = t4 * g_i;
+        const int t6 = t5 > ((double)0x0.0p+0);
+        const double t7 = (double)t6;
+        const double t8 = t7 * fold0;
+        const double t9 = t4 * t8;
+        const double t10 = t9 * neg_step;
+        const double t11 = t0 + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void adamw_f6_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict vmax, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i], vmax_i = vmax[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+            const float t8 = sqrtf(t7);
+            const float t9 = t8 / bc2_sqrt;
+            const float t10 = t9 + eps;
+            const float t11 = t2 / t10;
+            const float t12 = t11 * g_i;
+            const int t13 = t12 > ((float)0x0.0p+0);
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            vmax[i] = t7;
+            acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
+            acc1[j] = fresh ? (float)(t15) : acc1[j] + (float)(t15);
+        }
+    }
+}
+
+CLONES static void adamw_f6_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict vmax, int64_t n, const struct adamw_scalars *s) {
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], vmax_i = vmax[i];
+        const float t0 = sqrtf(vmax_i);
+        const float t1 = t0 / bc2_sqrt;
+        const float t2 = t1 + eps;
+        const float t3 = m_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = t8 * neg_step;
+        const float t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void adamw_f6_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict vmax, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i], vmax_i = vmax[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+            const double t8 = sqrt(t7);
+            const double t9 = t8 / bc2_sqrt;
+            const double t10 = t9 + eps;
+            const double t11 = t2 / t10;
+            const double t12 = t11 * g_i;
+            const int t13 = t12 > ((double)0x0.0p+0);
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            vmax[i] = t7;
+            acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
+            acc1[j] = fresh ? (double)(t15) : acc1[j] + (double)(t15);
+        }
+    }
+}
+
+CLONES static void adamw_f6_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict vmax, int64_t n, const struct adamw_scalars *s) {
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], vmax_i = vmax[i];
+        const double t0 = sqrt(vmax_i);
+        const double t1 = t0 / bc2_sqrt;
+        const double t2 = t1 + eps;
+        const double t3 = m_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = t8 * neg_step;
+        const double t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void adamw_f7_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict vmax, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i], vmax_i = vmax[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+            const float t8 = sqrtf(t7);
+            const float t9 = t8 / bc2_sqrt;
+            const float t10 = t9 + eps;
+            const float t11 = t2 / t10;
+            const float t12 = t11 * g_i;
+            const int t13 = t12 > ((float)0x0.0p+0);
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            vmax[i] = t7;
+            acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
+            acc1[j] = fresh ? (float)(t15) : acc1[j] + (float)(t15);
+        }
+    }
+}
+
+CLONES static void adamw_f7_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict vmax, int64_t n, const struct adamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], vmax_i = vmax[i];
+        const float t0 = p_i * decay;
+        const float t1 = sqrtf(vmax_i);
+        const float t2 = t1 / bc2_sqrt;
+        const float t3 = t2 + eps;
+        const float t4 = m_i / t3;
+        const float t5 = t4 * g_i;
+        const int t6 = t5 > ((float)0x0.0p+0);
+        const float t7 = (float)t6;
+        const float t8 = t7 * fold0;
+        const float t9 = t4 * t8;
+        const float t10 = t9 * neg_step;
+        const float t11 = t0 + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void adamw_f7_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict vmax, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i], vmax_i = vmax[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+            const double t8 = sqrt(t7);
+            const double t9 = t8 / bc2_sqrt;
+            const double t10 = t9 + eps;
+            const double t11 = t2 / t10;
+            const double t12 = t11 * g_i;
+            const int t13 = t12 > ((double)0x0.0p+0);
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            vmax[i] = t7;
+            acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
+            acc1[j] = fresh ? (double)(t15) : acc1[j] + (double)(t15);
+        }
+    }
+}
+
+CLONES static void adamw_f7_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict vmax, int64_t n, const struct adamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], vmax_i = vmax[i];
+        const double t0 = p_i * decay;
+        const double t1 = sqrt(vmax_i);
+        const double t2 = t1 / bc2_sqrt;
+        const double t3 = t2 + eps;
+        const double t4 = m_i / t3;
+        const double t5 = t4 * g_i;
+        const int t6 = t5 > ((double)0x0.0p+0);
+        const double t7 = (double)t6;
+        const double t8 = t7 * fold0;
+        const double t9 = t4 * t8;
+        const double t10 = t9 * neg_step;
+        const double t11 = t0 + t10;
+        p[i] = t11;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_adamw(int dt, int fs, void *const *a, int64_t n, const struct adamw_scalars *s) {
     switch (2 * fs + dt) {
     case 0: adamw_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
@@ -544,6 +1518,34 @@ __attribute__((visibility("default"))) int flatopt_gen_adamw(int dt, int fs, voi
     case 5: adamw_f2_double(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
     case 6: adamw_f3_float(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
     case 7: adamw_f3_double(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_adamw_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct adamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 8: adamw_f4_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 9: adamw_f4_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 10: adamw_f5_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 11: adamw_f5_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 12: adamw_f6_float_columns(a[1], a[2], a[3], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 13: adamw_f6_double_columns(a[1], a[2], a[3], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 14: adamw_f7_float_columns(a[1], a[2], a[3], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 15: adamw_f7_double_columns(a[1], a[2], a[3], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_adamw_map(int dt, int fs, void *const *a, int64_t n, const struct adamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 8: adamw_f4_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 9: adamw_f4_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 10: adamw_f5_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 11: adamw_f5_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 12: adamw_f6_float_map(a[0], a[1], a[2], a[4], n, s); return 0;
+    case 13: adamw_f6_double_map(a[0], a[1], a[2], a[4], n, s); return 0;
+    case 14: adamw_f7_float_map(a[0], a[1], a[2], a[4], n, s); return 0;
+    case 15: adamw_f7_double_map(a[0], a[1], a[2], a[4], n, s); return 0;
     default: return -1;
     }
 }
@@ -1274,7 +2276,7 @@ __attribute__((visibility("default"))) int flatopt_gen_lamb_map(int dt, int fs, 
     }
 }
 
-/* ---- lion: lion.py `step` (flags: wd) */
+/* ---- lion: lion.py `step` (flags: wd, cautious) */
 struct lion_scalars {
     double decay;
     double b1;
@@ -1282,6 +2284,7 @@ struct lion_scalars {
     double b2;
     double omb2;
     double neg_lr;
+    double fold0;
 };
 
 CLONES static void lion_f0_float(float *restrict p, const float *restrict g, float *restrict m, int64_t n, const struct lion_scalars *s) {
@@ -1376,12 +2379,236 @@ CLONES static void lion_f1_double(double *restrict p, const double *restrict g, 
     }
 }
 
+CLONES static void lion_f2_float_columns(const float *restrict g, const float *restrict m, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct lion_scalars *s) {
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i];
+            const float t0 = m_i * b1;
+            const float t1 = g_i * omb1;
+            const float t2 = t0 + t1;
+            const float t3 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
+            const float t4 = t3 * g_i;
+            const int t5 = t4 > ((float)0x0.0p+0);
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
+            acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
+            acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
+        }
+    }
+}
+
+CLONES static void lion_f2_float_map(float *restrict p, const float *restrict g, float *restrict m, int64_t n, const struct lion_scalars *s) {
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i];
+        const float t0 = m_i * b1;
+        const float t1 = g_i * omb1;
+        const float t2 = t0 + t1;
+        const float t3 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = t8 * neg_lr;
+        const float t10 = p_i + t9;
+        const float t11 = m_i * b2;
+        const float t12 = g_i * omb2;
+        const float t13 = t11 + t12;
+        p[i] = t10;
+        m[i] = t13;
+    }
+}
+
+CLONES static void lion_f2_double_columns(const double *restrict g, const double *restrict m, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct lion_scalars *s) {
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i];
+            const double t0 = m_i * b1;
+            const double t1 = g_i * omb1;
+            const double t2 = t0 + t1;
+            const double t3 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
+            const double t4 = t3 * g_i;
+            const int t5 = t4 > ((double)0x0.0p+0);
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
+            acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
+            acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
+        }
+    }
+}
+
+CLONES static void lion_f2_double_map(double *restrict p, const double *restrict g, double *restrict m, int64_t n, const struct lion_scalars *s) {
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i];
+        const double t0 = m_i * b1;
+        const double t1 = g_i * omb1;
+        const double t2 = t0 + t1;
+        const double t3 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = t8 * neg_lr;
+        const double t10 = p_i + t9;
+        const double t11 = m_i * b2;
+        const double t12 = g_i * omb2;
+        const double t13 = t11 + t12;
+        p[i] = t10;
+        m[i] = t13;
+    }
+}
+
+CLONES static void lion_f3_float_columns(const float *restrict g, const float *restrict m, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct lion_scalars *s) {
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i];
+            const float t0 = m_i * b1;
+            const float t1 = g_i * omb1;
+            const float t2 = t0 + t1;
+            const float t3 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
+            const float t4 = t3 * g_i;
+            const int t5 = t4 > ((float)0x0.0p+0);
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
+            acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
+            acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
+        }
+    }
+}
+
+CLONES static void lion_f3_float_map(float *restrict p, const float *restrict g, float *restrict m, int64_t n, const struct lion_scalars *s) {
+    const float decay = (float)s->decay;
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i];
+        const float t0 = p_i * decay;
+        const float t1 = m_i * b1;
+        const float t2 = g_i * omb1;
+        const float t3 = t1 + t2;
+        const float t4 = (t3 != t3 ? t3 : (float)(t3 > (float)0) - (float)(t3 < (float)0));
+        const float t5 = t4 * g_i;
+        const int t6 = t5 > ((float)0x0.0p+0);
+        const float t7 = (float)t6;
+        const float t8 = t7 * fold0;
+        const float t9 = t4 * t8;
+        const float t10 = t9 * neg_lr;
+        const float t11 = t0 + t10;
+        const float t12 = m_i * b2;
+        const float t13 = g_i * omb2;
+        const float t14 = t12 + t13;
+        p[i] = t11;
+        m[i] = t14;
+    }
+}
+
+CLONES static void lion_f3_double_columns(const double *restrict g, const double *restrict m, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct lion_scalars *s) {
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i];
+            const double t0 = m_i * b1;
+            const double t1 = g_i * omb1;
+            const double t2 = t0 + t1;
+            const double t3 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
+            const double t4 = t3 * g_i;
+            const int t5 = t4 > ((double)0x0.0p+0);
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
+            acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
+            acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
+        }
+    }
+}
+
+CLONES static void lion_f3_double_map(double *restrict p, const double *restrict g, double *restrict m, int64_t n, const struct lion_scalars *s) {
+    const double decay = (double)s->decay;
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i];
+        const double t0 = p_i * decay;
+        const double t1 = m_i * b1;
+        const double t2 = g_i * omb1;
+        const double t3 = t1 + t2;
+        const double t4 = (t3 != t3 ? t3 : (double)(t3 > (double)0) - (double)(t3 < (double)0));
+        const double t5 = t4 * g_i;
+        const int t6 = t5 > ((double)0x0.0p+0);
+        const double t7 = (double)t6;
+        const double t8 = t7 * fold0;
+        const double t9 = t4 * t8;
+        const double t10 = t9 * neg_lr;
+        const double t11 = t0 + t10;
+        const double t12 = m_i * b2;
+        const double t13 = g_i * omb2;
+        const double t14 = t12 + t13;
+        p[i] = t11;
+        m[i] = t14;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_lion(int dt, int fs, void *const *a, int64_t n, const struct lion_scalars *s) {
     switch (2 * fs + dt) {
     case 0: lion_f0_float(a[0], a[1], a[2], n, s); return 0;
     case 1: lion_f0_double(a[0], a[1], a[2], n, s); return 0;
     case 2: lion_f1_float(a[0], a[1], a[2], n, s); return 0;
     case 3: lion_f1_double(a[0], a[1], a[2], n, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_lion_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct lion_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: lion_f2_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 5: lion_f2_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 6: lion_f3_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 7: lion_f3_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_lion_map(int dt, int fs, void *const *a, int64_t n, const struct lion_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: lion_f2_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 5: lion_f2_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 6: lion_f3_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 7: lion_f3_double_map(a[0], a[1], a[2], n, s); return 0;
     default: return -1;
     }
 }
@@ -1773,7 +3000,7 @@ __attribute__((visibility("default"))) int flatopt_gen_mars_map(int dt, int fs, 
     }
 }
 
-/* ---- nadamw: nadamw.py `step` (flags: wd) */
+/* ---- nadamw: nadamw.py `step` (flags: wd, cautious) */
 struct nadamw_scalars {
     double decay;
     double omb1;
@@ -1783,6 +3010,10 @@ struct nadamw_scalars {
     double eps;
     double c_g;
     double c_m;
+    double k_g;
+    double k_m;
+    double neg_lr;
+    double fold0;
 };
 
 CLONES static void nadamw_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct nadamw_scalars *s) {
@@ -1917,6 +3148,282 @@ CLONES static void nadamw_f1_double(double *restrict p, const double *restrict g
     }
 }
 
+CLONES static void nadamw_f2_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct nadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float k_g = (float)s->k_g;
+    const float k_m = (float)s->k_m;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t6 / bc2;
+            const float t8 = sqrtf(t7);
+            const float t9 = t8 + eps;
+            const float t10 = g_i / t9;
+            const float t11 = t10 * k_g;
+            const float t12 = t2 / t9;
+            const float t13 = t12 * k_m;
+            const float t14 = t11 + t13;
+            const float t15 = t14 * g_i;
+            const int t16 = t15 > ((float)0x0.0p+0);
+            const float t17 = (float)t16;
+            const float t18 = ((float)0x1.0000000000000p+0) - t17;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t17) : acc0[j] + (float)(t17);
+            acc1[j] = fresh ? (float)(t18) : acc1[j] + (float)(t18);
+        }
+    }
+}
+
+CLONES static void nadamw_f2_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct nadamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float k_g = (float)s->k_g;
+    const float k_m = (float)s->k_m;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * k_g;
+        const float t5 = m_i / t2;
+        const float t6 = t5 * k_m;
+        const float t7 = t4 + t6;
+        const float t8 = t7 * g_i;
+        const int t9 = t8 > ((float)0x0.0p+0);
+        const float t10 = (float)t9;
+        const float t11 = t10 * fold0;
+        const float t12 = t7 * t11;
+        const float t13 = t12 * neg_lr;
+        const float t14 = p_i + t13;
+        p[i] = t14;
+    }
+}
+
+CLONES static void nadamw_f2_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct nadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double k_g = (double)s->k_g;
+    const double k_m = (double)s->k_m;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t6 / bc2;
+            const double t8 = sqrt(t7);
+            const double t9 = t8 + eps;
+            const double t10 = g_i / t9;
+            const double t11 = t10 * k_g;
+            const double t12 = t2 / t9;
+            const double t13 = t12 * k_m;
+            const double t14 = t11 + t13;
+            const double t15 = t14 * g_i;
+            const int t16 = t15 > ((double)0x0.0p+0);
+            const double t17 = (double)t16;
+            const double t18 = ((double)0x1.0000000000000p+0) - t17;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t17) : acc0[j] + (double)(t17);
+            acc1[j] = fresh ? (double)(t18) : acc1[j] + (double)(t18);
+        }
+    }
+}
+
+CLONES static void nadamw_f2_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct nadamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double k_g = (double)s->k_g;
+    const double k_m = (double)s->k_m;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * k_g;
+        const double t5 = m_i / t2;
+        const double t6 = t5 * k_m;
+        const double t7 = t4 + t6;
+        const double t8 = t7 * g_i;
+        const int t9 = t8 > ((double)0x0.0p+0);
+        const double t10 = (double)t9;
+        const double t11 = t10 * fold0;
+        const double t12 = t7 * t11;
+        const double t13 = t12 * neg_lr;
+        const double t14 = p_i + t13;
+        p[i] = t14;
+    }
+}
+
+CLONES static void nadamw_f3_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct nadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float k_g = (float)s->k_g;
+    const float k_m = (float)s->k_m;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t6 / bc2;
+            const float t8 = sqrtf(t7);
+            const float t9 = t8 + eps;
+            const float t10 = g_i / t9;
+            const float t11 = t10 * k_g;
+            const float t12 = t2 / t9;
+            const float t13 = t12 * k_m;
+            const float t14 = t11 + t13;
+            const float t15 = t14 * g_i;
+            const int t16 = t15 > ((float)0x0.0p+0);
+            const float t17 = (float)t16;
+            const float t18 = ((float)0x1.0000000000000p+0) - t17;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t17) : acc0[j] + (float)(t17);
+            acc1[j] = fresh ? (float)(t18) : acc1[j] + (float)(t18);
+        }
+    }
+}
+
+CLONES static void nadamw_f3_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct nadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float k_g = (float)s->k_g;
+    const float k_m = (float)s->k_m;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = v_i / bc2;
+        const float t2 = sqrtf(t1);
+        const float t3 = t2 + eps;
+        const float t4 = g_i / t3;
+        const float t5 = t4 * k_g;
+        const float t6 = m_i / t3;
+        const float t7 = t6 * k_m;
+        const float t8 = t5 + t7;
+        const float t9 = t8 * g_i;
+        const int t10 = t9 > ((float)0x0.0p+0);
+        const float t11 = (float)t10;
+        const float t12 = t11 * fold0;
+        const float t13 = t8 * t12;
+        const float t14 = t13 * neg_lr;
+        const float t15 = t0 + t14;
+        p[i] = t15;
+    }
+}
+
+CLONES static void nadamw_f3_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct nadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double k_g = (double)s->k_g;
+    const double k_m = (double)s->k_m;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t6 / bc2;
+            const double t8 = sqrt(t7);
+            const double t9 = t8 + eps;
+            const double t10 = g_i / t9;
+            const double t11 = t10 * k_g;
+            const double t12 = t2 / t9;
+            const double t13 = t12 * k_m;
+            const double t14 = t11 + t13;
+            const double t15 = t14 * g_i;
+            const int t16 = t15 > ((double)0x0.0p+0);
+            const double t17 = (double)t16;
+            const double t18 = ((double)0x1.0000000000000p+0) - t17;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t17) : acc0[j] + (double)(t17);
+            acc1[j] = fresh ? (double)(t18) : acc1[j] + (double)(t18);
+        }
+    }
+}
+
+CLONES static void nadamw_f3_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct nadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double k_g = (double)s->k_g;
+    const double k_m = (double)s->k_m;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = v_i / bc2;
+        const double t2 = sqrt(t1);
+        const double t3 = t2 + eps;
+        const double t4 = g_i / t3;
+        const double t5 = t4 * k_g;
+        const double t6 = m_i / t3;
+        const double t7 = t6 * k_m;
+        const double t8 = t5 + t7;
+        const double t9 = t8 * g_i;
+        const int t10 = t9 > ((double)0x0.0p+0);
+        const double t11 = (double)t10;
+        const double t12 = t11 * fold0;
+        const double t13 = t8 * t12;
+        const double t14 = t13 * neg_lr;
+        const double t15 = t0 + t14;
+        p[i] = t15;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_nadamw(int dt, int fs, void *const *a, int64_t n, const struct nadamw_scalars *s) {
     switch (2 * fs + dt) {
     case 0: nadamw_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
@@ -1927,7 +3434,27 @@ __attribute__((visibility("default"))) int flatopt_gen_nadamw(int dt, int fs, vo
     }
 }
 
-/* ---- qhadamw: qhadamw.py `step` (flags: wd, nu1, nu2) */
+__attribute__((visibility("default"))) int flatopt_gen_nadamw_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct nadamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: nadamw_f2_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 5: nadamw_f2_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 6: nadamw_f3_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 7: nadamw_f3_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_nadamw_map(int dt, int fs, void *const *a, int64_t n, const struct nadamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: nadamw_f2_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 5: nadamw_f2_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 6: nadamw_f3_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 7: nadamw_f3_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
+/* ---- qhadamw: qhadamw.py `step` (flags: wd, nu1, nu2, cautious) */
 struct qhadamw_scalars {
     double decay;
     double omb1;
@@ -1939,6 +3466,7 @@ struct qhadamw_scalars {
     double c_gg;
     double eps;
     double neg_lr;
+    double fold0;
 };
 
 CLONES static void qhadamw_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
@@ -2493,6 +4021,1094 @@ CLONES static void qhadamw_f7_double(double *restrict p, const double *restrict 
     }
 }
 
+CLONES static void qhadamw_f8_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 * c_m;
+            const float t8 = t6 * c_v;
+            const float t9 = sqrtf(t8);
+            const float t10 = t9 + eps;
+            const float t11 = t7 / t10;
+            const float t12 = t11 * g_i;
+            const int t13 = t12 > ((float)0x0.0p+0);
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
+            acc1[j] = fresh ? (float)(t15) : acc1[j] + (float)(t15);
+        }
+    }
+}
+
+CLONES static void qhadamw_f8_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = m_i * c_m;
+        const float t1 = v_i * c_v;
+        const float t2 = sqrtf(t1);
+        const float t3 = t2 + eps;
+        const float t4 = t0 / t3;
+        const float t5 = t4 * g_i;
+        const int t6 = t5 > ((float)0x0.0p+0);
+        const float t7 = (float)t6;
+        const float t8 = t7 * fold0;
+        const float t9 = t4 * t8;
+        const float t10 = t9 * neg_lr;
+        const float t11 = p_i + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void qhadamw_f8_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 * c_m;
+            const double t8 = t6 * c_v;
+            const double t9 = sqrt(t8);
+            const double t10 = t9 + eps;
+            const double t11 = t7 / t10;
+            const double t12 = t11 * g_i;
+            const int t13 = t12 > ((double)0x0.0p+0);
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
+            acc1[j] = fresh ? (double)(t15) : acc1[j] + (double)(t15);
+        }
+    }
+}
+
+CLONES static void qhadamw_f8_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = m_i * c_m;
+        const double t1 = v_i * c_v;
+        const double t2 = sqrt(t1);
+        const double t3 = t2 + eps;
+        const double t4 = t0 / t3;
+        const double t5 = t4 * g_i;
+        const int t6 = t5 > ((double)0x0.0p+0);
+        const double t7 = (double)t6;
+        const double t8 = t7 * fold0;
+        const double t9 = t4 * t8;
+        const double t10 = t9 * neg_lr;
+        const double t11 = p_i + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void qhadamw_f9_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 * c_m;
+            const float t8 = t6 * c_v;
+            const float t9 = sqrtf(t8);
+            const float t10 = t9 + eps;
+            const float t11 = t7 / t10;
+            const float t12 = t11 * g_i;
+            const int t13 = t12 > ((float)0x0.0p+0);
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
+            acc1[j] = fresh ? (float)(t15) : acc1[j] + (float)(t15);
+        }
+    }
+}
+
+CLONES static void qhadamw_f9_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = m_i * c_m;
+        const float t2 = v_i * c_v;
+        const float t3 = sqrtf(t2);
+        const float t4 = t3 + eps;
+        const float t5 = t1 / t4;
+        const float t6 = t5 * g_i;
+        const int t7 = t6 > ((float)0x0.0p+0);
+        const float t8 = (float)t7;
+        const float t9 = t8 * fold0;
+        const float t10 = t5 * t9;
+        const float t11 = t10 * neg_lr;
+        const float t12 = t0 + t11;
+        p[i] = t12;
+    }
+}
+
+CLONES static void qhadamw_f9_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 * c_m;
+            const double t8 = t6 * c_v;
+            const double t9 = sqrt(t8);
+            const double t10 = t9 + eps;
+            const double t11 = t7 / t10;
+            const double t12 = t11 * g_i;
+            const int t13 = t12 > ((double)0x0.0p+0);
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
+            acc1[j] = fresh ? (double)(t15) : acc1[j] + (double)(t15);
+        }
+    }
+}
+
+CLONES static void qhadamw_f9_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = m_i * c_m;
+        const double t2 = v_i * c_v;
+        const double t3 = sqrt(t2);
+        const double t4 = t3 + eps;
+        const double t5 = t1 / t4;
+        const double t6 = t5 * g_i;
+        const int t7 = t6 > ((double)0x0.0p+0);
+        const double t8 = (double)t7;
+        const double t9 = t8 * fold0;
+        const double t10 = t5 * t9;
+        const double t11 = t10 * neg_lr;
+        const double t12 = t0 + t11;
+        p[i] = t12;
+    }
+}
+
+CLONES static void qhadamw_f10_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 * c_m;
+            const float t8 = g_i * c_g;
+            const float t9 = t7 + t8;
+            const float t10 = t6 * c_v;
+            const float t11 = sqrtf(t10);
+            const float t12 = t11 + eps;
+            const float t13 = t9 / t12;
+            const float t14 = t13 * g_i;
+            const int t15 = t14 > ((float)0x0.0p+0);
+            const float t16 = (float)t15;
+            const float t17 = ((float)0x1.0000000000000p+0) - t16;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t16) : acc0[j] + (float)(t16);
+            acc1[j] = fresh ? (float)(t17) : acc1[j] + (float)(t17);
+        }
+    }
+}
+
+CLONES static void qhadamw_f10_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = m_i * c_m;
+        const float t1 = g_i * c_g;
+        const float t2 = t0 + t1;
+        const float t3 = v_i * c_v;
+        const float t4 = sqrtf(t3);
+        const float t5 = t4 + eps;
+        const float t6 = t2 / t5;
+        const float t7 = t6 * g_i;
+        const int t8 = t7 > ((float)0x0.0p+0);
+        const float t9 = (float)t8;
+        const float t10 = t9 * fold0;
+        const float t11 = t6 * t10;
+        const float t12 = t11 * neg_lr;
+        const float t13 = p_i + t12;
+        p[i] = t13;
+    }
+}
+
+CLONES static void qhadamw_f10_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 * c_m;
+            const double t8 = g_i * c_g;
+            const double t9 = t7 + t8;
+            const double t10 = t6 * c_v;
+            const double t11 = sqrt(t10);
+            const double t12 = t11 + eps;
+            const double t13 = t9 / t12;
+            const double t14 = t13 * g_i;
+            const int t15 = t14 > ((double)0x0.0p+0);
+            const double t16 = (double)t15;
+            const double t17 = ((double)0x1.0000000000000p+0) - t16;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t16) : acc0[j] + (double)(t16);
+            acc1[j] = fresh ? (double)(t17) : acc1[j] + (double)(t17);
+        }
+    }
+}
+
+CLONES static void qhadamw_f10_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = m_i * c_m;
+        const double t1 = g_i * c_g;
+        const double t2 = t0 + t1;
+        const double t3 = v_i * c_v;
+        const double t4 = sqrt(t3);
+        const double t5 = t4 + eps;
+        const double t6 = t2 / t5;
+        const double t7 = t6 * g_i;
+        const int t8 = t7 > ((double)0x0.0p+0);
+        const double t9 = (double)t8;
+        const double t10 = t9 * fold0;
+        const double t11 = t6 * t10;
+        const double t12 = t11 * neg_lr;
+        const double t13 = p_i + t12;
+        p[i] = t13;
+    }
+}
+
+CLONES static void qhadamw_f11_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 * c_m;
+            const float t8 = g_i * c_g;
+            const float t9 = t7 + t8;
+            const float t10 = t6 * c_v;
+            const float t11 = sqrtf(t10);
+            const float t12 = t11 + eps;
+            const float t13 = t9 / t12;
+            const float t14 = t13 * g_i;
+            const int t15 = t14 > ((float)0x0.0p+0);
+            const float t16 = (float)t15;
+            const float t17 = ((float)0x1.0000000000000p+0) - t16;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t16) : acc0[j] + (float)(t16);
+            acc1[j] = fresh ? (float)(t17) : acc1[j] + (float)(t17);
+        }
+    }
+}
+
+CLONES static void qhadamw_f11_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = m_i * c_m;
+        const float t2 = g_i * c_g;
+        const float t3 = t1 + t2;
+        const float t4 = v_i * c_v;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = t3 / t6;
+        const float t8 = t7 * g_i;
+        const int t9 = t8 > ((float)0x0.0p+0);
+        const float t10 = (float)t9;
+        const float t11 = t10 * fold0;
+        const float t12 = t7 * t11;
+        const float t13 = t12 * neg_lr;
+        const float t14 = t0 + t13;
+        p[i] = t14;
+    }
+}
+
+CLONES static void qhadamw_f11_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 * c_m;
+            const double t8 = g_i * c_g;
+            const double t9 = t7 + t8;
+            const double t10 = t6 * c_v;
+            const double t11 = sqrt(t10);
+            const double t12 = t11 + eps;
+            const double t13 = t9 / t12;
+            const double t14 = t13 * g_i;
+            const int t15 = t14 > ((double)0x0.0p+0);
+            const double t16 = (double)t15;
+            const double t17 = ((double)0x1.0000000000000p+0) - t16;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t16) : acc0[j] + (double)(t16);
+            acc1[j] = fresh ? (double)(t17) : acc1[j] + (double)(t17);
+        }
+    }
+}
+
+CLONES static void qhadamw_f11_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = m_i * c_m;
+        const double t2 = g_i * c_g;
+        const double t3 = t1 + t2;
+        const double t4 = v_i * c_v;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = t3 / t6;
+        const double t8 = t7 * g_i;
+        const int t9 = t8 > ((double)0x0.0p+0);
+        const double t10 = (double)t9;
+        const double t11 = t10 * fold0;
+        const double t12 = t7 * t11;
+        const double t13 = t12 * neg_lr;
+        const double t14 = t0 + t13;
+        p[i] = t14;
+    }
+}
+
+CLONES static void qhadamw_f12_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 * c_m;
+            const float t8 = t6 * c_v;
+            const float t9 = g_i * c_gg;
+            const float t10 = t9 * g_i;
+            const float t11 = t8 + t10;
+            const float t12 = sqrtf(t11);
+            const float t13 = t12 + eps;
+            const float t14 = t7 / t13;
+            const float t15 = t14 * g_i;
+            const int t16 = t15 > ((float)0x0.0p+0);
+            const float t17 = (float)t16;
+            const float t18 = ((float)0x1.0000000000000p+0) - t17;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t17) : acc0[j] + (float)(t17);
+            acc1[j] = fresh ? (float)(t18) : acc1[j] + (float)(t18);
+        }
+    }
+}
+
+CLONES static void qhadamw_f12_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = m_i * c_m;
+        const float t1 = v_i * c_v;
+        const float t2 = g_i * c_gg;
+        const float t3 = t2 * g_i;
+        const float t4 = t1 + t3;
+        const float t5 = sqrtf(t4);
+        const float t6 = t5 + eps;
+        const float t7 = t0 / t6;
+        const float t8 = t7 * g_i;
+        const int t9 = t8 > ((float)0x0.0p+0);
+        const float t10 = (float)t9;
+        const float t11 = t10 * fold0;
+        const float t12 = t7 * t11;
+        const float t13 = t12 * neg_lr;
+        const float t14 = p_i + t13;
+        p[i] = t14;
+    }
+}
+
+CLONES static void qhadamw_f12_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 * c_m;
+            const double t8 = t6 * c_v;
+            const double t9 = g_i * c_gg;
+            const double t10 = t9 * g_i;
+            const double t11 = t8 + t10;
+            const double t12 = sqrt(t11);
+            const double t13 = t12 + eps;
+            const double t14 = t7 / t13;
+            const double t15 = t14 * g_i;
+            const int t16 = t15 > ((double)0x0.0p+0);
+            const double t17 = (double)t16;
+            const double t18 = ((double)0x1.0000000000000p+0) - t17;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t17) : acc0[j] + (double)(t17);
+            acc1[j] = fresh ? (double)(t18) : acc1[j] + (double)(t18);
+        }
+    }
+}
+
+CLONES static void qhadamw_f12_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = m_i * c_m;
+        const double t1 = v_i * c_v;
+        const double t2 = g_i * c_gg;
+        const double t3 = t2 * g_i;
+        const double t4 = t1 + t3;
+        const double t5 = sqrt(t4);
+        const double t6 = t5 + eps;
+        const double t7 = t0 / t6;
+        const double t8 = t7 * g_i;
+        const int t9 = t8 > ((double)0x0.0p+0);
+        const double t10 = (double)t9;
+        const double t11 = t10 * fold0;
+        const double t12 = t7 * t11;
+        const double t13 = t12 * neg_lr;
+        const double t14 = p_i + t13;
+        p[i] = t14;
+    }
+}
+
+CLONES static void qhadamw_f13_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 * c_m;
+            const float t8 = t6 * c_v;
+            const float t9 = g_i * c_gg;
+            const float t10 = t9 * g_i;
+            const float t11 = t8 + t10;
+            const float t12 = sqrtf(t11);
+            const float t13 = t12 + eps;
+            const float t14 = t7 / t13;
+            const float t15 = t14 * g_i;
+            const int t16 = t15 > ((float)0x0.0p+0);
+            const float t17 = (float)t16;
+            const float t18 = ((float)0x1.0000000000000p+0) - t17;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t17) : acc0[j] + (float)(t17);
+            acc1[j] = fresh ? (float)(t18) : acc1[j] + (float)(t18);
+        }
+    }
+}
+
+CLONES static void qhadamw_f13_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float c_m = (float)s->c_m;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = m_i * c_m;
+        const float t2 = v_i * c_v;
+        const float t3 = g_i * c_gg;
+        const float t4 = t3 * g_i;
+        const float t5 = t2 + t4;
+        const float t6 = sqrtf(t5);
+        const float t7 = t6 + eps;
+        const float t8 = t1 / t7;
+        const float t9 = t8 * g_i;
+        const int t10 = t9 > ((float)0x0.0p+0);
+        const float t11 = (float)t10;
+        const float t12 = t11 * fold0;
+        const float t13 = t8 * t12;
+        const float t14 = t13 * neg_lr;
+        const float t15 = t0 + t14;
+        p[i] = t15;
+    }
+}
+
+CLONES static void qhadamw_f13_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 * c_m;
+            const double t8 = t6 * c_v;
+            const double t9 = g_i * c_gg;
+            const double t10 = t9 * g_i;
+            const double t11 = t8 + t10;
+            const double t12 = sqrt(t11);
+            const double t13 = t12 + eps;
+            const double t14 = t7 / t13;
+            const double t15 = t14 * g_i;
+            const int t16 = t15 > ((double)0x0.0p+0);
+            const double t17 = (double)t16;
+            const double t18 = ((double)0x1.0000000000000p+0) - t17;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t17) : acc0[j] + (double)(t17);
+            acc1[j] = fresh ? (double)(t18) : acc1[j] + (double)(t18);
+        }
+    }
+}
+
+CLONES static void qhadamw_f13_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double c_m = (double)s->c_m;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = m_i * c_m;
+        const double t2 = v_i * c_v;
+        const double t3 = g_i * c_gg;
+        const double t4 = t3 * g_i;
+        const double t5 = t2 + t4;
+        const double t6 = sqrt(t5);
+        const double t7 = t6 + eps;
+        const double t8 = t1 / t7;
+        const double t9 = t8 * g_i;
+        const int t10 = t9 > ((double)0x0.0p+0);
+        const double t11 = (double)t10;
+        const double t12 = t11 * fold0;
+        const double t13 = t8 * t12;
+        const double t14 = t13 * neg_lr;
+        const double t15 = t0 + t14;
+        p[i] = t15;
+    }
+}
+
+CLONES static void qhadamw_f14_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 * c_m;
+            const float t8 = g_i * c_g;
+            const float t9 = t7 + t8;
+            const float t10 = t6 * c_v;
+            const float t11 = g_i * c_gg;
+            const float t12 = t11 * g_i;
+            const float t13 = t10 + t12;
+            const float t14 = sqrtf(t13);
+            const float t15 = t14 + eps;
+            const float t16 = t9 / t15;
+            const float t17 = t16 * g_i;
+            const int t18 = t17 > ((float)0x0.0p+0);
+            const float t19 = (float)t18;
+            const float t20 = ((float)0x1.0000000000000p+0) - t19;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t19) : acc0[j] + (float)(t19);
+            acc1[j] = fresh ? (float)(t20) : acc1[j] + (float)(t20);
+        }
+    }
+}
+
+CLONES static void qhadamw_f14_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = m_i * c_m;
+        const float t1 = g_i * c_g;
+        const float t2 = t0 + t1;
+        const float t3 = v_i * c_v;
+        const float t4 = g_i * c_gg;
+        const float t5 = t4 * g_i;
+        const float t6 = t3 + t5;
+        const float t7 = sqrtf(t6);
+        const float t8 = t7 + eps;
+        const float t9 = t2 / t8;
+        const float t10 = t9 * g_i;
+        const int t11 = t10 > ((float)0x0.0p+0);
+        const float t12 = (float)t11;
+        const float t13 = t12 * fold0;
+        const float t14 = t9 * t13;
+        const float t15 = t14 * neg_lr;
+        const float t16 = p_i + t15;
+        p[i] = t16;
+    }
+}
+
+CLONES static void qhadamw_f14_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 * c_m;
+            const double t8 = g_i * c_g;
+            const double t9 = t7 + t8;
+            const double t10 = t6 * c_v;
+            const double t11 = g_i * c_gg;
+            const double t12 = t11 * g_i;
+            const double t13 = t10 + t12;
+            const double t14 = sqrt(t13);
+            const double t15 = t14 + eps;
+            const double t16 = t9 / t15;
+            const double t17 = t16 * g_i;
+            const int t18 = t17 > ((double)0x0.0p+0);
+            const double t19 = (double)t18;
+            const double t20 = ((double)0x1.0000000000000p+0) - t19;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t19) : acc0[j] + (double)(t19);
+            acc1[j] = fresh ? (double)(t20) : acc1[j] + (double)(t20);
+        }
+    }
+}
+
+CLONES static void qhadamw_f14_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = m_i * c_m;
+        const double t1 = g_i * c_g;
+        const double t2 = t0 + t1;
+        const double t3 = v_i * c_v;
+        const double t4 = g_i * c_gg;
+        const double t5 = t4 * g_i;
+        const double t6 = t3 + t5;
+        const double t7 = sqrt(t6);
+        const double t8 = t7 + eps;
+        const double t9 = t2 / t8;
+        const double t10 = t9 * g_i;
+        const int t11 = t10 > ((double)0x0.0p+0);
+        const double t12 = (double)t11;
+        const double t13 = t12 * fold0;
+        const double t14 = t9 * t13;
+        const double t15 = t14 * neg_lr;
+        const double t16 = p_i + t15;
+        p[i] = t16;
+    }
+}
+
+CLONES static void qhadamw_f15_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 * c_m;
+            const float t8 = g_i * c_g;
+            const float t9 = t7 + t8;
+            const float t10 = t6 * c_v;
+            const float t11 = g_i * c_gg;
+            const float t12 = t11 * g_i;
+            const float t13 = t10 + t12;
+            const float t14 = sqrtf(t13);
+            const float t15 = t14 + eps;
+            const float t16 = t9 / t15;
+            const float t17 = t16 * g_i;
+            const int t18 = t17 > ((float)0x0.0p+0);
+            const float t19 = (float)t18;
+            const float t20 = ((float)0x1.0000000000000p+0) - t19;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t19) : acc0[j] + (float)(t19);
+            acc1[j] = fresh ? (float)(t20) : acc1[j] + (float)(t20);
+        }
+    }
+}
+
+CLONES static void qhadamw_f15_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const float decay = (float)s->decay;
+    const float c_m = (float)s->c_m;
+    const float c_g = (float)s->c_g;
+    const float c_v = (float)s->c_v;
+    const float c_gg = (float)s->c_gg;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = m_i * c_m;
+        const float t2 = g_i * c_g;
+        const float t3 = t1 + t2;
+        const float t4 = v_i * c_v;
+        const float t5 = g_i * c_gg;
+        const float t6 = t5 * g_i;
+        const float t7 = t4 + t6;
+        const float t8 = sqrtf(t7);
+        const float t9 = t8 + eps;
+        const float t10 = t3 / t9;
+        const float t11 = t10 * g_i;
+        const int t12 = t11 > ((float)0x0.0p+0);
+        const float t13 = (float)t12;
+        const float t14 = t13 * fold0;
+        const float t15 = t10 * t14;
+        const float t16 = t15 * neg_lr;
+        const float t17 = t0 + t16;
+        p[i] = t17;
+    }
+}
+
+CLONES static void qhadamw_f15_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 * c_m;
+            const double t8 = g_i * c_g;
+            const double t9 = t7 + t8;
+            const double t10 = t6 * c_v;
+            const double t11 = g_i * c_gg;
+            const double t12 = t11 * g_i;
+            const double t13 = t10 + t12;
+            const double t14 = sqrt(t13);
+            const double t15 = t14 + eps;
+            const double t16 = t9 / t15;
+            const double t17 = t16 * g_i;
+            const int t18 = t17 > ((double)0x0.0p+0);
+            const double t19 = (double)t18;
+            const double t20 = ((double)0x1.0000000000000p+0) - t19;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t19) : acc0[j] + (double)(t19);
+            acc1[j] = fresh ? (double)(t20) : acc1[j] + (double)(t20);
+        }
+    }
+}
+
+CLONES static void qhadamw_f15_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct qhadamw_scalars *s) {
+    const double decay = (double)s->decay;
+    const double c_m = (double)s->c_m;
+    const double c_g = (double)s->c_g;
+    const double c_v = (double)s->c_v;
+    const double c_gg = (double)s->c_gg;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = m_i * c_m;
+        const double t2 = g_i * c_g;
+        const double t3 = t1 + t2;
+        const double t4 = v_i * c_v;
+        const double t5 = g_i * c_gg;
+        const double t6 = t5 * g_i;
+        const double t7 = t4 + t6;
+        const double t8 = sqrt(t7);
+        const double t9 = t8 + eps;
+        const double t10 = t3 / t9;
+        const double t11 = t10 * g_i;
+        const int t12 = t11 > ((double)0x0.0p+0);
+        const double t13 = (double)t12;
+        const double t14 = t13 * fold0;
+        const double t15 = t10 * t14;
+        const double t16 = t15 * neg_lr;
+        const double t17 = t0 + t16;
+        p[i] = t17;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_qhadamw(int dt, int fs, void *const *a, int64_t n, const struct qhadamw_scalars *s) {
     switch (2 * fs + dt) {
     case 0: qhadamw_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
@@ -2515,7 +5131,51 @@ __attribute__((visibility("default"))) int flatopt_gen_qhadamw(int dt, int fs, v
     }
 }
 
-/* ---- radam: radam.py `step` (flags: wd, dec, rect) */
+__attribute__((visibility("default"))) int flatopt_gen_qhadamw_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct qhadamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 16: qhadamw_f8_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 17: qhadamw_f8_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 18: qhadamw_f9_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 19: qhadamw_f9_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 20: qhadamw_f10_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 21: qhadamw_f10_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 22: qhadamw_f11_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 23: qhadamw_f11_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 24: qhadamw_f12_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 25: qhadamw_f12_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 26: qhadamw_f13_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 27: qhadamw_f13_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 28: qhadamw_f14_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 29: qhadamw_f14_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 30: qhadamw_f15_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 31: qhadamw_f15_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_qhadamw_map(int dt, int fs, void *const *a, int64_t n, const struct qhadamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 16: qhadamw_f8_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 17: qhadamw_f8_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 18: qhadamw_f9_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 19: qhadamw_f9_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 20: qhadamw_f10_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 21: qhadamw_f10_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 22: qhadamw_f11_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 23: qhadamw_f11_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 24: qhadamw_f12_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 25: qhadamw_f12_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 26: qhadamw_f13_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 27: qhadamw_f13_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 28: qhadamw_f14_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 29: qhadamw_f14_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 30: qhadamw_f15_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 31: qhadamw_f15_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
+/* ---- radam: radam.py `step` (flags: wd, dec, rect, cautious) */
 struct radam_scalars {
     double wd;
     double decay;
@@ -2525,6 +5185,7 @@ struct radam_scalars {
     double eps;
     double factor;
     double factor_rect;
+    double fold0;
 };
 
 CLONES static void radam_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
@@ -2835,6 +5496,614 @@ CLONES static void radam_f7_double(double *restrict p, const double *restrict g,
     }
 }
 
+CLONES static void radam_f8_float_columns(const float *restrict g, float *restrict m, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = t2 * g_i;
+            const int t4 = t3 > ((float)0x0.0p+0);
+            const float t5 = (float)t4;
+            const float t6 = ((float)0x1.0000000000000p+0) - t5;
+            m[i] = t2;
+            acc0[j] = fresh ? (float)(t5) : acc0[j] + (float)(t5);
+            acc1[j] = fresh ? (float)(t6) : acc1[j] + (float)(t6);
+        }
+    }
+}
+
+CLONES static void radam_f8_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float factor = (float)s->factor;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = m_i * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = m_i * t7;
+        const float t9 = t8 * factor;
+        const float t10 = p_i + t9;
+        p[i] = t10;
+        v[i] = t3;
+    }
+}
+
+CLONES static void radam_f8_double_columns(const double *restrict g, double *restrict m, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = t2 * g_i;
+            const int t4 = t3 > ((double)0x0.0p+0);
+            const double t5 = (double)t4;
+            const double t6 = ((double)0x1.0000000000000p+0) - t5;
+            m[i] = t2;
+            acc0[j] = fresh ? (double)(t5) : acc0[j] + (double)(t5);
+            acc1[j] = fresh ? (double)(t6) : acc1[j] + (double)(t6);
+        }
+    }
+}
+
+CLONES static void radam_f8_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double factor = (double)s->factor;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = m_i * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = m_i * t7;
+        const double t9 = t8 * factor;
+        const double t10 = p_i + t9;
+        p[i] = t10;
+        v[i] = t3;
+    }
+}
+
+CLONES static void radam_f9_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i];
+            const float t0 = p_i * wd;
+            const float t1 = g_i + t0;
+            const float t2 = t1 - m_i;
+            const float t3 = t2 * omb1;
+            const float t4 = m_i + t3;
+            const float t5 = t4 * t1;
+            const int t6 = t5 > ((float)0x0.0p+0);
+            const float t7 = (float)t6;
+            const float t8 = ((float)0x1.0000000000000p+0) - t7;
+            m[i] = t4;
+            acc0[j] = fresh ? (float)(t7) : acc0[j] + (float)(t7);
+            acc1[j] = fresh ? (float)(t8) : acc1[j] + (float)(t8);
+        }
+    }
+}
+
+CLONES static void radam_f9_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float factor = (float)s->factor;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = v_i * b2;
+        const float t3 = t1 * omb2;
+        const float t4 = t3 * t1;
+        const float t5 = t2 + t4;
+        const float t6 = m_i * t1;
+        const int t7 = t6 > ((float)0x0.0p+0);
+        const float t8 = (float)t7;
+        const float t9 = t8 * fold0;
+        const float t10 = m_i * t9;
+        const float t11 = t10 * factor;
+        const float t12 = p_i + t11;
+        p[i] = t12;
+        v[i] = t5;
+    }
+}
+
+CLONES static void radam_f9_double_columns(const double *restrict p, const double *restrict g, double *restrict m, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i];
+            const double t0 = p_i * wd;
+            const double t1 = g_i + t0;
+            const double t2 = t1 - m_i;
+            const double t3 = t2 * omb1;
+            const double t4 = m_i + t3;
+            const double t5 = t4 * t1;
+            const int t6 = t5 > ((double)0x0.0p+0);
+            const double t7 = (double)t6;
+            const double t8 = ((double)0x1.0000000000000p+0) - t7;
+            m[i] = t4;
+            acc0[j] = fresh ? (double)(t7) : acc0[j] + (double)(t7);
+            acc1[j] = fresh ? (double)(t8) : acc1[j] + (double)(t8);
+        }
+    }
+}
+
+CLONES static void radam_f9_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double factor = (double)s->factor;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = v_i * b2;
+        const double t3 = t1 * omb2;
+        const double t4 = t3 * t1;
+        const double t5 = t2 + t4;
+        const double t6 = m_i * t1;
+        const int t7 = t6 > ((double)0x0.0p+0);
+        const double t8 = (double)t7;
+        const double t9 = t8 * fold0;
+        const double t10 = m_i * t9;
+        const double t11 = t10 * factor;
+        const double t12 = p_i + t11;
+        p[i] = t12;
+        v[i] = t5;
+    }
+}
+
+CLONES static void radam_f11_float_columns(const float *restrict g, float *restrict m, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = t2 * g_i;
+            const int t4 = t3 > ((float)0x0.0p+0);
+            const float t5 = (float)t4;
+            const float t6 = ((float)0x1.0000000000000p+0) - t5;
+            m[i] = t2;
+            acc0[j] = fresh ? (float)(t5) : acc0[j] + (float)(t5);
+            acc1[j] = fresh ? (float)(t6) : acc1[j] + (float)(t6);
+        }
+    }
+}
+
+CLONES static void radam_f11_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float decay = (float)s->decay;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float factor = (float)s->factor;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = v_i * b2;
+        const float t2 = g_i * omb2;
+        const float t3 = t2 * g_i;
+        const float t4 = t1 + t3;
+        const float t5 = m_i * g_i;
+        const int t6 = t5 > ((float)0x0.0p+0);
+        const float t7 = (float)t6;
+        const float t8 = t7 * fold0;
+        const float t9 = m_i * t8;
+        const float t10 = t9 * factor;
+        const float t11 = t0 + t10;
+        p[i] = t11;
+        v[i] = t4;
+    }
+}
+
+CLONES static void radam_f11_double_columns(const double *restrict g, double *restrict m, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = t2 * g_i;
+            const int t4 = t3 > ((double)0x0.0p+0);
+            const double t5 = (double)t4;
+            const double t6 = ((double)0x1.0000000000000p+0) - t5;
+            m[i] = t2;
+            acc0[j] = fresh ? (double)(t5) : acc0[j] + (double)(t5);
+            acc1[j] = fresh ? (double)(t6) : acc1[j] + (double)(t6);
+        }
+    }
+}
+
+CLONES static void radam_f11_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double decay = (double)s->decay;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double factor = (double)s->factor;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = v_i * b2;
+        const double t2 = g_i * omb2;
+        const double t3 = t2 * g_i;
+        const double t4 = t1 + t3;
+        const double t5 = m_i * g_i;
+        const int t6 = t5 > ((double)0x0.0p+0);
+        const double t7 = (double)t6;
+        const double t8 = t7 * fold0;
+        const double t9 = m_i * t8;
+        const double t10 = t9 * factor;
+        const double t11 = t0 + t10;
+        p[i] = t11;
+        v[i] = t4;
+    }
+}
+
+CLONES static void radam_f12_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = sqrtf(t6);
+            const float t8 = t7 + eps;
+            const float t9 = t2 / t8;
+            const float t10 = t9 * g_i;
+            const int t11 = t10 > ((float)0x0.0p+0);
+            const float t12 = (float)t11;
+            const float t13 = ((float)0x1.0000000000000p+0) - t12;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
+            acc1[j] = fresh ? (float)(t13) : acc1[j] + (float)(t13);
+        }
+    }
+}
+
+CLONES static void radam_f12_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float eps = (float)s->eps;
+    const float factor_rect = (float)s->factor_rect;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = sqrtf(v_i);
+        const float t1 = t0 + eps;
+        const float t2 = m_i / t1;
+        const float t3 = t2 * g_i;
+        const int t4 = t3 > ((float)0x0.0p+0);
+        const float t5 = (float)t4;
+        const float t6 = t5 * fold0;
+        const float t7 = t2 * t6;
+        const float t8 = t7 * factor_rect;
+        const float t9 = p_i + t8;
+        p[i] = t9;
+    }
+}
+
+CLONES static void radam_f12_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = sqrt(t6);
+            const double t8 = t7 + eps;
+            const double t9 = t2 / t8;
+            const double t10 = t9 * g_i;
+            const int t11 = t10 > ((double)0x0.0p+0);
+            const double t12 = (double)t11;
+            const double t13 = ((double)0x1.0000000000000p+0) - t12;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
+            acc1[j] = fresh ? (double)(t13) : acc1[j] + (double)(t13);
+        }
+    }
+}
+
+CLONES static void radam_f12_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double eps = (double)s->eps;
+    const double factor_rect = (double)s->factor_rect;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = sqrt(v_i);
+        const double t1 = t0 + eps;
+        const double t2 = m_i / t1;
+        const double t3 = t2 * g_i;
+        const int t4 = t3 > ((double)0x0.0p+0);
+        const double t5 = (double)t4;
+        const double t6 = t5 * fold0;
+        const double t7 = t2 * t6;
+        const double t8 = t7 * factor_rect;
+        const double t9 = p_i + t8;
+        p[i] = t9;
+    }
+}
+
+CLONES static void radam_f13_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = p_i * wd;
+            const float t1 = g_i + t0;
+            const float t2 = t1 - m_i;
+            const float t3 = t2 * omb1;
+            const float t4 = m_i + t3;
+            const float t5 = v_i * b2;
+            const float t6 = t1 * omb2;
+            const float t7 = t6 * t1;
+            const float t8 = t5 + t7;
+            const float t9 = sqrtf(t8);
+            const float t10 = t9 + eps;
+            const float t11 = t4 / t10;
+            const float t12 = t11 * t1;
+            const int t13 = t12 > ((float)0x0.0p+0);
+            const float t14 = (float)t13;
+            const float t15 = ((float)0x1.0000000000000p+0) - t14;
+            m[i] = t4;
+            v[i] = t8;
+            acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
+            acc1[j] = fresh ? (float)(t15) : acc1[j] + (float)(t15);
+        }
+    }
+}
+
+CLONES static void radam_f13_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float wd = (float)s->wd;
+    const float eps = (float)s->eps;
+    const float factor_rect = (float)s->factor_rect;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = sqrtf(v_i);
+        const float t3 = t2 + eps;
+        const float t4 = m_i / t3;
+        const float t5 = t4 * t1;
+        const int t6 = t5 > ((float)0x0.0p+0);
+        const float t7 = (float)t6;
+        const float t8 = t7 * fold0;
+        const float t9 = t4 * t8;
+        const float t10 = t9 * factor_rect;
+        const float t11 = p_i + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void radam_f13_double_columns(const double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = p_i * wd;
+            const double t1 = g_i + t0;
+            const double t2 = t1 - m_i;
+            const double t3 = t2 * omb1;
+            const double t4 = m_i + t3;
+            const double t5 = v_i * b2;
+            const double t6 = t1 * omb2;
+            const double t7 = t6 * t1;
+            const double t8 = t5 + t7;
+            const double t9 = sqrt(t8);
+            const double t10 = t9 + eps;
+            const double t11 = t4 / t10;
+            const double t12 = t11 * t1;
+            const int t13 = t12 > ((double)0x0.0p+0);
+            const double t14 = (double)t13;
+            const double t15 = ((double)0x1.0000000000000p+0) - t14;
+            m[i] = t4;
+            v[i] = t8;
+            acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
+            acc1[j] = fresh ? (double)(t15) : acc1[j] + (double)(t15);
+        }
+    }
+}
+
+CLONES static void radam_f13_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double wd = (double)s->wd;
+    const double eps = (double)s->eps;
+    const double factor_rect = (double)s->factor_rect;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = sqrt(v_i);
+        const double t3 = t2 + eps;
+        const double t4 = m_i / t3;
+        const double t5 = t4 * t1;
+        const int t6 = t5 > ((double)0x0.0p+0);
+        const double t7 = (double)t6;
+        const double t8 = t7 * fold0;
+        const double t9 = t4 * t8;
+        const double t10 = t9 * factor_rect;
+        const double t11 = p_i + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void radam_f15_float_columns(const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = sqrtf(t6);
+            const float t8 = t7 + eps;
+            const float t9 = t2 / t8;
+            const float t10 = t9 * g_i;
+            const int t11 = t10 > ((float)0x0.0p+0);
+            const float t12 = (float)t11;
+            const float t13 = ((float)0x1.0000000000000p+0) - t12;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
+            acc1[j] = fresh ? (float)(t13) : acc1[j] + (float)(t13);
+        }
+    }
+}
+
+CLONES static void radam_f15_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct radam_scalars *s) {
+    const float decay = (float)s->decay;
+    const float eps = (float)s->eps;
+    const float factor_rect = (float)s->factor_rect;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = sqrtf(v_i);
+        const float t2 = t1 + eps;
+        const float t3 = m_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = t8 * factor_rect;
+        const float t10 = t0 + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void radam_f15_double_columns(const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = sqrt(t6);
+            const double t8 = t7 + eps;
+            const double t9 = t2 / t8;
+            const double t10 = t9 * g_i;
+            const int t11 = t10 > ((double)0x0.0p+0);
+            const double t12 = (double)t11;
+            const double t13 = ((double)0x1.0000000000000p+0) - t12;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
+            acc1[j] = fresh ? (double)(t13) : acc1[j] + (double)(t13);
+        }
+    }
+}
+
+CLONES static void radam_f15_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct radam_scalars *s) {
+    const double decay = (double)s->decay;
+    const double eps = (double)s->eps;
+    const double factor_rect = (double)s->factor_rect;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = sqrt(v_i);
+        const double t2 = t1 + eps;
+        const double t3 = m_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = t8 * factor_rect;
+        const double t10 = t0 + t9;
+        p[i] = t10;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_radam(int dt, int fs, void *const *a, int64_t n, const struct radam_scalars *s) {
     switch (2 * fs + dt) {
     case 0: radam_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
@@ -2849,6 +6118,42 @@ __attribute__((visibility("default"))) int flatopt_gen_radam(int dt, int fs, voi
     case 11: radam_f5_double(a[0], a[1], a[2], a[3], n, s); return 0;
     case 14: radam_f7_float(a[0], a[1], a[2], a[3], n, s); return 0;
     case 15: radam_f7_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_radam_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct radam_scalars *s) {
+    switch (2 * fs + dt) {
+    case 16: radam_f8_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 17: radam_f8_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 18: radam_f9_float_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 19: radam_f9_double_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 22: radam_f11_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 23: radam_f11_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 24: radam_f12_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 25: radam_f12_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 26: radam_f13_float_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 27: radam_f13_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 30: radam_f15_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 31: radam_f15_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_radam_map(int dt, int fs, void *const *a, int64_t n, const struct radam_scalars *s) {
+    switch (2 * fs + dt) {
+    case 16: radam_f8_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 17: radam_f8_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 18: radam_f9_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 19: radam_f9_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 22: radam_f11_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 23: radam_f11_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 24: radam_f12_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 25: radam_f12_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 26: radam_f13_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 27: radam_f13_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 30: radam_f15_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 31: radam_f15_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
     default: return -1;
     }
 }
@@ -3537,12 +6842,13 @@ __attribute__((visibility("default"))) int flatopt_gen_schedulefree_to_y(int dt,
     }
 }
 
-/* ---- sgd: sgd.py `step` (flags: wd, mom, first, damp, nest) */
+/* ---- sgd: sgd.py `step` (flags: wd, mom, first, damp, nest, cautious) */
 struct sgd_scalars {
     double wd;
     double mom;
     double omd;
     double neg_lr;
+    double fold0;
 };
 
 CLONES static void sgd_f0_float(float *restrict p, const float *restrict g, int64_t n, const struct sgd_scalars *s) {
@@ -3905,6 +7211,942 @@ CLONES static void sgd_f23_double(double *restrict p, const double *restrict g, 
     }
 }
 
+CLONES static void sgd_f32_float_columns(const float *restrict g, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i];
+            const float t0 = g_i * g_i;
+            const int t1 = t0 > ((float)0x0.0p+0);
+            const float t2 = (float)t1;
+            const float t3 = ((float)0x1.0000000000000p+0) - t2;
+            acc0[j] = fresh ? (float)(t2) : acc0[j] + (float)(t2);
+            acc1[j] = fresh ? (float)(t3) : acc1[j] + (float)(t3);
+        }
+    }
+}
+
+CLONES static void sgd_f32_float_map(float *restrict p, const float *restrict g, int64_t n, const struct sgd_scalars *s) {
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i];
+        const float t0 = g_i * g_i;
+        const int t1 = t0 > ((float)0x0.0p+0);
+        const float t2 = (float)t1;
+        const float t3 = t2 * fold0;
+        const float t4 = g_i * t3;
+        const float t5 = t4 * neg_lr;
+        const float t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void sgd_f32_double_columns(const double *restrict g, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i];
+            const double t0 = g_i * g_i;
+            const int t1 = t0 > ((double)0x0.0p+0);
+            const double t2 = (double)t1;
+            const double t3 = ((double)0x1.0000000000000p+0) - t2;
+            acc0[j] = fresh ? (double)(t2) : acc0[j] + (double)(t2);
+            acc1[j] = fresh ? (double)(t3) : acc1[j] + (double)(t3);
+        }
+    }
+}
+
+CLONES static void sgd_f32_double_map(double *restrict p, const double *restrict g, int64_t n, const struct sgd_scalars *s) {
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i];
+        const double t0 = g_i * g_i;
+        const int t1 = t0 > ((double)0x0.0p+0);
+        const double t2 = (double)t1;
+        const double t3 = t2 * fold0;
+        const double t4 = g_i * t3;
+        const double t5 = t4 * neg_lr;
+        const double t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void sgd_f33_float_columns(const float *restrict p, const float *restrict g, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i];
+            const float t0 = p_i * wd;
+            const float t1 = t0 + g_i;
+            const float t2 = t1 * t1;
+            const int t3 = t2 > ((float)0x0.0p+0);
+            const float t4 = (float)t3;
+            const float t5 = ((float)0x1.0000000000000p+0) - t4;
+            acc0[j] = fresh ? (float)(t4) : acc0[j] + (float)(t4);
+            acc1[j] = fresh ? (float)(t5) : acc1[j] + (float)(t5);
+        }
+    }
+}
+
+CLONES static void sgd_f33_float_map(float *restrict p, const float *restrict g, int64_t n, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i];
+        const float t0 = p_i * wd;
+        const float t1 = t0 + g_i;
+        const float t2 = t1 * t1;
+        const int t3 = t2 > ((float)0x0.0p+0);
+        const float t4 = (float)t3;
+        const float t5 = t4 * fold0;
+        const float t6 = t1 * t5;
+        const float t7 = t6 * neg_lr;
+        const float t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f33_double_columns(const double *restrict p, const double *restrict g, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i];
+            const double t0 = p_i * wd;
+            const double t1 = t0 + g_i;
+            const double t2 = t1 * t1;
+            const int t3 = t2 > ((double)0x0.0p+0);
+            const double t4 = (double)t3;
+            const double t5 = ((double)0x1.0000000000000p+0) - t4;
+            acc0[j] = fresh ? (double)(t4) : acc0[j] + (double)(t4);
+            acc1[j] = fresh ? (double)(t5) : acc1[j] + (double)(t5);
+        }
+    }
+}
+
+CLONES static void sgd_f33_double_map(double *restrict p, const double *restrict g, int64_t n, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i];
+        const double t0 = p_i * wd;
+        const double t1 = t0 + g_i;
+        const double t2 = t1 * t1;
+        const int t3 = t2 > ((double)0x0.0p+0);
+        const double t4 = (double)t3;
+        const double t5 = t4 * fold0;
+        const double t6 = t1 * t5;
+        const double t7 = t6 * neg_lr;
+        const double t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f34_float_columns(const float *restrict g, float *restrict buf, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float mom = (float)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], buf_i = buf[i];
+            const float t0 = buf_i * mom;
+            const float t1 = t0 + g_i;
+            const float t2 = t1 * g_i;
+            const int t3 = t2 > ((float)0x0.0p+0);
+            const float t4 = (float)t3;
+            const float t5 = ((float)0x1.0000000000000p+0) - t4;
+            buf[i] = t1;
+            acc0[j] = fresh ? (float)(t4) : acc0[j] + (float)(t4);
+            acc1[j] = fresh ? (float)(t5) : acc1[j] + (float)(t5);
+        }
+    }
+}
+
+CLONES static void sgd_f34_float_map(float *restrict p, const float *restrict g, const float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const float t0 = buf_i * g_i;
+        const int t1 = t0 > ((float)0x0.0p+0);
+        const float t2 = (float)t1;
+        const float t3 = t2 * fold0;
+        const float t4 = buf_i * t3;
+        const float t5 = t4 * neg_lr;
+        const float t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void sgd_f34_double_columns(const double *restrict g, double *restrict buf, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double mom = (double)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], buf_i = buf[i];
+            const double t0 = buf_i * mom;
+            const double t1 = t0 + g_i;
+            const double t2 = t1 * g_i;
+            const int t3 = t2 > ((double)0x0.0p+0);
+            const double t4 = (double)t3;
+            const double t5 = ((double)0x1.0000000000000p+0) - t4;
+            buf[i] = t1;
+            acc0[j] = fresh ? (double)(t4) : acc0[j] + (double)(t4);
+            acc1[j] = fresh ? (double)(t5) : acc1[j] + (double)(t5);
+        }
+    }
+}
+
+CLONES static void sgd_f34_double_map(double *restrict p, const double *restrict g, const double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const double t0 = buf_i * g_i;
+        const int t1 = t0 > ((double)0x0.0p+0);
+        const double t2 = (double)t1;
+        const double t3 = t2 * fold0;
+        const double t4 = buf_i * t3;
+        const double t5 = t4 * neg_lr;
+        const double t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void sgd_f35_float_columns(const float *restrict p, const float *restrict g, float *restrict buf, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    const float mom = (float)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+            const float t0 = p_i * wd;
+            const float t1 = t0 + g_i;
+            const float t2 = buf_i * mom;
+            const float t3 = t2 + t1;
+            const float t4 = t3 * t1;
+            const int t5 = t4 > ((float)0x0.0p+0);
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
+            buf[i] = t3;
+            acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
+            acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
+        }
+    }
+}
+
+CLONES static void sgd_f35_float_map(float *restrict p, const float *restrict g, const float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const float t0 = p_i * wd;
+        const float t1 = t0 + g_i;
+        const float t2 = buf_i * t1;
+        const int t3 = t2 > ((float)0x0.0p+0);
+        const float t4 = (float)t3;
+        const float t5 = t4 * fold0;
+        const float t6 = buf_i * t5;
+        const float t7 = t6 * neg_lr;
+        const float t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f35_double_columns(const double *restrict p, const double *restrict g, double *restrict buf, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    const double mom = (double)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+            const double t0 = p_i * wd;
+            const double t1 = t0 + g_i;
+            const double t2 = buf_i * mom;
+            const double t3 = t2 + t1;
+            const double t4 = t3 * t1;
+            const int t5 = t4 > ((double)0x0.0p+0);
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
+            buf[i] = t3;
+            acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
+            acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
+        }
+    }
+}
+
+CLONES static void sgd_f35_double_map(double *restrict p, const double *restrict g, const double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const double t0 = p_i * wd;
+        const double t1 = t0 + g_i;
+        const double t2 = buf_i * t1;
+        const int t3 = t2 > ((double)0x0.0p+0);
+        const double t4 = (double)t3;
+        const double t5 = t4 * fold0;
+        const double t6 = buf_i * t5;
+        const double t7 = t6 * neg_lr;
+        const double t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f38_float_columns(const float *restrict g, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i];
+            const float t0 = g_i * g_i;
+            const int t1 = t0 > ((float)0x0.0p+0);
+            const float t2 = (float)t1;
+            const float t3 = ((float)0x1.0000000000000p+0) - t2;
+            acc0[j] = fresh ? (float)(t2) : acc0[j] + (float)(t2);
+            acc1[j] = fresh ? (float)(t3) : acc1[j] + (float)(t3);
+        }
+    }
+}
+
+CLONES static void sgd_f38_float_map(float *restrict p, const float *restrict g, float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i];
+        const float t0 = g_i * g_i;
+        const int t1 = t0 > ((float)0x0.0p+0);
+        const float t2 = (float)t1;
+        const float t3 = t2 * fold0;
+        const float t4 = g_i * t3;
+        const float t5 = t4 * neg_lr;
+        const float t6 = p_i + t5;
+        p[i] = t6;
+        buf[i] = g_i;
+    }
+}
+
+CLONES static void sgd_f38_double_columns(const double *restrict g, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i];
+            const double t0 = g_i * g_i;
+            const int t1 = t0 > ((double)0x0.0p+0);
+            const double t2 = (double)t1;
+            const double t3 = ((double)0x1.0000000000000p+0) - t2;
+            acc0[j] = fresh ? (double)(t2) : acc0[j] + (double)(t2);
+            acc1[j] = fresh ? (double)(t3) : acc1[j] + (double)(t3);
+        }
+    }
+}
+
+CLONES static void sgd_f38_double_map(double *restrict p, const double *restrict g, double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i];
+        const double t0 = g_i * g_i;
+        const int t1 = t0 > ((double)0x0.0p+0);
+        const double t2 = (double)t1;
+        const double t3 = t2 * fold0;
+        const double t4 = g_i * t3;
+        const double t5 = t4 * neg_lr;
+        const double t6 = p_i + t5;
+        p[i] = t6;
+        buf[i] = g_i;
+    }
+}
+
+CLONES static void sgd_f39_float_columns(const float *restrict p, const float *restrict g, float *restrict buf, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i];
+            const float t0 = p_i * wd;
+            const float t1 = t0 + g_i;
+            const float t2 = t1 * t1;
+            const int t3 = t2 > ((float)0x0.0p+0);
+            const float t4 = (float)t3;
+            const float t5 = ((float)0x1.0000000000000p+0) - t4;
+            buf[i] = t1;
+            acc0[j] = fresh ? (float)(t4) : acc0[j] + (float)(t4);
+            acc1[j] = fresh ? (float)(t5) : acc1[j] + (float)(t5);
+        }
+    }
+}
+
+CLONES static void sgd_f39_float_map(float *restrict p, const float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], buf_i = buf[i];
+        const float t0 = buf_i * buf_i;
+        const int t1 = t0 > ((float)0x0.0p+0);
+        const float t2 = (float)t1;
+        const float t3 = t2 * fold0;
+        const float t4 = buf_i * t3;
+        const float t5 = t4 * neg_lr;
+        const float t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void sgd_f39_double_columns(const double *restrict p, const double *restrict g, double *restrict buf, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i];
+            const double t0 = p_i * wd;
+            const double t1 = t0 + g_i;
+            const double t2 = t1 * t1;
+            const int t3 = t2 > ((double)0x0.0p+0);
+            const double t4 = (double)t3;
+            const double t5 = ((double)0x1.0000000000000p+0) - t4;
+            buf[i] = t1;
+            acc0[j] = fresh ? (double)(t4) : acc0[j] + (double)(t4);
+            acc1[j] = fresh ? (double)(t5) : acc1[j] + (double)(t5);
+        }
+    }
+}
+
+CLONES static void sgd_f39_double_map(double *restrict p, const double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], buf_i = buf[i];
+        const double t0 = buf_i * buf_i;
+        const int t1 = t0 > ((double)0x0.0p+0);
+        const double t2 = (double)t1;
+        const double t3 = t2 * fold0;
+        const double t4 = buf_i * t3;
+        const double t5 = t4 * neg_lr;
+        const double t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void sgd_f42_float_columns(const float *restrict g, float *restrict buf, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float mom = (float)s->mom;
+    const float omd = (float)s->omd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], buf_i = buf[i];
+            const float t0 = buf_i * mom;
+            const float t1 = g_i * omd;
+            const float t2 = t0 + t1;
+            const float t3 = t2 * g_i;
+            const int t4 = t3 > ((float)0x0.0p+0);
+            const float t5 = (float)t4;
+            const float t6 = ((float)0x1.0000000000000p+0) - t5;
+            buf[i] = t2;
+            acc0[j] = fresh ? (float)(t5) : acc0[j] + (float)(t5);
+            acc1[j] = fresh ? (float)(t6) : acc1[j] + (float)(t6);
+        }
+    }
+}
+
+CLONES static void sgd_f42_float_map(float *restrict p, const float *restrict g, const float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const float t0 = buf_i * g_i;
+        const int t1 = t0 > ((float)0x0.0p+0);
+        const float t2 = (float)t1;
+        const float t3 = t2 * fold0;
+        const float t4 = buf_i * t3;
+        const float t5 = t4 * neg_lr;
+        const float t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void sgd_f42_double_columns(const double *restrict g, double *restrict buf, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double mom = (double)s->mom;
+    const double omd = (double)s->omd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], buf_i = buf[i];
+            const double t0 = buf_i * mom;
+            const double t1 = g_i * omd;
+            const double t2 = t0 + t1;
+            const double t3 = t2 * g_i;
+            const int t4 = t3 > ((double)0x0.0p+0);
+            const double t5 = (double)t4;
+            const double t6 = ((double)0x1.0000000000000p+0) - t5;
+            buf[i] = t2;
+            acc0[j] = fresh ? (double)(t5) : acc0[j] + (double)(t5);
+            acc1[j] = fresh ? (double)(t6) : acc1[j] + (double)(t6);
+        }
+    }
+}
+
+CLONES static void sgd_f42_double_map(double *restrict p, const double *restrict g, const double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const double t0 = buf_i * g_i;
+        const int t1 = t0 > ((double)0x0.0p+0);
+        const double t2 = (double)t1;
+        const double t3 = t2 * fold0;
+        const double t4 = buf_i * t3;
+        const double t5 = t4 * neg_lr;
+        const double t6 = p_i + t5;
+        p[i] = t6;
+    }
+}
+
+CLONES static void sgd_f43_float_columns(const float *restrict p, const float *restrict g, float *restrict buf, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    const float mom = (float)s->mom;
+    const float omd = (float)s->omd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+            const float t0 = p_i * wd;
+            const float t1 = t0 + g_i;
+            const float t2 = buf_i * mom;
+            const float t3 = t1 * omd;
+            const float t4 = t2 + t3;
+            const float t5 = t4 * t1;
+            const int t6 = t5 > ((float)0x0.0p+0);
+            const float t7 = (float)t6;
+            const float t8 = ((float)0x1.0000000000000p+0) - t7;
+            buf[i] = t4;
+            acc0[j] = fresh ? (float)(t7) : acc0[j] + (float)(t7);
+            acc1[j] = fresh ? (float)(t8) : acc1[j] + (float)(t8);
+        }
+    }
+}
+
+CLONES static void sgd_f43_float_map(float *restrict p, const float *restrict g, const float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const float t0 = p_i * wd;
+        const float t1 = t0 + g_i;
+        const float t2 = buf_i * t1;
+        const int t3 = t2 > ((float)0x0.0p+0);
+        const float t4 = (float)t3;
+        const float t5 = t4 * fold0;
+        const float t6 = buf_i * t5;
+        const float t7 = t6 * neg_lr;
+        const float t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f43_double_columns(const double *restrict p, const double *restrict g, double *restrict buf, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    const double mom = (double)s->mom;
+    const double omd = (double)s->omd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+            const double t0 = p_i * wd;
+            const double t1 = t0 + g_i;
+            const double t2 = buf_i * mom;
+            const double t3 = t1 * omd;
+            const double t4 = t2 + t3;
+            const double t5 = t4 * t1;
+            const int t6 = t5 > ((double)0x0.0p+0);
+            const double t7 = (double)t6;
+            const double t8 = ((double)0x1.0000000000000p+0) - t7;
+            buf[i] = t4;
+            acc0[j] = fresh ? (double)(t7) : acc0[j] + (double)(t7);
+            acc1[j] = fresh ? (double)(t8) : acc1[j] + (double)(t8);
+        }
+    }
+}
+
+CLONES static void sgd_f43_double_map(double *restrict p, const double *restrict g, const double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const double t0 = p_i * wd;
+        const double t1 = t0 + g_i;
+        const double t2 = buf_i * t1;
+        const int t3 = t2 > ((double)0x0.0p+0);
+        const double t4 = (double)t3;
+        const double t5 = t4 * fold0;
+        const double t6 = buf_i * t5;
+        const double t7 = t6 * neg_lr;
+        const double t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f50_float_columns(const float *restrict g, float *restrict buf, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float mom = (float)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], buf_i = buf[i];
+            const float t0 = buf_i * mom;
+            const float t1 = t0 + g_i;
+            const float t2 = t1 * mom;
+            const float t3 = g_i + t2;
+            const float t4 = t3 * g_i;
+            const int t5 = t4 > ((float)0x0.0p+0);
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
+            buf[i] = t1;
+            acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
+            acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
+        }
+    }
+}
+
+CLONES static void sgd_f50_float_map(float *restrict p, const float *restrict g, const float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float mom = (float)s->mom;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const float t0 = buf_i * mom;
+        const float t1 = g_i + t0;
+        const float t2 = t1 * g_i;
+        const int t3 = t2 > ((float)0x0.0p+0);
+        const float t4 = (float)t3;
+        const float t5 = t4 * fold0;
+        const float t6 = t1 * t5;
+        const float t7 = t6 * neg_lr;
+        const float t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f50_double_columns(const double *restrict g, double *restrict buf, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double mom = (double)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], buf_i = buf[i];
+            const double t0 = buf_i * mom;
+            const double t1 = t0 + g_i;
+            const double t2 = t1 * mom;
+            const double t3 = g_i + t2;
+            const double t4 = t3 * g_i;
+            const int t5 = t4 > ((double)0x0.0p+0);
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
+            buf[i] = t1;
+            acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
+            acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
+        }
+    }
+}
+
+CLONES static void sgd_f50_double_map(double *restrict p, const double *restrict g, const double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double mom = (double)s->mom;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const double t0 = buf_i * mom;
+        const double t1 = g_i + t0;
+        const double t2 = t1 * g_i;
+        const int t3 = t2 > ((double)0x0.0p+0);
+        const double t4 = (double)t3;
+        const double t5 = t4 * fold0;
+        const double t6 = t1 * t5;
+        const double t7 = t6 * neg_lr;
+        const double t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f51_float_columns(const float *restrict p, const float *restrict g, float *restrict buf, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    const float mom = (float)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+            const float t0 = p_i * wd;
+            const float t1 = t0 + g_i;
+            const float t2 = buf_i * mom;
+            const float t3 = t2 + t1;
+            const float t4 = t3 * mom;
+            const float t5 = t1 + t4;
+            const float t6 = t5 * t1;
+            const int t7 = t6 > ((float)0x0.0p+0);
+            const float t8 = (float)t7;
+            const float t9 = ((float)0x1.0000000000000p+0) - t8;
+            buf[i] = t3;
+            acc0[j] = fresh ? (float)(t8) : acc0[j] + (float)(t8);
+            acc1[j] = fresh ? (float)(t9) : acc1[j] + (float)(t9);
+        }
+    }
+}
+
+CLONES static void sgd_f51_float_map(float *restrict p, const float *restrict g, const float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    const float mom = (float)s->mom;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const float t0 = p_i * wd;
+        const float t1 = t0 + g_i;
+        const float t2 = buf_i * mom;
+        const float t3 = t1 + t2;
+        const float t4 = t3 * t1;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = t8 * neg_lr;
+        const float t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void sgd_f51_double_columns(const double *restrict p, const double *restrict g, double *restrict buf, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    const double mom = (double)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+            const double t0 = p_i * wd;
+            const double t1 = t0 + g_i;
+            const double t2 = buf_i * mom;
+            const double t3 = t2 + t1;
+            const double t4 = t3 * mom;
+            const double t5 = t1 + t4;
+            const double t6 = t5 * t1;
+            const int t7 = t6 > ((double)0x0.0p+0);
+            const double t8 = (double)t7;
+            const double t9 = ((double)0x1.0000000000000p+0) - t8;
+            buf[i] = t3;
+            acc0[j] = fresh ? (double)(t8) : acc0[j] + (double)(t8);
+            acc1[j] = fresh ? (double)(t9) : acc1[j] + (double)(t9);
+        }
+    }
+}
+
+CLONES static void sgd_f51_double_map(double *restrict p, const double *restrict g, const double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    const double mom = (double)s->mom;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], buf_i = buf[i];
+        const double t0 = p_i * wd;
+        const double t1 = t0 + g_i;
+        const double t2 = buf_i * mom;
+        const double t3 = t1 + t2;
+        const double t4 = t3 * t1;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = t8 * neg_lr;
+        const double t10 = p_i + t9;
+        p[i] = t10;
+    }
+}
+
+CLONES static void sgd_f54_float_columns(const float *restrict g, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float mom = (float)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i];
+            const float t0 = g_i * mom;
+            const float t1 = g_i + t0;
+            const float t2 = t1 * g_i;
+            const int t3 = t2 > ((float)0x0.0p+0);
+            const float t4 = (float)t3;
+            const float t5 = ((float)0x1.0000000000000p+0) - t4;
+            acc0[j] = fresh ? (float)(t4) : acc0[j] + (float)(t4);
+            acc1[j] = fresh ? (float)(t5) : acc1[j] + (float)(t5);
+        }
+    }
+}
+
+CLONES static void sgd_f54_float_map(float *restrict p, const float *restrict g, float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float mom = (float)s->mom;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i];
+        const float t0 = g_i * mom;
+        const float t1 = g_i + t0;
+        const float t2 = t1 * g_i;
+        const int t3 = t2 > ((float)0x0.0p+0);
+        const float t4 = (float)t3;
+        const float t5 = t4 * fold0;
+        const float t6 = t1 * t5;
+        const float t7 = t6 * neg_lr;
+        const float t8 = p_i + t7;
+        p[i] = t8;
+        buf[i] = g_i;
+    }
+}
+
+CLONES static void sgd_f54_double_columns(const double *restrict g, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double mom = (double)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i];
+            const double t0 = g_i * mom;
+            const double t1 = g_i + t0;
+            const double t2 = t1 * g_i;
+            const int t3 = t2 > ((double)0x0.0p+0);
+            const double t4 = (double)t3;
+            const double t5 = ((double)0x1.0000000000000p+0) - t4;
+            acc0[j] = fresh ? (double)(t4) : acc0[j] + (double)(t4);
+            acc1[j] = fresh ? (double)(t5) : acc1[j] + (double)(t5);
+        }
+    }
+}
+
+CLONES static void sgd_f54_double_map(double *restrict p, const double *restrict g, double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double mom = (double)s->mom;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i];
+        const double t0 = g_i * mom;
+        const double t1 = g_i + t0;
+        const double t2 = t1 * g_i;
+        const int t3 = t2 > ((double)0x0.0p+0);
+        const double t4 = (double)t3;
+        const double t5 = t4 * fold0;
+        const double t6 = t1 * t5;
+        const double t7 = t6 * neg_lr;
+        const double t8 = p_i + t7;
+        p[i] = t8;
+        buf[i] = g_i;
+    }
+}
+
+CLONES static void sgd_f55_float_columns(const float *restrict p, const float *restrict g, float *restrict buf, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const float wd = (float)s->wd;
+    const float mom = (float)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i];
+            const float t0 = p_i * wd;
+            const float t1 = t0 + g_i;
+            const float t2 = t1 * mom;
+            const float t3 = t1 + t2;
+            const float t4 = t3 * t1;
+            const int t5 = t4 > ((float)0x0.0p+0);
+            const float t6 = (float)t5;
+            const float t7 = ((float)0x1.0000000000000p+0) - t6;
+            buf[i] = t1;
+            acc0[j] = fresh ? (float)(t6) : acc0[j] + (float)(t6);
+            acc1[j] = fresh ? (float)(t7) : acc1[j] + (float)(t7);
+        }
+    }
+}
+
+CLONES static void sgd_f55_float_map(float *restrict p, const float *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const float mom = (float)s->mom;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], buf_i = buf[i];
+        const float t0 = buf_i * mom;
+        const float t1 = buf_i + t0;
+        const float t2 = t1 * buf_i;
+        const int t3 = t2 > ((float)0x0.0p+0);
+        const float t4 = (float)t3;
+        const float t5 = t4 * fold0;
+        const float t6 = t1 * t5;
+        const float t7 = t6 * neg_lr;
+        const float t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
+CLONES static void sgd_f55_double_columns(const double *restrict p, const double *restrict g, double *restrict buf, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    const double wd = (double)s->wd;
+    const double mom = (double)s->mom;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i];
+            const double t0 = p_i * wd;
+            const double t1 = t0 + g_i;
+            const double t2 = t1 * mom;
+            const double t3 = t1 + t2;
+            const double t4 = t3 * t1;
+            const int t5 = t4 > ((double)0x0.0p+0);
+            const double t6 = (double)t5;
+            const double t7 = ((double)0x1.0000000000000p+0) - t6;
+            buf[i] = t1;
+            acc0[j] = fresh ? (double)(t6) : acc0[j] + (double)(t6);
+            acc1[j] = fresh ? (double)(t7) : acc1[j] + (double)(t7);
+        }
+    }
+}
+
+CLONES static void sgd_f55_double_map(double *restrict p, const double *restrict buf, int64_t n, const struct sgd_scalars *s) {
+    const double mom = (double)s->mom;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], buf_i = buf[i];
+        const double t0 = buf_i * mom;
+        const double t1 = buf_i + t0;
+        const double t2 = t1 * buf_i;
+        const int t3 = t2 > ((double)0x0.0p+0);
+        const double t4 = (double)t3;
+        const double t5 = t4 * fold0;
+        const double t6 = t1 * t5;
+        const double t7 = t6 * neg_lr;
+        const double t8 = p_i + t7;
+        p[i] = t8;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_sgd(int dt, int fs, void *const *a, int64_t n, const struct sgd_scalars *s) {
     switch (2 * fs + dt) {
     case 0: sgd_f0_float(a[0], a[1], n, s); return 0;
@@ -3931,6 +8173,66 @@ __attribute__((visibility("default"))) int flatopt_gen_sgd(int dt, int fs, void 
     case 45: sgd_f22_double(a[0], a[1], a[2], n, s); return 0;
     case 46: sgd_f23_float(a[0], a[1], a[2], n, s); return 0;
     case 47: sgd_f23_double(a[0], a[1], a[2], n, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_sgd_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct sgd_scalars *s) {
+    switch (2 * fs + dt) {
+    case 64: sgd_f32_float_columns(a[1], acc[0], acc[1], rows, w, first, s); return 0;
+    case 65: sgd_f32_double_columns(a[1], acc[0], acc[1], rows, w, first, s); return 0;
+    case 66: sgd_f33_float_columns(a[0], a[1], acc[0], acc[1], rows, w, first, s); return 0;
+    case 67: sgd_f33_double_columns(a[0], a[1], acc[0], acc[1], rows, w, first, s); return 0;
+    case 68: sgd_f34_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 69: sgd_f34_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 70: sgd_f35_float_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 71: sgd_f35_double_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 76: sgd_f38_float_columns(a[1], acc[0], acc[1], rows, w, first, s); return 0;
+    case 77: sgd_f38_double_columns(a[1], acc[0], acc[1], rows, w, first, s); return 0;
+    case 78: sgd_f39_float_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 79: sgd_f39_double_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 84: sgd_f42_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 85: sgd_f42_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 86: sgd_f43_float_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 87: sgd_f43_double_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 100: sgd_f50_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 101: sgd_f50_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 102: sgd_f51_float_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 103: sgd_f51_double_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 108: sgd_f54_float_columns(a[1], acc[0], acc[1], rows, w, first, s); return 0;
+    case 109: sgd_f54_double_columns(a[1], acc[0], acc[1], rows, w, first, s); return 0;
+    case 110: sgd_f55_float_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 111: sgd_f55_double_columns(a[0], a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_sgd_map(int dt, int fs, void *const *a, int64_t n, const struct sgd_scalars *s) {
+    switch (2 * fs + dt) {
+    case 64: sgd_f32_float_map(a[0], a[1], n, s); return 0;
+    case 65: sgd_f32_double_map(a[0], a[1], n, s); return 0;
+    case 66: sgd_f33_float_map(a[0], a[1], n, s); return 0;
+    case 67: sgd_f33_double_map(a[0], a[1], n, s); return 0;
+    case 68: sgd_f34_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 69: sgd_f34_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 70: sgd_f35_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 71: sgd_f35_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 76: sgd_f38_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 77: sgd_f38_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 78: sgd_f39_float_map(a[0], a[2], n, s); return 0;
+    case 79: sgd_f39_double_map(a[0], a[2], n, s); return 0;
+    case 84: sgd_f42_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 85: sgd_f42_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 86: sgd_f43_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 87: sgd_f43_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 100: sgd_f50_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 101: sgd_f50_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 102: sgd_f51_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 103: sgd_f51_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 108: sgd_f54_float_map(a[0], a[1], a[2], n, s); return 0;
+    case 109: sgd_f54_double_map(a[0], a[1], a[2], n, s); return 0;
+    case 110: sgd_f55_float_map(a[0], a[2], n, s); return 0;
+    case 111: sgd_f55_double_map(a[0], a[2], n, s); return 0;
     default: return -1;
     }
 }

@@ -1,0 +1,263 @@
+"""``cautious=True`` on the elementwise algorithms (``core/elementwise``: ``e.cautious`` in each step, the flag of
+the ``Cautious`` config base, the mask's count by the reduce stage): an independent float64 reference of every
+algorithm, conformance with pytorch-optimizer's ``Lion(cautious=True)``, the NumPy forms (phases of one large
+tensor, rows of small ones, one whole tensor on the device stand-in) against the serial step bit for bit, the
+non-cautious program unchanged, checkpoints without the field, and bad input.
+
+pytorch-optimizer's ``MARS(cautious=True)``, ``ADOPT(cautious=True)`` and ``AdEMAMix(cautious=True)`` are not
+compared here: flatopt's Mars has no ``cautious`` (a clip's norm then the mask's count needs two reduction levels),
+and Adopt and AdEMAMix take the flag from the same config base once they are definitions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+import flatopt
+from flatopt.core.elementwise.define import REGISTRY, Definition
+
+from .fake_device import FakeDevice
+from .registry import FLAG_SPACE, flag_cases
+
+CASES = {cid: c for cid, c in flag_cases().items() if "cautious" in c.labels}
+
+
+def _caution(u, g):
+    """pytorch-optimizer 4.1.0 ``apply_cautious``, in float64: mask = (u·g > 0); u · mask · numel/(Σ mask + 1)."""
+    mask = (u * g > 0).astype(np.float64)
+    return u * (mask * (u.size / (mask.sum() + 1)))
+
+
+def _moments(c, g, m, v):
+    b1, b2 = c["betas"][:2]
+    m[...] = b1 * m + (1 - b1) * g
+    v[...] = b2 * v + (1 - b2) * g * g
+
+
+def _ref_step(algo, c, p, g, st, t, lr):
+    """One step of ``algo`` (its module docstring's rule) with the cautious mask on its direction, in float64."""
+    wd = c.get("weight_decay", 0.0)
+    if algo == "sgd":
+        gd = g + wd * p
+        d = gd
+        if c["momentum"]:
+            st["buf"][...] = gd if t == 1 else c["momentum"] * st["buf"] + (1 - c["dampening"]) * gd
+            d = gd + c["momentum"] * st["buf"] if c["nesterov"] else st["buf"]
+        p -= lr * _caution(d, gd)
+        return
+    if algo == "lion":
+        b1, b2 = c["betas"]
+        p *= 1 - lr * wd
+        u = np.sign(b1 * st["m"] + (1 - b1) * g)
+        p -= lr * _caution(u, g)
+        st["m"][...] = b2 * st["m"] + (1 - b2) * g
+        return
+    b1, b2 = c["betas"][:2]
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    decoupled = algo in ("adamw", "nadamw", "qhadamw") or (algo == "radam" and c["decoupled_weight_decay"])
+    if decoupled:
+        p *= 1 - lr * wd
+    else:
+        g = g + wd * p
+    m, v = st["m"], st["v"]
+    _moments(c, g, m, v)
+    if algo in ("adam", "adamw"):
+        src = v
+        if c["amsgrad"]:
+            st["vmax"][...] = src = np.maximum(st["vmax"], v)
+        p -= lr / bc1 * _caution(m / (np.sqrt(src / bc2) + c["eps"]), g)
+    elif algo == "nadamw":
+        d = np.sqrt(v / bc2) + c["eps"]
+        p -= _caution(lr * ((1 - b1) / bc1 * g / d + b1 / (1 - b1 ** (t + 1)) * m / d), g)
+    elif algo == "qhadamw":
+        nu1, nu2 = c["nus"]
+        n = m * nu1 / bc1 + (1 - nu1) * g
+        d = np.sqrt(v * nu2 / bc2 + (1 - nu2) * g * g) + c["eps"]
+        p -= lr * _caution(n / d, g)
+    elif algo == "radam":
+        rho_inf = 2 / (1 - b2) - 1
+        rho = rho_inf - 2 * t * b2 ** t / bc2
+        if rho > c["threshold"]:
+            r = math.sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
+            p -= lr * r * math.sqrt(bc2) / bc1 * _caution(m / (np.sqrt(v) + c["eps"]), g)
+        else:
+            p -= lr / bc1 * _caution(m, g)
+    else:  # pragma: no cover - a new algorithm with the flag needs its reference here
+        raise AssertionError(f"no cautious reference for {algo}")
+
+
+def test_every_elementwise_definition_has_the_flag():
+    """The flag comes from the definitions: every registered definition whose config derives from ``Cautious`` has
+    it last, its cautious flag sets sum (the mask's count) and its others do not; the flag space offers it."""
+    have = {name for name, d in REGISTRY.items() if d.cautious}
+    assert have >= {"sgd", "adam", "adamw", "nadamw", "radam", "qhadamw", "lion"}
+    for name in have:
+        d = REGISTRY[name]
+        assert d.flag_names[-1] == "cautious"
+        for f in d.flag_sets():
+            assert (d.split_at(d.index(f)) is not None) == f["cautious"], (name, f)
+        assert "cautious" in FLAG_SPACE[name].options
+
+
+@pytest.mark.parametrize("cid", sorted(CASES))
+def test_float64_reference(cid):
+    case = CASES[cid]
+    opt = case.make()
+    c = dataclasses.asdict(opt.config)
+    lr = c["lr"]
+    rng = np.random.default_rng(7)
+    n = 257
+    p = rng.standard_normal(n)
+    st = {"m": np.zeros(n), "v": np.zeros(n), "vmax": np.zeros(n), "buf": np.zeros(n)}
+    want = p.copy()
+    for t in range(1, max(4, case.space.min_steps + 2)):
+        g = rng.standard_normal(n)
+        opt.step("w", (n,), p, g)
+        _ref_step(case.algorithm, c, want, g.copy(), st, t, lr)
+        np.testing.assert_allclose(p, want, rtol=1e-11, atol=1e-13, err_msg=f"{cid} step {t}")
+
+
+def test_lion_matches_pytorch_optimizer():
+    """pytorch-optimizer's ``Lion(cautious=True)`` in float32: the same mask and scale (exact to the bit without
+    weight decay on small tensors); torch forms p + (−lr)·u in its ``add_(u, alpha=−lr)`` kernel, flatopt rounds
+    u·scale, then ·(−lr), then the sum, so a step may differ by a rounding of |p| and one of lr·scale: 2 ulp of
+    max|p| per step."""
+    torch = pytest.importorskip("torch")
+    po = pytest.importorskip("pytorch_optimizer")
+    rng = np.random.default_rng(3)
+    for n, wd in ((7, 0.0), (1000, 0.1), (70_000, 0.1)):
+        p0 = rng.standard_normal(n).astype(np.float32)
+        opt = flatopt.Lion(lr=1e-2, betas=(0.9, 0.99), weight_decay=wd, cautious=True)
+        tp = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+        ref = po.Lion([tp], lr=1e-2, betas=(0.9, 0.99), weight_decay=wd, cautious=True, foreach=False)
+        p = p0.copy()
+        steps = 6
+        for _ in range(steps):
+            g = rng.standard_normal(n).astype(np.float32)
+            g[:2] = 0.0  # an update against a zero gradient is masked
+            opt.step("w", (n,), p, g)
+            tp.grad = torch.from_numpy(g.copy())
+            ref.step()
+        got, want = p, tp.detach().numpy()
+        tol = steps * 2 * np.spacing(np.float32(np.abs(want).max()))
+        assert np.abs(got - want).max() <= tol, (n, np.abs(got - want).max(), tol)
+        # and it is not plain Lion
+        plain = flatopt.Lion(lr=1e-2, betas=(0.9, 0.99), weight_decay=wd)
+        q = p0.copy()
+        rng2 = np.random.default_rng(0)
+        g = rng2.standard_normal(n).astype(np.float32)
+        plain.step("w", (n,), q, g)
+        c1 = flatopt.Lion(lr=1e-2, betas=(0.9, 0.99), weight_decay=wd, cautious=True)
+        r = p0.copy()
+        c1.step("w", (n,), r, g)
+        assert not np.array_equal(q, r)
+
+
+def _batch(dt, seed, shapes):
+    rng = np.random.default_rng(seed)
+    out = []
+    for k, shape in enumerate(shapes):
+        size = math.prod(shape)
+        p, g = rng.standard_normal(size).astype(dt), rng.standard_normal(size).astype(dt)
+        if size > 2:
+            g[:3] = [0.0, -0.0, np.inf if k == 0 else 1e-40]
+        out.append((f"w{k}", shape, p, g))
+    return out
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("cid", sorted(CASES))
+def test_numpy_forms_and_device_twin_match_the_serial_step(cid, dt):
+    """step_batch (small tensors as rows of one array, a large one in phases on the threads) and the whole-tensor
+    form on the device stand-in give the serial step's bits; without the flag the optimizer stays elementwise."""
+    case = CASES[cid]
+    shapes = [(64,)] * 4 + [(3, 5), (1,), (300_017,)]
+    serial, batch, dev = case.make(), case.make(), case.make()
+    assert not serial.elementwise and case.make(cautious=False).elementwise
+    items = _batch(dt, 1, shapes)
+    ps = {n: p.copy() for n, _, p, _ in items}
+    pb = {n: p.copy() for n, _, p, _ in items}
+    for t in range(max(2, case.space.min_steps + 1)):
+        items = _batch(dt, 10 + t, shapes)
+        with np.errstate(all="ignore"):
+            for n, shape, _, g in items:
+                serial.step(n, shape, ps[n], g)
+            batch.step_batch([flatopt.OptItem(n, shape, pb[n], g) for n, shape, _, g in items])
+        for n in ps:
+            assert ps[n].tobytes() == pb[n].tobytes(), (cid, n, t)
+    # the device twin (core/elementwise/reduce.py xp_update) on FakeDevice arrays, one tensor
+    fd = FakeDevice()
+    n, shape = "w6", shapes[-1]
+    p0 = _batch(dt, 1, shapes)[-1][2]
+    ph, pd = p0.copy(), fd.asarray(p0.copy())
+    host = case.make()
+    st_h = host.hooks.init(n, np, shape, np.dtype(dt))
+    st_d = dev.hooks.init(n, fd, shape, np.dtype(dt))
+    with np.errstate(all="ignore"):
+        for t in range(1, 3):
+            g = _batch(dt, 10 + t, shapes)[-1][3]
+            host.hooks.update(np, st_h, ph, g, t=t, lr=host.config.lr, scratch=[])
+            dev.hooks.update(fd, st_d, pd, fd.asarray(g), t=t, lr=dev.config.lr, scratch=[])
+    assert ph.tobytes() == fd.asnumpy(pd).tobytes(), cid
+
+
+@pytest.mark.parametrize("algo", sorted(a for a, d in REGISTRY.items() if d.cautious))
+def test_without_the_flag_nothing_changes(algo):
+    """The flag appended last: every flag set without it keeps its index and its instruction list (the snapshots of
+    the generated C and CUDA hold the same statements), and its kernels are the only ones generated."""
+    d = REGISTRY[algo]
+    for f in d.plain_flag_sets():
+        assert not f["cautious"] and d.index(f) < 1 << (len(d.flag_names) - 1)
+        assert not any(i.op == "sum" for i in d.program(f).instrs)
+
+
+def test_snapshot_without_the_field_loads_and_continues():
+    """A checkpoint written before the flag existed (no ``cautious`` in its config) loads into a non-cautious
+    optimizer and continues bit for bit; into a cautious one it loads, and the object keeps its flag."""
+    rng = np.random.default_rng(5)
+    p = rng.standard_normal(100).astype(np.float32)
+    a = flatopt.AdamW(lr=1e-2)
+    for _ in range(2):
+        a.step("w", (100,), p, rng.standard_normal(100).astype(np.float32))
+    old = a.state_dict()
+    assert "cautious" not in old.config  # off is written as before the flag existed
+    assert flatopt.AdamW(lr=1e-2, cautious=True).state_dict().config["cautious"] is True
+    b = flatopt.AdamW(lr=1e-2)
+    assert b.load_state_dict(old, restore_hparams=True), b.last_load_notes
+    q = p.copy()
+    g = rng.standard_normal(100).astype(np.float32)
+    a.step("w", (100,), p, g)
+    b.step("w", (100,), q, g)
+    assert p.tobytes() == q.tobytes()
+    c = flatopt.AdamW(lr=1e-2, cautious=True)
+    assert c.load_state_dict(old, restore_hparams=True), c.last_load_notes
+    assert c.config.cautious is True and any(n.startswith("cautious: kept True") for n in c.last_load_notes)
+
+
+@pytest.mark.parametrize("cls", [space.cls for space in FLAG_SPACE.values()
+                                 if "cautious" in space.options])
+def test_bad_flag_is_refused(cls):
+    with pytest.raises(TypeError, match="cautious must be a bool"):
+        cls(lr=1e-3, cautious=1)
+    with pytest.raises(TypeError, match="cautious must be a bool"):
+        cls.config_cls(lr=1e-3, cautious="yes")
+
+
+def test_step_without_the_config_base_is_refused():
+    """``e.cautious`` in a step whose config lacks the field is a clear error, not a silent identity."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        lr: float = 0.1
+
+    def step(e, p, g, *, s, f):
+        return dict(p=p + e.cautious(g, g) * s.neg_lr)
+
+    d = Definition("cautious_bad", step, scalars=lambda cfg, t, lr: dict(neg_lr=-lr),
+                        flags=lambda cfg, t: {}, flag_names=(), slots=(), example=Cfg(), register=False)
+    with pytest.raises(TypeError, match="e.cautious needs the flag 'cautious'"):
+        d.program_at(0)
