@@ -24,13 +24,16 @@ contract the lerps, ``addcmul_`` and ``add_`` with alpha into multiply-adds and 
 in some elements, so the two agree to a few ulps per step rather than bit for bit.  Deviations: the weight decay is
 decoupled (the paper's Algorithm 1 and the official code, as AdamW), where pytorch-optimizer's default
 ``weight_decouple=False`` adds λ·p to the gradient: this class equals ``AdEMAMix(weight_decouple=True)``;
-``fixed_decay``, ``maximize``, ``cautious`` and ``stable_adamw`` are not offered; with a warm-up, β1 and β3 must be
+``fixed_decay``, ``maximize`` and ``stable_adamw`` are not offered; with a warm-up, β1 and β3 must be
 positive and β1 ≤ β3 (pytorch-optimizer accepts others and then fails or divides by zero at some step: the logarithms
 and the denominator of β3(t)).  Every path (NumPy, the compiled CPU pass, the CUDA per-tensor and multi-tensor
 kernels) is derived from the one definition below, the same bits.  ``end_iteration`` only counts iterations (the
 warm-up follows the per-name t).  State: ``m``, ``v``, ``m_slow`` (12 B/param in float32).  Use it for long runs
 where a very slow momentum (β3 0.9999) pays (the paper: language models over many thousands of steps), with an lr
 and a weight decay a little lower than AdamW's, and a warm-up of α and β3 as long as the run when it diverges early.
+``cautious=True``: the fast momentum m (before its bias correction) masked where it disagrees in sign with g, times
+numel/(count + 1) per tensor; the slow term α·s and the decay stay outside, as pytorch-optimizer's
+``AdEMAMix(cautious=True)`` (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ from typing import Any
 from .adam import adam_moments, bias_corrections
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class AdEMAMixConfig:
+class AdEMAMixConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float, float] = (0.9, 0.999, 0.9999)
     alpha: float = 5.0
@@ -124,7 +128,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, m_slow: Any, *, s: Any, f: Any)
     m, v = adam_moments(g, m, v, s)
     m_slow = m_slow + (g - m_slow) * s.omb3
     d = e.sqrt(v) / s.bc2_sqrt + s.eps
-    u = m / s.bc1 + m_slow * s.alpha
+    u = e.cautious(m, g) / s.bc1 + m_slow * s.alpha  # the fast momentum masked, before its correction
     p = p + (u * s.neg_lr) / d  # torch's addcdiv_(u, d, value=−η): (−η·u)/d
     return dict(p=p, m=m, v=v, m_slow=m_slow)
 
@@ -149,6 +153,8 @@ class AdEMAMix(PerParamOptimizer):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
                  alpha: float = 5.0, t_alpha_beta3: float | None = None, eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(AdEMAMixConfig(lr, betas, alpha, t_alpha_beta3, eps, weight_decay), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                 weight_decay: float = 0.0, *, cautious: bool = False, lr_scale: LrScale = None,
+                 weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(AdEMAMixConfig(lr, betas, alpha, t_alpha_beta3, eps, weight_decay, cautious=cautious),
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

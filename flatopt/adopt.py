@@ -20,12 +20,15 @@ contract the lerp, ``add_`` with alpha and ``addcmul_`` into multiply-adds and i
 in some elements, so the two agree to a few ulps per step rather than bit for bit.  Which step is the first is a flag
 of the operation sequence (t == 1), never a test on the data.  Deviations: pytorch-optimizer's ``clip_lambda`` is
 fixed at its default t^¼ (no other clip, no ``None``); ``fixed_decay`` (a decay of 1 − λ, not scaled by the lr),
-``maximize``, ``cautious`` and ``stable_adamw`` are not offered; the paper's first version has no clip (the clip is the
+``maximize`` and ``stable_adamw`` are not offered; the paper's first version has no clip (the clip is the
 authors' later default, which pytorch-optimizer follows); the decoupled decay is pytorch-optimizer's and the official
 code's p·(1 − η·λ) on the value before the step.  Every path (NumPy, the compiled CPU pass, the CUDA per-tensor and
 multi-tensor kernels) is derived from the one definition below, the same bits.  ``end_iteration`` only counts
 iterations.  State: ``m``, ``v`` (8 B/param in float32).  Use it where Adam diverges at a β2 that suits the problem
 (ADOPT converges for any β2), or as a drop-in for Adam with the same lr.
+``cautious=True``: m masked where it disagrees in sign with the clipped normalised gradient n (not g), times
+numel/(count + 1) per tensor, as pytorch-optimizer's ``ADOPT(cautious=True)``; the first step (v only) is unchanged;
+the decay stays outside (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ from typing import Any
 from .adam import check_bool, check_common
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class AdoptConfig:
+class AdoptConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.9999)
     eps: float = 1e-6
@@ -91,7 +95,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
     n = g / e.maximum(e.sqrt(v), s.eps)  # torch's clamp_(min=eps) of √v: NumPy's NaN rule
     n = e.minimum(e.maximum(n, s.neg_clip), s.clip)  # clamp_(−clip, clip)
     m = m + (n - m) * s.omb1
-    p = p + m * s.neg_lr
+    p = p + e.cautious(m, n) * s.neg_lr  # masked against the normalised gradient
     v = v * s.b2 + (g * s.omb2) * g
     return dict(p=p, m=m, v=v)
 
@@ -114,7 +118,8 @@ class Adopt(PerParamOptimizer):
     scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.9999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, decoupled: bool = False, *, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(AdoptConfig(lr, betas, eps, weight_decay, decoupled), lr_scale=lr_scale,
+                 weight_decay: float = 0.0, decoupled: bool = False, *, cautious: bool = False,
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(AdoptConfig(lr, betas, eps, weight_decay, decoupled, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -45,6 +45,12 @@ Round trip y → x → y: not bit for bit (two rounded lerps): |y' − y| ≤ |1
 (1 − w2)·(u|x| + (2u + u²)|w1|·|z − y|) + u|y'| + (2u + u²)|w2|·|z − x| per element, with w1, w2 the two weights
 rounded to the dtype and u its unit roundoff (``tests/test_schedulefree.py`` checks it).
 
+``cautious=True`` (not in the ``schedulefree`` package nor pytorch-optimizer's ``ScheduleFreeAdamW``): the direction
+is the normalised gradient g/(√(v/(1 − β2^t)) + ε), masked where it disagrees in sign with g and scaled by
+numel/(count + 1) per tensor (pytorch-optimizer's ``apply_cautious``), before the decay λ·y is added; the masked u
+moves both y and z (the one direction of the step), so x, their average, moves only where the mask keeps it;
+``eval``/``train`` are unchanged (docs/algorithms.md, cautious).
+
 When to use it: training without a learning-rate schedule (no decay horizon to choose); evaluate at x.
 """
 
@@ -61,12 +67,13 @@ from .core import backend, cpu_plan, gpu_run, step_plan
 from .core import multi_tensor as mt
 from .core.driver import CHUNK, PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, JSONDict, LrScale
 from .core.validate import check_array, check_lr, check_range, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class ScheduleFreeAdamWConfig:
+class ScheduleFreeAdamWConfig(Cautious):
     lr: float = 0.0025
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -140,7 +147,7 @@ def lerp(a: Any, b: Any, w: Any, big: bool) -> Any:
 def step(e: Any, p: Any, g: Any, z: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
     """One element of the update (the module docstring), written once: every path is derived from it."""
     v = v * s.b2 + (g * s.omb2) * g
-    u = g / (e.sqrt(v / s.bc2) + s.eps)
+    u = e.cautious(g / (e.sqrt(v / s.bc2) + s.eps), g)  # masked before the decay is added
     if f.wd:
         u = u + p * s.decay
     if f.first:
@@ -165,11 +172,11 @@ def _conv_flags(weight: Any) -> Any:
     return lambda cfg, t: dict(big=abs(weight(cfg)) >= 0.5)
 
 
-def _eval_weight(cfg: ScheduleFreeAdamWConfig) -> float:
+def _eval_weight(cfg: Any) -> float:
     return 1.0 - 1.0 / cfg.betas[0]
 
 
-def _train_weight(cfg: ScheduleFreeAdamWConfig) -> float:
+def _train_weight(cfg: Any) -> float:
     return 1.0 - cfg.betas[0]
 
 
@@ -178,11 +185,20 @@ def convert(e: Any, p: Any, g: Any, z: Any, *, s: Any, f: Any) -> dict[str, Any]
     return dict(p=lerp(p, z, s.w, f.big))
 
 
+@dataclasses.dataclass(frozen=True)
+class _ConversionExample:
+    """The conversions' example config: they read β1 alone and have no direction to mask (no flag ``cautious``:
+    not a ``Cautious`` config); they run with the optimizer's config."""
+
+    betas: tuple[float, float] = ScheduleFreeAdamWConfig.betas
+
+
 DEF_X = define("schedulefree_to_x", convert, scalars=_conv_scalars(_eval_weight), flags=_conv_flags(_eval_weight),
-               flag_names=("big",), slots=("z",), example=ScheduleFreeAdamWConfig())
+               flag_names=("big",), slots=("z",), example=_ConversionExample())
 DEF_Y = define("schedulefree_to_y", convert, scalars=_conv_scalars(_train_weight), flags=_conv_flags(_train_weight),
-               flag_names=("big",), slots=("z",), example=ScheduleFreeAdamWConfig())
+               flag_names=("big",), slots=("z",), example=_ConversionExample())
 CONVERT = {"eval": run.bind(DEF_X), "train": run.bind(DEF_Y)}
+_CONVERT_SCRATCH = max(CONVERT["eval"][3], CONVERT["train"][3])  # the conversions' NumPy path (cautious or not)
 
 
 class _Kept:
@@ -205,13 +221,15 @@ class ScheduleFreeAdamW(PerParamOptimizer):
     kernel_fn = staticmethod(_kernel_update)
     multi_tensor = _multi  # launched by _run per group of tensors that share t and ckp1
     elementwise = True
-    scratch_buffers = max(_scratch, CONVERT["eval"][3], CONVERT["train"][3])
+    scratch_buffers = max(_scratch, _CONVERT_SCRATCH)
 
     def __init__(self, lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 0, r: float = 0.0, weight_lr_power: float = 2.0, *,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(ScheduleFreeAdamWConfig(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power),
-                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(ScheduleFreeAdamWConfig(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power,
+                                                 cautious=cautious), lr_scale=lr_scale,
+                         weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
         self.mode = "train"
         self.hooks = self.hooks.replace(run=self._run_sf)
 
@@ -320,10 +338,10 @@ class ScheduleFreeAdamW(PerParamOptimizer):
                     with buf.device:
                         if backend.force_twin() or not kernel_update(cfg, slot.state, buf, buf, t=1, lr=0.0):
                             cp = backend.cupy()
-                            scratch = [cp.empty_like(buf) for _ in range(self.scratch_buffers)]
+                            scratch = [cp.empty_like(buf) for _ in range(_CONVERT_SCRATCH)]
                             update(cp, cfg, slot.state, buf, buf, t=1, lr=0.0, scratch=scratch)
                     continue
-                full = cpu_plan.scratch(buf.dtype, self.scratch_buffers, CHUNK)
+                full = cpu_plan.scratch(buf.dtype, _CONVERT_SCRATCH, CHUNK)
                 for lo in range(0, buf.size, CHUNK):
                     hi = min(lo + CHUNK, buf.size)
                     view = types.SimpleNamespace(z=slot.state.z[lo:hi])

@@ -26,6 +26,10 @@ flatopt follows the official code.  The official ``bs`` argument of ``step`` is 
 the update: the NumPy/CuPy path, the compiled CPU pass (``kernels/generated/elementwise.c``; without a C compiler
 the NumPy path runs) and the CUDA kernels (``kernels/generated/sophia.cu``) are derived from it.
 ``update_hessian``'s EMA stays two NumPy/CuPy operations on ``h`` (called every few steps, per tensor; see there).  ``end_iteration`` only counts iterations.  State: ``m``, ``h`` (8 B/param in float32).
+``cautious=True`` (not in the official code nor pytorch-optimizer's Sophia variants): the direction is the clipped
+step sign(m)·min(|m|/(h·ρ + ε), 1), masked where it disagrees in sign with g, times numel/(count + 1) per tensor,
+as pytorch-optimizer's ``apply_cautious`` on the update it subtracts; the decay stays outside (docs/algorithms.md,
+cautious).
 """
 
 from __future__ import annotations
@@ -39,12 +43,13 @@ from .adam import check_common
 from .core import backend
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_array, check_range, check_shape, normalize_numbers
 
 
 @dataclasses.dataclass(frozen=True)
-class SophiaConfig:
+class SophiaConfig(Cautious):
     lr: float = 1e-4
     betas: tuple[float, float] = (0.965, 0.99)
     rho: float = 0.04
@@ -86,7 +91,7 @@ def step(e: Any, p: Any, g: Any, m: Any, h: Any, *, s: Any, f: Any) -> dict[str,
         p = p * s.decay
     m = m * s.b1 + g * s.omb1
     ratio = e.minimum(e.abs(m) / (h * s.rho + s.eps), 1.0)  # NumPy's NaN rule: a NaN ratio stays NaN
-    p = p + (e.sign(m) * ratio) * s.neg_lr
+    p = p + e.cautious(e.sign(m) * ratio, g) * s.neg_lr
     return dict(p=p, m=m)
 
 
@@ -111,10 +116,11 @@ class Sophia(PerParamOptimizer):
     scratch_buffers = _scratch
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, rho: float = _D.rho,
-                 weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps), lr_scale=lr_scale,
+                 weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, cautious: bool = False,
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
 
     def update_hessian(self, name: str, shape: tuple[int, ...], h_hat: Array) -> None:
         """h ← β2·h + (1 − β2)·ĥ for ``name`` (state created with t = 0 if new; t is not advanced).

@@ -232,6 +232,17 @@ class FlagCase:
         """Multi-tensor launches per group: the norm's partials, folds and map when the step takes a norm."""
         return 3 if (self.space.norms and self.kwargs.get("clip_c", True)) or self.kwargs.get("cautious") else 1
 
+    def launches_at(self, t: int) -> int:
+        """``launches`` for a group at step count t: one where that step's flag set has no sum (Adopt's first step
+        sets v alone: no direction to mask)."""
+        from flatopt.core.elementwise.define import REGISTRY as DEFINITIONS  # noqa: PLC0415
+
+        d = DEFINITIONS.get(self.algorithm)
+        if self.launches == 1 or d is None:
+            return self.launches
+        fs = d.flags_of(self.make().config, t, d.example_host)
+        return self.launches if d.split_at(fs) is not None else 1
+
 
 def policy_of(opt) -> str:
     """The non-finite gradient policy of an elementwise optimizer (its flag space's, for its config)."""

@@ -1,12 +1,13 @@
 """``cautious=True`` on the elementwise algorithms (``core/elementwise``: ``e.cautious`` in each step, the flag of
 the ``Cautious`` config base, the mask's count by the reduce stage): an independent float64 reference of every
-algorithm, conformance with pytorch-optimizer's ``Lion(cautious=True)``, the NumPy forms (phases of one large
+algorithm, conformance with pytorch-optimizer's ``Lion(cautious=True)``, ``ADOPT(cautious=True)`` and
+``AdEMAMix(cautious=True)``, the NumPy forms (phases of one large
 tensor, rows of small ones, one whole tensor on the device stand-in) against the serial step bit for bit, the
 non-cautious program unchanged, checkpoints without the field, and bad input.
 
-pytorch-optimizer's ``MARS(cautious=True)``, ``ADOPT(cautious=True)`` and ``AdEMAMix(cautious=True)`` are not
-compared here: flatopt's Mars has no ``cautious`` (a clip's norm then the mask's count needs two reduction levels),
-and Adopt and AdEMAMix take the flag from the same config base once they are definitions.
+pytorch-optimizer's ``MARS(cautious=True)`` is not compared here: flatopt's Mars has no ``cautious`` (a clip's norm
+then the mask's count needs two reduction levels).  Sophia and ScheduleFreeAdamW have no cautious reference
+implementation: their float64 references below apply ``apply_cautious`` to the direction their docstrings name.
 """
 
 from __future__ import annotations
@@ -48,6 +49,54 @@ def _ref_step(algo, c, p, g, st, t, lr):
             st["buf"][...] = gd if t == 1 else c["momentum"] * st["buf"] + (1 - c["dampening"]) * gd
             d = gd + c["momentum"] * st["buf"] if c["nesterov"] else st["buf"]
         p -= lr * _caution(d, gd)
+        return
+    if algo == "sophia":
+        b1 = c["betas"][0]
+        p *= 1 - lr * wd
+        st["m"][...] = b1 * st["m"] + (1 - b1) * g
+        ratio = np.minimum(np.abs(st["m"]) / (st["h"] * c["rho"] + c["eps"]), 1.0)
+        p -= lr * _caution(np.sign(st["m"]) * ratio, g)
+        return
+    if algo == "adopt":
+        b1, b2 = c["betas"]
+        if c["decoupled"]:
+            p *= 1 - lr * wd
+        else:
+            g = g + wd * p
+        if t == 1:
+            st["v"] += g * g
+            return
+        n = np.clip(g / np.maximum(np.sqrt(st["v"]), c["eps"]), -t ** 0.25, t ** 0.25)
+        st["m"][...] = b1 * st["m"] + (1 - b1) * n
+        p -= lr * _caution(st["m"], n)
+        st["v"][...] = b2 * st["v"] + (1 - b2) * g * g
+        return
+    if algo == "ademamix":
+        b1, b2, b3 = c["betas"]
+        alpha, big_t = c["alpha"], c["t_alpha_beta3"]
+        if big_t is not None:
+            alpha = min(t * alpha / big_t, alpha)
+            lb1, lb3 = math.log(b1), math.log(b3)
+            b3 = min(math.exp(lb1 * lb3 / ((1 - t / big_t) * lb3 + (t / big_t) * lb1)), b3)
+        p *= 1 - lr * wd
+        _moments(c, g, st["m"], st["v"])
+        st["m_slow"][...] = b3 * st["m_slow"] + (1 - b3) * g
+        u = _caution(st["m"], g) / (1 - b1 ** t) + alpha * st["m_slow"]
+        p -= lr * u / (np.sqrt(st["v"] / (1 - b2 ** t)) + c["eps"])
+        return
+    if algo == "schedulefree_adamw":
+        b1, b2 = c["betas"]
+        sched = t / c["warmup_steps"] if t - 1 < c["warmup_steps"] else 1.0
+        st["v"][...] = b2 * st["v"] + (1 - b2) * g * g
+        u = _caution(g / (np.sqrt(st["v"] / (1 - b2 ** t)) + c["eps"]), g) + wd * p
+        if t == 1:
+            st["z"][...] = p
+        st["lr_max"] = max(lr * sched, st.get("lr_max", -1.0))
+        weight = t ** c["r"] * st["lr_max"] ** c["weight_lr_power"]
+        st["weight_sum"] = st.get("weight_sum", 0.0) + weight
+        ckp1 = weight / st["weight_sum"]
+        p[...] = (1 - ckp1) * p + ckp1 * st["z"] + lr * sched * (b1 * (1 - ckp1) - 1) * u
+        st["z"] -= lr * sched * u
         return
     if algo == "lion":
         b1, b2 = c["betas"]
@@ -94,12 +143,15 @@ def test_every_elementwise_definition_has_the_flag():
     """The flag comes from the definitions: every registered definition whose config derives from ``Cautious`` has
     it last, its cautious flag sets sum (the mask's count) and its others do not; the flag space offers it."""
     have = {name for name, d in REGISTRY.items() if d.cautious}
-    assert have >= {"sgd", "adam", "adamw", "nadamw", "radam", "qhadamw", "lion"}
+    assert have >= {"sgd", "adam", "adamw", "nadamw", "radam", "qhadamw", "lion", "sophia", "adopt", "ademamix",
+                    "schedulefree_adamw"}
     for name in have:
         d = REGISTRY[name]
         assert d.flag_names[-1] == "cautious"
         for f in d.flag_sets():
-            assert (d.split_at(d.index(f)) is not None) == f["cautious"], (name, f)
+            # Adopt's first step only initialises v: no direction, no mask
+            sums = f["cautious"] and not (name == "adopt" and f["first"])
+            assert (d.split_at(d.index(f)) is not None) == sums, (name, f)
         assert "cautious" in FLAG_SPACE[name].options
 
 
@@ -112,8 +164,13 @@ def test_float64_reference(cid):
     rng = np.random.default_rng(7)
     n = 257
     p = rng.standard_normal(n)
-    st = {"m": np.zeros(n), "v": np.zeros(n), "vmax": np.zeros(n), "buf": np.zeros(n)}
+    st = {"m": np.zeros(n), "v": np.zeros(n), "vmax": np.zeros(n), "buf": np.zeros(n), "m_slow": np.zeros(n),
+          "h": np.zeros(n), "z": np.zeros(n)}
     want = p.copy()
+    if case.algorithm == "sophia":  # a Hessian estimate, so that the clip min(|m|/(h·ρ + ε), 1) is not always 1
+        h_hat = rng.random(n) * 4.0
+        opt.update_hessian("w", (n,), h_hat)
+        st["h"] = (1 - c["betas"][1]) * h_hat
     for t in range(1, max(4, case.space.min_steps + 2)):
         g = rng.standard_normal(n)
         opt.step("w", (n,), p, g)
@@ -155,6 +212,44 @@ def test_lion_matches_pytorch_optimizer():
         r = p0.copy()
         c1.step("w", (n,), r, g)
         assert not np.array_equal(q, r)
+
+
+@pytest.mark.parametrize("algo", ["adopt", "ademamix"])
+@pytest.mark.parametrize("n", [7, 1000, 70_001])
+def test_matches_pytorch_optimizer(algo, n):
+    """pytorch-optimizer's ``ADOPT(cautious=True)`` (m masked against the clipped normalised gradient) and
+    ``AdEMAMix(cautious=True)`` (the fast momentum masked against g before its bias correction) in float32, with the
+    measure and the data of ``tests/test_catalogue_elementwise.py`` (the relative error of the accumulated update
+    over 10 steps at a changing lr).  Tolerance 1e-5, that file's bound for both without the option (≤ ~20 and
+    ~25 roundings of 2^-24 per step, torch's multiply-adds and float32 ``sqrt``) plus the mask's four roundings
+    (1/(count + 1), ·numel, mask·scale, u·(mask·scale): the same operations as torch's ``apply_cautious``), ≤ 30
+    units of 2^-24 = 1.8e-6 per step.  The mask itself is exact (the count of float32 ones is exact below 2^24) unless
+    u·g straddles 0 within those roundings; with these seeds no element does (a flip would cost ~1/√n, above 1e-5)."""
+    cat = pytest.importorskip("tests.test_catalogue_elementwise")
+    po = pytest.importorskip("pytorch_optimizer")
+    shape = (n,)
+    cfgs = {"adopt": [dict(betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.0),
+                      dict(betas=(0.85, 0.95), eps=1e-6, weight_decay=0.05, decoupled=True)],
+            "ademamix": [dict(betas=(0.9, 0.999, 0.9999), alpha=5.0, eps=1e-8, weight_decay=0.0),
+                         dict(betas=(0.8, 0.99, 0.999), alpha=2.0, t_alpha_beta3=6, eps=1e-8, weight_decay=0.1)]}
+    for i, cfg in enumerate(cfgs[algo]):
+        p0, grads = cat.data(shape, 100 + i)
+        for g in grads:
+            g[:2] = 0.0  # a direction against a zero gradient is masked
+        if algo == "adopt":
+            kw = dict(cfg)
+            got = cat.run_flatopt(flatopt.Adopt(cautious=True, **kw), shape, p0, grads)
+            want = cat.run_torch(po.ADOPT, shape, p0, grads, weight_decouple=kw.pop("decoupled", False),
+                                 fixed_decay=False, foreach=False, cautious=True, **kw)
+            plain = cat.run_flatopt(flatopt.Adopt(**cfg), shape, p0, grads)
+        else:
+            got = cat.run_flatopt(flatopt.AdEMAMix(cautious=True, **cfg), shape, p0, grads)
+            want = cat.run_torch(po.AdEMAMix, shape, p0, grads, weight_decouple=True, fixed_decay=False,
+                                 foreach=False, cautious=True, **cfg)
+            plain = cat.run_flatopt(flatopt.AdEMAMix(**cfg), shape, p0, grads)
+        err = cat.rel_err(p0, got, want)
+        assert err <= 1e-5, (algo, n, cfg, err)
+        assert cat.rel_err(p0, plain, want) > 1e-3, (algo, n, cfg)  # the option changes the steps
 
 
 def _batch(dt, seed, shapes):
@@ -200,8 +295,11 @@ def test_numpy_forms_and_device_twin_match_the_serial_step(cid, dt):
     with np.errstate(all="ignore"):
         for t in range(1, 3):
             g = _batch(dt, 10 + t, shapes)[-1][3]
-            host.hooks.update(np, st_h, ph, g, t=t, lr=host.config.lr, scratch=[])
-            dev.hooks.update(fd, st_d, pd, fd.asarray(g), t=t, lr=dev.config.lr, scratch=[])
+            lr_h, lr_d = host.config.lr, dev.config.lr
+            if hasattr(host, "step_lr"):  # ScheduleFreeAdamW: (lr, its averaging weight), advancing host numbers
+                lr_h, lr_d = host.step_lr(st_h, t, lr_h), dev.step_lr(st_d, t, lr_d)
+            host.hooks.update(np, st_h, ph, g, t=t, lr=lr_h, scratch=[])
+            dev.hooks.update(fd, st_d, pd, fd.asarray(g), t=t, lr=lr_d, scratch=[])
     assert ph.tobytes() == fd.asnumpy(pd).tobytes(), cid
 
 
@@ -210,9 +308,11 @@ def test_without_the_flag_nothing_changes(algo):
     """The flag appended last: every flag set without it keeps its index and its instruction list (the snapshots of
     the generated C and CUDA hold the same statements), and its kernels are the only ones generated."""
     d = REGISTRY[algo]
-    for f in d.plain_flag_sets():
-        assert not f["cautious"] and d.index(f) < 1 << (len(d.flag_names) - 1)
-        assert not any(i.op == "sum" for i in d.program(f).instrs)
+    plain = d.plain_flag_sets()
+    for f in d.flag_sets():
+        if not f["cautious"]:
+            assert d.index(f) < 1 << (len(d.flag_names) - 1) and f in plain
+            assert not any(i.op == "sum" for i in d.program(f).instrs)
 
 
 def test_snapshot_without_the_field_loads_and_continues():

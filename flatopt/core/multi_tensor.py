@@ -77,10 +77,11 @@ class Norms:
 
     sums: int  # the most sums of a flag set: the partials' buffer holds sums * nparts
     folds: int  # the most per-tensor values a fold writes: scal[ti * folds + k]
-    # (config, t) -> the (partials, fold) kernels of this launch, or None for a flag set without a sum
-    pick: Callable[[Any, int], tuple | None]
-    partial_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after parts
-    fold_args: Callable[[Any, int, type], tuple]  # (config, t, dtype scalar type) -> the arguments after scal
+    # (config, t) -> the (partials, fold) kernels of this launch, or None for a flag set without a sum; the three
+    # take the group's host values as a last argument where the definition declares them (as MultiTensor's)
+    pick: Callable[..., tuple | None]
+    partial_args: Callable[..., tuple]  # (config, t, dtype scalar type) -> the arguments after parts
+    fold_args: Callable[..., tuple]  # (config, t, dtype scalar type) -> the arguments after scal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,28 +174,28 @@ class Group:
                 stream.wait_event(self.uploaded)
                 self.streams.add(stream.ptr)
             if self.spec.norms is not None:
-                self._launch_norms(config, t, base_lr, args)
+                self._launch_norms(config, t, base_lr, args, extra)
             elif self.spec.pick is not None:
                 kernels.get(self.spec.source, self.spec.pick(config, t, *extra), self.dtype)((self.nblocks,), (BLOCK,),
                                                                                             args)
             else:
                 self.fn((self.nblocks,), (BLOCK,), args)
 
-    def _launch_norms(self, config, t: int, base_lr: float, args: tuple) -> None:
+    def _launch_norms(self, config, t: int, base_lr: float, args: tuple, extra: tuple = ()) -> None:
         """The partials, the per-tensor fold and the elementwise kernel (which reads ``scal``); a flag set without a
         sum: its plain kernel alone."""
         norms, dt, spec = self.spec.norms, self.dtype.type, self.spec
-        fn = self.fn if spec.pick is None else kernels.get(spec.source, spec.pick(config, t), self.dtype)
-        names = norms.pick(config, t)
+        fn = self.fn if spec.pick is None else kernels.get(spec.source, spec.pick(config, t, *extra), self.dtype)
+        names = norms.pick(config, t, *extra)
         if names is None:
             fn((self.nblocks,), (BLOCK,), args)
             return
         partials_fn, fold_fn = (kernels.get(spec.source, k, self.dtype) for k in names)
         threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
         partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
-                                             *norms.partial_args(config, t, dt)))
+                                             *norms.partial_args(config, t, dt, *extra)))
         fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr), self.parts,
-                                            self.scal, *norms.fold_args(config, t, dt)))
+                                            self.scal, *norms.fold_args(config, t, dt, *extra)))
         fn((self.nblocks,), (BLOCK,), (*args, self.scal))
 
 

@@ -150,7 +150,8 @@ def _plain_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: 
     return True
 
 
-def _reduce_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float) -> bool:
+def _reduce_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float,
+                   hv: tuple = ()) -> bool:
     """The three per-tensor kernels of a flag set with a sum (partials, fold, map; ``st.work``: the partials and
     the fold's results, allocated once per name); no host synchronisation."""
     n = p.size
@@ -162,7 +163,7 @@ def _reduce_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t:
     buf = reduce.work(st, k * nb + len(sp.folds), p.dtype, backend.cupy())
     parts, scal = buf[:k * nb], buf[k * nb:]
     arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
-    sc = _scalars(d, cfg, t, lr)
+    sc = _scalars(d, cfg, t, lr, hv)
     src = cuda_file(d)
 
     def used(prog: tr.Program) -> list:
@@ -188,7 +189,7 @@ class _Slices:
             setattr(self, name, x[a:b])
 
 
-def _plain_range(d: Definition, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float, chunk: int, lo: int,
+def _plain_range(d: Definition, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: Any, chunk: int, lo: int,
                  hi: int) -> None:
     """Elements [lo, hi) of a flag set without a sum: the elementwise step per chunk (the C pass or NumPy)."""
     sts = d.state_arrays(st, p)
@@ -202,69 +203,78 @@ def _plain_range(d: Definition, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: f
 
 def bind_reduce(d: Definition) -> dict:
     """What the optimizer class of a definition with a sum (``reduce.py``) binds: ``update_fn``, ``np_phases_fn``,
-    ``np_rows_fn`` (a flag set without a sum runs the plain elementwise step in each)."""
+    ``np_rows_fn`` (a flag set without a sum runs the plain elementwise step in each).  A definition with ``host``
+    values receives ``lr`` as ``(lr, *host values)`` in each, as ``bind``'s functions do; its multi-tensor launch
+    takes them per group (``host=``)."""
 
-    def sc_of(cfg: Any, t: int, lr: float, dtype: Any) -> dict:
-        return _cast(d, cfg, t, lr, dtype, math.copysign(1.0, lr), ())
+    def sc_of(cfg: Any, t: int, lr: float, dtype: Any, hv: tuple) -> dict:
+        return _cast(d, cfg, t, lr, dtype, math.copysign(1.0, lr), hv)
 
-    def np_phases(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float, chunk: int):
-        fs = d.flags_of(cfg, t)
+    def np_phases(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: Any, chunk: int):
+        lr_hv = lr
+        lr, hv = split(d, lr)
+        fs = d.flags_of(cfg, t, hv)
         if d.split_at(fs) is None:
-            yield [(hi - lo, functools.partial(_plain_range, d, cfg, st, p, g, t, lr, chunk, lo, hi))
+            yield [(hi - lo, functools.partial(_plain_range, d, cfg, st, p, g, t, lr_hv, chunk, lo, hi))
                    for lo, hi in cpu_plan.ranges(p.size, chunk)]
             return
-        yield from reduce.np_phases(d, fs, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype),
-                                    _packed(d, cfg, t, lr), chunk)
+        yield from reduce.np_phases(d, fs, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype, hv),
+                                    _packed(d, cfg, t, lr, hv), chunk)
 
-    def np_rows(cfg: Any, st: Any, P: Any, G: Any, *, t: int, lr: float, work: dict) -> None:
-        fs = d.flags_of(cfg, t)
+    def np_rows(cfg: Any, st: Any, P: Any, G: Any, *, t: int, lr: Any, work: dict) -> None:
+        lr_hv = lr
+        lr, hv = split(d, lr)
+        fs = d.flags_of(cfg, t, hv)
         if d.split_at(fs) is None:
             bufs = work.get(("plain", fs))
             if bufs is None:
                 bufs = work[("plain", fs)] = [np.empty_like(P) for _ in range(scratch_needed(d))]
-            numpy_update(d, np, cfg, st, P, G, t=t, lr=lr, scratch=bufs)
+            numpy_update(d, np, cfg, st, P, G, t=t, lr=lr_hv, scratch=bufs)
             return
-        reduce.np_rows(d, fs, (P, G, *d.state_arrays(st, P)), sc_of(cfg, t, lr, P.dtype), work)
+        reduce.np_rows(d, fs, (P, G, *d.state_arrays(st, P)), sc_of(cfg, t, lr, P.dtype, hv), work)
 
-    def update(xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float, scratch: list) -> None:
+    def update(xp: Any, cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: Any, scratch: list) -> None:
         """One step on a whole flat buffer (not elementwise: a sum needs all of it)."""
         if xp is np:
             blocks.run_serial(np_phases(cfg, st, p, g, t=t, lr=lr, chunk=reduce.CHUNK))
             return
-        fs = d.flags_of(cfg, t)
+        lr_hv = lr
+        lr, hv = split(d, lr)
+        fs = d.flags_of(cfg, t, hv)
         if d.split_at(fs) is None:
             k, n = scratch_needed(d), p.size
             w = reduce.work(st, max(1, k) * n, p.dtype, xp)
-            numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr, scratch=[w[j * n:(j + 1) * n] for j in range(k)])
+            numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr_hv, scratch=[w[j * n:(j + 1) * n] for j in range(k)])
             return
-        reduce.xp_update(d, fs, xp, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype))
+        reduce.xp_update(d, fs, xp, (p, g, *d.state_arrays(st, p)), st, sc_of(cfg, t, lr, p.dtype, hv))
 
-    def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: float) -> bool:
-        fs = d.flags_of(cfg, t)
+    def kernel_update(cfg: Any, st: Any, p: Any, g: Any, *, t: int, lr: Any) -> bool:
+        lr, hv = split(d, lr)
+        fs = d.flags_of(cfg, t, hv)
         if d.split_at(fs) is None:
-            return _plain_kernel(d, fs, cfg, st, p, g, t, lr)
-        return _reduce_kernel(d, fs, cfg, st, p, g, t, lr)
+            return _plain_kernel(d, fs, cfg, st, p, g, t, lr, hv)
+        return _reduce_kernel(d, fs, cfg, st, p, g, t, lr, hv)
 
-    def map_args(cfg: Any, t: int, dt: Any) -> tuple:
-        fs = d.flags_of(cfg, t)
+    def map_args(cfg: Any, t: int, dt: Any, host: tuple = ()) -> tuple:
+        fs = d.flags_of(cfg, t, host)
         sp = d.split_at(fs)
-        doubles, plain, numbers = _multi(d, cfg, t, fs, (), "map" if sp is not None else None)
+        doubles, plain, numbers = _multi(d, cfg, t, fs, host, "map" if sp is not None else None)
         return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
 
-    def partial_args(cfg: Any, t: int, dt: Any) -> tuple:
-        sc = _scalars(d, cfg, t, 0.0)  # the reduce phase reads no lr-dependent scalar (emit refuses one)
-        return tuple(sc[s] for s in d.split_at(d.flags_of(cfg, t)).reduce.scalars)
+    def partial_args(cfg: Any, t: int, dt: Any, host: tuple = ()) -> tuple:
+        sc = _scalars(d, cfg, t, 0.0, host)  # the reduce phase reads no lr-dependent scalar (emit refuses one)
+        return tuple(sc[s] for s in d.split_at(d.flags_of(cfg, t, host)).reduce.scalars)
 
-    def fold_args(cfg: Any, t: int, dt: Any) -> tuple:
-        doubles, plain, numbers = _multi(d, cfg, t, d.flags_of(cfg, t), (), "fold")
+    def fold_args(cfg: Any, t: int, dt: Any, host: tuple = ()) -> tuple:
+        doubles, plain, numbers = _multi(d, cfg, t, d.flags_of(cfg, t, host), host, "fold")
         return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
 
-    def pick(cfg: Any, t: int) -> str:
-        fs = d.flags_of(cfg, t)
+    def pick(cfg: Any, t: int, host: tuple = ()) -> str:
+        fs = d.flags_of(cfg, t, host)
         return emit.cuda_name(d, fs, "map_multi" if d.split_at(fs) is not None else "multi")
 
-    def pick_norms(cfg: Any, t: int) -> tuple | None:
-        fs = d.flags_of(cfg, t)
+    def pick_norms(cfg: Any, t: int, host: tuple = ()) -> tuple | None:
+        fs = d.flags_of(cfg, t, host)
         if d.split_at(fs) is None:
             return None
         return emit.cuda_name(d, fs, "partials_multi"), emit.cuda_name(d, fs, "fold_multi")
@@ -272,7 +282,8 @@ def bind_reduce(d: Definition) -> dict:
     splits = [sp for sp in (d.split_at(d.index(f)) for f in d.flag_sets()) if sp is not None]
     norms = Norms(max(len(sp.sums) for sp in splits), max(len(sp.folds) for sp in splits), pick_norms, partial_args,
                   fold_args)
-    multi = MultiTensor(cuda_file(d), pick(d.example, 1), d.state_arrays, map_args, norms=norms, pick=pick,
+    multi = MultiTensor(cuda_file(d), pick(d.example, 1, d.example_host), d.state_arrays, map_args, norms=norms,
+                        pick=pick,
                         aligned_flag=True)
     return dict(update_fn=update, np_phases_fn=np_phases, np_rows_fn=np_rows, kernel_fn=kernel_update,
                 multi_tensor=multi)

@@ -1550,7 +1550,7 @@ __attribute__((visibility("default"))) int flatopt_gen_adamw_map(int dt, int fs,
     }
 }
 
-/* ---- ademamix: ademamix.py `step` (flags: wd) */
+/* ---- ademamix: ademamix.py `step` (flags: wd, cautious) */
 struct ademamix_scalars {
     double decay;
     double omb1;
@@ -1562,6 +1562,7 @@ struct ademamix_scalars {
     double bc1;
     double alpha;
     double neg_lr;
+    double fold0;
 };
 
 CLONES static void ademamix_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
@@ -1720,6 +1721,250 @@ CLONES static void ademamix_f1_double(double *restrict p, const double *restrict
     }
 }
 
+CLONES static void ademamix_f2_float_columns(const float *restrict g, float *restrict m, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct ademamix_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = t2 * g_i;
+            const int t4 = t3 > ((float)0x0.0p+0);
+            const float t5 = (float)t4;
+            const float t6 = ((float)0x1.0000000000000p+0) - t5;
+            m[i] = t2;
+            acc0[j] = fresh ? (float)(t5) : acc0[j] + (float)(t5);
+            acc1[j] = fresh ? (float)(t6) : acc1[j] + (float)(t6);
+        }
+    }
+}
+
+CLONES static void ademamix_f2_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, float *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float omb3 = (float)s->omb3;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float bc1 = (float)s->bc1;
+    const float alpha = (float)s->alpha;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], m_slow_i = m_slow[i];
+        const float t0 = v_i * b2;
+        const float t1 = g_i * omb2;
+        const float t2 = t1 * g_i;
+        const float t3 = t0 + t2;
+        const float t4 = g_i - m_slow_i;
+        const float t5 = t4 * omb3;
+        const float t6 = m_slow_i + t5;
+        const float t7 = sqrtf(t3);
+        const float t8 = t7 / bc2_sqrt;
+        const float t9 = t8 + eps;
+        const float t10 = m_i * g_i;
+        const int t11 = t10 > ((float)0x0.0p+0);
+        const float t12 = (float)t11;
+        const float t13 = t12 * fold0;
+        const float t14 = m_i * t13;
+        const float t15 = t14 / bc1;
+        const float t16 = t6 * alpha;
+        const float t17 = t15 + t16;
+        const float t18 = t17 * neg_lr;
+        const float t19 = t18 / t9;
+        const float t20 = p_i + t19;
+        p[i] = t20;
+        v[i] = t3;
+        m_slow[i] = t6;
+    }
+}
+
+CLONES static void ademamix_f2_double_columns(const double *restrict g, double *restrict m, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct ademamix_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = t2 * g_i;
+            const int t4 = t3 > ((double)0x0.0p+0);
+            const double t5 = (double)t4;
+            const double t6 = ((double)0x1.0000000000000p+0) - t5;
+            m[i] = t2;
+            acc0[j] = fresh ? (double)(t5) : acc0[j] + (double)(t5);
+            acc1[j] = fresh ? (double)(t6) : acc1[j] + (double)(t6);
+        }
+    }
+}
+
+CLONES static void ademamix_f2_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, double *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double omb3 = (double)s->omb3;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double bc1 = (double)s->bc1;
+    const double alpha = (double)s->alpha;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], m_slow_i = m_slow[i];
+        const double t0 = v_i * b2;
+        const double t1 = g_i * omb2;
+        const double t2 = t1 * g_i;
+        const double t3 = t0 + t2;
+        const double t4 = g_i - m_slow_i;
+        const double t5 = t4 * omb3;
+        const double t6 = m_slow_i + t5;
+        const double t7 = sqrt(t3);
+        const double t8 = t7 / bc2_sqrt;
+        const double t9 = t8 + eps;
+        const double t10 = m_i * g_i;
+        const int t11 = t10 > ((double)0x0.0p+0);
+        const double t12 = (double)t11;
+        const double t13 = t12 * fold0;
+        const double t14 = m_i * t13;
+        const double t15 = t14 / bc1;
+        const double t16 = t6 * alpha;
+        const double t17 = t15 + t16;
+        const double t18 = t17 * neg_lr;
+        const double t19 = t18 / t9;
+        const double t20 = p_i + t19;
+        p[i] = t20;
+        v[i] = t3;
+        m_slow[i] = t6;
+    }
+}
+
+CLONES static void ademamix_f3_float_columns(const float *restrict g, float *restrict m, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct ademamix_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = t2 * g_i;
+            const int t4 = t3 > ((float)0x0.0p+0);
+            const float t5 = (float)t4;
+            const float t6 = ((float)0x1.0000000000000p+0) - t5;
+            m[i] = t2;
+            acc0[j] = fresh ? (float)(t5) : acc0[j] + (float)(t5);
+            acc1[j] = fresh ? (float)(t6) : acc1[j] + (float)(t6);
+        }
+    }
+}
+
+CLONES static void ademamix_f3_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, float *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
+    const float decay = (float)s->decay;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float omb3 = (float)s->omb3;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float bc1 = (float)s->bc1;
+    const float alpha = (float)s->alpha;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], m_slow_i = m_slow[i];
+        const float t0 = p_i * decay;
+        const float t1 = v_i * b2;
+        const float t2 = g_i * omb2;
+        const float t3 = t2 * g_i;
+        const float t4 = t1 + t3;
+        const float t5 = g_i - m_slow_i;
+        const float t6 = t5 * omb3;
+        const float t7 = m_slow_i + t6;
+        const float t8 = sqrtf(t4);
+        const float t9 = t8 / bc2_sqrt;
+        const float t10 = t9 + eps;
+        const float t11 = m_i * g_i;
+        const int t12 = t11 > ((float)0x0.0p+0);
+        const float t13 = (float)t12;
+        const float t14 = t13 * fold0;
+        const float t15 = m_i * t14;
+        const float t16 = t15 / bc1;
+        const float t17 = t7 * alpha;
+        const float t18 = t16 + t17;
+        const float t19 = t18 * neg_lr;
+        const float t20 = t19 / t10;
+        const float t21 = t0 + t20;
+        p[i] = t21;
+        v[i] = t4;
+        m_slow[i] = t7;
+    }
+}
+
+CLONES static void ademamix_f3_double_columns(const double *restrict g, double *restrict m, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct ademamix_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = t2 * g_i;
+            const int t4 = t3 > ((double)0x0.0p+0);
+            const double t5 = (double)t4;
+            const double t6 = ((double)0x1.0000000000000p+0) - t5;
+            m[i] = t2;
+            acc0[j] = fresh ? (double)(t5) : acc0[j] + (double)(t5);
+            acc1[j] = fresh ? (double)(t6) : acc1[j] + (double)(t6);
+        }
+    }
+}
+
+CLONES static void ademamix_f3_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, double *restrict m_slow, int64_t n, const struct ademamix_scalars *s) {
+    const double decay = (double)s->decay;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double omb3 = (double)s->omb3;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double bc1 = (double)s->bc1;
+    const double alpha = (double)s->alpha;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], m_slow_i = m_slow[i];
+        const double t0 = p_i * decay;
+        const double t1 = v_i * b2;
+        const double t2 = g_i * omb2;
+        const double t3 = t2 * g_i;
+        const double t4 = t1 + t3;
+        const double t5 = g_i - m_slow_i;
+        const double t6 = t5 * omb3;
+        const double t7 = m_slow_i + t6;
+        const double t8 = sqrt(t4);
+        const double t9 = t8 / bc2_sqrt;
+        const double t10 = t9 + eps;
+        const double t11 = m_i * g_i;
+        const int t12 = t11 > ((double)0x0.0p+0);
+        const double t13 = (double)t12;
+        const double t14 = t13 * fold0;
+        const double t15 = m_i * t14;
+        const double t16 = t15 / bc1;
+        const double t17 = t7 * alpha;
+        const double t18 = t16 + t17;
+        const double t19 = t18 * neg_lr;
+        const double t20 = t19 / t10;
+        const double t21 = t0 + t20;
+        p[i] = t21;
+        v[i] = t4;
+        m_slow[i] = t7;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_ademamix(int dt, int fs, void *const *a, int64_t n, const struct ademamix_scalars *s) {
     switch (2 * fs + dt) {
     case 0: ademamix_f0_float(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
@@ -1730,7 +1975,27 @@ __attribute__((visibility("default"))) int flatopt_gen_ademamix(int dt, int fs, 
     }
 }
 
-/* ---- adopt: adopt.py `step` (flags: wd, dec, first) */
+__attribute__((visibility("default"))) int flatopt_gen_ademamix_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct ademamix_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: ademamix_f2_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 5: ademamix_f2_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 6: ademamix_f3_float_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    case 7: ademamix_f3_double_columns(a[1], a[2], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_ademamix_map(int dt, int fs, void *const *a, int64_t n, const struct ademamix_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: ademamix_f2_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 5: ademamix_f2_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 6: ademamix_f3_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 7: ademamix_f3_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    default: return -1;
+    }
+}
+
+/* ---- adopt: adopt.py `step` (flags: wd, dec, first, cautious) */
 struct adopt_scalars {
     double decay;
     double wd;
@@ -1741,6 +2006,7 @@ struct adopt_scalars {
     double neg_lr;
     double b2;
     double omb2;
+    double fold0;
 };
 
 CLONES static void adopt_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int64_t n, const struct adopt_scalars *s) {
@@ -1999,6 +2265,448 @@ CLONES static void adopt_f7_double(double *restrict p, const double *restrict g,
     }
 }
 
+CLONES static void adopt_f8_float_columns(const float *restrict g, float *restrict m, const float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adopt_scalars *s) {
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = sqrtf(v_i);
+            const float t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
+            const float t2 = g_i / t1;
+            const float t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
+            const float t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
+            const float t5 = t4 - m_i;
+            const float t6 = t5 * omb1;
+            const float t7 = m_i + t6;
+            const float t8 = t7 * t4;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            m[i] = t7;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void adopt_f8_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float neg_lr = (float)s->neg_lr;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = sqrtf(v_i);
+        const float t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
+        const float t2 = g_i / t1;
+        const float t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
+        const float t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
+        const float t5 = m_i * t4;
+        const int t6 = t5 > ((float)0x0.0p+0);
+        const float t7 = (float)t6;
+        const float t8 = t7 * fold0;
+        const float t9 = m_i * t8;
+        const float t10 = t9 * neg_lr;
+        const float t11 = p_i + t10;
+        const float t12 = v_i * b2;
+        const float t13 = g_i * omb2;
+        const float t14 = t13 * g_i;
+        const float t15 = t12 + t14;
+        p[i] = t11;
+        v[i] = t15;
+    }
+}
+
+CLONES static void adopt_f8_double_columns(const double *restrict g, double *restrict m, const double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adopt_scalars *s) {
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = sqrt(v_i);
+            const double t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
+            const double t2 = g_i / t1;
+            const double t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
+            const double t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
+            const double t5 = t4 - m_i;
+            const double t6 = t5 * omb1;
+            const double t7 = m_i + t6;
+            const double t8 = t7 * t4;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            m[i] = t7;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void adopt_f8_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double neg_lr = (double)s->neg_lr;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = sqrt(v_i);
+        const double t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
+        const double t2 = g_i / t1;
+        const double t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
+        const double t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
+        const double t5 = m_i * t4;
+        const int t6 = t5 > ((double)0x0.0p+0);
+        const double t7 = (double)t6;
+        const double t8 = t7 * fold0;
+        const double t9 = m_i * t8;
+        const double t10 = t9 * neg_lr;
+        const double t11 = p_i + t10;
+        const double t12 = v_i * b2;
+        const double t13 = g_i * omb2;
+        const double t14 = t13 * g_i;
+        const double t15 = t12 + t14;
+        p[i] = t11;
+        v[i] = t15;
+    }
+}
+
+CLONES static void adopt_f9_float_columns(const float *restrict p, const float *restrict g, float *restrict m, const float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adopt_scalars *s) {
+    const float wd = (float)s->wd;
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = p_i * wd;
+            const float t1 = g_i + t0;
+            const float t2 = sqrtf(v_i);
+            const float t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
+            const float t4 = t1 / t3;
+            const float t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
+            const float t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
+            const float t7 = t6 - m_i;
+            const float t8 = t7 * omb1;
+            const float t9 = m_i + t8;
+            const float t10 = t9 * t6;
+            const int t11 = t10 > ((float)0x0.0p+0);
+            const float t12 = (float)t11;
+            const float t13 = ((float)0x1.0000000000000p+0) - t12;
+            m[i] = t9;
+            acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
+            acc1[j] = fresh ? (float)(t13) : acc1[j] + (float)(t13);
+        }
+    }
+}
+
+CLONES static void adopt_f9_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float wd = (float)s->wd;
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float neg_lr = (float)s->neg_lr;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = sqrtf(v_i);
+        const float t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
+        const float t4 = t1 / t3;
+        const float t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
+        const float t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
+        const float t7 = m_i * t6;
+        const int t8 = t7 > ((float)0x0.0p+0);
+        const float t9 = (float)t8;
+        const float t10 = t9 * fold0;
+        const float t11 = m_i * t10;
+        const float t12 = t11 * neg_lr;
+        const float t13 = p_i + t12;
+        const float t14 = v_i * b2;
+        const float t15 = t1 * omb2;
+        const float t16 = t15 * t1;
+        const float t17 = t14 + t16;
+        p[i] = t13;
+        v[i] = t17;
+    }
+}
+
+CLONES static void adopt_f9_double_columns(const double *restrict p, const double *restrict g, double *restrict m, const double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adopt_scalars *s) {
+    const double wd = (double)s->wd;
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = p_i * wd;
+            const double t1 = g_i + t0;
+            const double t2 = sqrt(v_i);
+            const double t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
+            const double t4 = t1 / t3;
+            const double t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
+            const double t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
+            const double t7 = t6 - m_i;
+            const double t8 = t7 * omb1;
+            const double t9 = m_i + t8;
+            const double t10 = t9 * t6;
+            const int t11 = t10 > ((double)0x0.0p+0);
+            const double t12 = (double)t11;
+            const double t13 = ((double)0x1.0000000000000p+0) - t12;
+            m[i] = t9;
+            acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
+            acc1[j] = fresh ? (double)(t13) : acc1[j] + (double)(t13);
+        }
+    }
+}
+
+CLONES static void adopt_f9_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double wd = (double)s->wd;
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double neg_lr = (double)s->neg_lr;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = sqrt(v_i);
+        const double t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
+        const double t4 = t1 / t3;
+        const double t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
+        const double t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
+        const double t7 = m_i * t6;
+        const int t8 = t7 > ((double)0x0.0p+0);
+        const double t9 = (double)t8;
+        const double t10 = t9 * fold0;
+        const double t11 = m_i * t10;
+        const double t12 = t11 * neg_lr;
+        const double t13 = p_i + t12;
+        const double t14 = v_i * b2;
+        const double t15 = t1 * omb2;
+        const double t16 = t15 * t1;
+        const double t17 = t14 + t16;
+        p[i] = t13;
+        v[i] = t17;
+    }
+}
+
+CLONES static void adopt_f11_float_columns(const float *restrict g, float *restrict m, const float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct adopt_scalars *s) {
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = sqrtf(v_i);
+            const float t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
+            const float t2 = g_i / t1;
+            const float t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
+            const float t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
+            const float t5 = t4 - m_i;
+            const float t6 = t5 * omb1;
+            const float t7 = m_i + t6;
+            const float t8 = t7 * t4;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            m[i] = t7;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void adopt_f11_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float decay = (float)s->decay;
+    const float eps = (float)s->eps;
+    const float clip = (float)s->clip;
+    const float neg_clip = (float)s->neg_clip;
+    const float neg_lr = (float)s->neg_lr;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = sqrtf(v_i);
+        const float t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
+        const float t3 = g_i / t2;
+        const float t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
+        const float t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
+        const float t6 = m_i * t5;
+        const int t7 = t6 > ((float)0x0.0p+0);
+        const float t8 = (float)t7;
+        const float t9 = t8 * fold0;
+        const float t10 = m_i * t9;
+        const float t11 = t10 * neg_lr;
+        const float t12 = t0 + t11;
+        const float t13 = v_i * b2;
+        const float t14 = g_i * omb2;
+        const float t15 = t14 * g_i;
+        const float t16 = t13 + t15;
+        p[i] = t12;
+        v[i] = t16;
+    }
+}
+
+CLONES static void adopt_f11_double_columns(const double *restrict g, double *restrict m, const double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct adopt_scalars *s) {
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = sqrt(v_i);
+            const double t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
+            const double t2 = g_i / t1;
+            const double t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
+            const double t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
+            const double t5 = t4 - m_i;
+            const double t6 = t5 * omb1;
+            const double t7 = m_i + t6;
+            const double t8 = t7 * t4;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            m[i] = t7;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void adopt_f11_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double decay = (double)s->decay;
+    const double eps = (double)s->eps;
+    const double clip = (double)s->clip;
+    const double neg_clip = (double)s->neg_clip;
+    const double neg_lr = (double)s->neg_lr;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = sqrt(v_i);
+        const double t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
+        const double t3 = g_i / t2;
+        const double t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
+        const double t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
+        const double t6 = m_i * t5;
+        const int t7 = t6 > ((double)0x0.0p+0);
+        const double t8 = (double)t7;
+        const double t9 = t8 * fold0;
+        const double t10 = m_i * t9;
+        const double t11 = t10 * neg_lr;
+        const double t12 = t0 + t11;
+        const double t13 = v_i * b2;
+        const double t14 = g_i * omb2;
+        const double t15 = t14 * g_i;
+        const double t16 = t13 + t15;
+        p[i] = t12;
+        v[i] = t16;
+    }
+}
+
+CLONES static void adopt_f12_float(const float *restrict g, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g_i = g[i], v_i = v[i];
+        const float t0 = g_i * g_i;
+        const float t1 = v_i + t0;
+        v[i] = t1;
+    }
+}
+
+CLONES static void adopt_f12_double(const double *restrict g, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    for (int64_t i = 0; i < n; i++) {
+        const double g_i = g[i], v_i = v[i];
+        const double t0 = g_i * g_i;
+        const double t1 = v_i + t0;
+        v[i] = t1;
+    }
+}
+
+CLONES static void adopt_f13_float(const float *restrict p, const float *restrict g, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float wd = (float)s->wd;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = p_i * wd;
+        const float t1 = g_i + t0;
+        const float t2 = t1 * t1;
+        const float t3 = v_i + t2;
+        v[i] = t3;
+    }
+}
+
+CLONES static void adopt_f13_double(const double *restrict p, const double *restrict g, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double wd = (double)s->wd;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = p_i * wd;
+        const double t1 = g_i + t0;
+        const double t2 = t1 * t1;
+        const double t3 = v_i + t2;
+        v[i] = t3;
+    }
+}
+
+CLONES static void adopt_f15_float(float *restrict p, const float *restrict g, float *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const float decay = (float)s->decay;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = p_i * decay;
+        const float t1 = g_i * g_i;
+        const float t2 = v_i + t1;
+        p[i] = t0;
+        v[i] = t2;
+    }
+}
+
+CLONES static void adopt_f15_double(double *restrict p, const double *restrict g, double *restrict v, int64_t n, const struct adopt_scalars *s) {
+    const double decay = (double)s->decay;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = p_i * decay;
+        const double t1 = g_i * g_i;
+        const double t2 = v_i + t1;
+        p[i] = t0;
+        v[i] = t2;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_adopt(int dt, int fs, void *const *a, int64_t n, const struct adopt_scalars *s) {
     switch (2 * fs + dt) {
     case 0: adopt_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
@@ -2013,6 +2721,36 @@ __attribute__((visibility("default"))) int flatopt_gen_adopt(int dt, int fs, voi
     case 11: adopt_f5_double(a[0], a[1], a[3], n, s); return 0;
     case 14: adopt_f7_float(a[0], a[1], a[3], n, s); return 0;
     case 15: adopt_f7_double(a[0], a[1], a[3], n, s); return 0;
+    case 24: adopt_f12_float(a[1], a[3], n, s); return 0;
+    case 25: adopt_f12_double(a[1], a[3], n, s); return 0;
+    case 26: adopt_f13_float(a[0], a[1], a[3], n, s); return 0;
+    case 27: adopt_f13_double(a[0], a[1], a[3], n, s); return 0;
+    case 30: adopt_f15_float(a[0], a[1], a[3], n, s); return 0;
+    case 31: adopt_f15_double(a[0], a[1], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_adopt_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct adopt_scalars *s) {
+    switch (2 * fs + dt) {
+    case 16: adopt_f8_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 17: adopt_f8_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 18: adopt_f9_float_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 19: adopt_f9_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 22: adopt_f11_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 23: adopt_f11_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_adopt_map(int dt, int fs, void *const *a, int64_t n, const struct adopt_scalars *s) {
+    switch (2 * fs + dt) {
+    case 16: adopt_f8_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 17: adopt_f8_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 18: adopt_f9_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 19: adopt_f9_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 22: adopt_f11_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 23: adopt_f11_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
     default: return -1;
     }
 }
@@ -6158,7 +6896,7 @@ __attribute__((visibility("default"))) int flatopt_gen_radam_map(int dt, int fs,
     }
 }
 
-/* ---- schedulefree_adamw: schedulefree.py `step` (flags: wd, first, big) */
+/* ---- schedulefree_adamw: schedulefree.py `step` (flags: wd, first, big, cautious) */
 struct schedulefree_adamw_scalars {
     double b2;
     double omb2;
@@ -6168,6 +6906,7 @@ struct schedulefree_adamw_scalars {
     double ckp1;
     double y_step;
     double z_step;
+    double fold0;
 };
 
 CLONES static void schedulefree_adamw_f0_float(float *restrict p, const float *restrict g, float *restrict z, float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
@@ -6698,6 +7437,982 @@ CLONES static void schedulefree_adamw_f7_double(double *restrict p, const double
     }
 }
 
+CLONES static void schedulefree_adamw_f8_float_columns(const float *restrict g, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], v_i = v[i];
+            const float t0 = v_i * b2;
+            const float t1 = g_i * omb2;
+            const float t2 = t1 * g_i;
+            const float t3 = t0 + t2;
+            const float t4 = t3 / bc2;
+            const float t5 = sqrtf(t4);
+            const float t6 = t5 + eps;
+            const float t7 = g_i / t6;
+            const float t8 = t7 * g_i;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f8_float_map(float *restrict p, const float *restrict g, float *restrict z, const float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = z_i - p_i;
+        const float t10 = t9 * ckp1;
+        const float t11 = p_i + t10;
+        const float t12 = t8 * y_step;
+        const float t13 = t11 + t12;
+        const float t14 = t8 * z_step;
+        const float t15 = z_i - t14;
+        p[i] = t13;
+        z[i] = t15;
+    }
+}
+
+CLONES static void schedulefree_adamw_f8_double_columns(const double *restrict g, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], v_i = v[i];
+            const double t0 = v_i * b2;
+            const double t1 = g_i * omb2;
+            const double t2 = t1 * g_i;
+            const double t3 = t0 + t2;
+            const double t4 = t3 / bc2;
+            const double t5 = sqrt(t4);
+            const double t6 = t5 + eps;
+            const double t7 = g_i / t6;
+            const double t8 = t7 * g_i;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f8_double_map(double *restrict p, const double *restrict g, double *restrict z, const double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = z_i - p_i;
+        const double t10 = t9 * ckp1;
+        const double t11 = p_i + t10;
+        const double t12 = t8 * y_step;
+        const double t13 = t11 + t12;
+        const double t14 = t8 * z_step;
+        const double t15 = z_i - t14;
+        p[i] = t13;
+        z[i] = t15;
+    }
+}
+
+CLONES static void schedulefree_adamw_f9_float_columns(const float *restrict g, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], v_i = v[i];
+            const float t0 = v_i * b2;
+            const float t1 = g_i * omb2;
+            const float t2 = t1 * g_i;
+            const float t3 = t0 + t2;
+            const float t4 = t3 / bc2;
+            const float t5 = sqrtf(t4);
+            const float t6 = t5 + eps;
+            const float t7 = g_i / t6;
+            const float t8 = t7 * g_i;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f9_float_map(float *restrict p, const float *restrict g, float *restrict z, const float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float decay = (float)s->decay;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = p_i * decay;
+        const float t10 = t8 + t9;
+        const float t11 = z_i - p_i;
+        const float t12 = t11 * ckp1;
+        const float t13 = p_i + t12;
+        const float t14 = t10 * y_step;
+        const float t15 = t13 + t14;
+        const float t16 = t10 * z_step;
+        const float t17 = z_i - t16;
+        p[i] = t15;
+        z[i] = t17;
+    }
+}
+
+CLONES static void schedulefree_adamw_f9_double_columns(const double *restrict g, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], v_i = v[i];
+            const double t0 = v_i * b2;
+            const double t1 = g_i * omb2;
+            const double t2 = t1 * g_i;
+            const double t3 = t0 + t2;
+            const double t4 = t3 / bc2;
+            const double t5 = sqrt(t4);
+            const double t6 = t5 + eps;
+            const double t7 = g_i / t6;
+            const double t8 = t7 * g_i;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f9_double_map(double *restrict p, const double *restrict g, double *restrict z, const double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double decay = (double)s->decay;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = p_i * decay;
+        const double t10 = t8 + t9;
+        const double t11 = z_i - p_i;
+        const double t12 = t11 * ckp1;
+        const double t13 = p_i + t12;
+        const double t14 = t10 * y_step;
+        const double t15 = t13 + t14;
+        const double t16 = t10 * z_step;
+        const double t17 = z_i - t16;
+        p[i] = t15;
+        z[i] = t17;
+    }
+}
+
+CLONES static void schedulefree_adamw_f10_float_columns(const float *restrict g, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], v_i = v[i];
+            const float t0 = v_i * b2;
+            const float t1 = g_i * omb2;
+            const float t2 = t1 * g_i;
+            const float t3 = t0 + t2;
+            const float t4 = t3 / bc2;
+            const float t5 = sqrtf(t4);
+            const float t6 = t5 + eps;
+            const float t7 = g_i / t6;
+            const float t8 = t7 * g_i;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f10_float_map(float *restrict p, const float *restrict g, float *restrict z, const float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = p_i - p_i;
+        const float t10 = t9 * ckp1;
+        const float t11 = p_i + t10;
+        const float t12 = t8 * y_step;
+        const float t13 = t11 + t12;
+        const float t14 = t8 * z_step;
+        const float t15 = p_i - t14;
+        p[i] = t13;
+        z[i] = t15;
+    }
+}
+
+CLONES static void schedulefree_adamw_f10_double_columns(const double *restrict g, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], v_i = v[i];
+            const double t0 = v_i * b2;
+            const double t1 = g_i * omb2;
+            const double t2 = t1 * g_i;
+            const double t3 = t0 + t2;
+            const double t4 = t3 / bc2;
+            const double t5 = sqrt(t4);
+            const double t6 = t5 + eps;
+            const double t7 = g_i / t6;
+            const double t8 = t7 * g_i;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f10_double_map(double *restrict p, const double *restrict g, double *restrict z, const double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = p_i - p_i;
+        const double t10 = t9 * ckp1;
+        const double t11 = p_i + t10;
+        const double t12 = t8 * y_step;
+        const double t13 = t11 + t12;
+        const double t14 = t8 * z_step;
+        const double t15 = p_i - t14;
+        p[i] = t13;
+        z[i] = t15;
+    }
+}
+
+CLONES static void schedulefree_adamw_f11_float_columns(const float *restrict g, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], v_i = v[i];
+            const float t0 = v_i * b2;
+            const float t1 = g_i * omb2;
+            const float t2 = t1 * g_i;
+            const float t3 = t0 + t2;
+            const float t4 = t3 / bc2;
+            const float t5 = sqrtf(t4);
+            const float t6 = t5 + eps;
+            const float t7 = g_i / t6;
+            const float t8 = t7 * g_i;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f11_float_map(float *restrict p, const float *restrict g, float *restrict z, const float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float decay = (float)s->decay;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = p_i * decay;
+        const float t10 = t8 + t9;
+        const float t11 = p_i - p_i;
+        const float t12 = t11 * ckp1;
+        const float t13 = p_i + t12;
+        const float t14 = t10 * y_step;
+        const float t15 = t13 + t14;
+        const float t16 = t10 * z_step;
+        const float t17 = p_i - t16;
+        p[i] = t15;
+        z[i] = t17;
+    }
+}
+
+CLONES static void schedulefree_adamw_f11_double_columns(const double *restrict g, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], v_i = v[i];
+            const double t0 = v_i * b2;
+            const double t1 = g_i * omb2;
+            const double t2 = t1 * g_i;
+            const double t3 = t0 + t2;
+            const double t4 = t3 / bc2;
+            const double t5 = sqrt(t4);
+            const double t6 = t5 + eps;
+            const double t7 = g_i / t6;
+            const double t8 = t7 * g_i;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f11_double_map(double *restrict p, const double *restrict g, double *restrict z, const double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double decay = (double)s->decay;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = p_i * decay;
+        const double t10 = t8 + t9;
+        const double t11 = p_i - p_i;
+        const double t12 = t11 * ckp1;
+        const double t13 = p_i + t12;
+        const double t14 = t10 * y_step;
+        const double t15 = t13 + t14;
+        const double t16 = t10 * z_step;
+        const double t17 = p_i - t16;
+        p[i] = t15;
+        z[i] = t17;
+    }
+}
+
+CLONES static void schedulefree_adamw_f12_float_columns(const float *restrict g, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], v_i = v[i];
+            const float t0 = v_i * b2;
+            const float t1 = g_i * omb2;
+            const float t2 = t1 * g_i;
+            const float t3 = t0 + t2;
+            const float t4 = t3 / bc2;
+            const float t5 = sqrtf(t4);
+            const float t6 = t5 + eps;
+            const float t7 = g_i / t6;
+            const float t8 = t7 * g_i;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f12_float_map(float *restrict p, const float *restrict g, float *restrict z, const float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = z_i - p_i;
+        const float t10 = ((float)0x1.0000000000000p+0) - ckp1;
+        const float t11 = t9 * t10;
+        const float t12 = z_i - t11;
+        const float t13 = t8 * y_step;
+        const float t14 = t12 + t13;
+        const float t15 = t8 * z_step;
+        const float t16 = z_i - t15;
+        p[i] = t14;
+        z[i] = t16;
+    }
+}
+
+CLONES static void schedulefree_adamw_f12_double_columns(const double *restrict g, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], v_i = v[i];
+            const double t0 = v_i * b2;
+            const double t1 = g_i * omb2;
+            const double t2 = t1 * g_i;
+            const double t3 = t0 + t2;
+            const double t4 = t3 / bc2;
+            const double t5 = sqrt(t4);
+            const double t6 = t5 + eps;
+            const double t7 = g_i / t6;
+            const double t8 = t7 * g_i;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f12_double_map(double *restrict p, const double *restrict g, double *restrict z, const double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = z_i - p_i;
+        const double t10 = ((double)0x1.0000000000000p+0) - ckp1;
+        const double t11 = t9 * t10;
+        const double t12 = z_i - t11;
+        const double t13 = t8 * y_step;
+        const double t14 = t12 + t13;
+        const double t15 = t8 * z_step;
+        const double t16 = z_i - t15;
+        p[i] = t14;
+        z[i] = t16;
+    }
+}
+
+CLONES static void schedulefree_adamw_f13_float_columns(const float *restrict g, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], v_i = v[i];
+            const float t0 = v_i * b2;
+            const float t1 = g_i * omb2;
+            const float t2 = t1 * g_i;
+            const float t3 = t0 + t2;
+            const float t4 = t3 / bc2;
+            const float t5 = sqrtf(t4);
+            const float t6 = t5 + eps;
+            const float t7 = g_i / t6;
+            const float t8 = t7 * g_i;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f13_float_map(float *restrict p, const float *restrict g, float *restrict z, const float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float decay = (float)s->decay;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = p_i * decay;
+        const float t10 = t8 + t9;
+        const float t11 = z_i - p_i;
+        const float t12 = ((float)0x1.0000000000000p+0) - ckp1;
+        const float t13 = t11 * t12;
+        const float t14 = z_i - t13;
+        const float t15 = t10 * y_step;
+        const float t16 = t14 + t15;
+        const float t17 = t10 * z_step;
+        const float t18 = z_i - t17;
+        p[i] = t16;
+        z[i] = t18;
+    }
+}
+
+CLONES static void schedulefree_adamw_f13_double_columns(const double *restrict g, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], v_i = v[i];
+            const double t0 = v_i * b2;
+            const double t1 = g_i * omb2;
+            const double t2 = t1 * g_i;
+            const double t3 = t0 + t2;
+            const double t4 = t3 / bc2;
+            const double t5 = sqrt(t4);
+            const double t6 = t5 + eps;
+            const double t7 = g_i / t6;
+            const double t8 = t7 * g_i;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f13_double_map(double *restrict p, const double *restrict g, double *restrict z, const double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double decay = (double)s->decay;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], z_i = z[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = p_i * decay;
+        const double t10 = t8 + t9;
+        const double t11 = z_i - p_i;
+        const double t12 = ((double)0x1.0000000000000p+0) - ckp1;
+        const double t13 = t11 * t12;
+        const double t14 = z_i - t13;
+        const double t15 = t10 * y_step;
+        const double t16 = t14 + t15;
+        const double t17 = t10 * z_step;
+        const double t18 = z_i - t17;
+        p[i] = t16;
+        z[i] = t18;
+    }
+}
+
+CLONES static void schedulefree_adamw_f14_float_columns(const float *restrict g, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], v_i = v[i];
+            const float t0 = v_i * b2;
+            const float t1 = g_i * omb2;
+            const float t2 = t1 * g_i;
+            const float t3 = t0 + t2;
+            const float t4 = t3 / bc2;
+            const float t5 = sqrtf(t4);
+            const float t6 = t5 + eps;
+            const float t7 = g_i / t6;
+            const float t8 = t7 * g_i;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f14_float_map(float *restrict p, const float *restrict g, float *restrict z, const float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = p_i - p_i;
+        const float t10 = ((float)0x1.0000000000000p+0) - ckp1;
+        const float t11 = t9 * t10;
+        const float t12 = p_i - t11;
+        const float t13 = t8 * y_step;
+        const float t14 = t12 + t13;
+        const float t15 = t8 * z_step;
+        const float t16 = p_i - t15;
+        p[i] = t14;
+        z[i] = t16;
+    }
+}
+
+CLONES static void schedulefree_adamw_f14_double_columns(const double *restrict g, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], v_i = v[i];
+            const double t0 = v_i * b2;
+            const double t1 = g_i * omb2;
+            const double t2 = t1 * g_i;
+            const double t3 = t0 + t2;
+            const double t4 = t3 / bc2;
+            const double t5 = sqrt(t4);
+            const double t6 = t5 + eps;
+            const double t7 = g_i / t6;
+            const double t8 = t7 * g_i;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f14_double_map(double *restrict p, const double *restrict g, double *restrict z, const double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = p_i - p_i;
+        const double t10 = ((double)0x1.0000000000000p+0) - ckp1;
+        const double t11 = t9 * t10;
+        const double t12 = p_i - t11;
+        const double t13 = t8 * y_step;
+        const double t14 = t12 + t13;
+        const double t15 = t8 * z_step;
+        const double t16 = p_i - t15;
+        p[i] = t14;
+        z[i] = t16;
+    }
+}
+
+CLONES static void schedulefree_adamw_f15_float_columns(const float *restrict g, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], v_i = v[i];
+            const float t0 = v_i * b2;
+            const float t1 = g_i * omb2;
+            const float t2 = t1 * g_i;
+            const float t3 = t0 + t2;
+            const float t4 = t3 / bc2;
+            const float t5 = sqrtf(t4);
+            const float t6 = t5 + eps;
+            const float t7 = g_i / t6;
+            const float t8 = t7 * g_i;
+            const int t9 = t8 > ((float)0x0.0p+0);
+            const float t10 = (float)t9;
+            const float t11 = ((float)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (float)(t10) : acc0[j] + (float)(t10);
+            acc1[j] = fresh ? (float)(t11) : acc1[j] + (float)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f15_float_map(float *restrict p, const float *restrict g, float *restrict z, const float *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float decay = (float)s->decay;
+    const float ckp1 = (float)s->ckp1;
+    const float y_step = (float)s->y_step;
+    const float z_step = (float)s->z_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], v_i = v[i];
+        const float t0 = v_i / bc2;
+        const float t1 = sqrtf(t0);
+        const float t2 = t1 + eps;
+        const float t3 = g_i / t2;
+        const float t4 = t3 * g_i;
+        const int t5 = t4 > ((float)0x0.0p+0);
+        const float t6 = (float)t5;
+        const float t7 = t6 * fold0;
+        const float t8 = t3 * t7;
+        const float t9 = p_i * decay;
+        const float t10 = t8 + t9;
+        const float t11 = p_i - p_i;
+        const float t12 = ((float)0x1.0000000000000p+0) - ckp1;
+        const float t13 = t11 * t12;
+        const float t14 = p_i - t13;
+        const float t15 = t10 * y_step;
+        const float t16 = t14 + t15;
+        const float t17 = t10 * z_step;
+        const float t18 = p_i - t17;
+        p[i] = t16;
+        z[i] = t18;
+    }
+}
+
+CLONES static void schedulefree_adamw_f15_double_columns(const double *restrict g, double *restrict v, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], v_i = v[i];
+            const double t0 = v_i * b2;
+            const double t1 = g_i * omb2;
+            const double t2 = t1 * g_i;
+            const double t3 = t0 + t2;
+            const double t4 = t3 / bc2;
+            const double t5 = sqrt(t4);
+            const double t6 = t5 + eps;
+            const double t7 = g_i / t6;
+            const double t8 = t7 * g_i;
+            const int t9 = t8 > ((double)0x0.0p+0);
+            const double t10 = (double)t9;
+            const double t11 = ((double)0x1.0000000000000p+0) - t10;
+            v[i] = t3;
+            acc0[j] = fresh ? (double)(t10) : acc0[j] + (double)(t10);
+            acc1[j] = fresh ? (double)(t11) : acc1[j] + (double)(t11);
+        }
+    }
+}
+
+CLONES static void schedulefree_adamw_f15_double_map(double *restrict p, const double *restrict g, double *restrict z, const double *restrict v, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double decay = (double)s->decay;
+    const double ckp1 = (double)s->ckp1;
+    const double y_step = (double)s->y_step;
+    const double z_step = (double)s->z_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], v_i = v[i];
+        const double t0 = v_i / bc2;
+        const double t1 = sqrt(t0);
+        const double t2 = t1 + eps;
+        const double t3 = g_i / t2;
+        const double t4 = t3 * g_i;
+        const int t5 = t4 > ((double)0x0.0p+0);
+        const double t6 = (double)t5;
+        const double t7 = t6 * fold0;
+        const double t8 = t3 * t7;
+        const double t9 = p_i * decay;
+        const double t10 = t8 + t9;
+        const double t11 = p_i - p_i;
+        const double t12 = ((double)0x1.0000000000000p+0) - ckp1;
+        const double t13 = t11 * t12;
+        const double t14 = p_i - t13;
+        const double t15 = t10 * y_step;
+        const double t16 = t14 + t15;
+        const double t17 = t10 * z_step;
+        const double t18 = p_i - t17;
+        p[i] = t16;
+        z[i] = t18;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_schedulefree_adamw(int dt, int fs, void *const *a, int64_t n, const struct schedulefree_adamw_scalars *s) {
     switch (2 * fs + dt) {
     case 0: schedulefree_adamw_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
@@ -6716,6 +8431,50 @@ __attribute__((visibility("default"))) int flatopt_gen_schedulefree_adamw(int dt
     case 13: schedulefree_adamw_f6_double(a[0], a[1], a[2], a[3], n, s); return 0;
     case 14: schedulefree_adamw_f7_float(a[0], a[1], a[2], a[3], n, s); return 0;
     case 15: schedulefree_adamw_f7_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_schedulefree_adamw_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct schedulefree_adamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 16: schedulefree_adamw_f8_float_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 17: schedulefree_adamw_f8_double_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 18: schedulefree_adamw_f9_float_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 19: schedulefree_adamw_f9_double_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 20: schedulefree_adamw_f10_float_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 21: schedulefree_adamw_f10_double_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 22: schedulefree_adamw_f11_float_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 23: schedulefree_adamw_f11_double_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 24: schedulefree_adamw_f12_float_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 25: schedulefree_adamw_f12_double_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 26: schedulefree_adamw_f13_float_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 27: schedulefree_adamw_f13_double_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 28: schedulefree_adamw_f14_float_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 29: schedulefree_adamw_f14_double_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 30: schedulefree_adamw_f15_float_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 31: schedulefree_adamw_f15_double_columns(a[1], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_schedulefree_adamw_map(int dt, int fs, void *const *a, int64_t n, const struct schedulefree_adamw_scalars *s) {
+    switch (2 * fs + dt) {
+    case 16: schedulefree_adamw_f8_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 17: schedulefree_adamw_f8_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 18: schedulefree_adamw_f9_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 19: schedulefree_adamw_f9_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 20: schedulefree_adamw_f10_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 21: schedulefree_adamw_f10_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 22: schedulefree_adamw_f11_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 23: schedulefree_adamw_f11_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 24: schedulefree_adamw_f12_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 25: schedulefree_adamw_f12_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 26: schedulefree_adamw_f13_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 27: schedulefree_adamw_f13_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 28: schedulefree_adamw_f14_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 29: schedulefree_adamw_f14_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 30: schedulefree_adamw_f15_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 31: schedulefree_adamw_f15_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
     default: return -1;
     }
 }
@@ -8237,7 +9996,7 @@ __attribute__((visibility("default"))) int flatopt_gen_sgd_map(int dt, int fs, v
     }
 }
 
-/* ---- sophia: sophia.py `step` (flags: wd) */
+/* ---- sophia: sophia.py `step` (flags: wd, cautious) */
 struct sophia_scalars {
     double decay;
     double b1;
@@ -8245,6 +10004,7 @@ struct sophia_scalars {
     double rho;
     double eps;
     double neg_lr;
+    double fold0;
 };
 
 CLONES static void sophia_f0_float(float *restrict p, const float *restrict g, float *restrict m, const float *restrict h, int64_t n, const struct sophia_scalars *s) {
@@ -8351,12 +10111,260 @@ CLONES static void sophia_f1_double(double *restrict p, const double *restrict g
     }
 }
 
+CLONES static void sophia_f2_float_columns(const float *restrict g, float *restrict m, const float *restrict h, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sophia_scalars *s) {
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    const float rho = (float)s->rho;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], h_i = h[i];
+            const float t0 = m_i * b1;
+            const float t1 = g_i * omb1;
+            const float t2 = t0 + t1;
+            const float t3 = fabsf(t2);
+            const float t4 = h_i * rho;
+            const float t5 = t4 + eps;
+            const float t6 = t3 / t5;
+            const float t7 = ((t6 <= ((float)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((float)0x1.0000000000000p+0));
+            const float t8 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
+            const float t9 = t8 * t7;
+            const float t10 = t9 * g_i;
+            const int t11 = t10 > ((float)0x0.0p+0);
+            const float t12 = (float)t11;
+            const float t13 = ((float)0x1.0000000000000p+0) - t12;
+            m[i] = t2;
+            acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
+            acc1[j] = fresh ? (float)(t13) : acc1[j] + (float)(t13);
+        }
+    }
+}
+
+CLONES static void sophia_f2_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict h, int64_t n, const struct sophia_scalars *s) {
+    const float rho = (float)s->rho;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], h_i = h[i];
+        const float t0 = fabsf(m_i);
+        const float t1 = h_i * rho;
+        const float t2 = t1 + eps;
+        const float t3 = t0 / t2;
+        const float t4 = ((t3 <= ((float)0x1.0000000000000p+0) || t3 != t3) ? t3 : ((float)0x1.0000000000000p+0));
+        const float t5 = (m_i != m_i ? m_i : (float)(m_i > (float)0) - (float)(m_i < (float)0));
+        const float t6 = t5 * t4;
+        const float t7 = t6 * g_i;
+        const int t8 = t7 > ((float)0x0.0p+0);
+        const float t9 = (float)t8;
+        const float t10 = t9 * fold0;
+        const float t11 = t6 * t10;
+        const float t12 = t11 * neg_lr;
+        const float t13 = p_i + t12;
+        p[i] = t13;
+    }
+}
+
+CLONES static void sophia_f2_double_columns(const double *restrict g, double *restrict m, const double *restrict h, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sophia_scalars *s) {
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    const double rho = (double)s->rho;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], h_i = h[i];
+            const double t0 = m_i * b1;
+            const double t1 = g_i * omb1;
+            const double t2 = t0 + t1;
+            const double t3 = fabs(t2);
+            const double t4 = h_i * rho;
+            const double t5 = t4 + eps;
+            const double t6 = t3 / t5;
+            const double t7 = ((t6 <= ((double)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((double)0x1.0000000000000p+0));
+            const double t8 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
+            const double t9 = t8 * t7;
+            const double t10 = t9 * g_i;
+            const int t11 = t10 > ((double)0x0.0p+0);
+            const double t12 = (double)t11;
+            const double t13 = ((double)0x1.0000000000000p+0) - t12;
+            m[i] = t2;
+            acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
+            acc1[j] = fresh ? (double)(t13) : acc1[j] + (double)(t13);
+        }
+    }
+}
+
+CLONES static void sophia_f2_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict h, int64_t n, const struct sophia_scalars *s) {
+    const double rho = (double)s->rho;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], h_i = h[i];
+        const double t0 = fabs(m_i);
+        const double t1 = h_i * rho;
+        const double t2 = t1 + eps;
+        const double t3 = t0 / t2;
+        const double t4 = ((t3 <= ((double)0x1.0000000000000p+0) || t3 != t3) ? t3 : ((double)0x1.0000000000000p+0));
+        const double t5 = (m_i != m_i ? m_i : (double)(m_i > (double)0) - (double)(m_i < (double)0));
+        const double t6 = t5 * t4;
+        const double t7 = t6 * g_i;
+        const int t8 = t7 > ((double)0x0.0p+0);
+        const double t9 = (double)t8;
+        const double t10 = t9 * fold0;
+        const double t11 = t6 * t10;
+        const double t12 = t11 * neg_lr;
+        const double t13 = p_i + t12;
+        p[i] = t13;
+    }
+}
+
+CLONES static void sophia_f3_float_columns(const float *restrict g, float *restrict m, const float *restrict h, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct sophia_scalars *s) {
+    const float b1 = (float)s->b1;
+    const float omb1 = (float)s->omb1;
+    const float rho = (float)s->rho;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], h_i = h[i];
+            const float t0 = m_i * b1;
+            const float t1 = g_i * omb1;
+            const float t2 = t0 + t1;
+            const float t3 = fabsf(t2);
+            const float t4 = h_i * rho;
+            const float t5 = t4 + eps;
+            const float t6 = t3 / t5;
+            const float t7 = ((t6 <= ((float)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((float)0x1.0000000000000p+0));
+            const float t8 = (t2 != t2 ? t2 : (float)(t2 > (float)0) - (float)(t2 < (float)0));
+            const float t9 = t8 * t7;
+            const float t10 = t9 * g_i;
+            const int t11 = t10 > ((float)0x0.0p+0);
+            const float t12 = (float)t11;
+            const float t13 = ((float)0x1.0000000000000p+0) - t12;
+            m[i] = t2;
+            acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
+            acc1[j] = fresh ? (float)(t13) : acc1[j] + (float)(t13);
+        }
+    }
+}
+
+CLONES static void sophia_f3_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict h, int64_t n, const struct sophia_scalars *s) {
+    const float decay = (float)s->decay;
+    const float rho = (float)s->rho;
+    const float eps = (float)s->eps;
+    const float neg_lr = (float)s->neg_lr;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], h_i = h[i];
+        const float t0 = p_i * decay;
+        const float t1 = fabsf(m_i);
+        const float t2 = h_i * rho;
+        const float t3 = t2 + eps;
+        const float t4 = t1 / t3;
+        const float t5 = ((t4 <= ((float)0x1.0000000000000p+0) || t4 != t4) ? t4 : ((float)0x1.0000000000000p+0));
+        const float t6 = (m_i != m_i ? m_i : (float)(m_i > (float)0) - (float)(m_i < (float)0));
+        const float t7 = t6 * t5;
+        const float t8 = t7 * g_i;
+        const int t9 = t8 > ((float)0x0.0p+0);
+        const float t10 = (float)t9;
+        const float t11 = t10 * fold0;
+        const float t12 = t7 * t11;
+        const float t13 = t12 * neg_lr;
+        const float t14 = t0 + t13;
+        p[i] = t14;
+    }
+}
+
+CLONES static void sophia_f3_double_columns(const double *restrict g, double *restrict m, const double *restrict h, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct sophia_scalars *s) {
+    const double b1 = (double)s->b1;
+    const double omb1 = (double)s->omb1;
+    const double rho = (double)s->rho;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], h_i = h[i];
+            const double t0 = m_i * b1;
+            const double t1 = g_i * omb1;
+            const double t2 = t0 + t1;
+            const double t3 = fabs(t2);
+            const double t4 = h_i * rho;
+            const double t5 = t4 + eps;
+            const double t6 = t3 / t5;
+            const double t7 = ((t6 <= ((double)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((double)0x1.0000000000000p+0));
+            const double t8 = (t2 != t2 ? t2 : (double)(t2 > (double)0) - (double)(t2 < (double)0));
+            const double t9 = t8 * t7;
+            const double t10 = t9 * g_i;
+            const int t11 = t10 > ((double)0x0.0p+0);
+            const double t12 = (double)t11;
+            const double t13 = ((double)0x1.0000000000000p+0) - t12;
+            m[i] = t2;
+            acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
+            acc1[j] = fresh ? (double)(t13) : acc1[j] + (double)(t13);
+        }
+    }
+}
+
+CLONES static void sophia_f3_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict h, int64_t n, const struct sophia_scalars *s) {
+    const double decay = (double)s->decay;
+    const double rho = (double)s->rho;
+    const double eps = (double)s->eps;
+    const double neg_lr = (double)s->neg_lr;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], h_i = h[i];
+        const double t0 = p_i * decay;
+        const double t1 = fabs(m_i);
+        const double t2 = h_i * rho;
+        const double t3 = t2 + eps;
+        const double t4 = t1 / t3;
+        const double t5 = ((t4 <= ((double)0x1.0000000000000p+0) || t4 != t4) ? t4 : ((double)0x1.0000000000000p+0));
+        const double t6 = (m_i != m_i ? m_i : (double)(m_i > (double)0) - (double)(m_i < (double)0));
+        const double t7 = t6 * t5;
+        const double t8 = t7 * g_i;
+        const int t9 = t8 > ((double)0x0.0p+0);
+        const double t10 = (double)t9;
+        const double t11 = t10 * fold0;
+        const double t12 = t7 * t11;
+        const double t13 = t12 * neg_lr;
+        const double t14 = t0 + t13;
+        p[i] = t14;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_sophia(int dt, int fs, void *const *a, int64_t n, const struct sophia_scalars *s) {
     switch (2 * fs + dt) {
     case 0: sophia_f0_float(a[0], a[1], a[2], a[3], n, s); return 0;
     case 1: sophia_f0_double(a[0], a[1], a[2], a[3], n, s); return 0;
     case 2: sophia_f1_float(a[0], a[1], a[2], a[3], n, s); return 0;
     case 3: sophia_f1_double(a[0], a[1], a[2], a[3], n, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_sophia_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct sophia_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: sophia_f2_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 5: sophia_f2_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 6: sophia_f3_float_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 7: sophia_f3_double_columns(a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_sophia_map(int dt, int fs, void *const *a, int64_t n, const struct sophia_scalars *s) {
+    switch (2 * fs + dt) {
+    case 4: sophia_f2_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 5: sophia_f2_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 6: sophia_f3_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 7: sophia_f3_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
     default: return -1;
     }
 }
