@@ -361,3 +361,34 @@ def test_step_without_the_config_base_is_refused():
                         flags=lambda cfg, t: {}, flag_names=(), slots=(), example=Cfg(), register=False)
     with pytest.raises(TypeError, match="e.cautious needs the flag 'cautious'"):
         d.program_at(0)
+
+
+@pytest.mark.parametrize("lib", ["native", "numpy"])
+def test_schedulefree_eval_and_train_unchanged(lib, monkeypatch, tmp_path):
+    """ScheduleFreeAdamW(cautious=True): its steps are the reduce-then-map forms (no elementwise scratch), while
+    ``eval``/``train`` stay the elementwise conversions with their own scratch: the same bits as a plain optimizer
+    holding the same state, with the compiled pass and on the NumPy path (FLATOPT_NATIVE=0)."""
+    from flatopt.core import native  # noqa: PLC0415
+
+    if lib == "numpy":
+        monkeypatch.setenv("FLATOPT_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("FLATOPT_NATIVE", "0")
+        native.reset()
+    try:
+        rng = np.random.default_rng(11)
+        n = 70_001
+        y = rng.standard_normal(n).astype(np.float32)
+        a = flatopt.ScheduleFreeAdamW(lr=1e-2, weight_decay=0.01, cautious=True)
+        for _ in range(3):
+            a.step("w", (n,), y, rng.standard_normal(n).astype(np.float32))
+        b = flatopt.ScheduleFreeAdamW(lr=1e-2, weight_decay=0.01)
+        assert b.load_state_dict(a.state_dict()), b.last_load_notes
+        ya, yb = y.copy(), y.copy()
+        for mode in ("eval", "train"):
+            getattr(a, mode)({"w": ya})
+            getattr(b, mode)({"w": yb})
+            assert ya.tobytes() == yb.tobytes(), mode
+        assert not np.array_equal(ya, y)  # the round trip is not exact: the conversions ran
+    finally:
+        monkeypatch.undo()
+        native.reset()
