@@ -26,9 +26,10 @@ code's p·(1 − η·λ) on the value before the step.  Every path (NumPy, the c
 multi-tensor kernels) is derived from the one definition below, the same bits.  ``end_iteration`` only counts
 iterations.  State: ``m``, ``v`` (8 B/param in float32).  Use it where Adam diverges at a β2 that suits the problem
 (ADOPT converges for any β2), or as a drop-in for Adam with the same lr.
-``cautious=True``: m masked where it disagrees in sign with the clipped normalised gradient n (not g), times
-numel/(count + 1) per tensor, as pytorch-optimizer's ``ADOPT(cautious=True)``; the first step (v only) is unchanged;
-the decay stays outside (docs/algorithms.md, cautious).
+``cautious=True``: m masked where it disagrees in sign with the clipped normalised gradient n, times
+numel/(count + 1) per tensor, as pytorch-optimizer's ``ADOPT(cautious=True)`` (n has the signs of the L2-decayed
+gradient g', not of the raw one, but where it underflows to 0); the first step (v only) is unchanged; the
+decoupled decay stays outside (docs/algorithms.md, cautious).
 """
 
 from __future__ import annotations

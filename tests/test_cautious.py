@@ -229,6 +229,7 @@ def test_matches_pytorch_optimizer(algo, n):
     po = pytest.importorskip("pytorch_optimizer")
     shape = (n,)
     cfgs = {"adopt": [dict(betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.0),
+                      dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.5),  # L2: n has the signs of g + λ·p
                       dict(betas=(0.85, 0.95), eps=1e-6, weight_decay=0.05, decoupled=True)],
             "ademamix": [dict(betas=(0.9, 0.999, 0.9999), alpha=5.0, eps=1e-8, weight_decay=0.0),
                          dict(betas=(0.8, 0.99, 0.999), alpha=2.0, t_alpha_beta3=6, eps=1e-8, weight_decay=0.1)]}
