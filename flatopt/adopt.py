@@ -102,7 +102,8 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
 
 
 DEF = define("adopt", step, scalars=scalars, flags=flags, flag_names=("wd", "dec", "first"), slots=("m", "v"),
-             example=AdoptConfig(), valid=lambda f: f["wd"] or not f["dec"])
+             example=AdoptConfig(), valid=lambda f: f["wd"] or not f["dec"],
+             wide_maps=True)  # the cautious map recomputes n (a division, a square root): spills in double
 _update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 

@@ -13,6 +13,8 @@ An algorithm module declares (see ``flatopt/adamw.py``)::
   values as extra arguments (``scalars(cfg, t, lr, *host)``, ``flags(cfg, t, *host)``); the multi-tensor launch
   takes them per group (``Group.launch(..., host=...)``: its members share them);
 * ``slots``: the state arrays, in order (the attribute names of the state object);
+* ``wide_maps`` (optional): the CUDA map kernels of its flag sets with a sum take ``__launch_bounds__(256, 1)``
+  (ptxas may then use more registers) where the default bound makes ptxas spill (``tests/test_kernels_compile.py``);
 * ``step(e, p, g, *slots, s, f) -> dict``: the update of one element, written once with ordinary operators and
   the intrinsics of ``e`` (``trace.Intrinsics``); it returns the new value of each array it writes.
 
@@ -98,7 +100,7 @@ def _check_cautious(cfg: Any) -> None:
 class Definition:
     def __init__(self, name: str, step: Callable, *, scalars: Callable, flags: Callable, flag_names: tuple,
                  slots: tuple, example: Any, valid: Callable[[dict], bool] | None = None, host: tuple = (),
-                 register: bool = True):
+                 wide_maps: bool = False, register: bool = True):
         self.name, self.step_fn, self.scalars_fn, self.flags_fn = name, step, scalars, flags
         self.cautious = isinstance(example, Cautious)  # the flag ``cautious`` (last): the step calls e.cautious
         self.flag_names = tuple(flag_names) + (("cautious",) if self.cautious else ())
@@ -108,6 +110,7 @@ class Definition:
         if tuple(params[3:3 + len(self.slots)]) != self.slots:
             raise TypeError(f"{name}.step's arguments after p, g must be its slots {self.slots}")
         self.host = tuple(host)
+        self.wide_maps = wide_maps  # its map kernels after a fold: __launch_bounds__(256, 1) (emit.py, ptxas spills)
         self.example_host = (1.0,) * len(self.host)  # the host values the snapshots' scalar shapes are traced with
         self.scalar_names = tuple(scalars(example, 1, 1.0, *self.example_host))
         self.valid = valid or (lambda f: True)

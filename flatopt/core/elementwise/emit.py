@@ -334,11 +334,15 @@ def _cuda_elementwise(d, fs: int, prog: tr.Program, derived: dict, src: str, L: 
     L += ["}", ""]
     scal_args = list(prog.scalars)
     own = [k for k in prog.scalars if k not in folds]
+    # a map after a fold recomputes what the reduce phase computed (the mask's operands); a definition whose maps
+    # ptxas would spill declares ``wide_maps`` (Adopt: a double division and square root recomputed): their kernels
+    # take (THREADS, 1), as the partials (SQ_BOUNDS); the others keep the register cap of (THREADS) (their occupancy)
+    bounds = f"{THREADS}, 1" if folds and d.wide_maps else f"{THREADS}"
     scal_ptr = ["const T* __restrict__ scal"] if folds else []
     # the per-tensor kernel
     aligned = " | ".join(f"(unsigned long long){a}" for a in used)
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({THREADS}) {cuda_name(d, fs, 'step' if not kind else kind[1:])}("
+    L.append(f"__global__ void __launch_bounds__({bounds}) {cuda_name(d, fs, 'step' if not kind else kind[1:])}("
              f"{', '.join(ptrs + ['const long long n'] + [f'const T {k}' for k in own] + scal_ptr)}) {{")
     L += [f"  const T {k} = scal[{folds.index(k)}];" for k in prog.scalars if k in folds]
     L += ["  const long long threads = (long long)blockDim.x * gridDim.x;",
@@ -359,7 +363,7 @@ def _cuda_elementwise(d, fs: int, prog: tr.Program, derived: dict, src: str, L: 
               "const double* __restrict__ scales", "const long long chunk", "const double base_lr",
               *(f"const double {w}" for w in doubles), *(f"const T {k}" for k in plain), *scal_ptr]
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({THREADS}) {cuda_name(d, fs, 'multi' if not kind else kind[1:] + '_multi')}({', '.join(params)}) {{")
+    L.append(f"__global__ void __launch_bounds__({bounds}) {cuda_name(d, fs, 'multi' if not kind else kind[1:] + '_multi')}({', '.join(params)}) {{")
     L += ["  const long long ti = blocks[2 * (long long)blockIdx.x];",
           "  const long long lo = blocks[2 * (long long)blockIdx.x + 1];",
           f"  const long long* row = tensors + {ncol} * ti;"]

@@ -891,7 +891,7 @@ __device__ __forceinline__ void adopt_vec_f8_map(T* __restrict__ p, const T* __r
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) adopt_f8_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T eps, const T clip, const T neg_clip, const T neg_lr, const T b2, const T omb2, const T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) adopt_f8_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T eps, const T clip, const T neg_clip, const T neg_lr, const T b2, const T omb2, const T* __restrict__ scal) {
   const T fold0 = scal[0];
   const long long threads = (long long)blockDim.x * gridDim.x;
   const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -909,7 +909,7 @@ __global__ void __launch_bounds__(256) adopt_f8_map(T* __restrict__ p, const T* 
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) adopt_f8_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T eps, const T clip, const T neg_clip, const T b2, const T omb2, const T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) adopt_f8_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T eps, const T clip, const T neg_clip, const T b2, const T omb2, const T* __restrict__ scal) {
   const long long ti = blocks[2 * (long long)blockIdx.x];
   const long long lo = blocks[2 * (long long)blockIdx.x + 1];
   const long long* row = tensors + 6 * ti;
@@ -1114,7 +1114,7 @@ __device__ __forceinline__ void adopt_vec_f9_map(T* __restrict__ p, const T* __r
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) adopt_f9_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T wd, const T eps, const T clip, const T neg_clip, const T neg_lr, const T b2, const T omb2, const T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) adopt_f9_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T wd, const T eps, const T clip, const T neg_clip, const T neg_lr, const T b2, const T omb2, const T* __restrict__ scal) {
   const T fold0 = scal[0];
   const long long threads = (long long)blockDim.x * gridDim.x;
   const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1132,7 +1132,7 @@ __global__ void __launch_bounds__(256) adopt_f9_map(T* __restrict__ p, const T* 
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) adopt_f9_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T wd, const T eps, const T clip, const T neg_clip, const T b2, const T omb2, const T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) adopt_f9_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const T wd, const T eps, const T clip, const T neg_clip, const T b2, const T omb2, const T* __restrict__ scal) {
   const long long ti = blocks[2 * (long long)blockIdx.x];
   const long long lo = blocks[2 * (long long)blockIdx.x + 1];
   const long long* row = tensors + 6 * ti;
@@ -1330,7 +1330,7 @@ __device__ __forceinline__ void adopt_vec_f11_map(T* __restrict__ p, const T* __
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) adopt_f11_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T decay, const T eps, const T clip, const T neg_clip, const T neg_lr, const T b2, const T omb2, const T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) adopt_f11_map(T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ m, T* __restrict__ v, const long long n, const T decay, const T eps, const T clip, const T neg_clip, const T neg_lr, const T b2, const T omb2, const T* __restrict__ scal) {
   const T fold0 = scal[0];
   const long long threads = (long long)blockDim.x * gridDim.x;
   const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1348,7 +1348,7 @@ __global__ void __launch_bounds__(256) adopt_f11_map(T* __restrict__ p, const T*
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256) adopt_f11_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const T eps, const T clip, const T neg_clip, const T b2, const T omb2, const T* __restrict__ scal) {
+__global__ void __launch_bounds__(256, 1) adopt_f11_map_multi(const long long* __restrict__ tensors, const long long* __restrict__ blocks, const double* __restrict__ scales, const long long chunk, const double base_lr, const double decay_0, const double decay_1, const T eps, const T clip, const T neg_clip, const T b2, const T omb2, const T* __restrict__ scal) {
   const long long ti = blocks[2 * (long long)blockIdx.x];
   const long long lo = blocks[2 * (long long)blockIdx.x + 1];
   const long long* row = tensors + 6 * ti;
