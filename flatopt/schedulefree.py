@@ -172,11 +172,11 @@ def _conv_flags(weight: Any) -> Any:
     return lambda cfg, t: dict(big=abs(weight(cfg)) >= 0.5)
 
 
-def _eval_weight(cfg: Any) -> float:
+def _eval_weight(cfg: ScheduleFreeAdamWConfig | _ConversionExample) -> float:
     return 1.0 - 1.0 / cfg.betas[0]
 
 
-def _train_weight(cfg: Any) -> float:
+def _train_weight(cfg: ScheduleFreeAdamWConfig | _ConversionExample) -> float:
     return 1.0 - cfg.betas[0]
 
 
