@@ -29,6 +29,11 @@ ranges of the reduce phase, then chunk ranges of the map), small tensors of one 
 each phase's piece runs as one compiled pass where a C compiler exists (``kernels/generated/elementwise.c``).
 ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus the unsaved ``work`` (the
 sums' work area, or the kernels' partials).
+``cautious=True``: the final update r·u masked where it disagrees in sign with g, times numel/(count + 1) per tensor,
+as pytorch-optimizer's ``apply_cautious`` would take it (its own ``Lamb`` has no such option); the ratio r is
+positive, so the mask is u's (u·g > 0, but where a product underflows) and ψ is the norm of the unmasked u: the
+mask's count is a sum of the same reduce phase as φ² and ψ², so a step stays three launches (docs/algorithms.md,
+cautious).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 from .adam import bias_corrections, check_common
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import normalize_numbers
 
@@ -47,7 +53,7 @@ _SCRATCH = {"persist": False}
 
 
 @dataclasses.dataclass(frozen=True)
-class LambConfig:
+class LambConfig(Cautious):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6
@@ -92,7 +98,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
     phi = e.sqrt(e.sumsq(p))
     psi = e.sqrt(e.sumsq(u))
     r = e.where((phi > 0) & (psi > 0), phi / psi, 1)
-    p = p + u * (r * s.neg_lr)
+    p = p + e.cautious(u, g) * (r * s.neg_lr)  # masked after the ratio: r > 0, the mask of r·u is u's
     return dict(p=p, m=m, v=v)
 
 
@@ -121,7 +127,8 @@ class Lamb(PerParamOptimizer):
     np_rows_fn = staticmethod(np_rows)
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
-                 weight_decay: float = _D.weight_decay, *, lr_scale: LrScale = None,
+                 weight_decay: float = _D.weight_decay, *, cautious: bool = False, lr_scale: LrScale = None,
                  weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(LambConfig(lr, betas, eps, weight_decay), lr_scale=lr_scale,
+        super().__init__(LambConfig(lr, betas, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
+        # no run.configure: every flag set sums already (the class binds the reduce-then-map forms)

@@ -84,6 +84,14 @@ def _ref_step(algo, c, p, g, st, t, lr):
         u = _caution(st["m"], g) / (1 - b1 ** t) + alpha * st["m_slow"]
         p -= lr * u / (np.sqrt(st["v"] / (1 - b2 ** t)) + c["eps"])
         return
+    if algo == "lamb":
+        b1, b2 = c["betas"]
+        _moments(c, g, st["m"], st["v"])
+        u = (st["m"] / (1 - b1 ** t)) / (np.sqrt(st["v"] / (1 - b2 ** t)) + c["eps"]) + wd * p
+        phi, psi = np.linalg.norm(p), np.linalg.norm(u)
+        r = phi / psi if phi > 0 and psi > 0 else 1.0
+        p -= lr * _caution(r * u, g)  # apply_cautious on the final update
+        return
     if algo == "schedulefree_adamw":
         b1, b2 = c["betas"]
         sched = t / c["warmup_steps"] if t - 1 < c["warmup_steps"] else 1.0
@@ -144,14 +152,19 @@ def test_every_elementwise_definition_has_the_flag():
     it last, its cautious flag sets sum (the mask's count) and its others do not; the flag space offers it."""
     have = {name for name, d in REGISTRY.items() if d.cautious}
     assert have >= {"sgd", "adam", "adamw", "nadamw", "radam", "qhadamw", "lion", "sophia", "adopt", "ademamix",
-                    "schedulefree_adamw"}
+                    "schedulefree_adamw", "lamb"}
     for name in have:
         d = REGISTRY[name]
         assert d.flag_names[-1] == "cautious"
         for f in d.flag_sets():
-            # Adopt's first step only initialises v: no direction, no mask
-            sums = f["cautious"] and not (name == "adopt" and f["first"])
-            assert (d.split_at(d.index(f)) is not None) == sums, (name, f)
+            if not f["cautious"]:
+                continue
+            # the mask's count and the element count: two sums more (Adopt's first step only sets v: no direction)
+            extra = 0 if name == "adopt" and f["first"] else 2
+            off = {**f, "cautious": False}
+            n_sums = [sum(i.op == "sum" for i in d.program(x).instrs) for x in (f, off)]
+            assert n_sums[0] - n_sums[1] == extra, (name, f, n_sums)
+            assert (d.split_at(d.index(f)) is not None) == (extra > 0 or d.split_at(d.index(off)) is not None)
         assert "cautious" in FLAG_SPACE[name].options
 
 
@@ -273,7 +286,7 @@ def test_numpy_forms_and_device_twin_match_the_serial_step(cid, dt):
     case = CASES[cid]
     shapes = [(64,)] * 4 + [(3, 5), (1,), (300_017,)]
     serial, batch, dev = case.make(), case.make(), case.make()
-    assert not serial.elementwise and case.make(cautious=False).elementwise
+    assert not serial.elementwise and case.make(cautious=False).elementwise == (case.algorithm != "lamb")
     items = _batch(dt, 1, shapes)
     ps = {n: p.copy() for n, _, p, _ in items}
     pb = {n: p.copy() for n, _, p, _ in items}
@@ -312,8 +325,10 @@ def test_without_the_flag_nothing_changes(algo):
     plain = d.plain_flag_sets()
     for f in d.flag_sets():
         if not f["cautious"]:
-            assert d.index(f) < 1 << (len(d.flag_names) - 1) and f in plain
-            assert not any(i.op == "sum" for i in d.program(f).instrs)
+            assert d.index(f) < 1 << (len(d.flag_names) - 1)
+            if algo != "lamb":  # Lamb sums without the flag too (its norms)
+                assert f in plain and not any(i.op == "sum" for i in d.program(f).instrs)
+            assert not any(i.op == "cast" for i in d.program(f).instrs)  # no mask
 
 
 def test_snapshot_without_the_field_loads_and_continues():

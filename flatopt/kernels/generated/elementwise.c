@@ -2755,7 +2755,7 @@ __attribute__((visibility("default"))) int flatopt_gen_adopt_map(int dt, int fs,
     }
 }
 
-/* ---- lamb: lamb.py `step` (flags: wd) */
+/* ---- lamb: lamb.py `step` (flags: wd, cautious) */
 struct lamb_scalars {
     double omb1;
     double b2;
@@ -2766,6 +2766,7 @@ struct lamb_scalars {
     double wd;
     double neg_lr;
     double fold0;
+    double fold1;
 };
 
 CLONES static void lamb_f0_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
@@ -2988,6 +2989,274 @@ CLONES static void lamb_f1_double_map(double *restrict p, const double *restrict
     }
 }
 
+CLONES static void lamb_f2_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, float *restrict acc2, float *restrict acc3, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc1 = (float)s->bc1;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 / bc1;
+            const float t8 = t6 / bc2;
+            const float t9 = sqrtf(t8);
+            const float t10 = t9 + eps;
+            const float t11 = t7 / t10;
+            const float t12 = p_i * p_i;
+            const float t13 = t11 * t11;
+            const float t14 = t11 * g_i;
+            const int t15 = t14 > ((float)0x0.0p+0);
+            const float t16 = (float)t15;
+            const float t17 = ((float)0x1.0000000000000p+0) - t16;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t12) : acc0[j] + (float)(t12);
+            acc1[j] = fresh ? (float)(t13) : acc1[j] + (float)(t13);
+            acc2[j] = fresh ? (float)(t16) : acc2[j] + (float)(t16);
+            acc3[j] = fresh ? (float)(t17) : acc3[j] + (float)(t17);
+        }
+    }
+}
+
+CLONES static void lamb_f2_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct lamb_scalars *s) {
+    const float bc1 = (float)s->bc1;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float fold0 = (float)s->fold0;
+    const float fold1 = (float)s->fold1;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = m_i / bc1;
+        const float t1 = v_i / bc2;
+        const float t2 = sqrtf(t1);
+        const float t3 = t2 + eps;
+        const float t4 = t0 / t3;
+        const float t5 = t4 * g_i;
+        const int t6 = t5 > ((float)0x0.0p+0);
+        const float t7 = (float)t6;
+        const float t8 = t7 * fold0;
+        const float t9 = t4 * t8;
+        const float t10 = t9 * fold1;
+        const float t11 = p_i + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void lamb_f2_double_columns(const double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, double *restrict acc2, double *restrict acc3, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc1 = (double)s->bc1;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 / bc1;
+            const double t8 = t6 / bc2;
+            const double t9 = sqrt(t8);
+            const double t10 = t9 + eps;
+            const double t11 = t7 / t10;
+            const double t12 = p_i * p_i;
+            const double t13 = t11 * t11;
+            const double t14 = t11 * g_i;
+            const int t15 = t14 > ((double)0x0.0p+0);
+            const double t16 = (double)t15;
+            const double t17 = ((double)0x1.0000000000000p+0) - t16;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t12) : acc0[j] + (double)(t12);
+            acc1[j] = fresh ? (double)(t13) : acc1[j] + (double)(t13);
+            acc2[j] = fresh ? (double)(t16) : acc2[j] + (double)(t16);
+            acc3[j] = fresh ? (double)(t17) : acc3[j] + (double)(t17);
+        }
+    }
+}
+
+CLONES static void lamb_f2_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct lamb_scalars *s) {
+    const double bc1 = (double)s->bc1;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double fold0 = (double)s->fold0;
+    const double fold1 = (double)s->fold1;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = m_i / bc1;
+        const double t1 = v_i / bc2;
+        const double t2 = sqrt(t1);
+        const double t3 = t2 + eps;
+        const double t4 = t0 / t3;
+        const double t5 = t4 * g_i;
+        const int t6 = t5 > ((double)0x0.0p+0);
+        const double t7 = (double)t6;
+        const double t8 = t7 * fold0;
+        const double t9 = t4 * t8;
+        const double t10 = t9 * fold1;
+        const double t11 = p_i + t10;
+        p[i] = t11;
+    }
+}
+
+CLONES static void lamb_f3_float_columns(const float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict acc0, float *restrict acc1, float *restrict acc2, float *restrict acc3, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc1 = (float)s->bc1;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float wd = (float)s->wd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const float t0 = g_i - m_i;
+            const float t1 = t0 * omb1;
+            const float t2 = m_i + t1;
+            const float t3 = v_i * b2;
+            const float t4 = g_i * omb2;
+            const float t5 = t4 * g_i;
+            const float t6 = t3 + t5;
+            const float t7 = t2 / bc1;
+            const float t8 = t6 / bc2;
+            const float t9 = sqrtf(t8);
+            const float t10 = t9 + eps;
+            const float t11 = t7 / t10;
+            const float t12 = p_i * wd;
+            const float t13 = t11 + t12;
+            const float t14 = p_i * p_i;
+            const float t15 = t13 * t13;
+            const float t16 = t13 * g_i;
+            const int t17 = t16 > ((float)0x0.0p+0);
+            const float t18 = (float)t17;
+            const float t19 = ((float)0x1.0000000000000p+0) - t18;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (float)(t14) : acc0[j] + (float)(t14);
+            acc1[j] = fresh ? (float)(t15) : acc1[j] + (float)(t15);
+            acc2[j] = fresh ? (float)(t18) : acc2[j] + (float)(t18);
+            acc3[j] = fresh ? (float)(t19) : acc3[j] + (float)(t19);
+        }
+    }
+}
+
+CLONES static void lamb_f3_float_map(float *restrict p, const float *restrict g, const float *restrict m, const float *restrict v, int64_t n, const struct lamb_scalars *s) {
+    const float bc1 = (float)s->bc1;
+    const float bc2 = (float)s->bc2;
+    const float eps = (float)s->eps;
+    const float wd = (float)s->wd;
+    const float fold0 = (float)s->fold0;
+    const float fold1 = (float)s->fold1;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const float t0 = m_i / bc1;
+        const float t1 = v_i / bc2;
+        const float t2 = sqrtf(t1);
+        const float t3 = t2 + eps;
+        const float t4 = t0 / t3;
+        const float t5 = p_i * wd;
+        const float t6 = t4 + t5;
+        const float t7 = t6 * g_i;
+        const int t8 = t7 > ((float)0x0.0p+0);
+        const float t9 = (float)t8;
+        const float t10 = t9 * fold0;
+        const float t11 = t6 * t10;
+        const float t12 = t11 * fold1;
+        const float t13 = p_i + t12;
+        p[i] = t13;
+    }
+}
+
+CLONES static void lamb_f3_double_columns(const double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict acc0, double *restrict acc1, double *restrict acc2, double *restrict acc3, int64_t rows, int64_t w, int first, const struct lamb_scalars *s) {
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc1 = (double)s->bc1;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double wd = (double)s->wd;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+            const double t0 = g_i - m_i;
+            const double t1 = t0 * omb1;
+            const double t2 = m_i + t1;
+            const double t3 = v_i * b2;
+            const double t4 = g_i * omb2;
+            const double t5 = t4 * g_i;
+            const double t6 = t3 + t5;
+            const double t7 = t2 / bc1;
+            const double t8 = t6 / bc2;
+            const double t9 = sqrt(t8);
+            const double t10 = t9 + eps;
+            const double t11 = t7 / t10;
+            const double t12 = p_i * wd;
+            const double t13 = t11 + t12;
+            const double t14 = p_i * p_i;
+            const double t15 = t13 * t13;
+            const double t16 = t13 * g_i;
+            const int t17 = t16 > ((double)0x0.0p+0);
+            const double t18 = (double)t17;
+            const double t19 = ((double)0x1.0000000000000p+0) - t18;
+            m[i] = t2;
+            v[i] = t6;
+            acc0[j] = fresh ? (double)(t14) : acc0[j] + (double)(t14);
+            acc1[j] = fresh ? (double)(t15) : acc1[j] + (double)(t15);
+            acc2[j] = fresh ? (double)(t18) : acc2[j] + (double)(t18);
+            acc3[j] = fresh ? (double)(t19) : acc3[j] + (double)(t19);
+        }
+    }
+}
+
+CLONES static void lamb_f3_double_map(double *restrict p, const double *restrict g, const double *restrict m, const double *restrict v, int64_t n, const struct lamb_scalars *s) {
+    const double bc1 = (double)s->bc1;
+    const double bc2 = (double)s->bc2;
+    const double eps = (double)s->eps;
+    const double wd = (double)s->wd;
+    const double fold0 = (double)s->fold0;
+    const double fold1 = (double)s->fold1;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i];
+        const double t0 = m_i / bc1;
+        const double t1 = v_i / bc2;
+        const double t2 = sqrt(t1);
+        const double t3 = t2 + eps;
+        const double t4 = t0 / t3;
+        const double t5 = p_i * wd;
+        const double t6 = t4 + t5;
+        const double t7 = t6 * g_i;
+        const int t8 = t7 > ((double)0x0.0p+0);
+        const double t9 = (double)t8;
+        const double t10 = t9 * fold0;
+        const double t11 = t6 * t10;
+        const double t12 = t11 * fold1;
+        const double t13 = p_i + t12;
+        p[i] = t13;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_lamb(int dt, int fs, void *const *a, int64_t n, const struct lamb_scalars *s) {
     switch (2 * fs + dt) {
     default: return -1;
@@ -3000,6 +3269,10 @@ __attribute__((visibility("default"))) int flatopt_gen_lamb_columns(int dt, int 
     case 1: lamb_f0_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
     case 2: lamb_f1_float_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
     case 3: lamb_f1_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], rows, w, first, s); return 0;
+    case 4: lamb_f2_float_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], acc[2], acc[3], rows, w, first, s); return 0;
+    case 5: lamb_f2_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], acc[2], acc[3], rows, w, first, s); return 0;
+    case 6: lamb_f3_float_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], acc[2], acc[3], rows, w, first, s); return 0;
+    case 7: lamb_f3_double_columns(a[0], a[1], a[2], a[3], acc[0], acc[1], acc[2], acc[3], rows, w, first, s); return 0;
     default: return -1;
     }
 }
@@ -3010,6 +3283,10 @@ __attribute__((visibility("default"))) int flatopt_gen_lamb_map(int dt, int fs, 
     case 1: lamb_f0_double_map(a[0], a[2], a[3], n, s); return 0;
     case 2: lamb_f1_float_map(a[0], a[2], a[3], n, s); return 0;
     case 3: lamb_f1_double_map(a[0], a[2], a[3], n, s); return 0;
+    case 4: lamb_f2_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 5: lamb_f2_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 6: lamb_f3_float_map(a[0], a[1], a[2], a[3], n, s); return 0;
+    case 7: lamb_f3_double_map(a[0], a[1], a[2], a[3], n, s); return 0;
     default: return -1;
     }
 }
