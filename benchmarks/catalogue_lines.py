@@ -1,9 +1,12 @@
-"""The size of the elementwise catalogue, in lines: what carries the ten elementwise algorithms' math and its paths.
+"""The size of the elementwise catalogue, in lines: what carries the math and the paths of the ten elementwise
+algorithms that had hand-written C and CUDA (the same ten on any checkout, so that ``--root`` an older one compares;
+the algorithms added on the generator since are not counted).
 
     python -m benchmarks.catalogue_lines [--root PATH]
 
 Counted: the ten elementwise algorithm modules (``flatopt/{sgd,adamw,adam,nadamw,radam,qhadamw,lion,lamb,mars,
 sophia}.py``), the generator (``flatopt/core/elementwise/*.py``), ``core/multi_tensor.py``, ``core/native.py``,
+``kernels/sq_sum.cuh`` (the blocked sums: once included by Lamb's and Mars's kernels, now pasted by the generator),
 ``kernels/cpu/elementwise.c`` and the hand-written CUDA of those algorithms (their ``kernels/<algo>.cu`` and the
 headers those include) where they exist; the generated snapshots (``kernels/generated/``) are counted apart.  Two
 counts per file: all lines, and code lines (not blank, not only a comment, not a docstring: Python docstrings are
@@ -31,7 +34,8 @@ def catalogue(root: Path) -> tuple[list[Path], list[Path]]:
     files += sorted((pkg / "core" / "elementwise").glob("*.py"))
     files += [pkg / "core" / "multi_tensor.py", pkg / "core" / "native.py", pkg / "kernels" / "cpu" / "elementwise.c"]
     cuda = [pkg / "kernels" / f"{a}.cu" for a in ALGORITHMS]
-    headers = sorted({pkg / "kernels" / h for cu in cuda if cu.exists() for h in _INCLUDE.findall(cu.read_text())})
+    headers = sorted({pkg / "kernels" / h for cu in cuda if cu.exists() for h in _INCLUDE.findall(cu.read_text())}
+                     | {pkg / "kernels" / "sq_sum.cuh"})
     files = [f for f in files + cuda + headers if f.exists()]
     return files, sorted((pkg / "kernels" / "generated").glob("*"))
 

@@ -10,11 +10,11 @@ compiled paths are compared with.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any
 
 import numpy as np
 
+from .. import workspace
 from . import trace as tr
 
 UFUNC = {"add": "add", "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negative", "sqrt": "sqrt",
@@ -190,17 +190,7 @@ class Runner:
         self.run = env["run"]
 
 
-_tls = threading.local()
-
-
 def bool_scratch(xp: Any, k: int, n: int) -> list:
-    """``k`` boolean scratch buffers of ``n`` elements, kept per thread (allocated once per size)."""
-    if k == 0:
-        return []
-    cache = getattr(_tls, "bools", None)
-    if cache is None:
-        cache = _tls.bools = {}
-    bufs = cache.get((xp, n))
-    if bufs is None or len(bufs) < k:
-        bufs = cache[(xp, n)] = [xp.empty(n, bool) for _ in range(k)]
-    return bufs
+    """``k`` boolean scratch buffers of ``n`` elements from the one scratch mechanism (``core/workspace.py``: per
+    thread, and on CuPy per device and stream)."""
+    return [workspace.get(xp, f"elementwise.bool{j}", n, bool) for j in range(k)]
