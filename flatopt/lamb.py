@@ -127,7 +127,7 @@ class Lamb(PerParamOptimizer):
     np_rows_fn = staticmethod(np_rows)
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
-                 weight_decay: float = _D.weight_decay, *, cautious: bool = False, lr_scale: LrScale = None,
+                 weight_decay: float = _D.weight_decay, *, cautious: bool = _D.cautious, lr_scale: LrScale = None,
                  weight_decay_mask: DecayMask = None) -> None:
         super().__init__(LambConfig(lr, betas, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)

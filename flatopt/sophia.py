@@ -116,7 +116,7 @@ class Sophia(PerParamOptimizer):
     scratch_buffers = _scratch
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, rho: float = _D.rho,
-                 weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, cautious: bool = False,
+                 weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, cautious: bool = _D.cautious,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)

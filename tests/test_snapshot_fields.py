@@ -119,7 +119,8 @@ def test_a_malformed_field_is_refused_and_changes_nothing(key, case):
 
 # the registry entries whose snapshots hold scalar state of their own (the others: see the test below)
 WITH_SCALARS = ["adafactor8bit", "adafactor8bit_adam_d8_fira", "adafactor8bit_apollo_came", "kron_psgd",
-                "kron_psgd_knobs", "schedulefree_adamw", "schedulefree_adamw_warmup_wd", "stiefel", "stiefel_momentum"]
+                "kron_psgd_knobs", "schedulefree_adamw", "schedulefree_adamw_cautious",
+                "schedulefree_adamw_warmup_wd", "stiefel", "stiefel_momentum"]
 
 
 @pytest.mark.parametrize("key", WITH_SCALARS)

@@ -33,7 +33,7 @@ def get(xp, key: str, n: int, dtype) -> object:
     if pool is None:
         pool = _tls.pool = {}
     dtype = np.dtype(dtype)
-    if xp is np:
+    if xp is np or not hasattr(xp, "cuda"):  # NumPy, or a NumPy-like module without devices
         k = (key, dtype, -1, 0)
     else:
         stream = xp.cuda.get_current_stream()
@@ -41,7 +41,7 @@ def get(xp, key: str, n: int, dtype) -> object:
     buf = pool.get(k)
     if buf is None or buf.size < n:
         buf = pool[k] = xp.empty(max(n, 1), dtype)
-        if xp is not np:
+        if k[2] != -1:
             streams = getattr(_tls, "streams", None)
             if streams is None:
                 streams = _tls.streams = {}
