@@ -56,21 +56,9 @@ def check_bool(owner: str, field: str, value: Any) -> None:
         raise TypeError(f"{owner}: {field} must be a bool, got {value!r}")
 
 
-def moments(xp: Any, m: Array, v: Array, g: Array, omb1: float, b2: float, omb2: float, s: Array) -> None:
-    """m = m + (g − m)·(1 − β1);  v = v·β2 + (g·(1 − β2))·g — in place, five passes through the scratch ``s``
-    (the operation order of ``adam_moments``; Lamb's and Mars's NumPy paths)."""
-    xp.subtract(g, m, s)
-    xp.multiply(s, omb1, s)
-    xp.add(m, s, m)
-    xp.multiply(g, omb2, s)
-    xp.multiply(s, g, s)
-    xp.multiply(v, b2, v)
-    xp.add(v, s, v)
-
-
 def adam_moments(g: Any, m: Any, v: Any, s: Any) -> tuple[Any, Any]:
     """The moments inside a definition's step (scalars ``omb1``, ``b2``, ``omb2``): torch's lerp and addcmul
-    forms, the order of ``moments`` above."""
+    forms, m = m + (g − m)·(1 − β1);  v = v·β2 + (g·(1 − β2))·g."""
     return m + (g - m) * s.omb1, v * s.b2 + (g * s.omb2) * g
 
 

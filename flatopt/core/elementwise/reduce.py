@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .. import cpu_plan, driver, native, norms, sqsum
+from .. import cpu_plan, driver, native, norms, sqsum, workspace
 from . import lower_numpy, trace as tr
 
 CHUNK = driver.CHUNK  # elements per task of a phase when a whole tensor runs serially
@@ -303,7 +303,8 @@ def np_rows(d: Any, fs: int, arrays: tuple, sc: dict, work: dict) -> None:
 def xp_update(d: Any, fs: int, xp: Any, arrays: tuple, st: Any, sc: dict) -> None:
     """Flag set ``fs`` (one with a sum) on one whole tensor on the array module ``xp`` (CuPy, or the device
     stand-ins): the reduce phase, each sum by ``sqsum.sq_sum`` (elementwise operations only), the fold on 1-element
-    arrays, the map; nothing read back to the host.  ``st.work``: the sums' buffers and the scratch."""
+    arrays, the map; nothing read back to the host.  ``st.work``: the sums' terms; the scratch comes from
+    ``core/workspace.py``."""
     p = arrays[0]
     n = p.size
     if n == 0:
@@ -313,9 +314,9 @@ def xp_update(d: Any, fs: int, xp: Any, arrays: tuple, st: Any, sc: dict) -> Non
     r, m, nscr, nbool = runners(d, fs, xp)
     k = len(sp.sums)
     slen = sqsum.sq_layout(n)[4]
-    w = work(st, k * slen + nscr * n, p.dtype, xp)
+    w = work(st, k * slen, p.dtype, xp)  # the sums' terms (their zero padding persists: per parameter)
     terms = [w[j * slen:(j + 1) * slen] for j in range(k)]
-    scr = [w[k * slen + j * n:k * slen + (j + 1) * n] for j in range(nscr)]
+    scr = [workspace.get(xp, f"elementwise.scratch{j}", n, p.dtype) for j in range(nscr)]  # per thread and stream
     bools = lower_numpy.bool_scratch(xp, nbool, n)
     r.run(arrays + tuple(x[:n] for x in terms), sc, scr, bools, dt)
     sums = {name: sqsum.sq_sum(xp, x, n) for name, x in zip(sp.sums, terms)}
