@@ -41,6 +41,7 @@ from typing import Any
 from .adam import bias_corrections, check_bool, check_common
 from .core.driver import PerParamOptimizer
 from .core.elementwise import define, run
+from .core.elementwise.define import Cautious
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
@@ -48,7 +49,7 @@ _SCRATCH = {"persist": False}
 
 
 @dataclasses.dataclass(frozen=True)
-class MarsConfig:
+class MarsConfig(Cautious):
     lr: float = 3e-3
     betas: tuple[float, float] = (0.95, 0.99)
     eps: float = 1e-8
@@ -89,7 +90,8 @@ def flags(cfg: MarsConfig, t: int) -> dict[str, bool]:
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, g_prev: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of Mars's step; with clip_c, ‖c‖ is a sum over the tensor (``core/elementwise/reduce.py``)."""
+    """One element of Mars's step; with clip_c, ‖c‖ is a sum over the tensor (``core/elementwise/reduce.py``), and
+    with cautious the mask's count a second one, after it (m follows the clip)."""
     c = g + (g - g_prev) * s.coef
     if f.clip:
         c = c / e.maximum(e.sqrt(e.sumsq(c)), 1)
@@ -97,7 +99,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, g_prev: Any, *, s: Any, f: Any)
     v = v * s.b2 + (c * s.omb2) * c
     if f.wd:
         p = p * s.decay
-    p = p + (m / (e.sqrt(v) / s.bc2_sqrt + s.eps)) * s.neg_step
+    p = p + (e.cautious(m, g) / (e.sqrt(v) / s.bc2_sqrt + s.eps)) * s.neg_step  # the mask of m, as the reference
     return dict(p=p, m=m, v=v, g_prev=g)
 
 
@@ -128,6 +130,6 @@ class Mars(PerParamOptimizer):
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
                  weight_decay: float = _D.weight_decay, gamma: float = _D.gamma, clip_c: bool = _D.clip_c, *,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(MarsConfig(lr, betas, eps, weight_decay, gamma, clip_c), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                 cautious: bool = _D.cautious, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+        super().__init__(MarsConfig(lr, betas, eps, weight_decay, gamma, clip_c, cautious=cautious),
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)

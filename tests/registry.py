@@ -157,7 +157,6 @@ class FlagSpace:
     base: dict
     options: dict  # kwarg -> {label: value}; the first label is "" (the option off)
     policy: str | Callable[[dict], str] = "element"  # the non-finite gradient policy (test_nonfinite.py), by config
-    norms: bool = False  # a per-tensor norm (Lamb's trust ratio, Mars's clip): 3 launches per multi-tensor group
     min_steps: int = 0  # steps a bit-identity test needs to reach every branch
 
 
@@ -189,15 +188,15 @@ FLAG_SPACE: dict[str, FlagSpace] = {
                                     {"weight_decay": _WD}, min_steps=3),
     "sophia": FlagSpace(flatopt.Sophia, dict(lr=1e-3, betas=(0.9, 0.95), rho=0.5), {"weight_decay": _WD},
                         policy="sign"),
-    "lamb": FlagSpace(flatopt.Lamb, dict(lr=1e-2, betas=(0.8, 0.99)), {"weight_decay": _WD}, norms=True),
+    "lamb": FlagSpace(flatopt.Lamb, dict(lr=1e-2, betas=(0.8, 0.99)), {"weight_decay": _WD}),
     "mars": FlagSpace(flatopt.Mars, dict(lr=1e-2, betas=(0.9, 0.95), gamma=0.05),
-                      {"weight_decay": _WD, "clip_c": {"": True, "noclip": False}}, norms=True,
+                      {"weight_decay": _WD, "clip_c": {"": True, "noclip": False}},
                       policy=lambda cfg: "tensor" if cfg["clip_c"] else "element"),  # the clip's norm
 }
 
 
 # cautious=True (the config base core.elementwise.define.Cautious): an option of every algorithm whose config has the
-# field, derived from the definitions; its mask's count is a per-tensor sum (3 launches per multi-tensor group)
+# field, derived from the definitions; its mask's count is a per-tensor sum (a reduction level: FlagCase.launches)
 for _space in FLAG_SPACE.values():
     if "cautious" in {f.name for f in dataclasses.fields(_space.cls.config_cls)}:
         _space.options["cautious"] = {"": False, "cautious": True}
@@ -229,19 +228,21 @@ class FlagCase:
 
     @property
     def launches(self) -> int:
-        """Multi-tensor launches per group: the norm's partials, folds and map when the step takes a norm."""
-        return 3 if (self.space.norms and self.kwargs.get("clip_c", True)) or self.kwargs.get("cautious") else 1
+        """Multi-tensor launches per group at a step that sums over the tensor (steps 1 and 2: Adopt's first sets v
+        alone)."""
+        return max(self.launches_at(t) for t in (1, 2))
 
     def launches_at(self, t: int) -> int:
-        """``launches`` for a group at step count t: one where that step's flag set has no sum (Adopt's first step
-        sets v alone: no direction to mask)."""
+        """Multi-tensor launches per group at step count t, from the definition's split of that step's flag set:
+        each reduction level's partials and fold, then the map (2·levels + 1: three for Lamb, Mars's clip or a
+        cautious mask, five for Mars's clip and mask), or one where the flag set has no sum."""
         from flatopt.core.elementwise.define import REGISTRY as DEFINITIONS  # noqa: PLC0415
 
         d = DEFINITIONS.get(self.algorithm)
-        if self.launches == 1 or d is None:
-            return self.launches
-        fs = d.flags_of(self.make().config, t, d.example_host)
-        return self.launches if d.split_at(fs) is not None else 1
+        if d is None:
+            return 1
+        sp = d.split_at(d.flags_of(self.make().config, t, d.example_host))
+        return 1 if sp is None else 2 * len(sp.levels) + 1
 
 
 def policy_of(opt) -> str:

@@ -1,12 +1,12 @@
 """``cautious=True`` on the elementwise algorithms (``core/elementwise``: ``e.cautious`` in each step, the flag of
 the ``Cautious`` config base, the mask's count by the reduce stage): an independent float64 reference of every
-algorithm, conformance with pytorch-optimizer's ``Lion(cautious=True)``, ``ADOPT(cautious=True)`` and
-``AdEMAMix(cautious=True)``, the NumPy forms (phases of one large
+algorithm, conformance with pytorch-optimizer's ``Lion(cautious=True)``, ``ADOPT(cautious=True)``,
+``AdEMAMix(cautious=True)`` and ``MARS(cautious=True)``, the NumPy forms (phases of one large
 tensor, rows of small ones, one whole tensor on the device stand-in) against the serial step bit for bit, the
 non-cautious program unchanged, checkpoints without the field, and bad input.
 
-pytorch-optimizer's ``MARS(cautious=True)`` is not compared here: flatopt's Mars has no ``cautious`` (a clip's norm
-then the mask's count needs two reduction levels).  Sophia and ScheduleFreeAdamW have no cautious reference
+Mars with clip_c and cautious sums twice in order (the mask's count follows the clip's norm: two reduction levels,
+``core/elementwise/reduce.py``).  Sophia and ScheduleFreeAdamW have no cautious reference
 implementation: their float64 references below apply ``apply_cautious`` to the direction their docstrings name.
 """
 
@@ -106,6 +106,17 @@ def _ref_step(algo, c, p, g, st, t, lr):
         p[...] = (1 - ckp1) * p + ckp1 * st["z"] + lr * sched * (b1 * (1 - ckp1) - 1) * u
         st["z"] -= lr * sched * u
         return
+    if algo == "mars":
+        b1, b2 = c["betas"]
+        cc = g + (g - st["g_prev"]) * (c["gamma"] * b1 / (1 - b1))
+        if c["clip_c"]:
+            cc = cc / max(np.linalg.norm(cc), 1.0)
+        st["m"][...] = b1 * st["m"] + (1 - b1) * cc
+        st["v"][...] = b2 * st["v"] + (1 - b2) * cc * cc
+        p *= 1 - lr * wd
+        p -= lr / (1 - b1 ** t) * _caution(st["m"], g) / (np.sqrt(st["v"] / (1 - b2 ** t)) + c["eps"])
+        st["g_prev"][...] = g
+        return
     if algo == "lion":
         b1, b2 = c["betas"]
         p *= 1 - lr * wd
@@ -152,7 +163,7 @@ def test_every_elementwise_definition_has_the_flag():
     it last, its cautious flag sets sum (the mask's count) and its others do not; the flag space offers it."""
     have = {name for name, d in REGISTRY.items() if d.cautious}
     assert have >= {"sgd", "adam", "adamw", "nadamw", "radam", "qhadamw", "lion", "sophia", "adopt", "ademamix",
-                    "schedulefree_adamw", "lamb"}
+                    "schedulefree_adamw", "lamb", "mars"}
     for name in have:
         d = REGISTRY[name]
         assert d.flag_names[-1] == "cautious"
@@ -178,7 +189,7 @@ def test_float64_reference(cid):
     n = 257
     p = rng.standard_normal(n)
     st = {"m": np.zeros(n), "v": np.zeros(n), "vmax": np.zeros(n), "buf": np.zeros(n), "m_slow": np.zeros(n),
-          "h": np.zeros(n), "z": np.zeros(n)}
+          "h": np.zeros(n), "z": np.zeros(n), "g_prev": np.zeros(n)}
     want = p.copy()
     if case.algorithm == "sophia":  # a Hessian estimate, so that the clip min(|m|/(h·ρ + ε), 1) is not always 1
         h_hat = rng.random(n) * 4.0
@@ -286,7 +297,7 @@ def test_numpy_forms_and_device_twin_match_the_serial_step(cid, dt):
     case = CASES[cid]
     shapes = [(64,)] * 4 + [(3, 5), (1,), (300_017,)]
     serial, batch, dev = case.make(), case.make(), case.make()
-    assert not serial.elementwise and case.make(cautious=False).elementwise == (case.algorithm != "lamb")
+    assert not serial.elementwise and case.make(cautious=False).elementwise == (case.algorithm not in ("lamb", "mars"))
     items = _batch(dt, 1, shapes)
     ps = {n: p.copy() for n, _, p, _ in items}
     pb = {n: p.copy() for n, _, p, _ in items}
@@ -326,7 +337,7 @@ def test_without_the_flag_nothing_changes(algo):
     for f in d.flag_sets():
         if not f["cautious"]:
             assert d.index(f) < 1 << (len(d.flag_names) - 1)
-            if algo != "lamb":  # Lamb sums without the flag too (its norms)
+            if algo not in ("lamb", "mars"):  # Lamb and Mars sum without the flag too (their norms)
                 assert f in plain and not any(i.op == "sum" for i in d.program(f).instrs)
             assert not any(i.op == "cast" for i in d.program(f).instrs)  # no mask
 

@@ -104,7 +104,7 @@ def test_host_values_reach_every_path_and_key_its_caches():
 def test_the_numpy_path_passes_out_as_numpy_asks():
     """Every NumPy lowering of every registered definition runs without a DeprecationWarning (NumPy 2.4 deprecates a
     positional ``out`` for ``maximum``/``minimum``: AdamW's amsgrad, Adopt's floor and clip, Sophia's ratio); a flag
-    set with a sum runs its split's reduce and map programs (``reduce.py``)."""
+    set with a sum runs its split's reduce programs (one per level) and its map program (``reduce.py``)."""
     import warnings
 
     import numpy as np
@@ -115,8 +115,8 @@ def test_the_numpy_path_passes_out_as_numpy_asks():
         sp = d.split_at(fs)
         if sp is None:
             return [run._runner(d, fs, np)]  # noqa: SLF001
-        return [lower_numpy.Runner(lower_numpy.allocate(sp.reduce), np, tuple(d.arrays) + sp.sums),
-                lower_numpy.Runner(lower_numpy.allocate(sp.map), np, tuple(d.arrays))]
+        return [*(lower_numpy.Runner(lower_numpy.allocate(lv.reduce), np, tuple(d.arrays) + lv.sums)
+                  for lv in sp.levels), lower_numpy.Runner(lower_numpy.allocate(sp.map), np, tuple(d.arrays))]
 
     for d in REGISTRY.values():
         for f in d.flag_sets():

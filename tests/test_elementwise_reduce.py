@@ -73,8 +73,9 @@ def test_split_structure():
     sp = DEF.split_at(0)
     assert sp.first == ("m",)  # the reduce phase writes m (no sum changes it); the map reads it back
     assert sp.sums == ("_sum0",)
-    assert [i.op for i in sp.reduce.instrs] == ["mul", "add", "mul"]
-    assert [i.op for i in sp.fold.instrs] == ["sqrt", "gt", "div", "where", "mul"]
+    assert len(sp.levels) == 1
+    assert [i.op for i in sp.levels[0].reduce.instrs] == ["mul", "add", "mul"]
+    assert [i.op for i in sp.levels[0].fold.instrs] == ["sqrt", "gt", "div", "where", "mul"]
     assert [i.op for i in sp.map.instrs] == ["mul", "add"] and sp.map.reads == ("p", "m")
     assert sp.map.scalars == ("fold0",)
     sp1 = DEF.split_at(1)
@@ -82,15 +83,67 @@ def test_split_structure():
     assert DEF.has_sums()
 
 
-def test_split_refuses_nested_sums():
-    def bad(e, p, g, m, *, s, f):
-        a = e.sum(g)
-        return dict(p=p + e.sum(g * a))
+def step2(e, p, g, m, *, s, f):
+    """Two reduction levels: c = g/max(‖g‖, 1); m = b·m + c; then the count of m·g > 0, a sum of a value that
+    depends on the first sum; p += m·((count + 1)·(−lr))."""
+    c = g / e.maximum(e.sqrt(e.sumsq(g)), 1)
+    m = m * s.b + c
+    count = e.sum(e.cast(m * g > 0))
+    p = p + m * ((count + 1) * s.neg_lr)
+    return dict(p=p, m=m)
 
-    d = Definition("reduce_bad", bad, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m",),
-                          example=Cfg(), register=False)
-    with pytest.raises(ValueError, match="depends on another sum"):
-        d.split_at(0)
+
+DEF2 = Definition("reduce_test2", step2, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m",),
+                  example=Cfg(), register=False)
+BOUND2 = run.bind_reduce(DEF2)
+
+
+def reference2(cfg, p, g, m, lr):
+    """``step2`` by hand: each sum through ``sqsum.sq_sum``, the second after the first's fold."""
+    dt, n = p.dtype.type, p.size
+    buf = sqsum.sq_scratch(np, n, p.dtype)
+    np.multiply(g, g, buf[:n])
+    nrm = np.maximum(np.sqrt(sqsum.sq_sum(np, buf, n)[0]), dt(1))
+    m[...] = m * dt(cfg.beta) + g / nrm
+    buf = sqsum.sq_scratch(np, n, p.dtype)
+    buf[:n] = m * g > 0
+    count = sqsum.sq_sum(np, buf, n)[0]
+    p[...] = p + m * ((count + dt(1)) * dt(-lr))
+
+
+def test_split_orders_dependent_sums_in_levels():
+    sp = DEF2.split_at(0)
+    assert len(sp.levels) == 2 and sp.sums == ("_sum0", "_sum1") and sp.folds == ("fold0", "fold1")
+    first, second = sp.levels
+    assert first.sums == ("_sum0",) and first.reduce.scalars == () and first.fold.outputs[0][0] == "fold0"
+    assert second.sums == ("_sum1",) and second.reduce.scalars == ("b", "fold0")  # m made again from the fold
+    assert second.reduce.reads == ("g", "m") and second.first == () and sp.first == ()
+    assert sp.map.scalars == ("b", "fold0", "fold1") and second.fold.scalars == ("neg_lr",)  # (count + 1)·(−lr)
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 4096 * 3 + 17, 300_000])
+def test_two_levels_match_reference(dt, n):
+    cfg = Cfg()
+    p0, g, m0 = _data(n, dt, n)
+    g *= dt(0.01)  # ‖g‖ near 1 at some sizes, over it at others
+    want_p, want_m = p0.copy(), m0.copy()
+    reference2(cfg, want_p, g, want_m, cfg.lr)
+    for chunk in (1 << 17, 1000):
+        p, st = p0.copy(), St(m0.copy())
+        blocks.run_serial(BOUND2["np_phases_fn"](cfg, st, p, g, t=1, lr=cfg.lr, chunk=chunk))
+        assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes(), chunk
+    p, st = p0.copy(), St(m0.copy())
+    reduce.xp_update(DEF2, 0, np, (p, g, st.m), st, run._cast(DEF2, cfg, 1, cfg.lr, p.dtype, 1.0))
+    assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes()
+    if n <= 20_000:
+        P, G, M = (np.stack([x, x[::-1].copy()]) for x in (p0, g, m0))
+        st = St(M.copy())
+        BOUND2["np_rows_fn"](cfg, st, P, G, t=1, lr=cfg.lr, work={})
+        for i in range(2):
+            wp, wm = (p0 if i == 0 else p0[::-1]).copy(), M[i].copy()
+            reference2(cfg, wp, G[i], wm, cfg.lr)
+            assert P[i].tobytes() == wp.tobytes() and st.m[i].tobytes() == wm.tobytes(), i
 
 
 def _data(n, dt, seed):

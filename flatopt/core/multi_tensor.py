@@ -38,8 +38,9 @@ launch's arguments after ``base_lr``.  The algorithm's learning rate must be the
 (``hooks.effective_lr`` not replaced) and its state updated in place.
 
 **Per-tensor sums** (a definition with ``e.sum``, ``core/elementwise/reduce.py``: Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a
-:class:`Norms` in ``MultiTensor(..., norms=...)`` runs two passes before the elementwise kernel, so a group costs three
-launches whatever its number of tensors.  The per-tensor kernels sum in ``core/sqsum.py``'s blocked order: a first
+:class:`Norms` in ``MultiTensor(..., norms=...)`` runs two passes per reduction level before the elementwise kernel,
+so a group costs 2·levels + 1 launches whatever its number of tensors (three for one level; Mars with clip_c and
+cautious has two: the mask's count follows the clip's norm).  The per-tensor kernels sum in ``core/sqsum.py``'s blocked order: a first
 pass of ``sq_blocks(n)`` blocks writes one partial per block, a one-block fold adds them (``kernels/sq_sum.cuh``).
 The group's table then also holds
 
@@ -49,10 +50,12 @@ The group's table then also holds
 
 and a device buffer of ``sums * nparts`` partials plus ``folds`` values per tensor (``scal``), allocated with the
 plan.  The fold kernel runs one block per tensor, folds its partials in the per-tensor fold's order and writes
-``scal[ti * folds + k]``; the elementwise kernel reads them.  Signatures: ``partials(tensors, segs, spans, nparts,
-parts, <partial_args>)``, ``fold(spans, scales, nparts, base_lr, parts, scal, <fold_args>)``, the elementwise
-kernel's as above with ``scal`` last; ``norms.pick(config, t)`` names the partials and fold kernels of a flag set,
-or None for one without a sum (Mars without clip_c): then only the elementwise kernel runs, without ``scal``.
+``scal[ti * folds + k]``; the elementwise kernel reads them.  The levels run one after the other on the same
+partials' buffer; a level after the first reads the earlier levels' values from ``scal``.  Signatures:
+``partials(tensors, segs, spans, nparts, parts, <partial_args>[, scal])`` (``scal`` after the first level),
+``fold(spans, scales, nparts, base_lr, parts, scal, <fold_args>)``, the elementwise kernel's as above with ``scal``
+last; ``norms.pick(config, t)`` names the (partials, fold) kernels of each level of a flag set, or None for one
+without a sum (Mars without clip_c): then only the elementwise kernel runs, without ``scal``.
 """
 
 from __future__ import annotations
@@ -75,13 +78,14 @@ BLOCK = 256
 class Norms:
     """The per-tensor sums a multi-tensor kernel needs first (see the module docstring)."""
 
-    sums: int  # the most sums of a flag set: the partials' buffer holds sums * nparts
-    folds: int  # the most per-tensor values a fold writes: scal[ti * folds + k]
-    # (config, t) -> the (partials, fold) kernels of this launch, or None for a flag set without a sum; the three
-    # take the group's host values as a last argument where the definition declares them (as MultiTensor's)
+    sums: int  # the most sums of one level: the partials' buffer holds sums * nparts
+    folds: int  # the most per-tensor values the folds of a flag set write: scal[ti * folds + k]
+    # (config, t) -> one (partials, fold) pair of kernels per level of this launch, or None for a flag set without
+    # a sum; the three take the group's host values as a last argument where the definition declares them (as
+    # MultiTensor's), the last two the keyword ``level``
     pick: Callable[..., tuple | None]
-    partial_args: Callable[..., tuple]  # (config, t, dtype scalar type) -> the arguments after parts
-    fold_args: Callable[..., tuple]  # (config, t, dtype scalar type) -> the arguments after scal
+    partial_args: Callable[..., tuple]  # (config, t, dtype scalar type, level=) -> the arguments after parts
+    fold_args: Callable[..., tuple]  # (config, t, dtype scalar type, level=) -> the arguments after scal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,12 +194,14 @@ class Group:
         if names is None:
             fn((self.nblocks,), (BLOCK,), args)
             return
-        partials_fn, fold_fn = (kernels.get(spec.source, k, self.dtype) for k in names)
         threads = (sq.SQ_THREADS,)  # the blocked sums' layout needs this many threads per block
-        partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
-                                             *norms.partial_args(config, t, dt, *extra)))
-        fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr), self.parts,
-                                            self.scal, *norms.fold_args(config, t, dt, *extra)))
+        for level, pair in enumerate(names):  # a level after the first reads the earlier folds from scal
+            partials_fn, fold_fn = (kernels.get(spec.source, k, self.dtype) for k in pair)
+            partials_fn((self.nsegs,), threads, (self.tensors, self.segs, self.spans, self.nparts, self.parts,
+                                                 *norms.partial_args(config, t, dt, *extra, level=level),
+                                                 *((self.scal,) if level else ())))
+            fold_fn((self.ntensors,), threads, (self.spans, self.scales, self.nparts, float(base_lr), self.parts,
+                                                self.scal, *norms.fold_args(config, t, dt, *extra, level=level)))
         fn((self.nblocks,), (BLOCK,), (*args, self.scal))
 
 

@@ -69,7 +69,7 @@ def _bind(handle: Any) -> dict[str, Any]:
     for name in re.findall(r"\bint flatopt_gen_(\w+)\(", GENERATED.read_text()):
         fn = getattr(handle, f"flatopt_gen_{name}")  # (dt, flag set, arrays, n, struct of named doubles)
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-        if name.endswith("_columns"):  # (dt, flag set, arrays, column sums, rows, w, first, struct)
+        if re.search(r"_columns\d*$", name):  # (dt, flag set, arrays, column sums, rows, w, first, struct)
             fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
@@ -153,12 +153,13 @@ def gen_step(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) ->
 
 
 def gen_columns(algo: str, fs: int, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray], rows: int, w: int,
-                first: bool, packed: bytes) -> bool:
+                first: bool, packed: bytes, level: int = 0) -> bool:
     """Run the generated reduce phase of ``algo``'s flag set ``fs`` (``core/elementwise/reduce.py``) on ``rows``
     contiguous rows of ``w`` elements of ``arrays`` (the definition's p, g and slots), adding each summand's rows
     into its ``w`` column sums ``accs`` in row order (``first``: they replace the sums); False (nothing touched)
-    when it cannot: the caller runs the NumPy path."""
-    return _gen(f"gen_{algo}_columns", fs, arrays, rows * w, (*accs,), (rows, w, int(first)), packed)
+    when it cannot: the caller runs the NumPy path.  ``level``: which reduction level (entry ``_columns<level>``
+    after the first)."""
+    return _gen(f"gen_{algo}_columns{level or ''}", fs, arrays, rows * w, (*accs,), (rows, w, int(first)), packed)
 
 
 def gen_map(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) -> bool:

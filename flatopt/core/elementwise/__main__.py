@@ -41,10 +41,11 @@ def show(algo: str, lowering: str) -> str:
         lines.append(f"# {algo} flag set {fs}: {f}")
         sp = d.split_at(fs)
         if sp is not None:  # reduce, then map (reduce.py): each part
-            for part in ("reduce", "fold", "map"):
-                pr = getattr(sp, part)
+            parts = [(f"{part}{level or ''}", getattr(lv, part)) for level, lv in enumerate(sp.levels)
+                     for part in ("reduce", "fold")]
+            for part, pr in parts + [("map", sp.map)]:
                 lines.append(f"## {part}")
-                if lowering == "numpy" and part != "fold":
+                if lowering == "numpy" and not part.startswith("fold"):
                     p = lower_numpy.allocate(pr)
                     lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
                     lines += [f"copy {src} -> {name}" for name, src in p.copies]

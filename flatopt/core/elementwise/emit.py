@@ -161,7 +161,7 @@ def _c_algo(d) -> list[str]:
          f"struct {d.name}_scalars {{"]
     L += [f"    double {s};" for s in d.scalar_names + _fold_names(d)]
     L += ["};", ""]
-    cases, col_cases, map_cases = [], [], []
+    cases, col_cases, map_cases = [], {}, []
     for f in d.flag_sets():
         fs = d.index(f)
         sp = d.split_at(fs)
@@ -173,11 +173,12 @@ def _c_algo(d) -> list[str]:
                 args = ", ".join(f"a[{d.arrays.index(a)}]" for a in used)
                 cases.append(f"    case {2 * fs + dt}: {fn}({args}, n, s); return 0;")
                 continue
-            fn = f"{d.name}_f{fs}_{ctype}_columns"
-            body, used = _c_columns(d, sp, fn, ctype)
-            L += body
-            args = ", ".join([f"a[{d.arrays.index(a)}]" for a in used] + [f"acc[{j}]" for j in range(len(sp.sums))])
-            col_cases.append(f"    case {2 * fs + dt}: {fn}({args}, rows, w, first, s); return 0;")
+            for level, lv in enumerate(sp.levels):  # entry _columns<level> after the first (core/native.py)
+                fn = f"{d.name}_f{fs}_{ctype}_columns{level or ''}"
+                body, used = _c_columns(d, lv, fn, ctype)
+                L += body
+                args = ", ".join([f"a[{d.arrays.index(a)}]" for a in used] + [f"acc[{j}]" for j in range(len(lv.sums))])
+                col_cases.setdefault(level, []).append(f"    case {2 * fs + dt}: {fn}({args}, rows, w, first, s); return 0;")
             fn = f"{d.name}_f{fs}_{ctype}_map"
             body, used = _c_loop(d, sp.map, fn, ctype, [])
             L += body
@@ -186,10 +187,11 @@ def _c_algo(d) -> list[str]:
     vis = '__attribute__((visibility("default"))) int'
     L.append(f"{vis} flatopt_gen_{d.name}(int dt, int fs, void *const *a, int64_t n, const struct {d.name}_scalars *s) {{")
     L += ["    switch (2 * fs + dt) {", *cases, "    default: return -1;", "    }", "}", ""]
-    if col_cases:  # the phases of the flag sets with a sum (core/elementwise/reduce.py)
-        L.append(f"{vis} flatopt_gen_{d.name}_columns(int dt, int fs, void *const *a, void *const *acc, int64_t rows, "
-                 f"int64_t w, int first, const struct {d.name}_scalars *s) {{")
-        L += ["    switch (2 * fs + dt) {", *col_cases, "    default: return -1;", "    }", "}", ""]
+    for level, level_cases in col_cases.items():  # the phases of the flag sets with a sum (elementwise/reduce.py)
+        L.append(f"{vis} flatopt_gen_{d.name}_columns{level or ''}(int dt, int fs, void *const *a, void *const *acc, "
+                 f"int64_t rows, int64_t w, int first, const struct {d.name}_scalars *s) {{")
+        L += ["    switch (2 * fs + dt) {", *level_cases, "    default: return -1;", "    }", "}", ""]
+    if col_cases:
         L.append(f"{vis} flatopt_gen_{d.name}_map(int dt, int fs, void *const *a, int64_t n, "
                  f"const struct {d.name}_scalars *s) {{")
         L += ["    switch (2 * fs + dt) {", *map_cases, "    default: return -1;", "    }", "}", ""]
@@ -286,7 +288,8 @@ def cuda_source(d, shape: tuple, path: str) -> str:
         if sp is None:
             _cuda_elementwise(d, fs, d.program(f), derived, src, L, here, "", ())
             continue
-        _cuda_reduce(d, fs, sp, derived, src, L, here)
+        for level, lv in enumerate(sp.levels):
+            _cuda_reduce(d, fs, lv, level, sp.folds, derived, src, L, here)
         _cuda_elementwise(d, fs, sp.map, derived, src, L, here, "_map", sp.folds)
     return "\n".join(L) + "\n"
 
@@ -393,17 +396,22 @@ SQ = 256  # threads per block of the blocked sums (kernels/sq_sum.cuh SQ_THREADS
 SQ_BOUNDS = f"{SQ}, 1"
 
 
-def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None:
-    """A flag set's reduce phase (per-tensor and multi-tensor partials) and its fold (per tensor, per group)."""
+def _cuda_reduce(d, fs: int, sp, level: int, folds: tuple, derived: dict, src: str, L: list, here) -> None:
+    """One reduction level of a flag set (``sp``: a ``reduce.Level``): its reduce phase (per-tensor and multi-tensor
+    partials) and its fold (per tensor, per group); ``folds``: every fold value of the flag set, in ``scal``'s order
+    (a level after the first reads the earlier levels' from ``scal``)."""
     prog = sp.reduce
     k = len(sp.sums)
+    tag = str(level or "")  # the kernels of a level after the first: partials<level>, fold<level>, ...
     written = {n for n, _ in prog.outputs if n not in sp.sums}
     used = [a for a in d.arrays if a in written or a in prog.reads]
     ptrs = [f"{'' if a in written else 'const '}T* __restrict__ {a}" for a in used]
-    if any(derived[s] is not None for s in prog.scalars):
+    if any(derived.get(s) is not None for s in prog.scalars):
         raise NotImplementedError(f"{d.name}: a reduce phase that reads an lr-dependent scalar")
     scal_params = [f"const T {s}" for s in prog.scalars]
-    block = f"{d.name}_f{fs}_reduce_block"
+    own_params = [f"const T {s}" for s in prog.scalars if s not in folds]
+    scal_ptr = ["const T* __restrict__ scal"] if level else []
+    block = f"{d.name}_f{fs}_reduce_block{tag}"
     L.append("// Block c of the nb blocks of the reduce phase over one tensor: the partial of sum j -> *part<j>.")
     L.append("template <typename T>")
     L.append(f"__device__ __forceinline__ void {block}({', '.join(ptrs + ['const long long n', 'const long long nb', 'const long long c'] + scal_params + ['T* sh'] + [f'T* __restrict__ part{j}' for j in range(k)])}) {{")
@@ -426,17 +434,18 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None
     L += [f"    *part{j} = acc{j};" for j in range(k)]
     L += ["  }", "}", ""]
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'partials')}("
-             f"{', '.join(ptrs + ['const long long n'] + scal_params + ['T* __restrict__ parts'])}) {{")
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'partials' + tag)}("
+             f"{', '.join(ptrs + ['const long long n'] + own_params + ['T* __restrict__ parts'] + scal_ptr)}) {{")
+    L += [f"  const T {s} = scal[{folds.index(s)}];" for s in prog.scalars if s in folds]
     L += ["  __shared__ T sh[SQ_THREADS];", "  const long long nb = gridDim.x;",
           f"  {block}({', '.join(used + ['n', 'nb', '(long long)blockIdx.x'] + list(prog.scalars) + ['sh'] + [f'parts + {j} * nb + blockIdx.x' for j in range(k)])});",
           "}", ""]
     ncol = len(d.arrays) + 2  # the arrays' addresses, n, the aligned flag (core/multi_tensor.py)
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'partials_multi')}("
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'partials' + tag + '_multi')}("
              "const long long* __restrict__ tensors, const long long* __restrict__ segs, "
              "const long long* __restrict__ spans, const long long nparts, T* __restrict__ parts"
-             f"{''.join(', ' + x for x in scal_params)}) {{")
+             f"{''.join(', ' + x for x in own_params + scal_ptr)}) {{")
     L += ["  __shared__ T sh[SQ_THREADS];",  # launch block b is block c of tensor ti (core/multi_tensor.py `Norms`)
           "  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];",
           f"  const long long* row = tensors + {ncol} * ti;",
@@ -444,30 +453,33 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None
     for a in used:
         c = "" if a in written else "const "
         L.append(f"  {c}T* __restrict__ {a} = ({c}T*)row[{d.arrays.index(a)}];")
+    L += [f"  const T {s} = scal[{len(folds)} * ti + {folds.index(s)}];" for s in prog.scalars if s in folds]
     L += [f"  {block}({', '.join(used + ['n', 'nb', 'c'] + list(prog.scalars) + ['sh'] + [f'parts + {j} * nparts + off + c' for j in range(k)])});",
           "}", ""]
     # the fold
     fold = sp.fold
-    fname = f"{d.name}_f{fs}_fold_one"
-    fparams = [f"const T {s}" for s in fold.scalars]
+    fname = f"{d.name}_f{fs}_fold_one{tag}"
+    own = [s for s in fold.scalars if s not in folds]  # an earlier level's folds: read from scal
+    fparams = [f"const T {s}" for s in own]
     L.append("// One block: the nb partials of each sum folded (thread 0 holds them), then the fold; scal[k] = fold k.")
     L.append("template <typename T>")
     L.append(f"__device__ __forceinline__ void {fname}({', '.join(['const T* __restrict__ parts', 'const long long pstride', 'const long long nb'] + fparams + ['T* sh', 'T* __restrict__ scal'])}) {{")
     L += [f"  const T {n} = sq_fold(parts + {j} * pstride, nb, sh);" for j, n in enumerate(sp.sums)]
     L.append("  if (threadIdx.x == 0) {")
+    L += [f"    const T {s} = scal[{folds.index(s)}];" for s in fold.scalars if s in folds]
     fname_of = {("in", n): n for n in sp.sums} | {("s", s): s for s in fold.scalars}
     L += _body(fold, "T", True, fname_of, "    ", src, suffix="_f")
     L.append(here())
-    L += [f"    scal[{j}] = {_store_value(fold, ref, 'T', fname_of, '_f')};" for j, (_, ref) in enumerate(fold.outputs)]
+    L += [f"    scal[{folds.index(n)}] = {_store_value(fold, ref, 'T', fname_of, '_f')};" for n, ref in fold.outputs]
     L += ["  }", "}", ""]
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'fold')}("
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'fold' + tag)}("
              f"{', '.join(['const T* __restrict__ parts', 'const long long nb'] + fparams + ['T* __restrict__ scal'])}) {{")
     L += ["  __shared__ T sh[SQ_THREADS];",
-          f"  {fname}({', '.join(['parts', 'nb', 'nb'] + list(fold.scalars) + ['sh', 'scal'])});", "}", ""]
+          f"  {fname}({', '.join(['parts', 'nb', 'nb'] + own + ['sh', 'scal'])});", "}", ""]
     doubles, plain = multi_params(d, fold, tuple(derived.items()))
     L.append("template <typename T>")
-    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'fold_multi')}("
+    L.append(f"__global__ void __launch_bounds__({SQ_BOUNDS}) {cuda_name(d, fs, 'fold' + tag + '_multi')}("
              "const long long* __restrict__ spans, const double* __restrict__ scales, const long long nparts, "
              "const double base_lr, const T* __restrict__ parts, T* __restrict__ scal"
              f"{''.join(', const double ' + w for w in doubles)}{''.join(', const T ' + x for x in plain)}) {{")
@@ -476,5 +488,5 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: list, here) -> None
     if any(derived.get(s) is not None for s in fold.scalars):
         L.append("  const double lr = base_lr * scales[ti];")
     L += [f"  const T {s} = (T){derived[s]};" for s in fold.scalars if derived.get(s) is not None]
-    L += [f"  {fname}({', '.join(['parts + off', 'nparts', 'nb'] + list(fold.scalars) + ['sh', f'scal + {len(sp.folds)} * ti'])});",
+    L += [f"  {fname}({', '.join(['parts + off', 'nparts', 'nb'] + own + ['sh', f'scal + {len(folds)} * ti'])});",
           "}", ""]

@@ -38,18 +38,37 @@ CHUNK = driver.CHUNK  # elements per task of a phase when a whole tensor runs se
 
 
 @dataclasses.dataclass(frozen=True)
-class Split:
-    """One flag set's program cut at its sums (see the module docstring)."""
+class Level:
+    """One reduction level of a split: a reduce phase, its sums, and the fold of the per-tensor values they give."""
 
-    reduce: tr.Program  # arrays: the definition's, then ``sums``; outputs: ``first`` arrays, then the summands
-    sums: tuple  # the pseudo-array names "_sum0", ...
-    fold: tr.Program  # reads the sums; outputs ("fold<k>", ref): the per-tensor scalars of the map
-    map: tr.Program  # scalars: the definition's it uses, then the fold's outputs
-    first: tuple  # the arrays the reduce phase writes
+    reduce: tr.Program  # arrays: the definition's, then ``sums``; scalars: the definition's, then earlier folds
+    sums: tuple  # the pseudo-array names "_sum<j>" of this level (numbered over the whole step)
+    fold: tr.Program  # reads this level's sums (and earlier folds as scalars); outputs ("fold<k>", ref)
+    first: tuple = ()  # the arrays this reduce phase writes (the first level only)
 
     @property
     def folds(self) -> tuple:
         return tuple(n for n, _ in self.fold.outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """One flag set's program cut at its sums (see the module docstring): ordered levels, then the map."""
+
+    levels: tuple  # of Level: a level's sums may depend on the folds of the levels before it
+    map: tr.Program  # scalars: the definition's it uses, then the folds'
+
+    @property
+    def first(self) -> tuple:
+        return self.levels[0].first
+
+    @property
+    def sums(self) -> tuple:
+        return tuple(n for lv in self.levels for n in lv.sums)
+
+    @property
+    def folds(self) -> tuple:
+        return tuple(n for lv in self.levels for n in lv.folds)
 
 
 def _sub(prog: tr.Program, outputs: list, stop: Callable[[tuple], Any], arrays: tuple, scalars: tuple,
@@ -86,37 +105,48 @@ def _sub(prog: tr.Program, outputs: list, stop: Callable[[tuple], Any], arrays: 
     return tr.Program(prog.algo, prog.flags, tuple(new), outs, reads, scal)
 
 
+def _levels(prog: tr.Program) -> tuple[list, list]:
+    """Per instruction: its level (0 for a value no sum precedes; a sum's is one more than its summand's) and
+    whether it is per-tensor (made of scalars, constants and sums only)."""
+    lv, uni = [0] * len(prog.instrs), [False] * len(prog.instrs)
+    for k, i in enumerate(prog.instrs):
+        u = all(a[0] in ("s", "c") or (a[0] == "v" and uni[a[1]]) for a in i.args)
+        lv[k] = max((lv[a[1]] for a in i.args if a[0] == "v"), default=0)
+        if i.op == "sum":
+            if u:
+                raise ValueError(f"{prog.algo}.step: e.sum of a per-tensor value (sum a per-element one)")
+            lv[k], u = lv[k] + 1, True
+        uni[k] = u
+    return lv, uni
+
+
 def split(prog: tr.Program, arrays: tuple, scalar_names: tuple) -> Split | None:
     """The program cut at its sums, or None when it has none (``arrays``, ``scalar_names``: the definition's)."""
     ins = prog.instrs
     sums = [k for k, i in enumerate(ins) if i.op == "sum"]
     if not sums:
         return None
-    dep, uni = [False] * len(ins), [False] * len(ins)
-    for k, i in enumerate(ins):
-        vs = [a[1] for a in i.args if a[0] == "v"]
-        if i.op == "sum":
-            if any(dep[j] for j in vs):
-                raise ValueError(f"{prog.algo}.step: a sum of a value that depends on another sum (one reduce "
-                                 f"phase per step)")
-            if all(a[0] in ("s", "c") or (a[0] == "v" and uni[a[1]]) for a in i.args):
-                raise ValueError(f"{prog.algo}.step: e.sum of a per-tensor value (sum a per-element one)")
-            dep[k] = uni[k] = True
-            continue
-        dep[k] = any(dep[j] for j in vs)
-        uni[k] = all(a[0] in ("s", "c") or (a[0] == "v" and uni[a[1]]) for a in i.args)
-    in_reduce: set = set()
-    todo = [ins[k].args[0] for k in sums]
+    lv, uni = _levels(prog)
+    nlev = max(lv[k] for k in sums)
+    per_tensor = {k for k in range(len(ins)) if lv[k] and uni[k]}  # a fold's values (sums included)
+    level_sums = [[k for k in sums if lv[k] == L] for L in range(1, nlev + 1)]
+    sum_names = {k: f"_sum{j}" for j, k in enumerate(k for ks in level_sums for k in ks)}
+    in_reduce: set = set()  # what the first level's summands need
+    todo = [ins[k].args[0] for k in level_sums[0]]
     while todo:
         ref = todo.pop()
         if ref[0] == "v" and ref[1] not in in_reduce:
             in_reduce.add(ref[1])
             todo.extend(ins[ref[1]].args)
-    sum_names = tuple(f"_sum{j}" for j in range(len(sums)))
-    sum_ref = {("v", k): ("in", n) for k, n in zip(sums, sum_names)}
     written = dict(prog.outputs)
     first = [n for n, r in prog.outputs if r[0] == "v" and r[1] in in_reduce]
-    while True:  # drop from `first` any array whose old value the map still reads
+
+    def later_parts(stop: Callable) -> None:  # the map and the reduce phases after the first, through ``stop``
+        _sub(prog, [(n, r) for n, r in prog.outputs if n not in first], stop, arrays, scalar_names)
+        for ks in level_sums[1:]:
+            _sub(prog, [(sum_names[k], ins[k].args[0]) for k in ks], stop, arrays, scalar_names)
+
+    while True:  # drop from `first` any array whose old value a later part still reads
         subst = {written[n]: ("in", n) for n in first}
         folded: set = set()
         clash: list = []
@@ -127,33 +157,60 @@ def split(prog: tr.Program, arrays: tuple, scalar_names: tuple) -> Split | None:
             if ref[0] == "in" and ref[1] in first:
                 clash.append(ref[1])
                 return ref
-            if ref[0] == "v" and dep[ref[1]] and uni[ref[1]]:
+            if ref[0] == "v" and ref[1] in per_tensor:
                 folded.add(ref[1])
                 return ("s", "?")
             return None
 
-        map_outs = [(n, r) for n, r in prog.outputs if n not in first]
-        _sub(prog, map_outs, stop, arrays, scalar_names)
+        later_parts(stop)
         if not clash:
             break
         first = [n for n in first if n not in clash]
-    fold_names = {k: f"fold{j}" for j, k in enumerate(sorted(folded))}
+    for L in range(nlev, 1, -1):  # a fold may read the folds of the levels before it
+        need = [("x", ("v", k)) for k in folded if lv[k] == L]
+        seen: set = set()
+
+        def record(ref: tuple, L=L, seen=seen) -> Any:
+            if ref[0] == "v" and ref[1] in per_tensor and (lv[ref[1]] < L or ins[ref[1]].op == "sum"):
+                if lv[ref[1]] < L:
+                    seen.add(ref[1])
+                return ("s", "?")
+            return None
+
+        _sub(prog, need, record, arrays, scalar_names)
+        folded |= seen
+    order = sorted(folded, key=lambda k: (lv[k], k))
+    fold_names = {k: f"fold{j}" for j, k in enumerate(order)}
     subst = {written[n]: ("in", n) for n in first}
 
-    def map_stop(ref: tuple) -> Any:
+    def later_stop(ref: tuple) -> Any:
         if ref in subst:
             return subst[ref]
         if ref[0] == "v" and ref[1] in fold_names:
             return ("s", fold_names[ref[1]])
         return None
 
-    mp = _sub(prog, [(n, r) for n, r in prog.outputs if n not in first], map_stop, arrays,
-              tuple(scalar_names) + tuple(fold_names.values()))
-    fd = _sub(prog, [(fold_names[k], ("v", k)) for k in sorted(fold_names)], lambda r: sum_ref.get(r), sum_names,
-              scalar_names, keep_same=True)
-    rd = _sub(prog, [(n, written[n]) for n in first] + [(n, ins[k].args[0]) for k, n in zip(sums, sum_names)],
-              lambda r: None, tuple(arrays) + sum_names, scalar_names, keep_same=True)
-    return Split(rd, sum_names, fd, mp, tuple(first))
+    levels = []
+    for L, ks in enumerate(level_sums, 1):
+        names = tuple(sum_names[k] for k in ks)
+        before = tuple(fold_names[k] for k in order if lv[k] < L)
+        outs = [(n, written[n]) for n in first] if L == 1 else []
+        rd = _sub(prog, outs + [(sum_names[k], ins[k].args[0]) for k in ks], later_stop if L > 1 else lambda r: None,
+                  tuple(arrays) + names, tuple(scalar_names) + before, keep_same=True)
+
+        def fold_stop(ref: tuple, L=L) -> Any:
+            if ref[0] == "v" and ins[ref[1]].op == "sum" and lv[ref[1]] == L:
+                return ("in", sum_names[ref[1]])
+            if ref[0] == "v" and ref[1] in fold_names and lv[ref[1]] < L:
+                return ("s", fold_names[ref[1]])
+            return None
+
+        fd = _sub(prog, [(fold_names[k], ("v", k)) for k in order if lv[k] == L], fold_stop, names,
+                  tuple(scalar_names) + before, keep_same=True)
+        levels.append(Level(rd, names, fd, tuple(first) if L == 1 else ()))
+    mp = _sub(prog, [(n, r) for n, r in prog.outputs if n not in first], later_stop, arrays,
+              tuple(scalar_names) + tuple(fold_names[k] for k in order))
+    return Split(tuple(levels), mp)
 
 
 # ------------------------------------------------------------------------------------------------ the fold
@@ -186,7 +243,7 @@ def fold_values(xp: Any, fold: tr.Program, sums: dict, sc: dict, dt: Any) -> dic
 
 # --------------------------------------------------------------------------------------------- NumPy phases
 def runners(d: Any, fs: int, xp: Any) -> tuple:
-    """(reduce runner, map runner, scratch buffers, boolean buffers) of flag set ``fs`` on ``xp``."""
+    """(reduce runners, one per level; map runner; scratch buffers; boolean buffers) of flag set ``fs`` on ``xp``."""
     return _runners(d, xp)[fs]
 
 
@@ -199,11 +256,11 @@ def _runners(d: Any, xp: Any) -> dict:
         fs = d.index(f)
         sp = d.split_at(fs)
         if sp is not None:
-            plans[fs] = (sp, lower_numpy.allocate(sp.reduce), lower_numpy.allocate(sp.map))
-    nscr = max(max(rp.scratch, mp.scratch) for _, rp, mp in plans.values())
-    nbool = max(max(rp.bools, mp.bools) for _, rp, mp in plans.values())
-    return {fs: (lower_numpy.Runner(rp, xp, tuple(d.arrays) + sp.sums), lower_numpy.Runner(mp, xp, tuple(d.arrays)),
-                 nscr, nbool) for fs, (sp, rp, mp) in plans.items()}
+            plans[fs] = (sp, [lower_numpy.allocate(lv.reduce) for lv in sp.levels], lower_numpy.allocate(sp.map))
+    every = [q for _, rps, mp in plans.values() for q in (*rps, mp)]
+    nscr, nbool = max(q.scratch for q in every), max(q.bools for q in every)
+    return {fs: (tuple(lower_numpy.Runner(rp, xp, tuple(d.arrays) + lv.sums) for rp, lv in zip(rps, sp.levels)),
+                 lower_numpy.Runner(mp, xp, tuple(d.arrays)), nscr, nbool) for fs, (sp, rps, mp) in plans.items()}
 
 
 def _bools(k: int, n: int) -> list:
@@ -219,11 +276,12 @@ def work(st: Any, size: int, dtype: Any, xp: Any = np) -> Any:
     return w
 
 
-def _columns(d: Any, fs: int, arrays: tuple, lay: norms.Columns, accs: list, sc: dict, packed: bytes, chunk: int,
-             c0: int, c1: int) -> None:
-    """Columns [c0, c1) of the column layout (``core.norms``), in row order: the reduce phase, and each summand's
-    column sums."""
-    r, _, nscr, nbool = runners(d, fs, np)
+def _columns(d: Any, fs: int, level: int, arrays: tuple, lay: norms.Columns, accs: list, sc: dict, packed: bytes,
+             chunk: int, c0: int, c1: int) -> None:
+    """Columns [c0, c1) of the column layout (``core.norms``), in row order: the reduce phase of ``level``, and
+    each of its summands' column sums."""
+    rs, _, nscr, nbool = runners(d, fs, np)
+    r = rs[level]
     k = len(accs)
     bufs = cpu_plan.scratch(arrays[0].dtype, nscr + k, chunk + lay.cols)
     scr, terms = bufs[:nscr], bufs[nscr:]
@@ -232,7 +290,7 @@ def _columns(d: Any, fs: int, arrays: tuple, lay: norms.Columns, accs: list, sc:
         a, b = start, start + rows * w
         piece = tuple(x[a:b] for x in arrays)
         cols = tuple(acc[col:col + w] for acc in accs)
-        if native.gen_columns(d.name, fs, piece, cols, rows, w, first, packed):
+        if native.gen_columns(d.name, fs, piece, cols, rows, w, first, packed, level):
             continue  # the same operations in one compiled pass (core/native.py)
         r.run(piece + tuple(s[w:w + b - a] for s in terms), sc, [s[:b - a] for s in scr], _bools(nbool, b - a), dt)
         for acc, s in zip(cols, terms):
@@ -252,41 +310,49 @@ def _map(d: Any, fs: int, arrays: tuple, sc: dict, packed: bytes, chunk: int, lo
         m.run(piece, sc, [s[:b - a] for s in scr], _bools(nbool, b - a), dt)
 
 
+def _width(sp: Split) -> int:
+    """The most sums of one level: the work area holds that many (the levels run one after the other)."""
+    return max(len(lv.sums) for lv in sp.levels)
+
+
 def np_phases(d: Any, fs: int, arrays: tuple, st: Any, sc: dict, packed: bytes, chunk: int) -> Iterator[Any]:
-    """NumPy: flag set ``fs`` (one with a sum) as phases of tasks (``core.cpu_tensors``): column ranges of the
-    reduce phase, then (after the sums and the fold, on NumPy scalars of the dtype) chunk ranges of the map.
-    ``arrays``: the definition's, whole; ``sc``: the scalars of the dtype by name, ``packed`` the same as doubles
-    (the C pass's struct); ``st.work``: the sums' work area."""
+    """NumPy: flag set ``fs`` (one with a sum) as phases of tasks (``core.cpu_tensors``): per level, column ranges
+    of its reduce phase, then (after its sums and its fold, on NumPy scalars of the dtype) the next level; last,
+    chunk ranges of the map.  ``arrays``: the definition's, whole; ``sc``: the scalars of the dtype by name,
+    ``packed`` the same as doubles (the C pass's struct, the folds appended level by level); ``st.work``: the sums'
+    work area (one level's at a time)."""
     p = arrays[0]
     n = p.size
     if n == 0:
         return
     sp = d.split_at(fs)
     lay = norms.columns(n)
-    k = len(sp.sums)
+    k = _width(sp)
     area = work(st, k * lay.cols + norms.fold_len(lay.nb), p.dtype)  # columns without a term stay 0
-    accs = [area[j * lay.cols:(j + 1) * lay.cols] for j in range(k)]
     fw = area[k * lay.cols:]
-    yield [(cost, functools.partial(_columns, d, fs, arrays, lay, accs, sc, packed, chunk, c0, c1))
-           for cost, c0, c1 in norms.column_ranges(lay, chunk)]
-    sums = {name: norms.sq_fold(acc, lay.nb, fw)[0] for name, acc in zip(sp.sums, accs)}
-    folded = {name: p.dtype.type(v) for name, v in fold_values(np, sp.fold, sums, sc, p.dtype.type).items()}
-    msc = {**sc, **folded}
-    mpacked = packed + b"".join(np.float64(folded[f]).tobytes() for f in sp.folds)
-    yield [(hi - lo, functools.partial(_map, d, fs, arrays, msc, mpacked, chunk, lo, hi))
+    for level, lv in enumerate(sp.levels):
+        accs = [area[j * lay.cols:(j + 1) * lay.cols] for j in range(len(lv.sums))]
+        yield [(cost, functools.partial(_columns, d, fs, level, arrays, lay, accs, sc, packed, chunk, c0, c1))
+               for cost, c0, c1 in norms.column_ranges(lay, chunk)]
+        sums = {name: norms.sq_fold(acc, lay.nb, fw)[0] for name, acc in zip(lv.sums, accs)}
+        folded = {name: p.dtype.type(v) for name, v in fold_values(np, lv.fold, sums, sc, p.dtype.type).items()}
+        sc = {**sc, **folded}
+        packed = packed + b"".join(np.float64(folded[f]).tobytes() for f in lv.folds)
+    yield [(hi - lo, functools.partial(_map, d, fs, arrays, sc, packed, chunk, lo, hi))
            for lo, hi in cpu_plan.ranges(n, chunk)]
 
 
 def np_rows(d: Any, fs: int, arrays: tuple, sc: dict, work: dict) -> None:
     """NumPy: flag set ``fs`` (one with a sum) on the T rows of (T, n) arrays at once (a bucket of small tensors,
-    ``core.cpu_tensors``): the reduce phase on the whole arrays, each sum per row (``core.norms.sq_rows``), the
-    fold on (T,) rows, the map with the folded values broadcast per row; ``work``: the bucket's scratch."""
+    ``core.cpu_tensors``): per level, its reduce phase on the whole arrays, each sum per row
+    (``core.norms.sq_rows``), its fold on (T,) rows; then the map, the folded values broadcast per row; ``work``:
+    the bucket's scratch."""
     P = arrays[0]
     rows, n = P.shape
     dt = P.dtype.type
     sp = d.split_at(fs)
-    r, m, nscr, nbool = runners(d, fs, np)
-    k = len(sp.sums)
+    rs, m, nscr, nbool = runners(d, fs, np)
+    k = _width(sp)
     bufs = work.get(fs)
     if bufs is None:
         xlen = sqsum.sq_layout(n)[2]
@@ -294,31 +360,35 @@ def np_rows(d: Any, fs: int, arrays: tuple, sc: dict, work: dict) -> None:
                            [np.zeros((rows, xlen), P.dtype) for _ in range(k)],
                            [np.empty(norms.rows_len(rows, n), P.dtype) for _ in range(k)])
     scr, bools, xs, ws = bufs
-    r.run(arrays + tuple(x[:, :n] for x in xs), sc, scr, bools, dt)
-    sums = {name: norms.sq_rows(x, n, w) for name, x, w in zip(sp.sums, xs, ws)}
-    folded = fold_values(np, sp.fold, sums, sc, dt)
+    folded: dict = {}  # (T,) rows
+    for r, lv in zip(rs, sp.levels):
+        r.run(arrays + tuple(x[:, :n] for x in xs[:len(lv.sums)]), {**sc, **{f: v[:, None] for f, v in folded.items()}},
+              scr, bools, dt)
+        sums = {name: norms.sq_rows(x, n, w) for name, x, w in zip(lv.sums, xs, ws)}
+        folded.update(fold_values(np, lv.fold, sums, {**sc, **folded}, dt))
     m.run(arrays, {**sc, **{f: v[:, None] for f, v in folded.items()}}, scr, bools, dt)
 
 
 def xp_update(d: Any, fs: int, xp: Any, arrays: tuple, st: Any, sc: dict) -> None:
     """Flag set ``fs`` (one with a sum) on one whole tensor on the array module ``xp`` (CuPy, or the device
-    stand-ins): the reduce phase, each sum by ``sqsum.sq_sum`` (elementwise operations only), the fold on 1-element
-    arrays, the map; nothing read back to the host.  ``st.work``: the sums' terms; the scratch comes from
-    ``core/workspace.py``."""
+    stand-ins): per level, its reduce phase, each sum by ``sqsum.sq_sum`` (elementwise operations only), its fold
+    on 1-element arrays; then the map; nothing read back to the host.  ``st.work``: the sums' terms (one level's at
+    a time); the scratch comes from ``core/workspace.py``."""
     p = arrays[0]
     n = p.size
     if n == 0:
         return
     dt = p.dtype.type
     sp = d.split_at(fs)
-    r, m, nscr, nbool = runners(d, fs, xp)
-    k = len(sp.sums)
+    rs, m, nscr, nbool = runners(d, fs, xp)
+    k = _width(sp)
     slen = sqsum.sq_layout(n)[4]
     w = work(st, k * slen, p.dtype, xp)  # the sums' terms (their zero padding persists: per parameter)
     terms = [w[j * slen:(j + 1) * slen] for j in range(k)]
     scr = [workspace.get(xp, f"elementwise.scratch{j}", n, p.dtype) for j in range(nscr)]  # per thread and stream
     bools = lower_numpy.bool_scratch(xp, nbool, n)
-    r.run(arrays + tuple(x[:n] for x in terms), sc, scr, bools, dt)
-    sums = {name: sqsum.sq_sum(xp, x, n) for name, x in zip(sp.sums, terms)}
-    folded = fold_values(xp, sp.fold, sums, sc, dt)
-    m.run(arrays, {**sc, **folded}, scr, bools, dt)
+    for r, lv in zip(rs, sp.levels):
+        r.run(arrays + tuple(x[:n] for x in terms[:len(lv.sums)]), sc, scr, bools, dt)
+        sums = {name: sqsum.sq_sum(xp, x, n) for name, x in zip(lv.sums, terms)}
+        sc = {**sc, **fold_values(xp, lv.fold, sums, sc, dt)}
+    m.run(arrays, sc, scr, bools, dt)

@@ -152,14 +152,15 @@ def _plain_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: 
 
 def _reduce_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t: int, lr: float,
                    hv: tuple = ()) -> bool:
-    """The three per-tensor kernels of a flag set with a sum (partials, fold, map; ``st.work``: the partials and
-    the fold's results, allocated once per name); no host synchronisation."""
+    """The per-tensor kernels of a flag set with a sum: per reduction level its partials and its fold, then the map
+    (``st.work``: one level's partials and every fold's result, allocated once per name); no host
+    synchronisation."""
     n = p.size
     if n == 0:
         return True
     sp = d.split_at(fs)
     nb = sqsum.sq_blocks(n)
-    k = len(sp.sums)
+    k = max(len(lv.sums) for lv in sp.levels)
     buf = reduce.work(st, k * nb + len(sp.folds), p.dtype, backend.cupy())
     parts, scal = buf[:k * nb], buf[k * nb:]
     arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
@@ -171,10 +172,13 @@ def _reduce_kernel(d: Definition, fs: int, cfg: Any, st: Any, p: Any, g: Any, t:
         return [arrays[a] for a in d.arrays if a in written or a in prog.reads]
 
     threads = (sqsum.SQ_THREADS,)
-    kernels.get(src, emit.cuda_name(d, fs, "partials"), p.dtype)((nb,), threads, (
-        *used(sp.reduce), np.int64(n), *(sc[s] for s in sp.reduce.scalars), parts))
-    kernels.get(src, emit.cuda_name(d, fs, "fold"), p.dtype)((1,), threads, (
-        parts, np.int64(nb), *(sc[s] for s in sp.fold.scalars), scal))
+    for level, lv in enumerate(sp.levels):
+        tag = str(level or "")
+        kernels.get(src, emit.cuda_name(d, fs, "partials" + tag), p.dtype)((nb,), threads, (
+            *used(lv.reduce), np.int64(n), *(sc[s] for s in lv.reduce.scalars if s not in sp.folds), parts,
+            *((scal,) if level else ())))
+        kernels.get(src, emit.cuda_name(d, fs, "fold" + tag), p.dtype)((1,), threads, (
+            parts, np.int64(nb), *(sc[s] for s in lv.fold.scalars if s not in sp.folds), scal))
     own = [s for s in sp.map.scalars if s not in sp.folds]
     kernels.get(src, emit.cuda_name(d, fs, "map"), p.dtype)((_grid(n),), (emit.THREADS,), (
         *used(sp.map), np.int64(n), *(sc[s] for s in own), scal))
@@ -261,12 +265,13 @@ def bind_reduce(d: Definition) -> dict:
         doubles, plain, numbers = _multi(d, cfg, t, fs, host, "map" if sp is not None else None)
         return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
 
-    def partial_args(cfg: Any, t: int, dt: Any, host: tuple = ()) -> tuple:
+    def partial_args(cfg: Any, t: int, dt: Any, host: tuple = (), level: int = 0) -> tuple:
         sc = _scalars(d, cfg, t, 0.0, host)  # the reduce phase reads no lr-dependent scalar (emit refuses one)
-        return tuple(sc[s] for s in d.split_at(d.flags_of(cfg, t, host)).reduce.scalars)
+        sp = d.split_at(d.flags_of(cfg, t, host))
+        return tuple(sc[s] for s in sp.levels[level].reduce.scalars if s not in sp.folds)
 
-    def fold_args(cfg: Any, t: int, dt: Any, host: tuple = ()) -> tuple:
-        doubles, plain, numbers = _multi(d, cfg, t, d.flags_of(cfg, t, host), host, "fold")
+    def fold_args(cfg: Any, t: int, dt: Any, host: tuple = (), level: int = 0) -> tuple:
+        doubles, plain, numbers = _multi(d, cfg, t, d.flags_of(cfg, t, host), host, level)
         return (*(numbers[w] for w in doubles), *(numbers[k] for k in plain))
 
     def pick(cfg: Any, t: int, host: tuple = ()) -> str:
@@ -275,13 +280,15 @@ def bind_reduce(d: Definition) -> dict:
 
     def pick_norms(cfg: Any, t: int, host: tuple = ()) -> tuple | None:
         fs = d.flags_of(cfg, t, host)
-        if d.split_at(fs) is None:
+        sp = d.split_at(fs)
+        if sp is None:
             return None
-        return emit.cuda_name(d, fs, "partials_multi"), emit.cuda_name(d, fs, "fold_multi")
+        return tuple((emit.cuda_name(d, fs, f"partials{level or ''}_multi"), emit.cuda_name(d, fs, f"fold{level or ''}_multi"))
+                     for level in range(len(sp.levels)))
 
     splits = [sp for sp in (d.split_at(d.index(f)) for f in d.flag_sets()) if sp is not None]
-    norms = Norms(max(len(sp.sums) for sp in splits), max(len(sp.folds) for sp in splits), pick_norms, partial_args,
-                  fold_args)
+    norms = Norms(max(len(lv.sums) for sp in splits for lv in sp.levels), max(len(sp.folds) for sp in splits),
+                  pick_norms, partial_args, fold_args)
     multi = MultiTensor(cuda_file(d), pick(d.example, 1, d.example_host), d.state_arrays, map_args, norms=norms,
                         pick=pick,
                         aligned_flag=True)
@@ -303,14 +310,15 @@ def generated_shape(d: Definition) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _multi(d: Definition, cfg: Any, t: int, fs: int, hv: tuple = (), part: str | None = None) -> tuple:
+def _multi(d: Definition, cfg: Any, t: int, fs: int, hv: tuple = (), part: str | int | None = None) -> tuple:
     """(double arguments, dtype scalars, their values) of a multi-tensor kernel: the flag set's, or with ``part``
-    ("map", "fold") that part of its split; ``hv``: the definition's host values."""
+    ("map", or a level's number for its fold) that part of its split; ``hv``: the definition's host values."""
     shape, numbers = tr.trace_scalars(d.scalars_fn, cfg, t, hv)
     if shape != generated_shape(d):
         raise RuntimeError(f"{d.name}.scalars derives its lr-dependent scalars with other operations for {cfg!r} "
                            f"than for the example config the kernels were generated from")
-    prog = d.program_at(fs) if part is None else getattr(d.split_at(fs), part)
+    sp = d.split_at(fs)
+    prog = d.program_at(fs) if part is None else sp.map if part == "map" else sp.levels[part].fold
     doubles, plain = emit.multi_params(d, prog, shape)
     return doubles, plain, dict(numbers)
 

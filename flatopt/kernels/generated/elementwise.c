@@ -3628,7 +3628,7 @@ __attribute__((visibility("default"))) int flatopt_gen_lion_map(int dt, int fs, 
     }
 }
 
-/* ---- mars: mars.py `step` (flags: wd, clip) */
+/* ---- mars: mars.py `step` (flags: wd, clip, cautious) */
 struct mars_scalars {
     double coef;
     double omb1;
@@ -3639,6 +3639,7 @@ struct mars_scalars {
     double eps;
     double neg_step;
     double fold0;
+    double fold1;
 };
 
 CLONES static void mars_f0_float(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
@@ -3985,6 +3986,582 @@ CLONES static void mars_f3_double_map(double *restrict p, const double *restrict
     }
 }
 
+CLONES static void mars_f4_float_columns(const float *restrict g, float *restrict m, const float *restrict g_prev, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], g_prev_i = g_prev[i];
+            const float t0 = g_i - g_prev_i;
+            const float t1 = t0 * coef;
+            const float t2 = g_i + t1;
+            const float t3 = t2 - m_i;
+            const float t4 = t3 * omb1;
+            const float t5 = m_i + t4;
+            const float t6 = t5 * g_i;
+            const int t7 = t6 > ((float)0x0.0p+0);
+            const float t8 = (float)t7;
+            const float t9 = ((float)0x1.0000000000000p+0) - t8;
+            m[i] = t5;
+            acc0[j] = fresh ? (float)(t8) : acc0[j] + (float)(t8);
+            acc1[j] = fresh ? (float)(t9) : acc1[j] + (float)(t9);
+        }
+    }
+}
+
+CLONES static void mars_f4_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const float t0 = g_i - g_prev_i;
+        const float t1 = t0 * coef;
+        const float t2 = g_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = t2 * omb2;
+        const float t5 = t4 * t2;
+        const float t6 = t3 + t5;
+        const float t7 = m_i * g_i;
+        const int t8 = t7 > ((float)0x0.0p+0);
+        const float t9 = (float)t8;
+        const float t10 = t9 * fold0;
+        const float t11 = m_i * t10;
+        const float t12 = sqrtf(t6);
+        const float t13 = t12 / bc2_sqrt;
+        const float t14 = t13 + eps;
+        const float t15 = t11 / t14;
+        const float t16 = t15 * neg_step;
+        const float t17 = p_i + t16;
+        p[i] = t17;
+        v[i] = t6;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f4_double_columns(const double *restrict g, double *restrict m, const double *restrict g_prev, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], g_prev_i = g_prev[i];
+            const double t0 = g_i - g_prev_i;
+            const double t1 = t0 * coef;
+            const double t2 = g_i + t1;
+            const double t3 = t2 - m_i;
+            const double t4 = t3 * omb1;
+            const double t5 = m_i + t4;
+            const double t6 = t5 * g_i;
+            const int t7 = t6 > ((double)0x0.0p+0);
+            const double t8 = (double)t7;
+            const double t9 = ((double)0x1.0000000000000p+0) - t8;
+            m[i] = t5;
+            acc0[j] = fresh ? (double)(t8) : acc0[j] + (double)(t8);
+            acc1[j] = fresh ? (double)(t9) : acc1[j] + (double)(t9);
+        }
+    }
+}
+
+CLONES static void mars_f4_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, double *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const double t0 = g_i - g_prev_i;
+        const double t1 = t0 * coef;
+        const double t2 = g_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = t2 * omb2;
+        const double t5 = t4 * t2;
+        const double t6 = t3 + t5;
+        const double t7 = m_i * g_i;
+        const int t8 = t7 > ((double)0x0.0p+0);
+        const double t9 = (double)t8;
+        const double t10 = t9 * fold0;
+        const double t11 = m_i * t10;
+        const double t12 = sqrt(t6);
+        const double t13 = t12 / bc2_sqrt;
+        const double t14 = t13 + eps;
+        const double t15 = t11 / t14;
+        const double t16 = t15 * neg_step;
+        const double t17 = p_i + t16;
+        p[i] = t17;
+        v[i] = t6;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f5_float_columns(const float *restrict g, float *restrict m, const float *restrict g_prev, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], g_prev_i = g_prev[i];
+            const float t0 = g_i - g_prev_i;
+            const float t1 = t0 * coef;
+            const float t2 = g_i + t1;
+            const float t3 = t2 - m_i;
+            const float t4 = t3 * omb1;
+            const float t5 = m_i + t4;
+            const float t6 = t5 * g_i;
+            const int t7 = t6 > ((float)0x0.0p+0);
+            const float t8 = (float)t7;
+            const float t9 = ((float)0x1.0000000000000p+0) - t8;
+            m[i] = t5;
+            acc0[j] = fresh ? (float)(t8) : acc0[j] + (float)(t8);
+            acc1[j] = fresh ? (float)(t9) : acc1[j] + (float)(t9);
+        }
+    }
+}
+
+CLONES static void mars_f5_float_map(float *restrict p, const float *restrict g, const float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float decay = (float)s->decay;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const float t0 = g_i - g_prev_i;
+        const float t1 = t0 * coef;
+        const float t2 = g_i + t1;
+        const float t3 = v_i * b2;
+        const float t4 = t2 * omb2;
+        const float t5 = t4 * t2;
+        const float t6 = t3 + t5;
+        const float t7 = p_i * decay;
+        const float t8 = m_i * g_i;
+        const int t9 = t8 > ((float)0x0.0p+0);
+        const float t10 = (float)t9;
+        const float t11 = t10 * fold0;
+        const float t12 = m_i * t11;
+        const float t13 = sqrtf(t6);
+        const float t14 = t13 / bc2_sqrt;
+        const float t15 = t14 + eps;
+        const float t16 = t12 / t15;
+        const float t17 = t16 * neg_step;
+        const float t18 = t7 + t17;
+        p[i] = t18;
+        v[i] = t6;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f5_double_columns(const double *restrict g, double *restrict m, const double *restrict g_prev, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], g_prev_i = g_prev[i];
+            const double t0 = g_i - g_prev_i;
+            const double t1 = t0 * coef;
+            const double t2 = g_i + t1;
+            const double t3 = t2 - m_i;
+            const double t4 = t3 * omb1;
+            const double t5 = m_i + t4;
+            const double t6 = t5 * g_i;
+            const int t7 = t6 > ((double)0x0.0p+0);
+            const double t8 = (double)t7;
+            const double t9 = ((double)0x1.0000000000000p+0) - t8;
+            m[i] = t5;
+            acc0[j] = fresh ? (double)(t8) : acc0[j] + (double)(t8);
+            acc1[j] = fresh ? (double)(t9) : acc1[j] + (double)(t9);
+        }
+    }
+}
+
+CLONES static void mars_f5_double_map(double *restrict p, const double *restrict g, const double *restrict m, double *restrict v, double *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double decay = (double)s->decay;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const double t0 = g_i - g_prev_i;
+        const double t1 = t0 * coef;
+        const double t2 = g_i + t1;
+        const double t3 = v_i * b2;
+        const double t4 = t2 * omb2;
+        const double t5 = t4 * t2;
+        const double t6 = t3 + t5;
+        const double t7 = p_i * decay;
+        const double t8 = m_i * g_i;
+        const int t9 = t8 > ((double)0x0.0p+0);
+        const double t10 = (double)t9;
+        const double t11 = t10 * fold0;
+        const double t12 = m_i * t11;
+        const double t13 = sqrt(t6);
+        const double t14 = t13 / bc2_sqrt;
+        const double t15 = t14 + eps;
+        const double t16 = t12 / t15;
+        const double t17 = t16 * neg_step;
+        const double t18 = t7 + t17;
+        p[i] = t18;
+        v[i] = t6;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f6_float_columns(const float *restrict g, const float *restrict g_prev, float *restrict acc0, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], g_prev_i = g_prev[i];
+            const float t0 = g_i - g_prev_i;
+            const float t1 = t0 * coef;
+            const float t2 = g_i + t1;
+            const float t3 = t2 * t2;
+            acc0[j] = fresh ? (float)(t3) : acc0[j] + (float)(t3);
+        }
+    }
+}
+
+CLONES static void mars_f6_float_columns1(const float *restrict g, const float *restrict m, const float *restrict g_prev, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    const float fold0 = (float)s->fold0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], g_prev_i = g_prev[i];
+            const float t0 = g_i - g_prev_i;
+            const float t1 = t0 * coef;
+            const float t2 = g_i + t1;
+            const float t3 = t2 / fold0;
+            const float t4 = t3 - m_i;
+            const float t5 = t4 * omb1;
+            const float t6 = m_i + t5;
+            const float t7 = t6 * g_i;
+            const int t8 = t7 > ((float)0x0.0p+0);
+            const float t9 = (float)t8;
+            const float t10 = ((float)0x1.0000000000000p+0) - t9;
+            acc0[j] = fresh ? (float)(t9) : acc0[j] + (float)(t9);
+            acc1[j] = fresh ? (float)(t10) : acc1[j] + (float)(t10);
+        }
+    }
+}
+
+CLONES static void mars_f6_float_map(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    const float fold1 = (float)s->fold1;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const float t0 = g_i - g_prev_i;
+        const float t1 = t0 * coef;
+        const float t2 = g_i + t1;
+        const float t3 = t2 / fold0;
+        const float t4 = t3 - m_i;
+        const float t5 = t4 * omb1;
+        const float t6 = m_i + t5;
+        const float t7 = v_i * b2;
+        const float t8 = t3 * omb2;
+        const float t9 = t8 * t3;
+        const float t10 = t7 + t9;
+        const float t11 = t6 * g_i;
+        const int t12 = t11 > ((float)0x0.0p+0);
+        const float t13 = (float)t12;
+        const float t14 = t13 * fold1;
+        const float t15 = t6 * t14;
+        const float t16 = sqrtf(t10);
+        const float t17 = t16 / bc2_sqrt;
+        const float t18 = t17 + eps;
+        const float t19 = t15 / t18;
+        const float t20 = t19 * neg_step;
+        const float t21 = p_i + t20;
+        p[i] = t21;
+        m[i] = t6;
+        v[i] = t10;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f6_double_columns(const double *restrict g, const double *restrict g_prev, double *restrict acc0, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], g_prev_i = g_prev[i];
+            const double t0 = g_i - g_prev_i;
+            const double t1 = t0 * coef;
+            const double t2 = g_i + t1;
+            const double t3 = t2 * t2;
+            acc0[j] = fresh ? (double)(t3) : acc0[j] + (double)(t3);
+        }
+    }
+}
+
+CLONES static void mars_f6_double_columns1(const double *restrict g, const double *restrict m, const double *restrict g_prev, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    const double fold0 = (double)s->fold0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], g_prev_i = g_prev[i];
+            const double t0 = g_i - g_prev_i;
+            const double t1 = t0 * coef;
+            const double t2 = g_i + t1;
+            const double t3 = t2 / fold0;
+            const double t4 = t3 - m_i;
+            const double t5 = t4 * omb1;
+            const double t6 = m_i + t5;
+            const double t7 = t6 * g_i;
+            const int t8 = t7 > ((double)0x0.0p+0);
+            const double t9 = (double)t8;
+            const double t10 = ((double)0x1.0000000000000p+0) - t9;
+            acc0[j] = fresh ? (double)(t9) : acc0[j] + (double)(t9);
+            acc1[j] = fresh ? (double)(t10) : acc1[j] + (double)(t10);
+        }
+    }
+}
+
+CLONES static void mars_f6_double_map(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    const double fold1 = (double)s->fold1;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const double t0 = g_i - g_prev_i;
+        const double t1 = t0 * coef;
+        const double t2 = g_i + t1;
+        const double t3 = t2 / fold0;
+        const double t4 = t3 - m_i;
+        const double t5 = t4 * omb1;
+        const double t6 = m_i + t5;
+        const double t7 = v_i * b2;
+        const double t8 = t3 * omb2;
+        const double t9 = t8 * t3;
+        const double t10 = t7 + t9;
+        const double t11 = t6 * g_i;
+        const int t12 = t11 > ((double)0x0.0p+0);
+        const double t13 = (double)t12;
+        const double t14 = t13 * fold1;
+        const double t15 = t6 * t14;
+        const double t16 = sqrt(t10);
+        const double t17 = t16 / bc2_sqrt;
+        const double t18 = t17 + eps;
+        const double t19 = t15 / t18;
+        const double t20 = t19 * neg_step;
+        const double t21 = p_i + t20;
+        p[i] = t21;
+        m[i] = t6;
+        v[i] = t10;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f7_float_columns(const float *restrict g, const float *restrict g_prev, float *restrict acc0, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], g_prev_i = g_prev[i];
+            const float t0 = g_i - g_prev_i;
+            const float t1 = t0 * coef;
+            const float t2 = g_i + t1;
+            const float t3 = t2 * t2;
+            acc0[j] = fresh ? (float)(t3) : acc0[j] + (float)(t3);
+        }
+    }
+}
+
+CLONES static void mars_f7_float_columns1(const float *restrict g, const float *restrict m, const float *restrict g_prev, float *restrict acc0, float *restrict acc1, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    const float fold0 = (float)s->fold0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const float g_i = g[i], m_i = m[i], g_prev_i = g_prev[i];
+            const float t0 = g_i - g_prev_i;
+            const float t1 = t0 * coef;
+            const float t2 = g_i + t1;
+            const float t3 = t2 / fold0;
+            const float t4 = t3 - m_i;
+            const float t5 = t4 * omb1;
+            const float t6 = m_i + t5;
+            const float t7 = t6 * g_i;
+            const int t8 = t7 > ((float)0x0.0p+0);
+            const float t9 = (float)t8;
+            const float t10 = ((float)0x1.0000000000000p+0) - t9;
+            acc0[j] = fresh ? (float)(t9) : acc0[j] + (float)(t9);
+            acc1[j] = fresh ? (float)(t10) : acc1[j] + (float)(t10);
+        }
+    }
+}
+
+CLONES static void mars_f7_float_map(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, float *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const float coef = (float)s->coef;
+    const float omb1 = (float)s->omb1;
+    const float b2 = (float)s->b2;
+    const float omb2 = (float)s->omb2;
+    const float decay = (float)s->decay;
+    const float bc2_sqrt = (float)s->bc2_sqrt;
+    const float eps = (float)s->eps;
+    const float neg_step = (float)s->neg_step;
+    const float fold0 = (float)s->fold0;
+    const float fold1 = (float)s->fold1;
+    for (int64_t i = 0; i < n; i++) {
+        const float p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const float t0 = g_i - g_prev_i;
+        const float t1 = t0 * coef;
+        const float t2 = g_i + t1;
+        const float t3 = t2 / fold0;
+        const float t4 = t3 - m_i;
+        const float t5 = t4 * omb1;
+        const float t6 = m_i + t5;
+        const float t7 = v_i * b2;
+        const float t8 = t3 * omb2;
+        const float t9 = t8 * t3;
+        const float t10 = t7 + t9;
+        const float t11 = p_i * decay;
+        const float t12 = t6 * g_i;
+        const int t13 = t12 > ((float)0x0.0p+0);
+        const float t14 = (float)t13;
+        const float t15 = t14 * fold1;
+        const float t16 = t6 * t15;
+        const float t17 = sqrtf(t10);
+        const float t18 = t17 / bc2_sqrt;
+        const float t19 = t18 + eps;
+        const float t20 = t16 / t19;
+        const float t21 = t20 * neg_step;
+        const float t22 = t11 + t21;
+        p[i] = t22;
+        m[i] = t6;
+        v[i] = t10;
+        g_prev[i] = g_i;
+    }
+}
+
+CLONES static void mars_f7_double_columns(const double *restrict g, const double *restrict g_prev, double *restrict acc0, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], g_prev_i = g_prev[i];
+            const double t0 = g_i - g_prev_i;
+            const double t1 = t0 * coef;
+            const double t2 = g_i + t1;
+            const double t3 = t2 * t2;
+            acc0[j] = fresh ? (double)(t3) : acc0[j] + (double)(t3);
+        }
+    }
+}
+
+CLONES static void mars_f7_double_columns1(const double *restrict g, const double *restrict m, const double *restrict g_prev, double *restrict acc0, double *restrict acc1, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    const double fold0 = (double)s->fold0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int fresh = first && r == 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t i = r * w + j;
+            const double g_i = g[i], m_i = m[i], g_prev_i = g_prev[i];
+            const double t0 = g_i - g_prev_i;
+            const double t1 = t0 * coef;
+            const double t2 = g_i + t1;
+            const double t3 = t2 / fold0;
+            const double t4 = t3 - m_i;
+            const double t5 = t4 * omb1;
+            const double t6 = m_i + t5;
+            const double t7 = t6 * g_i;
+            const int t8 = t7 > ((double)0x0.0p+0);
+            const double t9 = (double)t8;
+            const double t10 = ((double)0x1.0000000000000p+0) - t9;
+            acc0[j] = fresh ? (double)(t9) : acc0[j] + (double)(t9);
+            acc1[j] = fresh ? (double)(t10) : acc1[j] + (double)(t10);
+        }
+    }
+}
+
+CLONES static void mars_f7_double_map(double *restrict p, const double *restrict g, double *restrict m, double *restrict v, double *restrict g_prev, int64_t n, const struct mars_scalars *s) {
+    const double coef = (double)s->coef;
+    const double omb1 = (double)s->omb1;
+    const double b2 = (double)s->b2;
+    const double omb2 = (double)s->omb2;
+    const double decay = (double)s->decay;
+    const double bc2_sqrt = (double)s->bc2_sqrt;
+    const double eps = (double)s->eps;
+    const double neg_step = (double)s->neg_step;
+    const double fold0 = (double)s->fold0;
+    const double fold1 = (double)s->fold1;
+    for (int64_t i = 0; i < n; i++) {
+        const double p_i = p[i], g_i = g[i], m_i = m[i], v_i = v[i], g_prev_i = g_prev[i];
+        const double t0 = g_i - g_prev_i;
+        const double t1 = t0 * coef;
+        const double t2 = g_i + t1;
+        const double t3 = t2 / fold0;
+        const double t4 = t3 - m_i;
+        const double t5 = t4 * omb1;
+        const double t6 = m_i + t5;
+        const double t7 = v_i * b2;
+        const double t8 = t3 * omb2;
+        const double t9 = t8 * t3;
+        const double t10 = t7 + t9;
+        const double t11 = p_i * decay;
+        const double t12 = t6 * g_i;
+        const int t13 = t12 > ((double)0x0.0p+0);
+        const double t14 = (double)t13;
+        const double t15 = t14 * fold1;
+        const double t16 = t6 * t15;
+        const double t17 = sqrt(t10);
+        const double t18 = t17 / bc2_sqrt;
+        const double t19 = t18 + eps;
+        const double t20 = t16 / t19;
+        const double t21 = t20 * neg_step;
+        const double t22 = t11 + t21;
+        p[i] = t22;
+        m[i] = t6;
+        v[i] = t10;
+        g_prev[i] = g_i;
+    }
+}
+
 __attribute__((visibility("default"))) int flatopt_gen_mars(int dt, int fs, void *const *a, int64_t n, const struct mars_scalars *s) {
     switch (2 * fs + dt) {
     case 0: mars_f0_float(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
@@ -4001,6 +4578,24 @@ __attribute__((visibility("default"))) int flatopt_gen_mars_columns(int dt, int 
     case 5: mars_f2_double_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
     case 6: mars_f3_float_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
     case 7: mars_f3_double_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    case 8: mars_f4_float_columns(a[1], a[2], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 9: mars_f4_double_columns(a[1], a[2], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 10: mars_f5_float_columns(a[1], a[2], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 11: mars_f5_double_columns(a[1], a[2], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 12: mars_f6_float_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    case 13: mars_f6_double_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    case 14: mars_f7_float_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    case 15: mars_f7_double_columns(a[1], a[4], acc[0], rows, w, first, s); return 0;
+    default: return -1;
+    }
+}
+
+__attribute__((visibility("default"))) int flatopt_gen_mars_columns1(int dt, int fs, void *const *a, void *const *acc, int64_t rows, int64_t w, int first, const struct mars_scalars *s) {
+    switch (2 * fs + dt) {
+    case 12: mars_f6_float_columns1(a[1], a[2], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 13: mars_f6_double_columns1(a[1], a[2], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 14: mars_f7_float_columns1(a[1], a[2], a[4], acc[0], acc[1], rows, w, first, s); return 0;
+    case 15: mars_f7_double_columns1(a[1], a[2], a[4], acc[0], acc[1], rows, w, first, s); return 0;
     default: return -1;
     }
 }
@@ -4011,6 +4606,14 @@ __attribute__((visibility("default"))) int flatopt_gen_mars_map(int dt, int fs, 
     case 5: mars_f2_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
     case 6: mars_f3_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
     case 7: mars_f3_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 8: mars_f4_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 9: mars_f4_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 10: mars_f5_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 11: mars_f5_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 12: mars_f6_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 13: mars_f6_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 14: mars_f7_float_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
+    case 15: mars_f7_double_map(a[0], a[1], a[2], a[3], a[4], n, s); return 0;
     default: return -1;
     }
 }
