@@ -7,27 +7,35 @@ Update rule, per tensor, with t the step count of this parameter and η = lr · 
     c  = c / max(‖c‖₂, 1)                                (clip_c: "if ‖c‖ > 1, c/‖c‖", with no host branch)
     m  = m + (1 − β1)·(c − m);   v = β2·v + (1 − β2)·c²
     p  = p · (1 − η·λ)                                   (decoupled decay)
-    p  = p + (m / (√v/√(1 − β2^t) + ε))·(−η/(1 − β1^t))  (= p − η·m̂/(√v̂ + ε))
+    u  = m;  with cautious: u = m·(mask·((1/(Σ mask + 1))·numel)),  mask = (m·g > 0)   (the new m: after the clip)
+    p  = p + (u / (√v/√(1 − β2^t) + ε))·(−η/(1 − β1^t))  (= p − η·û/(√v̂ + ε))
     g_prev = g
 
 The step is one definition (``step`` below, ``core/elementwise``): with clip_c, ‖c‖² is an ``e.sumsq`` sum over the
 tensor, added in the fixed blocked order of ``core/sqsum.py`` (the same bits on NumPy, the compiled pass and CUDA),
-and max(‖c‖, 1) is its fold, a device value on CuPy.
+and max(‖c‖, 1) is its fold, a device value on CuPy.  ``cautious=True`` (Liang et al. 2024, docs/algorithms.md):
+pytorch-optimizer's ``MARS(cautious=True)``, whose ``apply_cautious`` masks the new momentum m against g before the
+division; the mask's count (and numel, as sums) is a sum of a value made from the clip's norm: a second reduction
+level after the first (``core/elementwise/reduce.py``).
 Defaults lr 3e-3 (official), betas (0.95, 0.99), eps 1e-8, weight_decay 0, gamma 0.025, clip_c True (rlx-optim's).
 
 Deviations: flatopt applies MARS to every tensor, as rlx-optim does; the official default ``optimize_1d=False``
 sends non-2-D tensors to a separate AdamW (betas (0.9, 0.95), λ 0.1): route those with ``flatopt.routing.Router``.
 pytorch-optimizer adds ε (and 1e-15 inside the root) before dividing by √(1 − β2^t): 1.2e-6 from the official rule
 at ε = 1e-8 (so the conformance test runs it at ε = 1e-12, and checks ε = 1e-8 against a float64 transcription of
-the official ``update_fn``).  mars-lion, mars-shampoo and the exact two-gradient mode are not offered.
+the official ``update_fn``); the same holds with ``cautious``, tested against ``MARS(cautious=True)``.  mars-lion,
+mars-shampoo and the exact two-gradient mode are not offered.
 
 Paths, all derived from ``step`` (``core/elementwise/reduce.py``): with clip_c a reduce phase (c made, c² into the
-sum; nothing written), the fold into max(‖c‖, 1), a map (c made again, divided, the moments, the step, g_prev);
-without, the plain elementwise step.  GPU (``kernels/generated/mars.cu``): with clip_c three launches per tensor
-(partials, fold, map), else one; no atomics, no host synchronisation; ``step_batch`` runs every tensor of one dtype
-and step count in as many launches (``core/multi_tensor.py``).  NumPy (``core/cpu_tensors.py``): a tensor's sweeps
-run on the threads (with clip_c in two phases around the fold), small tensors of one size are updated together as
-rows; each piece runs as one compiled pass where a C compiler exists (``kernels/generated/elementwise.c``).
+sum; nothing written), the fold into max(‖c‖, 1); with cautious then a second level (c and m made again with the
+first fold, the mask and 1 − mask into two sums; nothing written) and its fold into (1/(count + 1))·numel; a map (c
+made again, divided, the moments, the step, g_prev).  Cautious alone is one level (its reduce phase writes m);
+neither, the plain elementwise step.  GPU (``kernels/generated/mars.cu``): per tensor, each level's partials and fold
+then the map: five launches with clip_c and cautious, three with one of them, else one; no atomics, no host
+synchronisation; ``step_batch`` runs every tensor of one dtype and step count in as many launches
+(``core/multi_tensor.py``).  NumPy (``core/cpu_tensors.py``): a tensor's sweeps run on the threads (in phases around
+each fold), small tensors of one size are updated together as rows; each piece runs as one compiled pass where a C
+compiler exists (``kernels/generated/elementwise.c``).
 ``end_iteration`` only counts iterations.  State: ``m``, ``v``, ``g_prev`` (12 B/param in float32) plus the unsaved
 ``work`` (the sum's work area, or the kernels' partials).
 """

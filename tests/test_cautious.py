@@ -277,6 +277,37 @@ def test_matches_pytorch_optimizer(algo, n):
         assert cat.rel_err(p0, plain, want) > 1e-3, (algo, n, cfg)  # the option changes the steps
 
 
+@pytest.mark.parametrize("shape", [(7,), (6, 5), (2, 3, 4)], ids=str)
+def test_mars_matches_pytorch_optimizer(shape):
+    """pytorch-optimizer's ``MARS(mars_type="adamw", optimize_1d=True, cautious=True)``: its mask is on the new
+    momentum m (after the clip of c) against g, normalised by numel/(count + 1), before the division by the
+    denominator, as flatopt's step (two reduction levels: ‖c‖, then the count).  The data, the configurations at
+    ε = 1e-12 (pytorch-optimizer adds ε before dividing by √(1 − β2^t)) and the shapes of the plain Mars oracle test
+    in ``tests/test_catalogue_elementwise.py``, with its bound 1e-5 relative to the accumulated update: Mars is ≤ ~15
+    roundings of 2^-24 per step, and the mask adds the four of ``apply_cautious`` (1/(count + 1), ·numel,
+    mask·scale, m·(mask·scale)) in torch's order, ≤ ~20 units of 6e-8 = 1.2e-6 per step.  The mask is exact (a
+    count of float32 ones) unless m·g straddles 0 within those roundings; with these seeds no element does (a flip
+    costs ~1/√n).  The oracle's ``foreach`` path clamps ‖c‖ as flatopt does; its per-parameter path (used here)
+    branches on ‖c‖ > 1 on the host: the same value."""
+    cat = pytest.importorskip("tests.test_catalogue_elementwise")
+    po = pytest.importorskip("pytorch_optimizer")
+    cfgs = [dict(betas=(0.95, 0.99), eps=1e-12, weight_decay=0.0, gamma=0.025),
+            dict(betas=(0.9, 0.95), eps=1e-12, weight_decay=0.1, gamma=0.05),
+            dict(betas=(0.9, 0.95), eps=1e-12, weight_decay=0.1, gamma=0.05, _gscale=1e-2)]  # ‖c‖ < 1: no clip
+    for i, cfg in enumerate(cfgs):
+        kw = {k: v for k, v in cfg.items() if not k.startswith("_")}
+        p0, grads = cat.data(shape, 2, np.float32, cfg.get("_gscale", 1.0))
+        for g in grads:
+            g.reshape(-1)[:2] = 0.0  # a direction against a zero gradient is masked
+        got = cat.run_flatopt(flatopt.Mars(cautious=True, **kw), shape, p0, grads)
+        want = cat.run_torch(po.MARS, shape, p0, grads, 1e-2, mars_type="adamw", optimize_1d=True,
+                             weight_decouple=True, fixed_decay=False, ams_bound=False, cautious=True, foreach=False,
+                             **kw)
+        plain = cat.run_flatopt(flatopt.Mars(**kw), shape, p0, grads)
+        assert cat.rel_err(p0, got, want) <= 1e-5, (shape, cfg, cat.rel_err(p0, got, want))
+        assert cat.rel_err(p0, plain, want) > 1e-3, (shape, cfg)  # the option changes the steps
+
+
 def _batch(dt, seed, shapes):
     rng = np.random.default_rng(seed)
     out = []

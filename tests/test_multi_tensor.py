@@ -10,7 +10,8 @@ when one answers, else on the emulated device (``tests/cuda_emu``), as ``tests/t
   tensors are views into one buffer with sentinel gaps, so a write outside a tensor's range through the table's
   addresses shows up;
 * a steady-state step of the issue's workloads (76 tensors; 500 x 64) costs at most 4 launches (one per group, three
-  for Lamb, Mars and a cautious mask; five for Mars's clip and mask, two reduction levels), no host synchronisation and no device allocation (counted by the stand-in).
+  for Lamb, Mars and a cautious mask; five for Mars's clip and mask, two reduction levels), no host synchronisation
+  and no device allocation (counted by the stand-in).
 """
 
 from __future__ import annotations

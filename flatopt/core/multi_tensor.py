@@ -40,8 +40,9 @@ launch's arguments after ``base_lr``.  The algorithm's learning rate must be the
 **Per-tensor sums** (a definition with ``e.sum``, ``core/elementwise/reduce.py``: Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): a
 :class:`Norms` in ``MultiTensor(..., norms=...)`` runs two passes per reduction level before the elementwise kernel,
 so a group costs 2·levels + 1 launches whatever its number of tensors (three for one level; Mars with clip_c and
-cautious has two: the mask's count follows the clip's norm).  The per-tensor kernels sum in ``core/sqsum.py``'s blocked order: a first
-pass of ``sq_blocks(n)`` blocks writes one partial per block, a one-block fold adds them (``kernels/sq_sum.cuh``).
+cautious has two: the mask's count follows the clip's norm).  The per-tensor kernels sum in ``core/sqsum.py``'s
+blocked order: a first pass of ``sq_blocks(n)`` blocks writes one partial per block, a one-block fold adds them
+(``kernels/sq_sum.cuh``).
 The group's table then also holds
 
 * ``segs``: one (tensor index, c) pair per block c of each tensor's first pass (the partials kernel runs launch block

@@ -27,14 +27,15 @@ result, a per-tensor value::
 
 ``e.sum(x)`` adds x over the tensor in the fixed blocked order of ``core/sqsum.py``, rounded to the dtype at each
 addition: the same bits on NumPy (``core/norms.py``'s column sums), the C pass and CUDA (``kernels/sq_sum.cuh``).
-``reduce.split`` cuts such a flag set's program into a reduce phase (the instructions the summands need; it writes
-the arrays it computes that no sum changes), the sums, a fold (the per-tensor instructions that depend on a sum, run
-once per tensor in the dtype: its results ``fold<k>`` are scalars of the map) and a map (the rest, per element).
-A sum of a value that depends on another sum is refused (one reduce phase per step); a zero sum of terms that
+``reduce.split`` cuts such a flag set's program into ordered reduction levels, each a reduce phase (the instructions
+its summands need; the first writes the arrays it computes that no sum changes), its sums and a fold (the per-tensor
+instructions of that level, run once per tensor in the dtype: its results ``fold<k>`` are scalars of the later
+levels and of the map), then a map (the rest, per element); a sum of a value that depends on another sum is in a
+later level (Mars's mask count after its clip's norm).  A zero sum of terms that
 are all −0 may read ±0 by path (the blocked order pads with +0).  Such a definition's optimizer is not elementwise: ``run.bind_reduce(DEF)``
-gives its ``update_fn``, ``np_phases_fn``, ``np_rows_fn``, ``kernel_fn`` (three launches per tensor: partials, fold,
-map) and ``multi_tensor`` (three per dtype group), and its state has an unsaved field ``work`` (the sums' work area,
-the kernels' partials).  See ``flatopt/lamb.py`` and ``flatopt/mars.py``.  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
+gives its ``update_fn``, ``np_phases_fn``, ``np_rows_fn``, ``kernel_fn`` (2·levels + 1 launches per tensor: each
+level's partials and fold, then the map) and ``multi_tensor`` (as many per dtype group), and its state has an
+unsaved field ``work`` (the sums' work area, the kernels' partials).  See ``flatopt/lamb.py`` and ``flatopt/mars.py``.  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
 whether any flag set has one.
 
 **Cautious.**  A config deriving from :class:`Cautious` has the keyword-only field ``cautious`` (a bool, False by

@@ -178,7 +178,8 @@ def _c_algo(d) -> list[str]:
                 body, used = _c_columns(d, lv, fn, ctype)
                 L += body
                 args = ", ".join([f"a[{d.arrays.index(a)}]" for a in used] + [f"acc[{j}]" for j in range(len(lv.sums))])
-                col_cases.setdefault(level, []).append(f"    case {2 * fs + dt}: {fn}({args}, rows, w, first, s); return 0;")
+                case = f"    case {2 * fs + dt}: {fn}({args}, rows, w, first, s); return 0;"
+                col_cases.setdefault(level, []).append(case)
             fn = f"{d.name}_f{fs}_{ctype}_map"
             body, used = _c_loop(d, sp.map, fn, ctype, [])
             L += body
@@ -271,10 +272,12 @@ def cuda_source(d, shape: tuple, path: str) -> str:
          "// with the host's operations (trace.trace_scalars), then rounds them to T.", "", *_VEC]
     splits = {d.index(f): d.split_at(d.index(f)) for f in d.flag_sets()}
     if any(sp is not None for sp in splits.values()):
-        L += ["// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor",
-              "// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and",
-              "// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its",
-              "// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.",
+        L += ["// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per",
+              "// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>",
+              "// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one",
+              "// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's",
+              "// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no",
+              "// host synchronisation.",
               "// The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):", ""]
         L += [x for x in _SQ_SUM.read_text().splitlines() if not x.startswith("#pragma")] + [""]
     derived = dict(shape)

@@ -1,26 +1,34 @@
-"""The reduce-then-map stage: a step that calls ``e.sum(x)`` becomes a reduce phase, a fold and a map.
+"""The reduce-then-map stage: a step that calls ``e.sum(x)`` becomes ordered reduction levels, then a map.
 
 A step may sum any per-element value over the tensor (``e.sum(x)``, ``e.sumsq(x)`` = ``e.sum(x * x)``) and keep
-computing with the result: a per-tensor value.  :func:`split` cuts the traced program in three:
+computing with the result: a per-tensor value, which may enter another sum (Mars with clip_c and cautious: the
+mask's count is a sum of a value made from the clip's norm).  A sum's level is one more than the highest level among
+the sums its summand depends on; :func:`split` cuts the traced program into one :class:`Level` per level, in order,
+then the map:
 
-* **reduce**: the instructions the summands depend on, run per element; it writes the arrays whose new value it
-  computes and that no sum changes (Lamb's m and v), and each summand j into the pseudo-array ``_sum<j>``;
+* **reduce** (per level): the instructions its summands depend on, run per element, with the earlier levels' fold
+  results as scalars; the first level also writes the arrays whose new value it computes and that no sum changes
+  (Lamb's m and v), and each summand j goes into the pseudo-array ``_sum<j>``;
 * **the sums**: each ``_sum<j>`` added over the tensor in the fixed blocked order of ``core/sqsum.py`` (the same bits
   on NumPy, the C pass and CUDA: ``core/norms.py`` column sums, ``kernels/sq_sum.cuh``), rounded to the dtype;
-* **fold**: the instructions on per-tensor values that depend on a sum, run once per tensor in the dtype (reads: the
-  sums as ``_sum<j>``; outputs: the per-tensor scalars ``fold<k>`` the map reads);
-* **map**: the rest, per element, with the fold's results as scalars; an array the reduce phase wrote is read back
-  (its new value), everything else is recomputed from the inputs with the same operations (the same bits).
+* **fold** (per level): the instructions on per-tensor values of that level, run once per tensor in the dtype
+  (reads: its sums as ``_sum<j>``, the earlier folds' results as scalars; outputs: the per-tensor scalars
+  ``fold<k>``, numbered over the whole step, that later levels and the map read);
+* **map**: the rest, per element, with every fold's results as scalars; an array the first reduce phase wrote is
+  read back (its new value), everything else is recomputed from the inputs with the same operations (the same
+  bits).  A later level's reduce phase likewise recomputes what it needs (Mars's m, from the old m and the clip).
 
-A sum of a value that depends on another sum is refused (one reduce phase per step).  Terms are values of the
-dtype (a comparison's True is 1).  The blocked order pads with +0 and the kernels' per-thread sums start at +0, so
-the sign of a zero sum whose terms are all −0 may differ between paths (sums of squares, of masks, never hit it).
+Terms are values of the dtype (a comparison's True is 1).  The blocked order pads with +0 and the kernels'
+per-thread sums start at +0, so the sign of a zero sum whose terms are all −0 may differ between paths (sums of
+squares, of masks, never hit it).
 
 This module also holds the NumPy/CuPy lowerings of a split program (``run.bind`` wraps them for a definition with a
-sum): :func:`np_phases` (a tensor in two phases of tasks on the threads: column ranges of the reduce phase, then,
-after the fold, chunk ranges of the map; ``core/cpu_tensors.py``), :func:`np_rows` (small tensors of one size as the
-rows of (T, n) arrays, the sums per row) and :func:`xp_update` (one whole tensor on CuPy, no host synchronisation).
-A definition with a sum keeps its sums' work area in its state's unsaved field ``work``.
+sum), each running the levels one after the other: :func:`np_phases` (a tensor in phases of tasks on the threads:
+per level, column ranges of its reduce phase, then after the last fold chunk ranges of the map;
+``core/cpu_tensors.py``), :func:`np_rows` (small tensors of one size as the rows of (T, n) arrays, the sums per row)
+and :func:`xp_update` (one whole tensor on CuPy, no host synchronisation).  The compiled pass has one columns entry
+per level (``_columns``, ``_columns1``, ...), the CUDA source a partials and a fold kernel per level (``emit.py``).
+A definition with a sum keeps its sums' work area in its state's unsaved field ``work`` (one level's at a time).
 """
 
 from __future__ import annotations
@@ -234,7 +242,7 @@ def fold_values(xp: Any, fold: tr.Program, sums: dict, sc: dict, dt: Any) -> dic
             a = [get(r) for r in ins.args]
             if ins.op == "where":
                 vals.append(xp.where(*a))
-            elif ins.op == "sum":  # pragma: no cover - split refuses nested sums
+            elif ins.op == "sum":  # pragma: no cover - a fold reads its sums as inputs (split)
                 raise AssertionError
             else:
                 vals.append(getattr(xp, lower_numpy.UFUNC[ins.op])(*a))

@@ -283,8 +283,8 @@ def bind_reduce(d: Definition) -> dict:
         sp = d.split_at(fs)
         if sp is None:
             return None
-        return tuple((emit.cuda_name(d, fs, f"partials{level or ''}_multi"), emit.cuda_name(d, fs, f"fold{level or ''}_multi"))
-                     for level in range(len(sp.levels)))
+        tags = [str(level or "") for level in range(len(sp.levels))]
+        return tuple((emit.cuda_name(d, fs, f"partials{x}_multi"), emit.cuda_name(d, fs, f"fold{x}_multi")) for x in tags)
 
     splits = [sp for sp in (d.split_at(d.index(f)) for f in d.flag_sets()) if sp is not None]
     norms = Norms(max(len(lv.sums) for sp in splits for lv in sp.levels), max(len(sp.folds) for sp in splits),

@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -110,7 +112,7 @@ __device__ __forceinline__ void adam_group_f0(T* __restrict__ p, const T* __rest
       const T t10 = t2 / t9;
       const T t11 = t10 * neg_step;
       const T t12 = p_r[k] + t11;
-#line 114 "flatopt/kernels/generated/adam.cu"
+#line 116 "flatopt/kernels/generated/adam.cu"
       p[i] = t12;
       m[i] = t2;
       v[i] = t6;
@@ -143,7 +145,7 @@ __device__ __forceinline__ void adam_vec_f0(T* __restrict__ p, const T* __restri
     const T t10 = t2 / t9;
     const T t11 = t10 * neg_step;
     const T t12 = p_r[k] + t11;
-#line 147 "flatopt/kernels/generated/adam.cu"
+#line 149 "flatopt/kernels/generated/adam.cu"
     p_w[k] = t12;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -230,7 +232,7 @@ __device__ __forceinline__ void adam_group_f1(T* __restrict__ p, const T* __rest
       const T t12 = t4 / t11;
       const T t13 = t12 * neg_step;
       const T t14 = p_r[k] + t13;
-#line 234 "flatopt/kernels/generated/adam.cu"
+#line 236 "flatopt/kernels/generated/adam.cu"
       p[i] = t14;
       m[i] = t4;
       v[i] = t8;
@@ -266,7 +268,7 @@ __device__ __forceinline__ void adam_vec_f1(T* __restrict__ p, const T* __restri
     const T t12 = t4 / t11;
     const T t13 = t12 * neg_step;
     const T t14 = p_r[k] + t13;
-#line 270 "flatopt/kernels/generated/adam.cu"
+#line 272 "flatopt/kernels/generated/adam.cu"
     p_w[k] = t14;
     m_w[k] = t4;
     v_w[k] = t8;
@@ -353,7 +355,7 @@ __device__ __forceinline__ void adam_group_f2(T* __restrict__ p, const T* __rest
       const T t11 = t2 / t10;
       const T t12 = t11 * neg_step;
       const T t13 = p_r[k] + t12;
-#line 357 "flatopt/kernels/generated/adam.cu"
+#line 359 "flatopt/kernels/generated/adam.cu"
       p[i] = t13;
       m[i] = t2;
       v[i] = t6;
@@ -390,7 +392,7 @@ __device__ __forceinline__ void adam_vec_f2(T* __restrict__ p, const T* __restri
     const T t11 = t2 / t10;
     const T t12 = t11 * neg_step;
     const T t13 = p_r[k] + t12;
-#line 394 "flatopt/kernels/generated/adam.cu"
+#line 396 "flatopt/kernels/generated/adam.cu"
     p_w[k] = t13;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -483,7 +485,7 @@ __device__ __forceinline__ void adam_group_f3(T* __restrict__ p, const T* __rest
       const T t13 = t4 / t12;
       const T t14 = t13 * neg_step;
       const T t15 = p_r[k] + t14;
-#line 487 "flatopt/kernels/generated/adam.cu"
+#line 489 "flatopt/kernels/generated/adam.cu"
       p[i] = t15;
       m[i] = t4;
       v[i] = t8;
@@ -523,7 +525,7 @@ __device__ __forceinline__ void adam_vec_f3(T* __restrict__ p, const T* __restri
     const T t13 = t4 / t12;
     const T t14 = t13 * neg_step;
     const T t15 = p_r[k] + t14;
-#line 527 "flatopt/kernels/generated/adam.cu"
+#line 529 "flatopt/kernels/generated/adam.cu"
     p_w[k] = t15;
     m_w[k] = t4;
     v_w[k] = t8;
@@ -604,7 +606,7 @@ __device__ __forceinline__ void adam_f4_reduce_block(const T* __restrict__ g, T*
     const int t12 = t11 > ((T)0x0.0p+0);
     const T t13 = (T)t12;
     const T t14 = ((T)0x1.0000000000000p+0) - t13;
-#line 608 "flatopt/kernels/generated/adam.cu"
+#line 610 "flatopt/kernels/generated/adam.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t13);
@@ -648,7 +650,7 @@ __device__ __forceinline__ void adam_f4_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 652 "flatopt/kernels/generated/adam.cu"
+#line 654 "flatopt/kernels/generated/adam.cu"
     scal[0] = t3_f;
   }
 }
@@ -695,7 +697,7 @@ __device__ __forceinline__ void adam_group_f4_map(T* __restrict__ p, const T* __
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_step;
       const T t10 = p_r[k] + t9;
-#line 699 "flatopt/kernels/generated/adam.cu"
+#line 701 "flatopt/kernels/generated/adam.cu"
       p[i] = t10;
     }
   }
@@ -723,7 +725,7 @@ __device__ __forceinline__ void adam_vec_f4_map(T* __restrict__ p, const T* __re
     const T t8 = t3 * t7;
     const T t9 = t8 * neg_step;
     const T t10 = p_r[k] + t9;
-#line 727 "flatopt/kernels/generated/adam.cu"
+#line 729 "flatopt/kernels/generated/adam.cu"
     p_w[k] = t10;
   }
   gen_st4(p + i, p_w);
@@ -803,7 +805,7 @@ __device__ __forceinline__ void adam_f5_reduce_block(const T* __restrict__ p, co
     const int t14 = t13 > ((T)0x0.0p+0);
     const T t15 = (T)t14;
     const T t16 = ((T)0x1.0000000000000p+0) - t15;
-#line 807 "flatopt/kernels/generated/adam.cu"
+#line 809 "flatopt/kernels/generated/adam.cu"
     m[i] = t4;
     v[i] = t8;
     acc0 += (T)(t15);
@@ -848,7 +850,7 @@ __device__ __forceinline__ void adam_f5_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 852 "flatopt/kernels/generated/adam.cu"
+#line 854 "flatopt/kernels/generated/adam.cu"
     scal[0] = t3_f;
   }
 }
@@ -898,7 +900,7 @@ __device__ __forceinline__ void adam_group_f5_map(T* __restrict__ p, const T* __
       const T t10 = t5 * t9;
       const T t11 = t10 * neg_step;
       const T t12 = p_r[k] + t11;
-#line 902 "flatopt/kernels/generated/adam.cu"
+#line 904 "flatopt/kernels/generated/adam.cu"
       p[i] = t12;
     }
   }
@@ -929,7 +931,7 @@ __device__ __forceinline__ void adam_vec_f5_map(T* __restrict__ p, const T* __re
     const T t10 = t5 * t9;
     const T t11 = t10 * neg_step;
     const T t12 = p_r[k] + t11;
-#line 933 "flatopt/kernels/generated/adam.cu"
+#line 935 "flatopt/kernels/generated/adam.cu"
     p_w[k] = t12;
   }
   gen_st4(p + i, p_w);
@@ -1008,7 +1010,7 @@ __device__ __forceinline__ void adam_f6_reduce_block(const T* __restrict__ g, T*
     const int t13 = t12 > ((T)0x0.0p+0);
     const T t14 = (T)t13;
     const T t15 = ((T)0x1.0000000000000p+0) - t14;
-#line 1012 "flatopt/kernels/generated/adam.cu"
+#line 1014 "flatopt/kernels/generated/adam.cu"
     m[i] = t2;
     v[i] = t6;
     vmax[i] = t7;
@@ -1054,7 +1056,7 @@ __device__ __forceinline__ void adam_f6_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1058 "flatopt/kernels/generated/adam.cu"
+#line 1060 "flatopt/kernels/generated/adam.cu"
     scal[0] = t3_f;
   }
 }
@@ -1101,7 +1103,7 @@ __device__ __forceinline__ void adam_group_f6_map(T* __restrict__ p, const T* __
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_step;
       const T t10 = p_r[k] + t9;
-#line 1105 "flatopt/kernels/generated/adam.cu"
+#line 1107 "flatopt/kernels/generated/adam.cu"
       p[i] = t10;
     }
   }
@@ -1129,7 +1131,7 @@ __device__ __forceinline__ void adam_vec_f6_map(T* __restrict__ p, const T* __re
     const T t8 = t3 * t7;
     const T t9 = t8 * neg_step;
     const T t10 = p_r[k] + t9;
-#line 1133 "flatopt/kernels/generated/adam.cu"
+#line 1135 "flatopt/kernels/generated/adam.cu"
     p_w[k] = t10;
   }
   gen_st4(p + i, p_w);
@@ -1212,7 +1214,7 @@ __device__ __forceinline__ void adam_f7_reduce_block(const T* __restrict__ p, co
     const int t15 = t14 > ((T)0x0.0p+0);
     const T t16 = (T)t15;
     const T t17 = ((T)0x1.0000000000000p+0) - t16;
-#line 1216 "flatopt/kernels/generated/adam.cu"
+#line 1218 "flatopt/kernels/generated/adam.cu"
     m[i] = t4;
     v[i] = t8;
     vmax[i] = t9;
@@ -1259,7 +1261,7 @@ __device__ __forceinline__ void adam_f7_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1263 "flatopt/kernels/generated/adam.cu"
+#line 1265 "flatopt/kernels/generated/adam.cu"
     scal[0] = t3_f;
   }
 }
@@ -1309,7 +1311,7 @@ __device__ __forceinline__ void adam_group_f7_map(T* __restrict__ p, const T* __
       const T t10 = t5 * t9;
       const T t11 = t10 * neg_step;
       const T t12 = p_r[k] + t11;
-#line 1313 "flatopt/kernels/generated/adam.cu"
+#line 1315 "flatopt/kernels/generated/adam.cu"
       p[i] = t12;
     }
   }
@@ -1340,7 +1342,7 @@ __device__ __forceinline__ void adam_vec_f7_map(T* __restrict__ p, const T* __re
     const T t10 = t5 * t9;
     const T t11 = t10 * neg_step;
     const T t12 = p_r[k] + t11;
-#line 1344 "flatopt/kernels/generated/adam.cu"
+#line 1346 "flatopt/kernels/generated/adam.cu"
     p_w[k] = t12;
   }
   gen_st4(p + i, p_w);

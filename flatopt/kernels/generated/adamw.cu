@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -110,7 +112,7 @@ __device__ __forceinline__ void adamw_group_f0(T* __restrict__ p, const T* __res
       const T t10 = t2 / t9;
       const T t11 = t10 * neg_step;
       const T t12 = p_r[k] + t11;
-#line 114 "flatopt/kernels/generated/adamw.cu"
+#line 116 "flatopt/kernels/generated/adamw.cu"
       p[i] = t12;
       m[i] = t2;
       v[i] = t6;
@@ -143,7 +145,7 @@ __device__ __forceinline__ void adamw_vec_f0(T* __restrict__ p, const T* __restr
     const T t10 = t2 / t9;
     const T t11 = t10 * neg_step;
     const T t12 = p_r[k] + t11;
-#line 147 "flatopt/kernels/generated/adamw.cu"
+#line 149 "flatopt/kernels/generated/adamw.cu"
     p_w[k] = t12;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -229,7 +231,7 @@ __device__ __forceinline__ void adamw_group_f1(T* __restrict__ p, const T* __res
       const T t11 = t3 / t10;
       const T t12 = t11 * neg_step;
       const T t13 = t0 + t12;
-#line 233 "flatopt/kernels/generated/adamw.cu"
+#line 235 "flatopt/kernels/generated/adamw.cu"
       p[i] = t13;
       m[i] = t3;
       v[i] = t7;
@@ -264,7 +266,7 @@ __device__ __forceinline__ void adamw_vec_f1(T* __restrict__ p, const T* __restr
     const T t11 = t3 / t10;
     const T t12 = t11 * neg_step;
     const T t13 = t0 + t12;
-#line 268 "flatopt/kernels/generated/adamw.cu"
+#line 270 "flatopt/kernels/generated/adamw.cu"
     p_w[k] = t13;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -352,7 +354,7 @@ __device__ __forceinline__ void adamw_group_f2(T* __restrict__ p, const T* __res
       const T t11 = t2 / t10;
       const T t12 = t11 * neg_step;
       const T t13 = p_r[k] + t12;
-#line 356 "flatopt/kernels/generated/adamw.cu"
+#line 358 "flatopt/kernels/generated/adamw.cu"
       p[i] = t13;
       m[i] = t2;
       v[i] = t6;
@@ -389,7 +391,7 @@ __device__ __forceinline__ void adamw_vec_f2(T* __restrict__ p, const T* __restr
     const T t11 = t2 / t10;
     const T t12 = t11 * neg_step;
     const T t13 = p_r[k] + t12;
-#line 393 "flatopt/kernels/generated/adamw.cu"
+#line 395 "flatopt/kernels/generated/adamw.cu"
     p_w[k] = t13;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -481,7 +483,7 @@ __device__ __forceinline__ void adamw_group_f3(T* __restrict__ p, const T* __res
       const T t12 = t3 / t11;
       const T t13 = t12 * neg_step;
       const T t14 = t0 + t13;
-#line 485 "flatopt/kernels/generated/adamw.cu"
+#line 487 "flatopt/kernels/generated/adamw.cu"
       p[i] = t14;
       m[i] = t3;
       v[i] = t7;
@@ -520,7 +522,7 @@ __device__ __forceinline__ void adamw_vec_f3(T* __restrict__ p, const T* __restr
     const T t12 = t3 / t11;
     const T t13 = t12 * neg_step;
     const T t14 = t0 + t13;
-#line 524 "flatopt/kernels/generated/adamw.cu"
+#line 526 "flatopt/kernels/generated/adamw.cu"
     p_w[k] = t14;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -602,7 +604,7 @@ __device__ __forceinline__ void adamw_f4_reduce_block(const T* __restrict__ g, T
     const int t12 = t11 > ((T)0x0.0p+0);
     const T t13 = (T)t12;
     const T t14 = ((T)0x1.0000000000000p+0) - t13;
-#line 606 "flatopt/kernels/generated/adamw.cu"
+#line 608 "flatopt/kernels/generated/adamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t13);
@@ -646,7 +648,7 @@ __device__ __forceinline__ void adamw_f4_fold_one(const T* __restrict__ parts, c
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 650 "flatopt/kernels/generated/adamw.cu"
+#line 652 "flatopt/kernels/generated/adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -693,7 +695,7 @@ __device__ __forceinline__ void adamw_group_f4_map(T* __restrict__ p, const T* _
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_step;
       const T t10 = p_r[k] + t9;
-#line 697 "flatopt/kernels/generated/adamw.cu"
+#line 699 "flatopt/kernels/generated/adamw.cu"
       p[i] = t10;
     }
   }
@@ -721,7 +723,7 @@ __device__ __forceinline__ void adamw_vec_f4_map(T* __restrict__ p, const T* __r
     const T t8 = t3 * t7;
     const T t9 = t8 * neg_step;
     const T t10 = p_r[k] + t9;
-#line 725 "flatopt/kernels/generated/adamw.cu"
+#line 727 "flatopt/kernels/generated/adamw.cu"
     p_w[k] = t10;
   }
   gen_st4(p + i, p_w);
@@ -797,7 +799,7 @@ __device__ __forceinline__ void adamw_f5_reduce_block(const T* __restrict__ g, T
     const int t12 = t11 > ((T)0x0.0p+0);
     const T t13 = (T)t12;
     const T t14 = ((T)0x1.0000000000000p+0) - t13;
-#line 801 "flatopt/kernels/generated/adamw.cu"
+#line 803 "flatopt/kernels/generated/adamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t13);
@@ -841,7 +843,7 @@ __device__ __forceinline__ void adamw_f5_fold_one(const T* __restrict__ parts, c
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 845 "flatopt/kernels/generated/adamw.cu"
+#line 847 "flatopt/kernels/generated/adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -890,7 +892,7 @@ __device__ __forceinline__ void adamw_group_f5_map(T* __restrict__ p, const T* _
       const T t9 = t4 * t8;
       const T t10 = t9 * neg_step;
       const T t11 = t0 + t10;
-#line 894 "flatopt/kernels/generated/adamw.cu"
+#line 896 "flatopt/kernels/generated/adamw.cu"
       p[i] = t11;
     }
   }
@@ -920,7 +922,7 @@ __device__ __forceinline__ void adamw_vec_f5_map(T* __restrict__ p, const T* __r
     const T t9 = t4 * t8;
     const T t10 = t9 * neg_step;
     const T t11 = t0 + t10;
-#line 924 "flatopt/kernels/generated/adamw.cu"
+#line 926 "flatopt/kernels/generated/adamw.cu"
     p_w[k] = t11;
   }
   gen_st4(p + i, p_w);
@@ -1000,7 +1002,7 @@ __device__ __forceinline__ void adamw_f6_reduce_block(const T* __restrict__ g, T
     const int t13 = t12 > ((T)0x0.0p+0);
     const T t14 = (T)t13;
     const T t15 = ((T)0x1.0000000000000p+0) - t14;
-#line 1004 "flatopt/kernels/generated/adamw.cu"
+#line 1006 "flatopt/kernels/generated/adamw.cu"
     m[i] = t2;
     v[i] = t6;
     vmax[i] = t7;
@@ -1046,7 +1048,7 @@ __device__ __forceinline__ void adamw_f6_fold_one(const T* __restrict__ parts, c
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1050 "flatopt/kernels/generated/adamw.cu"
+#line 1052 "flatopt/kernels/generated/adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1093,7 +1095,7 @@ __device__ __forceinline__ void adamw_group_f6_map(T* __restrict__ p, const T* _
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_step;
       const T t10 = p_r[k] + t9;
-#line 1097 "flatopt/kernels/generated/adamw.cu"
+#line 1099 "flatopt/kernels/generated/adamw.cu"
       p[i] = t10;
     }
   }
@@ -1121,7 +1123,7 @@ __device__ __forceinline__ void adamw_vec_f6_map(T* __restrict__ p, const T* __r
     const T t8 = t3 * t7;
     const T t9 = t8 * neg_step;
     const T t10 = p_r[k] + t9;
-#line 1125 "flatopt/kernels/generated/adamw.cu"
+#line 1127 "flatopt/kernels/generated/adamw.cu"
     p_w[k] = t10;
   }
   gen_st4(p + i, p_w);
@@ -1200,7 +1202,7 @@ __device__ __forceinline__ void adamw_f7_reduce_block(const T* __restrict__ g, T
     const int t13 = t12 > ((T)0x0.0p+0);
     const T t14 = (T)t13;
     const T t15 = ((T)0x1.0000000000000p+0) - t14;
-#line 1204 "flatopt/kernels/generated/adamw.cu"
+#line 1206 "flatopt/kernels/generated/adamw.cu"
     m[i] = t2;
     v[i] = t6;
     vmax[i] = t7;
@@ -1246,7 +1248,7 @@ __device__ __forceinline__ void adamw_f7_fold_one(const T* __restrict__ parts, c
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1250 "flatopt/kernels/generated/adamw.cu"
+#line 1252 "flatopt/kernels/generated/adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1295,7 +1297,7 @@ __device__ __forceinline__ void adamw_group_f7_map(T* __restrict__ p, const T* _
       const T t9 = t4 * t8;
       const T t10 = t9 * neg_step;
       const T t11 = t0 + t10;
-#line 1299 "flatopt/kernels/generated/adamw.cu"
+#line 1301 "flatopt/kernels/generated/adamw.cu"
       p[i] = t11;
     }
   }
@@ -1325,7 +1327,7 @@ __device__ __forceinline__ void adamw_vec_f7_map(T* __restrict__ p, const T* __r
     const T t9 = t4 * t8;
     const T t10 = t9 * neg_step;
     const T t11 = t0 + t10;
-#line 1329 "flatopt/kernels/generated/adamw.cu"
+#line 1331 "flatopt/kernels/generated/adamw.cu"
     p_w[k] = t11;
   }
   gen_st4(p + i, p_w);

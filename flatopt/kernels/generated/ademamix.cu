@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -120,7 +122,7 @@ __device__ __forceinline__ void ademamix_group_f0(T* __restrict__ p, const T* __
       const T t16 = t15 * neg_lr;
       const T t17 = t16 / t12;
       const T t18 = p_r[k] + t17;
-#line 124 "flatopt/kernels/generated/ademamix.cu"
+#line 126 "flatopt/kernels/generated/ademamix.cu"
       p[i] = t18;
       m[i] = t2;
       v[i] = t6;
@@ -164,7 +166,7 @@ __device__ __forceinline__ void ademamix_vec_f0(T* __restrict__ p, const T* __re
     const T t16 = t15 * neg_lr;
     const T t17 = t16 / t12;
     const T t18 = p_r[k] + t17;
-#line 168 "flatopt/kernels/generated/ademamix.cu"
+#line 170 "flatopt/kernels/generated/ademamix.cu"
     p_w[k] = t18;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -263,7 +265,7 @@ __device__ __forceinline__ void ademamix_group_f1(T* __restrict__ p, const T* __
       const T t17 = t16 * neg_lr;
       const T t18 = t17 / t13;
       const T t19 = t0 + t18;
-#line 267 "flatopt/kernels/generated/ademamix.cu"
+#line 269 "flatopt/kernels/generated/ademamix.cu"
       p[i] = t19;
       m[i] = t3;
       v[i] = t7;
@@ -309,7 +311,7 @@ __device__ __forceinline__ void ademamix_vec_f1(T* __restrict__ p, const T* __re
     const T t17 = t16 * neg_lr;
     const T t18 = t17 / t13;
     const T t19 = t0 + t18;
-#line 313 "flatopt/kernels/generated/ademamix.cu"
+#line 315 "flatopt/kernels/generated/ademamix.cu"
     p_w[k] = t19;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -382,7 +384,7 @@ __device__ __forceinline__ void ademamix_f2_reduce_block(const T* __restrict__ g
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
     const T t6 = ((T)0x1.0000000000000p+0) - t5;
-#line 386 "flatopt/kernels/generated/ademamix.cu"
+#line 388 "flatopt/kernels/generated/ademamix.cu"
     m[i] = t2;
     acc0 += (T)(t5);
     acc1 += (T)(t6);
@@ -424,7 +426,7 @@ __device__ __forceinline__ void ademamix_f2_fold_one(const T* __restrict__ parts
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 428 "flatopt/kernels/generated/ademamix.cu"
+#line 430 "flatopt/kernels/generated/ademamix.cu"
     scal[0] = t3_f;
   }
 }
@@ -486,7 +488,7 @@ __device__ __forceinline__ void ademamix_group_f2_map(T* __restrict__ p, const T
       const T t18 = t17 * neg_lr;
       const T t19 = t18 / t9;
       const T t20 = p_r[k] + t19;
-#line 490 "flatopt/kernels/generated/ademamix.cu"
+#line 492 "flatopt/kernels/generated/ademamix.cu"
       p[i] = t20;
       v[i] = t3;
       m_slow[i] = t6;
@@ -531,7 +533,7 @@ __device__ __forceinline__ void ademamix_vec_f2_map(T* __restrict__ p, const T* 
     const T t18 = t17 * neg_lr;
     const T t19 = t18 / t9;
     const T t20 = p_r[k] + t19;
-#line 535 "flatopt/kernels/generated/ademamix.cu"
+#line 537 "flatopt/kernels/generated/ademamix.cu"
     p_w[k] = t20;
     v_w[k] = t3;
     m_slow_w[k] = t6;
@@ -603,7 +605,7 @@ __device__ __forceinline__ void ademamix_f3_reduce_block(const T* __restrict__ g
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
     const T t6 = ((T)0x1.0000000000000p+0) - t5;
-#line 607 "flatopt/kernels/generated/ademamix.cu"
+#line 609 "flatopt/kernels/generated/ademamix.cu"
     m[i] = t2;
     acc0 += (T)(t5);
     acc1 += (T)(t6);
@@ -645,7 +647,7 @@ __device__ __forceinline__ void ademamix_f3_fold_one(const T* __restrict__ parts
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 649 "flatopt/kernels/generated/ademamix.cu"
+#line 651 "flatopt/kernels/generated/ademamix.cu"
     scal[0] = t3_f;
   }
 }
@@ -709,7 +711,7 @@ __device__ __forceinline__ void ademamix_group_f3_map(T* __restrict__ p, const T
       const T t19 = t18 * neg_lr;
       const T t20 = t19 / t10;
       const T t21 = t0 + t20;
-#line 713 "flatopt/kernels/generated/ademamix.cu"
+#line 715 "flatopt/kernels/generated/ademamix.cu"
       p[i] = t21;
       v[i] = t4;
       m_slow[i] = t7;
@@ -756,7 +758,7 @@ __device__ __forceinline__ void ademamix_vec_f3_map(T* __restrict__ p, const T* 
     const T t19 = t18 * neg_lr;
     const T t20 = t19 / t10;
     const T t21 = t0 + t20;
-#line 760 "flatopt/kernels/generated/ademamix.cu"
+#line 762 "flatopt/kernels/generated/ademamix.cu"
     p_w[k] = t21;
     v_w[k] = t4;
     m_slow_w[k] = t7;

@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -114,7 +116,7 @@ __device__ __forceinline__ void adopt_group_f0(T* __restrict__ p, const T* __res
       const T t11 = g_r[k] * omb2;
       const T t12 = t11 * g_r[k];
       const T t13 = t10 + t12;
-#line 118 "flatopt/kernels/generated/adopt.cu"
+#line 120 "flatopt/kernels/generated/adopt.cu"
       p[i] = t9;
       m[i] = t7;
       v[i] = t13;
@@ -151,7 +153,7 @@ __device__ __forceinline__ void adopt_vec_f0(T* __restrict__ p, const T* __restr
     const T t11 = g_r[k] * omb2;
     const T t12 = t11 * g_r[k];
     const T t13 = t10 + t12;
-#line 155 "flatopt/kernels/generated/adopt.cu"
+#line 157 "flatopt/kernels/generated/adopt.cu"
     p_w[k] = t9;
     m_w[k] = t7;
     v_w[k] = t13;
@@ -242,7 +244,7 @@ __device__ __forceinline__ void adopt_group_f1(T* __restrict__ p, const T* __res
       const T t13 = t1 * omb2;
       const T t14 = t13 * t1;
       const T t15 = t12 + t14;
-#line 246 "flatopt/kernels/generated/adopt.cu"
+#line 248 "flatopt/kernels/generated/adopt.cu"
       p[i] = t11;
       m[i] = t9;
       v[i] = t15;
@@ -282,7 +284,7 @@ __device__ __forceinline__ void adopt_vec_f1(T* __restrict__ p, const T* __restr
     const T t13 = t1 * omb2;
     const T t14 = t13 * t1;
     const T t15 = t12 + t14;
-#line 286 "flatopt/kernels/generated/adopt.cu"
+#line 288 "flatopt/kernels/generated/adopt.cu"
     p_w[k] = t11;
     m_w[k] = t9;
     v_w[k] = t15;
@@ -372,7 +374,7 @@ __device__ __forceinline__ void adopt_group_f3(T* __restrict__ p, const T* __res
       const T t12 = g_r[k] * omb2;
       const T t13 = t12 * g_r[k];
       const T t14 = t11 + t13;
-#line 376 "flatopt/kernels/generated/adopt.cu"
+#line 378 "flatopt/kernels/generated/adopt.cu"
       p[i] = t10;
       m[i] = t8;
       v[i] = t14;
@@ -411,7 +413,7 @@ __device__ __forceinline__ void adopt_vec_f3(T* __restrict__ p, const T* __restr
     const T t12 = g_r[k] * omb2;
     const T t13 = t12 * g_r[k];
     const T t14 = t11 + t13;
-#line 415 "flatopt/kernels/generated/adopt.cu"
+#line 417 "flatopt/kernels/generated/adopt.cu"
     p_w[k] = t10;
     m_w[k] = t8;
     v_w[k] = t14;
@@ -482,7 +484,7 @@ __device__ __forceinline__ void adopt_group_f4(const T* __restrict__ g, T* __res
 #line 95 "flatopt/adopt.py"
       const T t0 = g_r[k] * g_r[k];
       const T t1 = v_r[k] + t0;
-#line 486 "flatopt/kernels/generated/adopt.cu"
+#line 488 "flatopt/kernels/generated/adopt.cu"
       v[i] = t1;
     }
   }
@@ -499,7 +501,7 @@ __device__ __forceinline__ void adopt_vec_f4(const T* __restrict__ g, T* __restr
 #line 95 "flatopt/adopt.py"
     const T t0 = g_r[k] * g_r[k];
     const T t1 = v_r[k] + t0;
-#line 503 "flatopt/kernels/generated/adopt.cu"
+#line 505 "flatopt/kernels/generated/adopt.cu"
     v_w[k] = t1;
   }
   gen_st4(v + i, v_w);
@@ -565,7 +567,7 @@ __device__ __forceinline__ void adopt_group_f5(const T* __restrict__ p, const T*
 #line 95 "flatopt/adopt.py"
       const T t2 = t1 * t1;
       const T t3 = v_r[k] + t2;
-#line 569 "flatopt/kernels/generated/adopt.cu"
+#line 571 "flatopt/kernels/generated/adopt.cu"
       v[i] = t3;
     }
   }
@@ -586,7 +588,7 @@ __device__ __forceinline__ void adopt_vec_f5(const T* __restrict__ p, const T* _
 #line 95 "flatopt/adopt.py"
     const T t2 = t1 * t1;
     const T t3 = v_r[k] + t2;
-#line 590 "flatopt/kernels/generated/adopt.cu"
+#line 592 "flatopt/kernels/generated/adopt.cu"
     v_w[k] = t3;
   }
   gen_st4(v + i, v_w);
@@ -652,7 +654,7 @@ __device__ __forceinline__ void adopt_group_f7(T* __restrict__ p, const T* __res
 #line 95 "flatopt/adopt.py"
       const T t1 = g_r[k] * g_r[k];
       const T t2 = v_r[k] + t1;
-#line 656 "flatopt/kernels/generated/adopt.cu"
+#line 658 "flatopt/kernels/generated/adopt.cu"
       p[i] = t0;
       v[i] = t2;
     }
@@ -673,7 +675,7 @@ __device__ __forceinline__ void adopt_vec_f7(T* __restrict__ p, const T* __restr
 #line 95 "flatopt/adopt.py"
     const T t1 = g_r[k] * g_r[k];
     const T t2 = v_r[k] + t1;
-#line 677 "flatopt/kernels/generated/adopt.cu"
+#line 679 "flatopt/kernels/generated/adopt.cu"
     p_w[k] = t0;
     v_w[k] = t2;
   }
@@ -747,7 +749,7 @@ __device__ __forceinline__ void adopt_f8_reduce_block(const T* __restrict__ g, T
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 751 "flatopt/kernels/generated/adopt.cu"
+#line 753 "flatopt/kernels/generated/adopt.cu"
     m[i] = t7;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -790,7 +792,7 @@ __device__ __forceinline__ void adopt_f8_fold_one(const T* __restrict__ parts, c
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 794 "flatopt/kernels/generated/adopt.cu"
+#line 796 "flatopt/kernels/generated/adopt.cu"
     scal[0] = t3_f;
   }
 }
@@ -845,7 +847,7 @@ __device__ __forceinline__ void adopt_group_f8_map(T* __restrict__ p, const T* _
       const T t13 = g_r[k] * omb2;
       const T t14 = t13 * g_r[k];
       const T t15 = t12 + t14;
-#line 849 "flatopt/kernels/generated/adopt.cu"
+#line 851 "flatopt/kernels/generated/adopt.cu"
       p[i] = t11;
       v[i] = t15;
     }
@@ -882,7 +884,7 @@ __device__ __forceinline__ void adopt_vec_f8_map(T* __restrict__ p, const T* __r
     const T t13 = g_r[k] * omb2;
     const T t14 = t13 * g_r[k];
     const T t15 = t12 + t14;
-#line 886 "flatopt/kernels/generated/adopt.cu"
+#line 888 "flatopt/kernels/generated/adopt.cu"
     p_w[k] = t11;
     v_w[k] = t15;
   }
@@ -963,7 +965,7 @@ __device__ __forceinline__ void adopt_f9_reduce_block(const T* __restrict__ p, c
     const int t11 = t10 > ((T)0x0.0p+0);
     const T t12 = (T)t11;
     const T t13 = ((T)0x1.0000000000000p+0) - t12;
-#line 967 "flatopt/kernels/generated/adopt.cu"
+#line 969 "flatopt/kernels/generated/adopt.cu"
     m[i] = t9;
     acc0 += (T)(t12);
     acc1 += (T)(t13);
@@ -1007,7 +1009,7 @@ __device__ __forceinline__ void adopt_f9_fold_one(const T* __restrict__ parts, c
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1011 "flatopt/kernels/generated/adopt.cu"
+#line 1013 "flatopt/kernels/generated/adopt.cu"
     scal[0] = t3_f;
   }
 }
@@ -1065,7 +1067,7 @@ __device__ __forceinline__ void adopt_group_f9_map(T* __restrict__ p, const T* _
       const T t15 = t1 * omb2;
       const T t16 = t15 * t1;
       const T t17 = t14 + t16;
-#line 1069 "flatopt/kernels/generated/adopt.cu"
+#line 1071 "flatopt/kernels/generated/adopt.cu"
       p[i] = t13;
       v[i] = t17;
     }
@@ -1105,7 +1107,7 @@ __device__ __forceinline__ void adopt_vec_f9_map(T* __restrict__ p, const T* __r
     const T t15 = t1 * omb2;
     const T t16 = t15 * t1;
     const T t17 = t14 + t16;
-#line 1109 "flatopt/kernels/generated/adopt.cu"
+#line 1111 "flatopt/kernels/generated/adopt.cu"
     p_w[k] = t13;
     v_w[k] = t17;
   }
@@ -1182,7 +1184,7 @@ __device__ __forceinline__ void adopt_f11_reduce_block(const T* __restrict__ g, 
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 1186 "flatopt/kernels/generated/adopt.cu"
+#line 1188 "flatopt/kernels/generated/adopt.cu"
     m[i] = t7;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -1225,7 +1227,7 @@ __device__ __forceinline__ void adopt_f11_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1229 "flatopt/kernels/generated/adopt.cu"
+#line 1231 "flatopt/kernels/generated/adopt.cu"
     scal[0] = t3_f;
   }
 }
@@ -1282,7 +1284,7 @@ __device__ __forceinline__ void adopt_group_f11_map(T* __restrict__ p, const T* 
       const T t14 = g_r[k] * omb2;
       const T t15 = t14 * g_r[k];
       const T t16 = t13 + t15;
-#line 1286 "flatopt/kernels/generated/adopt.cu"
+#line 1288 "flatopt/kernels/generated/adopt.cu"
       p[i] = t12;
       v[i] = t16;
     }
@@ -1321,7 +1323,7 @@ __device__ __forceinline__ void adopt_vec_f11_map(T* __restrict__ p, const T* __
     const T t14 = g_r[k] * omb2;
     const T t15 = t14 * g_r[k];
     const T t16 = t13 + t15;
-#line 1325 "flatopt/kernels/generated/adopt.cu"
+#line 1327 "flatopt/kernels/generated/adopt.cu"
     p_w[k] = t12;
     v_w[k] = t16;
   }
@@ -1392,7 +1394,7 @@ __device__ __forceinline__ void adopt_group_f12(const T* __restrict__ g, T* __re
 #line 95 "flatopt/adopt.py"
       const T t0 = g_r[k] * g_r[k];
       const T t1 = v_r[k] + t0;
-#line 1396 "flatopt/kernels/generated/adopt.cu"
+#line 1398 "flatopt/kernels/generated/adopt.cu"
       v[i] = t1;
     }
   }
@@ -1409,7 +1411,7 @@ __device__ __forceinline__ void adopt_vec_f12(const T* __restrict__ g, T* __rest
 #line 95 "flatopt/adopt.py"
     const T t0 = g_r[k] * g_r[k];
     const T t1 = v_r[k] + t0;
-#line 1413 "flatopt/kernels/generated/adopt.cu"
+#line 1415 "flatopt/kernels/generated/adopt.cu"
     v_w[k] = t1;
   }
   gen_st4(v + i, v_w);
@@ -1475,7 +1477,7 @@ __device__ __forceinline__ void adopt_group_f13(const T* __restrict__ p, const T
 #line 95 "flatopt/adopt.py"
       const T t2 = t1 * t1;
       const T t3 = v_r[k] + t2;
-#line 1479 "flatopt/kernels/generated/adopt.cu"
+#line 1481 "flatopt/kernels/generated/adopt.cu"
       v[i] = t3;
     }
   }
@@ -1496,7 +1498,7 @@ __device__ __forceinline__ void adopt_vec_f13(const T* __restrict__ p, const T* 
 #line 95 "flatopt/adopt.py"
     const T t2 = t1 * t1;
     const T t3 = v_r[k] + t2;
-#line 1500 "flatopt/kernels/generated/adopt.cu"
+#line 1502 "flatopt/kernels/generated/adopt.cu"
     v_w[k] = t3;
   }
   gen_st4(v + i, v_w);
@@ -1562,7 +1564,7 @@ __device__ __forceinline__ void adopt_group_f15(T* __restrict__ p, const T* __re
 #line 95 "flatopt/adopt.py"
       const T t1 = g_r[k] * g_r[k];
       const T t2 = v_r[k] + t1;
-#line 1566 "flatopt/kernels/generated/adopt.cu"
+#line 1568 "flatopt/kernels/generated/adopt.cu"
       p[i] = t0;
       v[i] = t2;
     }
@@ -1583,7 +1585,7 @@ __device__ __forceinline__ void adopt_vec_f15(T* __restrict__ p, const T* __rest
 #line 95 "flatopt/adopt.py"
     const T t1 = g_r[k] * g_r[k];
     const T t2 = v_r[k] + t1;
-#line 1587 "flatopt/kernels/generated/adopt.cu"
+#line 1589 "flatopt/kernels/generated/adopt.cu"
     p_w[k] = t0;
     v_w[k] = t2;
   }

@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -107,7 +109,7 @@ __device__ __forceinline__ void lamb_f0_reduce_block(const T* __restrict__ p, co
     const T t12 = p_i * p_i;
 #line 99 "flatopt/lamb.py"
     const T t13 = t11 * t11;
-#line 111 "flatopt/kernels/generated/lamb.cu"
+#line 113 "flatopt/kernels/generated/lamb.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t12);
@@ -159,7 +161,7 @@ __device__ __forceinline__ void lamb_f0_fold_one(const T* __restrict__ parts, co
     const T t6_f = (t4_f ? t5_f : ((T)0x1.0000000000000p+0));
 #line 101 "flatopt/lamb.py"
     const T t7_f = t6_f * neg_lr;
-#line 163 "flatopt/kernels/generated/lamb.cu"
+#line 165 "flatopt/kernels/generated/lamb.cu"
     scal[0] = t7_f;
   }
 }
@@ -204,7 +206,7 @@ __device__ __forceinline__ void lamb_group_f0_map(T* __restrict__ p, const T* __
 #line 101 "flatopt/lamb.py"
       const T t5 = t4 * fold0;
       const T t6 = p_r[k] + t5;
-#line 208 "flatopt/kernels/generated/lamb.cu"
+#line 210 "flatopt/kernels/generated/lamb.cu"
       p[i] = t6;
     }
   }
@@ -228,7 +230,7 @@ __device__ __forceinline__ void lamb_vec_f0_map(T* __restrict__ p, const T* __re
 #line 101 "flatopt/lamb.py"
     const T t5 = t4 * fold0;
     const T t6 = p_r[k] + t5;
-#line 232 "flatopt/kernels/generated/lamb.cu"
+#line 234 "flatopt/kernels/generated/lamb.cu"
     p_w[k] = t6;
   }
   gen_st4(p + i, p_w);
@@ -307,7 +309,7 @@ __device__ __forceinline__ void lamb_f1_reduce_block(const T* __restrict__ p, co
     const T t14 = p_i * p_i;
 #line 99 "flatopt/lamb.py"
     const T t15 = t13 * t13;
-#line 311 "flatopt/kernels/generated/lamb.cu"
+#line 313 "flatopt/kernels/generated/lamb.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t14);
@@ -359,7 +361,7 @@ __device__ __forceinline__ void lamb_f1_fold_one(const T* __restrict__ parts, co
     const T t6_f = (t4_f ? t5_f : ((T)0x1.0000000000000p+0));
 #line 101 "flatopt/lamb.py"
     const T t7_f = t6_f * neg_lr;
-#line 363 "flatopt/kernels/generated/lamb.cu"
+#line 365 "flatopt/kernels/generated/lamb.cu"
     scal[0] = t7_f;
   }
 }
@@ -407,7 +409,7 @@ __device__ __forceinline__ void lamb_group_f1_map(T* __restrict__ p, const T* __
 #line 101 "flatopt/lamb.py"
       const T t7 = t6 * fold0;
       const T t8 = p_r[k] + t7;
-#line 411 "flatopt/kernels/generated/lamb.cu"
+#line 413 "flatopt/kernels/generated/lamb.cu"
       p[i] = t8;
     }
   }
@@ -434,7 +436,7 @@ __device__ __forceinline__ void lamb_vec_f1_map(T* __restrict__ p, const T* __re
 #line 101 "flatopt/lamb.py"
     const T t7 = t6 * fold0;
     const T t8 = p_r[k] + t7;
-#line 438 "flatopt/kernels/generated/lamb.cu"
+#line 440 "flatopt/kernels/generated/lamb.cu"
     p_w[k] = t8;
   }
   gen_st4(p + i, p_w);
@@ -515,7 +517,7 @@ __device__ __forceinline__ void lamb_f2_reduce_block(const T* __restrict__ p, co
     const int t15 = t14 > ((T)0x0.0p+0);
     const T t16 = (T)t15;
     const T t17 = ((T)0x1.0000000000000p+0) - t16;
-#line 519 "flatopt/kernels/generated/lamb.cu"
+#line 521 "flatopt/kernels/generated/lamb.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t12);
@@ -579,7 +581,7 @@ __device__ __forceinline__ void lamb_f2_fold_one(const T* __restrict__ parts, co
     const T t9_f = _sum2 + _sum3;
     const T t10_f = t8_f * t9_f;
     const T t11_f = t6_f * neg_lr;
-#line 583 "flatopt/kernels/generated/lamb.cu"
+#line 585 "flatopt/kernels/generated/lamb.cu"
     scal[0] = t10_f;
     scal[1] = t11_f;
   }
@@ -631,7 +633,7 @@ __device__ __forceinline__ void lamb_group_f2_map(T* __restrict__ p, const T* __
       const T t9 = t4 * t8;
       const T t10 = t9 * fold1;
       const T t11 = p_r[k] + t10;
-#line 635 "flatopt/kernels/generated/lamb.cu"
+#line 637 "flatopt/kernels/generated/lamb.cu"
       p[i] = t11;
     }
   }
@@ -661,7 +663,7 @@ __device__ __forceinline__ void lamb_vec_f2_map(T* __restrict__ p, const T* __re
     const T t9 = t4 * t8;
     const T t10 = t9 * fold1;
     const T t11 = p_r[k] + t10;
-#line 665 "flatopt/kernels/generated/lamb.cu"
+#line 667 "flatopt/kernels/generated/lamb.cu"
     p_w[k] = t11;
   }
   gen_st4(p + i, p_w);
@@ -748,7 +750,7 @@ __device__ __forceinline__ void lamb_f3_reduce_block(const T* __restrict__ p, co
     const int t17 = t16 > ((T)0x0.0p+0);
     const T t18 = (T)t17;
     const T t19 = ((T)0x1.0000000000000p+0) - t18;
-#line 752 "flatopt/kernels/generated/lamb.cu"
+#line 754 "flatopt/kernels/generated/lamb.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t14);
@@ -812,7 +814,7 @@ __device__ __forceinline__ void lamb_f3_fold_one(const T* __restrict__ parts, co
     const T t9_f = _sum2 + _sum3;
     const T t10_f = t8_f * t9_f;
     const T t11_f = t6_f * neg_lr;
-#line 816 "flatopt/kernels/generated/lamb.cu"
+#line 818 "flatopt/kernels/generated/lamb.cu"
     scal[0] = t10_f;
     scal[1] = t11_f;
   }
@@ -867,7 +869,7 @@ __device__ __forceinline__ void lamb_group_f3_map(T* __restrict__ p, const T* __
       const T t11 = t6 * t10;
       const T t12 = t11 * fold1;
       const T t13 = p_r[k] + t12;
-#line 871 "flatopt/kernels/generated/lamb.cu"
+#line 873 "flatopt/kernels/generated/lamb.cu"
       p[i] = t13;
     }
   }
@@ -900,7 +902,7 @@ __device__ __forceinline__ void lamb_vec_f3_map(T* __restrict__ p, const T* __re
     const T t11 = t6 * t10;
     const T t12 = t11 * fold1;
     const T t13 = p_r[k] + t12;
-#line 904 "flatopt/kernels/generated/lamb.cu"
+#line 906 "flatopt/kernels/generated/lamb.cu"
     p_w[k] = t13;
   }
   gen_st4(p + i, p_w);

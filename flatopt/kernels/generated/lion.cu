@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -106,7 +108,7 @@ __device__ __forceinline__ void lion_group_f0(T* __restrict__ p, const T* __rest
       const T t6 = m_r[k] * b2;
       const T t7 = g_r[k] * omb2;
       const T t8 = t6 + t7;
-#line 110 "flatopt/kernels/generated/lion.cu"
+#line 112 "flatopt/kernels/generated/lion.cu"
       p[i] = t5;
       m[i] = t8;
     }
@@ -134,7 +136,7 @@ __device__ __forceinline__ void lion_vec_f0(T* __restrict__ p, const T* __restri
     const T t6 = m_r[k] * b2;
     const T t7 = g_r[k] * omb2;
     const T t8 = t6 + t7;
-#line 138 "flatopt/kernels/generated/lion.cu"
+#line 140 "flatopt/kernels/generated/lion.cu"
     p_w[k] = t5;
     m_w[k] = t8;
   }
@@ -213,7 +215,7 @@ __device__ __forceinline__ void lion_group_f1(T* __restrict__ p, const T* __rest
       const T t7 = m_r[k] * b2;
       const T t8 = g_r[k] * omb2;
       const T t9 = t7 + t8;
-#line 217 "flatopt/kernels/generated/lion.cu"
+#line 219 "flatopt/kernels/generated/lion.cu"
       p[i] = t6;
       m[i] = t9;
     }
@@ -243,7 +245,7 @@ __device__ __forceinline__ void lion_vec_f1(T* __restrict__ p, const T* __restri
     const T t7 = m_r[k] * b2;
     const T t8 = g_r[k] * omb2;
     const T t9 = t7 + t8;
-#line 247 "flatopt/kernels/generated/lion.cu"
+#line 249 "flatopt/kernels/generated/lion.cu"
     p_w[k] = t6;
     m_w[k] = t9;
   }
@@ -311,7 +313,7 @@ __device__ __forceinline__ void lion_f2_reduce_block(const T* __restrict__ g, co
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
     const T t7 = ((T)0x1.0000000000000p+0) - t6;
-#line 315 "flatopt/kernels/generated/lion.cu"
+#line 317 "flatopt/kernels/generated/lion.cu"
     acc0 += (T)(t6);
     acc1 += (T)(t7);
   }
@@ -352,7 +354,7 @@ __device__ __forceinline__ void lion_f2_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 356 "flatopt/kernels/generated/lion.cu"
+#line 358 "flatopt/kernels/generated/lion.cu"
     scal[0] = t3_f;
   }
 }
@@ -403,7 +405,7 @@ __device__ __forceinline__ void lion_group_f2_map(T* __restrict__ p, const T* __
       const T t11 = m_r[k] * b2;
       const T t12 = g_r[k] * omb2;
       const T t13 = t11 + t12;
-#line 407 "flatopt/kernels/generated/lion.cu"
+#line 409 "flatopt/kernels/generated/lion.cu"
       p[i] = t10;
       m[i] = t13;
     }
@@ -436,7 +438,7 @@ __device__ __forceinline__ void lion_vec_f2_map(T* __restrict__ p, const T* __re
     const T t11 = m_r[k] * b2;
     const T t12 = g_r[k] * omb2;
     const T t13 = t11 + t12;
-#line 440 "flatopt/kernels/generated/lion.cu"
+#line 442 "flatopt/kernels/generated/lion.cu"
     p_w[k] = t10;
     m_w[k] = t13;
   }
@@ -505,7 +507,7 @@ __device__ __forceinline__ void lion_f3_reduce_block(const T* __restrict__ g, co
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
     const T t7 = ((T)0x1.0000000000000p+0) - t6;
-#line 509 "flatopt/kernels/generated/lion.cu"
+#line 511 "flatopt/kernels/generated/lion.cu"
     acc0 += (T)(t6);
     acc1 += (T)(t7);
   }
@@ -546,7 +548,7 @@ __device__ __forceinline__ void lion_f3_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 550 "flatopt/kernels/generated/lion.cu"
+#line 552 "flatopt/kernels/generated/lion.cu"
     scal[0] = t3_f;
   }
 }
@@ -599,7 +601,7 @@ __device__ __forceinline__ void lion_group_f3_map(T* __restrict__ p, const T* __
       const T t12 = m_r[k] * b2;
       const T t13 = g_r[k] * omb2;
       const T t14 = t12 + t13;
-#line 603 "flatopt/kernels/generated/lion.cu"
+#line 605 "flatopt/kernels/generated/lion.cu"
       p[i] = t11;
       m[i] = t14;
     }
@@ -634,7 +636,7 @@ __device__ __forceinline__ void lion_vec_f3_map(T* __restrict__ p, const T* __re
     const T t12 = m_r[k] * b2;
     const T t13 = g_r[k] * omb2;
     const T t14 = t12 + t13;
-#line 638 "flatopt/kernels/generated/lion.cu"
+#line 640 "flatopt/kernels/generated/lion.cu"
     p_w[k] = t11;
     m_w[k] = t14;
   }

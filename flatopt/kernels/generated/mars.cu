@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -96,27 +98,27 @@ __device__ __forceinline__ void mars_group_f0(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
       const T t3 = t2 - m_r[k];
       const T t4 = t3 * omb1;
       const T t5 = m_r[k] + t4;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
       const T t6 = v_r[k] * b2;
       const T t7 = t2 * omb2;
       const T t8 = t7 * t2;
       const T t9 = t6 + t8;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
       const T t10 = sqrt(t9);
       const T t11 = t10 / bc2_sqrt;
       const T t12 = t11 + eps;
       const T t13 = t5 / t12;
       const T t14 = t13 * neg_step;
       const T t15 = p_r[k] + t14;
-#line 120 "flatopt/kernels/generated/mars.cu"
+#line 122 "flatopt/kernels/generated/mars.cu"
       p[i] = t15;
       m[i] = t5;
       v[i] = t9;
@@ -136,27 +138,27 @@ __device__ __forceinline__ void mars_vec_f0(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t3 = t2 - m_r[k];
     const T t4 = t3 * omb1;
     const T t5 = m_r[k] + t4;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
     const T t6 = v_r[k] * b2;
     const T t7 = t2 * omb2;
     const T t8 = t7 * t2;
     const T t9 = t6 + t8;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 / bc2_sqrt;
     const T t12 = t11 + eps;
     const T t13 = t5 / t12;
     const T t14 = t13 * neg_step;
     const T t15 = p_r[k] + t14;
-#line 160 "flatopt/kernels/generated/mars.cu"
+#line 162 "flatopt/kernels/generated/mars.cu"
     p_w[k] = t15;
     m_w[k] = t5;
     v_w[k] = t9;
@@ -229,29 +231,29 @@ __device__ __forceinline__ void mars_group_f1(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
       const T t3 = t2 - m_r[k];
       const T t4 = t3 * omb1;
       const T t5 = m_r[k] + t4;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
       const T t6 = v_r[k] * b2;
       const T t7 = t2 * omb2;
       const T t8 = t7 * t2;
       const T t9 = t6 + t8;
-#line 101 "flatopt/mars.py"
+#line 109 "flatopt/mars.py"
       const T t10 = p_r[k] * decay;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
       const T t11 = sqrt(t9);
       const T t12 = t11 / bc2_sqrt;
       const T t13 = t12 + eps;
       const T t14 = t5 / t13;
       const T t15 = t14 * neg_step;
       const T t16 = t10 + t15;
-#line 255 "flatopt/kernels/generated/mars.cu"
+#line 257 "flatopt/kernels/generated/mars.cu"
       p[i] = t16;
       m[i] = t5;
       v[i] = t9;
@@ -271,29 +273,29 @@ __device__ __forceinline__ void mars_vec_f1(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t3 = t2 - m_r[k];
     const T t4 = t3 * omb1;
     const T t5 = m_r[k] + t4;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
     const T t6 = v_r[k] * b2;
     const T t7 = t2 * omb2;
     const T t8 = t7 * t2;
     const T t9 = t6 + t8;
-#line 101 "flatopt/mars.py"
+#line 109 "flatopt/mars.py"
     const T t10 = p_r[k] * decay;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t11 = sqrt(t9);
     const T t12 = t11 / bc2_sqrt;
     const T t13 = t12 + eps;
     const T t14 = t5 / t13;
     const T t15 = t14 * neg_step;
     const T t16 = t10 + t15;
-#line 297 "flatopt/kernels/generated/mars.cu"
+#line 299 "flatopt/kernels/generated/mars.cu"
     p_w[k] = t16;
     m_w[k] = t5;
     v_w[k] = t9;
@@ -357,13 +359,13 @@ __device__ __forceinline__ void mars_f2_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 * t2;
-#line 367 "flatopt/kernels/generated/mars.cu"
+#line 369 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
   }
   acc0 = sq_block(acc0, sh);
@@ -395,10 +397,10 @@ template <typename T>
 __device__ __forceinline__ void mars_f2_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
-#line 402 "flatopt/kernels/generated/mars.cu"
+#line 404 "flatopt/kernels/generated/mars.cu"
     scal[0] = t1_f;
   }
 }
@@ -434,29 +436,29 @@ __device__ __forceinline__ void mars_group_f2_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
       const T t11 = sqrt(t10);
       const T t12 = t11 / bc2_sqrt;
       const T t13 = t12 + eps;
       const T t14 = t6 / t13;
       const T t15 = t14 * neg_step;
       const T t16 = p_r[k] + t15;
-#line 460 "flatopt/kernels/generated/mars.cu"
+#line 462 "flatopt/kernels/generated/mars.cu"
       p[i] = t16;
       m[i] = t6;
       v[i] = t10;
@@ -476,29 +478,29 @@ __device__ __forceinline__ void mars_vec_f2_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 / bc2_sqrt;
     const T t13 = t12 + eps;
     const T t14 = t6 / t13;
     const T t15 = t14 * neg_step;
     const T t16 = p_r[k] + t15;
-#line 502 "flatopt/kernels/generated/mars.cu"
+#line 504 "flatopt/kernels/generated/mars.cu"
     p_w[k] = t16;
     m_w[k] = t6;
     v_w[k] = t10;
@@ -563,13 +565,13 @@ __device__ __forceinline__ void mars_f3_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 * t2;
-#line 573 "flatopt/kernels/generated/mars.cu"
+#line 575 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
   }
   acc0 = sq_block(acc0, sh);
@@ -601,10 +603,10 @@ template <typename T>
 __device__ __forceinline__ void mars_f3_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
-#line 608 "flatopt/kernels/generated/mars.cu"
+#line 610 "flatopt/kernels/generated/mars.cu"
     scal[0] = t1_f;
   }
 }
@@ -640,31 +642,31 @@ __device__ __forceinline__ void mars_group_f3_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 101 "flatopt/mars.py"
+#line 109 "flatopt/mars.py"
       const T t11 = p_r[k] * decay;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
       const T t12 = sqrt(t10);
       const T t13 = t12 / bc2_sqrt;
       const T t14 = t13 + eps;
       const T t15 = t6 / t14;
       const T t16 = t15 * neg_step;
       const T t17 = t11 + t16;
-#line 668 "flatopt/kernels/generated/mars.cu"
+#line 670 "flatopt/kernels/generated/mars.cu"
       p[i] = t17;
       m[i] = t6;
       v[i] = t10;
@@ -684,31 +686,31 @@ __device__ __forceinline__ void mars_vec_f3_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 101 "flatopt/mars.py"
+#line 109 "flatopt/mars.py"
     const T t11 = p_r[k] * decay;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t12 = sqrt(t10);
     const T t13 = t12 / bc2_sqrt;
     const T t14 = t13 + eps;
     const T t15 = t6 / t14;
     const T t16 = t15 * neg_step;
     const T t17 = t11 + t16;
-#line 712 "flatopt/kernels/generated/mars.cu"
+#line 714 "flatopt/kernels/generated/mars.cu"
     p_w[k] = t17;
     m_w[k] = t6;
     v_w[k] = t10;
@@ -775,20 +777,20 @@ __device__ __forceinline__ void mars_f4_reduce_block(const T* __restrict__ g, T*
     const T g_i = g[i];
     const T m_i = m[i];
     const T g_prev_i = g_prev[i];
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t3 = t2 - m_i;
     const T t4 = t3 * omb1;
     const T t5 = m_i + t4;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t6 = t5 * g_i;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
     const T t9 = ((T)0x1.0000000000000p+0) - t8;
-#line 792 "flatopt/kernels/generated/mars.cu"
+#line 794 "flatopt/kernels/generated/mars.cu"
     m[i] = t5;
     acc0 += (T)(t8);
     acc1 += (T)(t9);
@@ -826,12 +828,12 @@ __device__ __forceinline__ void mars_f4_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 835 "flatopt/kernels/generated/mars.cu"
+#line 837 "flatopt/kernels/generated/mars.cu"
     scal[0] = t3_f;
   }
 }
@@ -867,16 +869,16 @@ __device__ __forceinline__ void mars_group_f4_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
       const T t3 = v_r[k] * b2;
       const T t4 = t2 * omb2;
       const T t5 = t4 * t2;
       const T t6 = t3 + t5;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
       const T t7 = m_r[k] * g_r[k];
       const int t8 = t7 > ((T)0x0.0p+0);
       const T t9 = (T)t8;
@@ -888,7 +890,7 @@ __device__ __forceinline__ void mars_group_f4_map(T* __restrict__ p, const T* __
       const T t15 = t11 / t14;
       const T t16 = t15 * neg_step;
       const T t17 = p_r[k] + t16;
-#line 892 "flatopt/kernels/generated/mars.cu"
+#line 894 "flatopt/kernels/generated/mars.cu"
       p[i] = t17;
       v[i] = t6;
       g_prev[i] = g_r[k];
@@ -907,16 +909,16 @@ __device__ __forceinline__ void mars_vec_f4_map(T* __restrict__ p, const T* __re
   T p_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
     const T t3 = v_r[k] * b2;
     const T t4 = t2 * omb2;
     const T t5 = t4 * t2;
     const T t6 = t3 + t5;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t7 = m_r[k] * g_r[k];
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;
@@ -928,7 +930,7 @@ __device__ __forceinline__ void mars_vec_f4_map(T* __restrict__ p, const T* __re
     const T t15 = t11 / t14;
     const T t16 = t15 * neg_step;
     const T t17 = p_r[k] + t16;
-#line 932 "flatopt/kernels/generated/mars.cu"
+#line 934 "flatopt/kernels/generated/mars.cu"
     p_w[k] = t17;
     v_w[k] = t6;
     g_prev_w[k] = g_r[k];
@@ -992,20 +994,20 @@ __device__ __forceinline__ void mars_f5_reduce_block(const T* __restrict__ g, T*
     const T g_i = g[i];
     const T m_i = m[i];
     const T g_prev_i = g_prev[i];
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t3 = t2 - m_i;
     const T t4 = t3 * omb1;
     const T t5 = m_i + t4;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t6 = t5 * g_i;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
     const T t9 = ((T)0x1.0000000000000p+0) - t8;
-#line 1009 "flatopt/kernels/generated/mars.cu"
+#line 1011 "flatopt/kernels/generated/mars.cu"
     m[i] = t5;
     acc0 += (T)(t8);
     acc1 += (T)(t9);
@@ -1043,12 +1045,12 @@ __device__ __forceinline__ void mars_f5_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1052 "flatopt/kernels/generated/mars.cu"
+#line 1054 "flatopt/kernels/generated/mars.cu"
     scal[0] = t3_f;
   }
 }
@@ -1084,18 +1086,18 @@ __device__ __forceinline__ void mars_group_f5_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
       const T t3 = v_r[k] * b2;
       const T t4 = t2 * omb2;
       const T t5 = t4 * t2;
       const T t6 = t3 + t5;
-#line 101 "flatopt/mars.py"
+#line 109 "flatopt/mars.py"
       const T t7 = p_r[k] * decay;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
       const T t8 = m_r[k] * g_r[k];
       const int t9 = t8 > ((T)0x0.0p+0);
       const T t10 = (T)t9;
@@ -1107,7 +1109,7 @@ __device__ __forceinline__ void mars_group_f5_map(T* __restrict__ p, const T* __
       const T t16 = t12 / t15;
       const T t17 = t16 * neg_step;
       const T t18 = t7 + t17;
-#line 1111 "flatopt/kernels/generated/mars.cu"
+#line 1113 "flatopt/kernels/generated/mars.cu"
       p[i] = t18;
       v[i] = t6;
       g_prev[i] = g_r[k];
@@ -1126,18 +1128,18 @@ __device__ __forceinline__ void mars_vec_f5_map(T* __restrict__ p, const T* __re
   T p_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
     const T t3 = v_r[k] * b2;
     const T t4 = t2 * omb2;
     const T t5 = t4 * t2;
     const T t6 = t3 + t5;
-#line 101 "flatopt/mars.py"
+#line 109 "flatopt/mars.py"
     const T t7 = p_r[k] * decay;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t8 = m_r[k] * g_r[k];
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
@@ -1149,7 +1151,7 @@ __device__ __forceinline__ void mars_vec_f5_map(T* __restrict__ p, const T* __re
     const T t16 = t12 / t15;
     const T t17 = t16 * neg_step;
     const T t18 = t7 + t17;
-#line 1153 "flatopt/kernels/generated/mars.cu"
+#line 1155 "flatopt/kernels/generated/mars.cu"
     p_w[k] = t18;
     v_w[k] = t6;
     g_prev_w[k] = g_r[k];
@@ -1213,13 +1215,13 @@ __device__ __forceinline__ void mars_f6_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 * t2;
-#line 1223 "flatopt/kernels/generated/mars.cu"
+#line 1225 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
   }
   acc0 = sq_block(acc0, sh);
@@ -1251,10 +1253,10 @@ template <typename T>
 __device__ __forceinline__ void mars_f6_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
-#line 1258 "flatopt/kernels/generated/mars.cu"
+#line 1260 "flatopt/kernels/generated/mars.cu"
     scal[0] = t1_f;
   }
 }
@@ -1281,22 +1283,22 @@ __device__ __forceinline__ void mars_f6_reduce_block1(const T* __restrict__ g, c
     const T g_i = g[i];
     const T m_i = m[i];
     const T g_prev_i = g_prev[i];
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t4 = t3 - m_i;
     const T t5 = t4 * omb1;
     const T t6 = m_i + t5;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t7 = t6 * g_i;
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;
     const T t10 = ((T)0x1.0000000000000p+0) - t9;
-#line 1300 "flatopt/kernels/generated/mars.cu"
+#line 1302 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t9);
     acc1 += (T)(t10);
   }
@@ -1335,12 +1337,12 @@ __device__ __forceinline__ void mars_f6_fold_one1(const T* __restrict__ parts, c
   const T _sum1 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum2 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t0_f = _sum1 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum1 + _sum2;
     const T t3_f = t1_f * t2_f;
-#line 1344 "flatopt/kernels/generated/mars.cu"
+#line 1346 "flatopt/kernels/generated/mars.cu"
     scal[1] = t3_f;
   }
 }
@@ -1376,22 +1378,22 @@ __device__ __forceinline__ void mars_group_f6_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
       const T t11 = t6 * g_r[k];
       const int t12 = t11 > ((T)0x0.0p+0);
       const T t13 = (T)t12;
@@ -1403,7 +1405,7 @@ __device__ __forceinline__ void mars_group_f6_map(T* __restrict__ p, const T* __
       const T t19 = t15 / t18;
       const T t20 = t19 * neg_step;
       const T t21 = p_r[k] + t20;
-#line 1407 "flatopt/kernels/generated/mars.cu"
+#line 1409 "flatopt/kernels/generated/mars.cu"
       p[i] = t21;
       m[i] = t6;
       v[i] = t10;
@@ -1423,22 +1425,22 @@ __device__ __forceinline__ void mars_vec_f6_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t11 = t6 * g_r[k];
     const int t12 = t11 > ((T)0x0.0p+0);
     const T t13 = (T)t12;
@@ -1450,7 +1452,7 @@ __device__ __forceinline__ void mars_vec_f6_map(T* __restrict__ p, const T* __re
     const T t19 = t15 / t18;
     const T t20 = t19 * neg_step;
     const T t21 = p_r[k] + t20;
-#line 1454 "flatopt/kernels/generated/mars.cu"
+#line 1456 "flatopt/kernels/generated/mars.cu"
     p_w[k] = t21;
     m_w[k] = t6;
     v_w[k] = t10;
@@ -1517,13 +1519,13 @@ __device__ __forceinline__ void mars_f7_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 * t2;
-#line 1527 "flatopt/kernels/generated/mars.cu"
+#line 1529 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
   }
   acc0 = sq_block(acc0, sh);
@@ -1555,10 +1557,10 @@ template <typename T>
 __device__ __forceinline__ void mars_f7_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
-#line 1562 "flatopt/kernels/generated/mars.cu"
+#line 1564 "flatopt/kernels/generated/mars.cu"
     scal[0] = t1_f;
   }
 }
@@ -1585,22 +1587,22 @@ __device__ __forceinline__ void mars_f7_reduce_block1(const T* __restrict__ g, c
     const T g_i = g[i];
     const T m_i = m[i];
     const T g_prev_i = g_prev[i];
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t4 = t3 - m_i;
     const T t5 = t4 * omb1;
     const T t6 = m_i + t5;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t7 = t6 * g_i;
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;
     const T t10 = ((T)0x1.0000000000000p+0) - t9;
-#line 1604 "flatopt/kernels/generated/mars.cu"
+#line 1606 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t9);
     acc1 += (T)(t10);
   }
@@ -1639,12 +1641,12 @@ __device__ __forceinline__ void mars_f7_fold_one1(const T* __restrict__ parts, c
   const T _sum1 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum2 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t0_f = _sum1 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum1 + _sum2;
     const T t3_f = t1_f * t2_f;
-#line 1648 "flatopt/kernels/generated/mars.cu"
+#line 1650 "flatopt/kernels/generated/mars.cu"
     scal[1] = t3_f;
   }
 }
@@ -1680,24 +1682,24 @@ __device__ __forceinline__ void mars_group_f7_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 101 "flatopt/mars.py"
+#line 109 "flatopt/mars.py"
       const T t11 = p_r[k] * decay;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
       const T t12 = t6 * g_r[k];
       const int t13 = t12 > ((T)0x0.0p+0);
       const T t14 = (T)t13;
@@ -1709,7 +1711,7 @@ __device__ __forceinline__ void mars_group_f7_map(T* __restrict__ p, const T* __
       const T t20 = t16 / t19;
       const T t21 = t20 * neg_step;
       const T t22 = t11 + t21;
-#line 1713 "flatopt/kernels/generated/mars.cu"
+#line 1715 "flatopt/kernels/generated/mars.cu"
       p[i] = t22;
       m[i] = t6;
       v[i] = t10;
@@ -1729,24 +1731,24 @@ __device__ __forceinline__ void mars_vec_f7_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 95 "flatopt/mars.py"
+#line 103 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 97 "flatopt/mars.py"
+#line 105 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 98 "flatopt/mars.py"
+#line 106 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 99 "flatopt/mars.py"
+#line 107 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 101 "flatopt/mars.py"
+#line 109 "flatopt/mars.py"
     const T t11 = p_r[k] * decay;
-#line 102 "flatopt/mars.py"
+#line 110 "flatopt/mars.py"
     const T t12 = t6 * g_r[k];
     const int t13 = t12 > ((T)0x0.0p+0);
     const T t14 = (T)t13;
@@ -1758,7 +1760,7 @@ __device__ __forceinline__ void mars_vec_f7_map(T* __restrict__ p, const T* __re
     const T t20 = t16 / t19;
     const T t21 = t20 * neg_step;
     const T t22 = t11 + t21;
-#line 1762 "flatopt/kernels/generated/mars.cu"
+#line 1764 "flatopt/kernels/generated/mars.cu"
     p_w[k] = t22;
     m_w[k] = t6;
     v_w[k] = t10;

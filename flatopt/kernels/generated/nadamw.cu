@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -115,7 +117,7 @@ __device__ __forceinline__ void nadamw_group_f0(T* __restrict__ p, const T* __re
       const T t13 = t2 / t9;
       const T t14 = t13 * c_m;
       const T t15 = t12 + t14;
-#line 119 "flatopt/kernels/generated/nadamw.cu"
+#line 121 "flatopt/kernels/generated/nadamw.cu"
       p[i] = t15;
       m[i] = t2;
       v[i] = t6;
@@ -153,7 +155,7 @@ __device__ __forceinline__ void nadamw_vec_f0(T* __restrict__ p, const T* __rest
     const T t13 = t2 / t9;
     const T t14 = t13 * c_m;
     const T t15 = t12 + t14;
-#line 157 "flatopt/kernels/generated/nadamw.cu"
+#line 159 "flatopt/kernels/generated/nadamw.cu"
     p_w[k] = t15;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -245,7 +247,7 @@ __device__ __forceinline__ void nadamw_group_f1(T* __restrict__ p, const T* __re
       const T t14 = t3 / t10;
       const T t15 = t14 * c_m;
       const T t16 = t13 + t15;
-#line 249 "flatopt/kernels/generated/nadamw.cu"
+#line 251 "flatopt/kernels/generated/nadamw.cu"
       p[i] = t16;
       m[i] = t3;
       v[i] = t7;
@@ -285,7 +287,7 @@ __device__ __forceinline__ void nadamw_vec_f1(T* __restrict__ p, const T* __rest
     const T t14 = t3 / t10;
     const T t15 = t14 * c_m;
     const T t16 = t13 + t15;
-#line 289 "flatopt/kernels/generated/nadamw.cu"
+#line 291 "flatopt/kernels/generated/nadamw.cu"
     p_w[k] = t16;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -370,7 +372,7 @@ __device__ __forceinline__ void nadamw_f2_reduce_block(const T* __restrict__ g, 
     const int t16 = t15 > ((T)0x0.0p+0);
     const T t17 = (T)t16;
     const T t18 = ((T)0x1.0000000000000p+0) - t17;
-#line 374 "flatopt/kernels/generated/nadamw.cu"
+#line 376 "flatopt/kernels/generated/nadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t17);
@@ -414,7 +416,7 @@ __device__ __forceinline__ void nadamw_f2_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 418 "flatopt/kernels/generated/nadamw.cu"
+#line 420 "flatopt/kernels/generated/nadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -466,7 +468,7 @@ __device__ __forceinline__ void nadamw_group_f2_map(T* __restrict__ p, const T* 
       const T t12 = t7 * t11;
       const T t13 = t12 * neg_lr;
       const T t14 = p_r[k] + t13;
-#line 470 "flatopt/kernels/generated/nadamw.cu"
+#line 472 "flatopt/kernels/generated/nadamw.cu"
       p[i] = t14;
     }
   }
@@ -499,7 +501,7 @@ __device__ __forceinline__ void nadamw_vec_f2_map(T* __restrict__ p, const T* __
     const T t12 = t7 * t11;
     const T t13 = t12 * neg_lr;
     const T t14 = p_r[k] + t13;
-#line 503 "flatopt/kernels/generated/nadamw.cu"
+#line 505 "flatopt/kernels/generated/nadamw.cu"
     p_w[k] = t14;
   }
   gen_st4(p + i, p_w);
@@ -580,7 +582,7 @@ __device__ __forceinline__ void nadamw_f3_reduce_block(const T* __restrict__ g, 
     const int t16 = t15 > ((T)0x0.0p+0);
     const T t17 = (T)t16;
     const T t18 = ((T)0x1.0000000000000p+0) - t17;
-#line 584 "flatopt/kernels/generated/nadamw.cu"
+#line 586 "flatopt/kernels/generated/nadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t17);
@@ -624,7 +626,7 @@ __device__ __forceinline__ void nadamw_f3_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 628 "flatopt/kernels/generated/nadamw.cu"
+#line 630 "flatopt/kernels/generated/nadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -678,7 +680,7 @@ __device__ __forceinline__ void nadamw_group_f3_map(T* __restrict__ p, const T* 
       const T t13 = t8 * t12;
       const T t14 = t13 * neg_lr;
       const T t15 = t0 + t14;
-#line 682 "flatopt/kernels/generated/nadamw.cu"
+#line 684 "flatopt/kernels/generated/nadamw.cu"
       p[i] = t15;
     }
   }
@@ -713,7 +715,7 @@ __device__ __forceinline__ void nadamw_vec_f3_map(T* __restrict__ p, const T* __
     const T t13 = t8 * t12;
     const T t14 = t13 * neg_lr;
     const T t15 = t0 + t14;
-#line 717 "flatopt/kernels/generated/nadamw.cu"
+#line 719 "flatopt/kernels/generated/nadamw.cu"
     p_w[k] = t15;
   }
   gen_st4(p + i, p_w);

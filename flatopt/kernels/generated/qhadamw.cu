@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -113,7 +115,7 @@ __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __r
       const T t11 = t7 / t10;
       const T t12 = t11 * neg_lr;
       const T t13 = p_r[k] + t12;
-#line 117 "flatopt/kernels/generated/qhadamw.cu"
+#line 119 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t13;
       m[i] = t2;
       v[i] = t6;
@@ -149,7 +151,7 @@ __device__ __forceinline__ void qhadamw_vec_f0(T* __restrict__ p, const T* __res
     const T t11 = t7 / t10;
     const T t12 = t11 * neg_lr;
     const T t13 = p_r[k] + t12;
-#line 153 "flatopt/kernels/generated/qhadamw.cu"
+#line 155 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t13;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -238,7 +240,7 @@ __device__ __forceinline__ void qhadamw_group_f1(T* __restrict__ p, const T* __r
       const T t12 = t8 / t11;
       const T t13 = t12 * neg_lr;
       const T t14 = t0 + t13;
-#line 242 "flatopt/kernels/generated/qhadamw.cu"
+#line 244 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t14;
       m[i] = t3;
       v[i] = t7;
@@ -276,7 +278,7 @@ __device__ __forceinline__ void qhadamw_vec_f1(T* __restrict__ p, const T* __res
     const T t12 = t8 / t11;
     const T t13 = t12 * neg_lr;
     const T t14 = t0 + t13;
-#line 280 "flatopt/kernels/generated/qhadamw.cu"
+#line 282 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t14;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -367,7 +369,7 @@ __device__ __forceinline__ void qhadamw_group_f2(T* __restrict__ p, const T* __r
       const T t13 = t9 / t12;
       const T t14 = t13 * neg_lr;
       const T t15 = p_r[k] + t14;
-#line 371 "flatopt/kernels/generated/qhadamw.cu"
+#line 373 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t15;
       m[i] = t2;
       v[i] = t6;
@@ -406,7 +408,7 @@ __device__ __forceinline__ void qhadamw_vec_f2(T* __restrict__ p, const T* __res
     const T t13 = t9 / t12;
     const T t14 = t13 * neg_lr;
     const T t15 = p_r[k] + t14;
-#line 410 "flatopt/kernels/generated/qhadamw.cu"
+#line 412 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t15;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -498,7 +500,7 @@ __device__ __forceinline__ void qhadamw_group_f3(T* __restrict__ p, const T* __r
       const T t14 = t10 / t13;
       const T t15 = t14 * neg_lr;
       const T t16 = t0 + t15;
-#line 502 "flatopt/kernels/generated/qhadamw.cu"
+#line 504 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t16;
       m[i] = t3;
       v[i] = t7;
@@ -539,7 +541,7 @@ __device__ __forceinline__ void qhadamw_vec_f3(T* __restrict__ p, const T* __res
     const T t14 = t10 / t13;
     const T t15 = t14 * neg_lr;
     const T t16 = t0 + t15;
-#line 543 "flatopt/kernels/generated/qhadamw.cu"
+#line 545 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t16;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -631,7 +633,7 @@ __device__ __forceinline__ void qhadamw_group_f4(T* __restrict__ p, const T* __r
       const T t14 = t7 / t13;
       const T t15 = t14 * neg_lr;
       const T t16 = p_r[k] + t15;
-#line 635 "flatopt/kernels/generated/qhadamw.cu"
+#line 637 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t16;
       m[i] = t2;
       v[i] = t6;
@@ -671,7 +673,7 @@ __device__ __forceinline__ void qhadamw_vec_f4(T* __restrict__ p, const T* __res
     const T t14 = t7 / t13;
     const T t15 = t14 * neg_lr;
     const T t16 = p_r[k] + t15;
-#line 675 "flatopt/kernels/generated/qhadamw.cu"
+#line 677 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t16;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -764,7 +766,7 @@ __device__ __forceinline__ void qhadamw_group_f5(T* __restrict__ p, const T* __r
       const T t15 = t8 / t14;
       const T t16 = t15 * neg_lr;
       const T t17 = t0 + t16;
-#line 768 "flatopt/kernels/generated/qhadamw.cu"
+#line 770 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t17;
       m[i] = t3;
       v[i] = t7;
@@ -806,7 +808,7 @@ __device__ __forceinline__ void qhadamw_vec_f5(T* __restrict__ p, const T* __res
     const T t15 = t8 / t14;
     const T t16 = t15 * neg_lr;
     const T t17 = t0 + t16;
-#line 810 "flatopt/kernels/generated/qhadamw.cu"
+#line 812 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t17;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -901,7 +903,7 @@ __device__ __forceinline__ void qhadamw_group_f6(T* __restrict__ p, const T* __r
       const T t16 = t9 / t15;
       const T t17 = t16 * neg_lr;
       const T t18 = p_r[k] + t17;
-#line 905 "flatopt/kernels/generated/qhadamw.cu"
+#line 907 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t18;
       m[i] = t2;
       v[i] = t6;
@@ -944,7 +946,7 @@ __device__ __forceinline__ void qhadamw_vec_f6(T* __restrict__ p, const T* __res
     const T t16 = t9 / t15;
     const T t17 = t16 * neg_lr;
     const T t18 = p_r[k] + t17;
-#line 948 "flatopt/kernels/generated/qhadamw.cu"
+#line 950 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t18;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -1040,7 +1042,7 @@ __device__ __forceinline__ void qhadamw_group_f7(T* __restrict__ p, const T* __r
       const T t17 = t10 / t16;
       const T t18 = t17 * neg_lr;
       const T t19 = t0 + t18;
-#line 1044 "flatopt/kernels/generated/qhadamw.cu"
+#line 1046 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t19;
       m[i] = t3;
       v[i] = t7;
@@ -1085,7 +1087,7 @@ __device__ __forceinline__ void qhadamw_vec_f7(T* __restrict__ p, const T* __res
     const T t17 = t10 / t16;
     const T t18 = t17 * neg_lr;
     const T t19 = t0 + t18;
-#line 1089 "flatopt/kernels/generated/qhadamw.cu"
+#line 1091 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t19;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -1167,7 +1169,7 @@ __device__ __forceinline__ void qhadamw_f8_reduce_block(const T* __restrict__ g,
     const int t13 = t12 > ((T)0x0.0p+0);
     const T t14 = (T)t13;
     const T t15 = ((T)0x1.0000000000000p+0) - t14;
-#line 1171 "flatopt/kernels/generated/qhadamw.cu"
+#line 1173 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t14);
@@ -1211,7 +1213,7 @@ __device__ __forceinline__ void qhadamw_f8_fold_one(const T* __restrict__ parts,
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1215 "flatopt/kernels/generated/qhadamw.cu"
+#line 1217 "flatopt/kernels/generated/qhadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1261,7 +1263,7 @@ __device__ __forceinline__ void qhadamw_group_f8_map(T* __restrict__ p, const T*
       const T t9 = t4 * t8;
       const T t10 = t9 * neg_lr;
       const T t11 = p_r[k] + t10;
-#line 1265 "flatopt/kernels/generated/qhadamw.cu"
+#line 1267 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t11;
     }
   }
@@ -1292,7 +1294,7 @@ __device__ __forceinline__ void qhadamw_vec_f8_map(T* __restrict__ p, const T* _
     const T t9 = t4 * t8;
     const T t10 = t9 * neg_lr;
     const T t11 = p_r[k] + t10;
-#line 1296 "flatopt/kernels/generated/qhadamw.cu"
+#line 1298 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t11;
   }
   gen_st4(p + i, p_w);
@@ -1371,7 +1373,7 @@ __device__ __forceinline__ void qhadamw_f9_reduce_block(const T* __restrict__ g,
     const int t13 = t12 > ((T)0x0.0p+0);
     const T t14 = (T)t13;
     const T t15 = ((T)0x1.0000000000000p+0) - t14;
-#line 1375 "flatopt/kernels/generated/qhadamw.cu"
+#line 1377 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t14);
@@ -1415,7 +1417,7 @@ __device__ __forceinline__ void qhadamw_f9_fold_one(const T* __restrict__ parts,
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1419 "flatopt/kernels/generated/qhadamw.cu"
+#line 1421 "flatopt/kernels/generated/qhadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1467,7 +1469,7 @@ __device__ __forceinline__ void qhadamw_group_f9_map(T* __restrict__ p, const T*
       const T t10 = t5 * t9;
       const T t11 = t10 * neg_lr;
       const T t12 = t0 + t11;
-#line 1471 "flatopt/kernels/generated/qhadamw.cu"
+#line 1473 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t12;
     }
   }
@@ -1500,7 +1502,7 @@ __device__ __forceinline__ void qhadamw_vec_f9_map(T* __restrict__ p, const T* _
     const T t10 = t5 * t9;
     const T t11 = t10 * neg_lr;
     const T t12 = t0 + t11;
-#line 1504 "flatopt/kernels/generated/qhadamw.cu"
+#line 1506 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t12;
   }
   gen_st4(p + i, p_w);
@@ -1583,7 +1585,7 @@ __device__ __forceinline__ void qhadamw_f10_reduce_block(const T* __restrict__ g
     const int t15 = t14 > ((T)0x0.0p+0);
     const T t16 = (T)t15;
     const T t17 = ((T)0x1.0000000000000p+0) - t16;
-#line 1587 "flatopt/kernels/generated/qhadamw.cu"
+#line 1589 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t16);
@@ -1627,7 +1629,7 @@ __device__ __forceinline__ void qhadamw_f10_fold_one(const T* __restrict__ parts
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1631 "flatopt/kernels/generated/qhadamw.cu"
+#line 1633 "flatopt/kernels/generated/qhadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1680,7 +1682,7 @@ __device__ __forceinline__ void qhadamw_group_f10_map(T* __restrict__ p, const T
       const T t11 = t6 * t10;
       const T t12 = t11 * neg_lr;
       const T t13 = p_r[k] + t12;
-#line 1684 "flatopt/kernels/generated/qhadamw.cu"
+#line 1686 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t13;
     }
   }
@@ -1714,7 +1716,7 @@ __device__ __forceinline__ void qhadamw_vec_f10_map(T* __restrict__ p, const T* 
     const T t11 = t6 * t10;
     const T t12 = t11 * neg_lr;
     const T t13 = p_r[k] + t12;
-#line 1718 "flatopt/kernels/generated/qhadamw.cu"
+#line 1720 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t13;
   }
   gen_st4(p + i, p_w);
@@ -1796,7 +1798,7 @@ __device__ __forceinline__ void qhadamw_f11_reduce_block(const T* __restrict__ g
     const int t15 = t14 > ((T)0x0.0p+0);
     const T t16 = (T)t15;
     const T t17 = ((T)0x1.0000000000000p+0) - t16;
-#line 1800 "flatopt/kernels/generated/qhadamw.cu"
+#line 1802 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t16);
@@ -1840,7 +1842,7 @@ __device__ __forceinline__ void qhadamw_f11_fold_one(const T* __restrict__ parts
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1844 "flatopt/kernels/generated/qhadamw.cu"
+#line 1846 "flatopt/kernels/generated/qhadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1895,7 +1897,7 @@ __device__ __forceinline__ void qhadamw_group_f11_map(T* __restrict__ p, const T
       const T t12 = t7 * t11;
       const T t13 = t12 * neg_lr;
       const T t14 = t0 + t13;
-#line 1899 "flatopt/kernels/generated/qhadamw.cu"
+#line 1901 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t14;
     }
   }
@@ -1931,7 +1933,7 @@ __device__ __forceinline__ void qhadamw_vec_f11_map(T* __restrict__ p, const T* 
     const T t12 = t7 * t11;
     const T t13 = t12 * neg_lr;
     const T t14 = t0 + t13;
-#line 1935 "flatopt/kernels/generated/qhadamw.cu"
+#line 1937 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t14;
   }
   gen_st4(p + i, p_w);
@@ -2015,7 +2017,7 @@ __device__ __forceinline__ void qhadamw_f12_reduce_block(const T* __restrict__ g
     const int t16 = t15 > ((T)0x0.0p+0);
     const T t17 = (T)t16;
     const T t18 = ((T)0x1.0000000000000p+0) - t17;
-#line 2019 "flatopt/kernels/generated/qhadamw.cu"
+#line 2021 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t17);
@@ -2059,7 +2061,7 @@ __device__ __forceinline__ void qhadamw_f12_fold_one(const T* __restrict__ parts
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2063 "flatopt/kernels/generated/qhadamw.cu"
+#line 2065 "flatopt/kernels/generated/qhadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -2113,7 +2115,7 @@ __device__ __forceinline__ void qhadamw_group_f12_map(T* __restrict__ p, const T
       const T t12 = t7 * t11;
       const T t13 = t12 * neg_lr;
       const T t14 = p_r[k] + t13;
-#line 2117 "flatopt/kernels/generated/qhadamw.cu"
+#line 2119 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t14;
     }
   }
@@ -2148,7 +2150,7 @@ __device__ __forceinline__ void qhadamw_vec_f12_map(T* __restrict__ p, const T* 
     const T t12 = t7 * t11;
     const T t13 = t12 * neg_lr;
     const T t14 = p_r[k] + t13;
-#line 2152 "flatopt/kernels/generated/qhadamw.cu"
+#line 2154 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t14;
   }
   gen_st4(p + i, p_w);
@@ -2231,7 +2233,7 @@ __device__ __forceinline__ void qhadamw_f13_reduce_block(const T* __restrict__ g
     const int t16 = t15 > ((T)0x0.0p+0);
     const T t17 = (T)t16;
     const T t18 = ((T)0x1.0000000000000p+0) - t17;
-#line 2235 "flatopt/kernels/generated/qhadamw.cu"
+#line 2237 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t17);
@@ -2275,7 +2277,7 @@ __device__ __forceinline__ void qhadamw_f13_fold_one(const T* __restrict__ parts
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2279 "flatopt/kernels/generated/qhadamw.cu"
+#line 2281 "flatopt/kernels/generated/qhadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -2331,7 +2333,7 @@ __device__ __forceinline__ void qhadamw_group_f13_map(T* __restrict__ p, const T
       const T t13 = t8 * t12;
       const T t14 = t13 * neg_lr;
       const T t15 = t0 + t14;
-#line 2335 "flatopt/kernels/generated/qhadamw.cu"
+#line 2337 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t15;
     }
   }
@@ -2368,7 +2370,7 @@ __device__ __forceinline__ void qhadamw_vec_f13_map(T* __restrict__ p, const T* 
     const T t13 = t8 * t12;
     const T t14 = t13 * neg_lr;
     const T t15 = t0 + t14;
-#line 2372 "flatopt/kernels/generated/qhadamw.cu"
+#line 2374 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t15;
   }
   gen_st4(p + i, p_w);
@@ -2455,7 +2457,7 @@ __device__ __forceinline__ void qhadamw_f14_reduce_block(const T* __restrict__ g
     const int t18 = t17 > ((T)0x0.0p+0);
     const T t19 = (T)t18;
     const T t20 = ((T)0x1.0000000000000p+0) - t19;
-#line 2459 "flatopt/kernels/generated/qhadamw.cu"
+#line 2461 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t19);
@@ -2499,7 +2501,7 @@ __device__ __forceinline__ void qhadamw_f14_fold_one(const T* __restrict__ parts
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2503 "flatopt/kernels/generated/qhadamw.cu"
+#line 2505 "flatopt/kernels/generated/qhadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -2556,7 +2558,7 @@ __device__ __forceinline__ void qhadamw_group_f14_map(T* __restrict__ p, const T
       const T t14 = t9 * t13;
       const T t15 = t14 * neg_lr;
       const T t16 = p_r[k] + t15;
-#line 2560 "flatopt/kernels/generated/qhadamw.cu"
+#line 2562 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t16;
     }
   }
@@ -2594,7 +2596,7 @@ __device__ __forceinline__ void qhadamw_vec_f14_map(T* __restrict__ p, const T* 
     const T t14 = t9 * t13;
     const T t15 = t14 * neg_lr;
     const T t16 = p_r[k] + t15;
-#line 2598 "flatopt/kernels/generated/qhadamw.cu"
+#line 2600 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t16;
   }
   gen_st4(p + i, p_w);
@@ -2680,7 +2682,7 @@ __device__ __forceinline__ void qhadamw_f15_reduce_block(const T* __restrict__ g
     const int t18 = t17 > ((T)0x0.0p+0);
     const T t19 = (T)t18;
     const T t20 = ((T)0x1.0000000000000p+0) - t19;
-#line 2684 "flatopt/kernels/generated/qhadamw.cu"
+#line 2686 "flatopt/kernels/generated/qhadamw.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t19);
@@ -2724,7 +2726,7 @@ __device__ __forceinline__ void qhadamw_f15_fold_one(const T* __restrict__ parts
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2728 "flatopt/kernels/generated/qhadamw.cu"
+#line 2730 "flatopt/kernels/generated/qhadamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -2783,7 +2785,7 @@ __device__ __forceinline__ void qhadamw_group_f15_map(T* __restrict__ p, const T
       const T t15 = t10 * t14;
       const T t16 = t15 * neg_lr;
       const T t17 = t0 + t16;
-#line 2787 "flatopt/kernels/generated/qhadamw.cu"
+#line 2789 "flatopt/kernels/generated/qhadamw.cu"
       p[i] = t17;
     }
   }
@@ -2823,7 +2825,7 @@ __device__ __forceinline__ void qhadamw_vec_f15_map(T* __restrict__ p, const T* 
     const T t15 = t10 * t14;
     const T t16 = t15 * neg_lr;
     const T t17 = t0 + t16;
-#line 2827 "flatopt/kernels/generated/qhadamw.cu"
+#line 2829 "flatopt/kernels/generated/qhadamw.cu"
     p_w[k] = t17;
   }
   gen_st4(p + i, p_w);

@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -106,7 +108,7 @@ __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __res
 #line 108 "flatopt/radam.py"
       const T t7 = t2 * factor;
       const T t8 = p_r[k] + t7;
-#line 110 "flatopt/kernels/generated/radam.cu"
+#line 112 "flatopt/kernels/generated/radam.cu"
       p[i] = t8;
       m[i] = t2;
       v[i] = t6;
@@ -135,7 +137,7 @@ __device__ __forceinline__ void radam_vec_f0(T* __restrict__ p, const T* __restr
 #line 108 "flatopt/radam.py"
     const T t7 = t2 * factor;
     const T t8 = p_r[k] + t7;
-#line 139 "flatopt/kernels/generated/radam.cu"
+#line 141 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t8;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -218,7 +220,7 @@ __device__ __forceinline__ void radam_group_f1(T* __restrict__ p, const T* __res
 #line 108 "flatopt/radam.py"
       const T t9 = t4 * factor;
       const T t10 = p_r[k] + t9;
-#line 222 "flatopt/kernels/generated/radam.cu"
+#line 224 "flatopt/kernels/generated/radam.cu"
       p[i] = t10;
       m[i] = t4;
       v[i] = t8;
@@ -250,7 +252,7 @@ __device__ __forceinline__ void radam_vec_f1(T* __restrict__ p, const T* __restr
 #line 108 "flatopt/radam.py"
     const T t9 = t4 * factor;
     const T t10 = p_r[k] + t9;
-#line 254 "flatopt/kernels/generated/radam.cu"
+#line 256 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t10;
     m_w[k] = t4;
     v_w[k] = t8;
@@ -332,7 +334,7 @@ __device__ __forceinline__ void radam_group_f3(T* __restrict__ p, const T* __res
 #line 108 "flatopt/radam.py"
       const T t8 = t3 * factor;
       const T t9 = t0 + t8;
-#line 336 "flatopt/kernels/generated/radam.cu"
+#line 338 "flatopt/kernels/generated/radam.cu"
       p[i] = t9;
       m[i] = t3;
       v[i] = t7;
@@ -363,7 +365,7 @@ __device__ __forceinline__ void radam_vec_f3(T* __restrict__ p, const T* __restr
 #line 108 "flatopt/radam.py"
     const T t8 = t3 * factor;
     const T t9 = t0 + t8;
-#line 367 "flatopt/kernels/generated/radam.cu"
+#line 369 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t9;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -447,7 +449,7 @@ __device__ __forceinline__ void radam_group_f4(T* __restrict__ p, const T* __res
       const T t9 = t2 / t8;
       const T t10 = t9 * factor_rect;
       const T t11 = p_r[k] + t10;
-#line 451 "flatopt/kernels/generated/radam.cu"
+#line 453 "flatopt/kernels/generated/radam.cu"
       p[i] = t11;
       m[i] = t2;
       v[i] = t6;
@@ -479,7 +481,7 @@ __device__ __forceinline__ void radam_vec_f4(T* __restrict__ p, const T* __restr
     const T t9 = t2 / t8;
     const T t10 = t9 * factor_rect;
     const T t11 = p_r[k] + t10;
-#line 483 "flatopt/kernels/generated/radam.cu"
+#line 485 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t11;
     m_w[k] = t2;
     v_w[k] = t6;
@@ -565,7 +567,7 @@ __device__ __forceinline__ void radam_group_f5(T* __restrict__ p, const T* __res
       const T t11 = t4 / t10;
       const T t12 = t11 * factor_rect;
       const T t13 = p_r[k] + t12;
-#line 569 "flatopt/kernels/generated/radam.cu"
+#line 571 "flatopt/kernels/generated/radam.cu"
       p[i] = t13;
       m[i] = t4;
       v[i] = t8;
@@ -600,7 +602,7 @@ __device__ __forceinline__ void radam_vec_f5(T* __restrict__ p, const T* __restr
     const T t11 = t4 / t10;
     const T t12 = t11 * factor_rect;
     const T t13 = p_r[k] + t12;
-#line 604 "flatopt/kernels/generated/radam.cu"
+#line 606 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t13;
     m_w[k] = t4;
     v_w[k] = t8;
@@ -685,7 +687,7 @@ __device__ __forceinline__ void radam_group_f7(T* __restrict__ p, const T* __res
       const T t10 = t3 / t9;
       const T t11 = t10 * factor_rect;
       const T t12 = t0 + t11;
-#line 689 "flatopt/kernels/generated/radam.cu"
+#line 691 "flatopt/kernels/generated/radam.cu"
       p[i] = t12;
       m[i] = t3;
       v[i] = t7;
@@ -719,7 +721,7 @@ __device__ __forceinline__ void radam_vec_f7(T* __restrict__ p, const T* __restr
     const T t10 = t3 / t9;
     const T t11 = t10 * factor_rect;
     const T t12 = t0 + t11;
-#line 723 "flatopt/kernels/generated/radam.cu"
+#line 725 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t12;
     m_w[k] = t3;
     v_w[k] = t7;
@@ -789,7 +791,7 @@ __device__ __forceinline__ void radam_f8_reduce_block(const T* __restrict__ g, T
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
     const T t6 = ((T)0x1.0000000000000p+0) - t5;
-#line 793 "flatopt/kernels/generated/radam.cu"
+#line 795 "flatopt/kernels/generated/radam.cu"
     m[i] = t2;
     acc0 += (T)(t5);
     acc1 += (T)(t6);
@@ -831,7 +833,7 @@ __device__ __forceinline__ void radam_f8_fold_one(const T* __restrict__ parts, c
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 835 "flatopt/kernels/generated/radam.cu"
+#line 837 "flatopt/kernels/generated/radam.cu"
     scal[0] = t3_f;
   }
 }
@@ -879,7 +881,7 @@ __device__ __forceinline__ void radam_group_f8_map(T* __restrict__ p, const T* _
       const T t8 = m_r[k] * t7;
       const T t9 = t8 * factor;
       const T t10 = p_r[k] + t9;
-#line 883 "flatopt/kernels/generated/radam.cu"
+#line 885 "flatopt/kernels/generated/radam.cu"
       p[i] = t10;
       v[i] = t3;
     }
@@ -909,7 +911,7 @@ __device__ __forceinline__ void radam_vec_f8_map(T* __restrict__ p, const T* __r
     const T t8 = m_r[k] * t7;
     const T t9 = t8 * factor;
     const T t10 = p_r[k] + t9;
-#line 913 "flatopt/kernels/generated/radam.cu"
+#line 915 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t10;
     v_w[k] = t3;
   }
@@ -982,7 +984,7 @@ __device__ __forceinline__ void radam_f9_reduce_block(const T* __restrict__ p, c
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
     const T t8 = ((T)0x1.0000000000000p+0) - t7;
-#line 986 "flatopt/kernels/generated/radam.cu"
+#line 988 "flatopt/kernels/generated/radam.cu"
     m[i] = t4;
     acc0 += (T)(t7);
     acc1 += (T)(t8);
@@ -1025,7 +1027,7 @@ __device__ __forceinline__ void radam_f9_fold_one(const T* __restrict__ parts, c
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1029 "flatopt/kernels/generated/radam.cu"
+#line 1031 "flatopt/kernels/generated/radam.cu"
     scal[0] = t3_f;
   }
 }
@@ -1076,7 +1078,7 @@ __device__ __forceinline__ void radam_group_f9_map(T* __restrict__ p, const T* _
       const T t10 = m_r[k] * t9;
       const T t11 = t10 * factor;
       const T t12 = p_r[k] + t11;
-#line 1080 "flatopt/kernels/generated/radam.cu"
+#line 1082 "flatopt/kernels/generated/radam.cu"
       p[i] = t12;
       v[i] = t5;
     }
@@ -1109,7 +1111,7 @@ __device__ __forceinline__ void radam_vec_f9_map(T* __restrict__ p, const T* __r
     const T t10 = m_r[k] * t9;
     const T t11 = t10 * factor;
     const T t12 = p_r[k] + t11;
-#line 1113 "flatopt/kernels/generated/radam.cu"
+#line 1115 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t12;
     v_w[k] = t5;
   }
@@ -1178,7 +1180,7 @@ __device__ __forceinline__ void radam_f11_reduce_block(const T* __restrict__ g, 
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
     const T t6 = ((T)0x1.0000000000000p+0) - t5;
-#line 1182 "flatopt/kernels/generated/radam.cu"
+#line 1184 "flatopt/kernels/generated/radam.cu"
     m[i] = t2;
     acc0 += (T)(t5);
     acc1 += (T)(t6);
@@ -1220,7 +1222,7 @@ __device__ __forceinline__ void radam_f11_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1224 "flatopt/kernels/generated/radam.cu"
+#line 1226 "flatopt/kernels/generated/radam.cu"
     scal[0] = t3_f;
   }
 }
@@ -1270,7 +1272,7 @@ __device__ __forceinline__ void radam_group_f11_map(T* __restrict__ p, const T* 
       const T t9 = m_r[k] * t8;
       const T t10 = t9 * factor;
       const T t11 = t0 + t10;
-#line 1274 "flatopt/kernels/generated/radam.cu"
+#line 1276 "flatopt/kernels/generated/radam.cu"
       p[i] = t11;
       v[i] = t4;
     }
@@ -1302,7 +1304,7 @@ __device__ __forceinline__ void radam_vec_f11_map(T* __restrict__ p, const T* __
     const T t9 = m_r[k] * t8;
     const T t10 = t9 * factor;
     const T t11 = t0 + t10;
-#line 1306 "flatopt/kernels/generated/radam.cu"
+#line 1308 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t11;
     v_w[k] = t4;
   }
@@ -1380,7 +1382,7 @@ __device__ __forceinline__ void radam_f12_reduce_block(const T* __restrict__ g, 
     const int t11 = t10 > ((T)0x0.0p+0);
     const T t12 = (T)t11;
     const T t13 = ((T)0x1.0000000000000p+0) - t12;
-#line 1384 "flatopt/kernels/generated/radam.cu"
+#line 1386 "flatopt/kernels/generated/radam.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t12);
@@ -1424,7 +1426,7 @@ __device__ __forceinline__ void radam_f12_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1428 "flatopt/kernels/generated/radam.cu"
+#line 1430 "flatopt/kernels/generated/radam.cu"
     scal[0] = t3_f;
   }
 }
@@ -1470,7 +1472,7 @@ __device__ __forceinline__ void radam_group_f12_map(T* __restrict__ p, const T* 
       const T t7 = t2 * t6;
       const T t8 = t7 * factor_rect;
       const T t9 = p_r[k] + t8;
-#line 1474 "flatopt/kernels/generated/radam.cu"
+#line 1476 "flatopt/kernels/generated/radam.cu"
       p[i] = t9;
     }
   }
@@ -1497,7 +1499,7 @@ __device__ __forceinline__ void radam_vec_f12_map(T* __restrict__ p, const T* __
     const T t7 = t2 * t6;
     const T t8 = t7 * factor_rect;
     const T t9 = p_r[k] + t8;
-#line 1501 "flatopt/kernels/generated/radam.cu"
+#line 1503 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t9;
   }
   gen_st4(p + i, p_w);
@@ -1576,7 +1578,7 @@ __device__ __forceinline__ void radam_f13_reduce_block(const T* __restrict__ p, 
     const int t13 = t12 > ((T)0x0.0p+0);
     const T t14 = (T)t13;
     const T t15 = ((T)0x1.0000000000000p+0) - t14;
-#line 1580 "flatopt/kernels/generated/radam.cu"
+#line 1582 "flatopt/kernels/generated/radam.cu"
     m[i] = t4;
     v[i] = t8;
     acc0 += (T)(t14);
@@ -1621,7 +1623,7 @@ __device__ __forceinline__ void radam_f13_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1625 "flatopt/kernels/generated/radam.cu"
+#line 1627 "flatopt/kernels/generated/radam.cu"
     scal[0] = t3_f;
   }
 }
@@ -1670,7 +1672,7 @@ __device__ __forceinline__ void radam_group_f13_map(T* __restrict__ p, const T* 
       const T t9 = t4 * t8;
       const T t10 = t9 * factor_rect;
       const T t11 = p_r[k] + t10;
-#line 1674 "flatopt/kernels/generated/radam.cu"
+#line 1676 "flatopt/kernels/generated/radam.cu"
       p[i] = t11;
     }
   }
@@ -1700,7 +1702,7 @@ __device__ __forceinline__ void radam_vec_f13_map(T* __restrict__ p, const T* __
     const T t9 = t4 * t8;
     const T t10 = t9 * factor_rect;
     const T t11 = p_r[k] + t10;
-#line 1704 "flatopt/kernels/generated/radam.cu"
+#line 1706 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t11;
   }
   gen_st4(p + i, p_w);
@@ -1775,7 +1777,7 @@ __device__ __forceinline__ void radam_f15_reduce_block(const T* __restrict__ g, 
     const int t11 = t10 > ((T)0x0.0p+0);
     const T t12 = (T)t11;
     const T t13 = ((T)0x1.0000000000000p+0) - t12;
-#line 1779 "flatopt/kernels/generated/radam.cu"
+#line 1781 "flatopt/kernels/generated/radam.cu"
     m[i] = t2;
     v[i] = t6;
     acc0 += (T)(t12);
@@ -1819,7 +1821,7 @@ __device__ __forceinline__ void radam_f15_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1823 "flatopt/kernels/generated/radam.cu"
+#line 1825 "flatopt/kernels/generated/radam.cu"
     scal[0] = t3_f;
   }
 }
@@ -1867,7 +1869,7 @@ __device__ __forceinline__ void radam_group_f15_map(T* __restrict__ p, const T* 
       const T t8 = t3 * t7;
       const T t9 = t8 * factor_rect;
       const T t10 = t0 + t9;
-#line 1871 "flatopt/kernels/generated/radam.cu"
+#line 1873 "flatopt/kernels/generated/radam.cu"
       p[i] = t10;
     }
   }
@@ -1896,7 +1898,7 @@ __device__ __forceinline__ void radam_vec_f15_map(T* __restrict__ p, const T* __
     const T t8 = t3 * t7;
     const T t9 = t8 * factor_rect;
     const T t10 = t0 + t9;
-#line 1900 "flatopt/kernels/generated/radam.cu"
+#line 1902 "flatopt/kernels/generated/radam.cu"
     p_w[k] = t10;
   }
   gen_st4(p + i, p_w);

@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -115,7 +117,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f0(T* __restrict__ p, c
 #line 157 "flatopt/schedulefree.py"
       const T t13 = t7 * z_step;
       const T t14 = z_r[k] - t13;
-#line 119 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 121 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t12;
       z[i] = t14;
       v[i] = t3;
@@ -153,7 +155,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f0(T* __restrict__ p, con
 #line 157 "flatopt/schedulefree.py"
     const T t13 = t7 * z_step;
     const T t14 = z_r[k] - t13;
-#line 157 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 159 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t12;
     z_w[k] = t14;
     v_w[k] = t3;
@@ -246,7 +248,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f1(T* __restrict__ p, c
 #line 157 "flatopt/schedulefree.py"
       const T t15 = t9 * z_step;
       const T t16 = z_r[k] - t15;
-#line 250 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 252 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t14;
       z[i] = t16;
       v[i] = t3;
@@ -287,7 +289,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f1(T* __restrict__ p, con
 #line 157 "flatopt/schedulefree.py"
     const T t15 = t9 * z_step;
     const T t16 = z_r[k] - t15;
-#line 291 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 293 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t14;
     z_w[k] = t16;
     v_w[k] = t3;
@@ -376,7 +378,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f2(T* __restrict__ p, c
 #line 157 "flatopt/schedulefree.py"
       const T t13 = t7 * z_step;
       const T t14 = p_r[k] - t13;
-#line 380 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 382 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t12;
       z[i] = t14;
       v[i] = t3;
@@ -413,7 +415,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f2(T* __restrict__ p, con
 #line 157 "flatopt/schedulefree.py"
     const T t13 = t7 * z_step;
     const T t14 = p_r[k] - t13;
-#line 417 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 419 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t12;
     z_w[k] = t14;
     v_w[k] = t3;
@@ -505,7 +507,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f3(T* __restrict__ p, c
 #line 157 "flatopt/schedulefree.py"
       const T t15 = t9 * z_step;
       const T t16 = p_r[k] - t15;
-#line 509 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 511 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t14;
       z[i] = t16;
       v[i] = t3;
@@ -545,7 +547,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f3(T* __restrict__ p, con
 #line 157 "flatopt/schedulefree.py"
     const T t15 = t9 * z_step;
     const T t16 = p_r[k] - t15;
-#line 549 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 551 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t14;
     z_w[k] = t16;
     v_w[k] = t3;
@@ -636,7 +638,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f4(T* __restrict__ p, c
 #line 157 "flatopt/schedulefree.py"
       const T t14 = t7 * z_step;
       const T t15 = z_r[k] - t14;
-#line 640 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 642 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t13;
       z[i] = t15;
       v[i] = t3;
@@ -675,7 +677,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f4(T* __restrict__ p, con
 #line 157 "flatopt/schedulefree.py"
     const T t14 = t7 * z_step;
     const T t15 = z_r[k] - t14;
-#line 679 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 681 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t13;
     z_w[k] = t15;
     v_w[k] = t3;
@@ -769,7 +771,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f5(T* __restrict__ p, c
 #line 157 "flatopt/schedulefree.py"
       const T t16 = t9 * z_step;
       const T t17 = z_r[k] - t16;
-#line 773 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 775 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t15;
       z[i] = t17;
       v[i] = t3;
@@ -811,7 +813,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f5(T* __restrict__ p, con
 #line 157 "flatopt/schedulefree.py"
     const T t16 = t9 * z_step;
     const T t17 = z_r[k] - t16;
-#line 815 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 817 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t15;
     z_w[k] = t17;
     v_w[k] = t3;
@@ -901,7 +903,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f6(T* __restrict__ p, c
 #line 157 "flatopt/schedulefree.py"
       const T t14 = t7 * z_step;
       const T t15 = p_r[k] - t14;
-#line 905 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 907 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t13;
       z[i] = t15;
       v[i] = t3;
@@ -939,7 +941,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f6(T* __restrict__ p, con
 #line 157 "flatopt/schedulefree.py"
     const T t14 = t7 * z_step;
     const T t15 = p_r[k] - t14;
-#line 943 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 945 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t13;
     z_w[k] = t15;
     v_w[k] = t3;
@@ -1032,7 +1034,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f7(T* __restrict__ p, c
 #line 157 "flatopt/schedulefree.py"
       const T t16 = t9 * z_step;
       const T t17 = p_r[k] - t16;
-#line 1036 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1038 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t15;
       z[i] = t17;
       v[i] = t3;
@@ -1073,7 +1075,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f7(T* __restrict__ p, con
 #line 157 "flatopt/schedulefree.py"
     const T t16 = t9 * z_step;
     const T t17 = p_r[k] - t16;
-#line 1077 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1079 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t15;
     z_w[k] = t17;
     v_w[k] = t3;
@@ -1148,7 +1150,7 @@ __device__ __forceinline__ void schedulefree_adamw_f8_reduce_block(const T* __re
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 1152 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1154 "flatopt/kernels/generated/schedulefree_adamw.cu"
     v[i] = t3;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -1190,7 +1192,7 @@ __device__ __forceinline__ void schedulefree_adamw_f8_fold_one(const T* __restri
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1194 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1196 "flatopt/kernels/generated/schedulefree_adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1245,7 +1247,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f8_map(T* __restrict__ 
 #line 157 "flatopt/schedulefree.py"
       const T t14 = t8 * z_step;
       const T t15 = z_r[k] - t14;
-#line 1249 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1251 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t13;
       z[i] = t15;
     }
@@ -1282,7 +1284,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f8_map(T* __restrict__ p,
 #line 157 "flatopt/schedulefree.py"
     const T t14 = t8 * z_step;
     const T t15 = z_r[k] - t14;
-#line 1286 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1288 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t13;
     z_w[k] = t15;
   }
@@ -1357,7 +1359,7 @@ __device__ __forceinline__ void schedulefree_adamw_f9_reduce_block(const T* __re
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 1361 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1363 "flatopt/kernels/generated/schedulefree_adamw.cu"
     v[i] = t3;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -1399,7 +1401,7 @@ __device__ __forceinline__ void schedulefree_adamw_f9_fold_one(const T* __restri
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1403 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1405 "flatopt/kernels/generated/schedulefree_adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1457,7 +1459,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f9_map(T* __restrict__ 
 #line 157 "flatopt/schedulefree.py"
       const T t16 = t10 * z_step;
       const T t17 = z_r[k] - t16;
-#line 1461 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1463 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t15;
       z[i] = t17;
     }
@@ -1497,7 +1499,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f9_map(T* __restrict__ p,
 #line 157 "flatopt/schedulefree.py"
     const T t16 = t10 * z_step;
     const T t17 = z_r[k] - t16;
-#line 1501 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1503 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t15;
     z_w[k] = t17;
   }
@@ -1572,7 +1574,7 @@ __device__ __forceinline__ void schedulefree_adamw_f10_reduce_block(const T* __r
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 1576 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1578 "flatopt/kernels/generated/schedulefree_adamw.cu"
     v[i] = t3;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -1614,7 +1616,7 @@ __device__ __forceinline__ void schedulefree_adamw_f10_fold_one(const T* __restr
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1618 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1620 "flatopt/kernels/generated/schedulefree_adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1668,7 +1670,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f10_map(T* __restrict__
 #line 157 "flatopt/schedulefree.py"
       const T t14 = t8 * z_step;
       const T t15 = p_r[k] - t14;
-#line 1672 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1674 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t13;
       z[i] = t15;
     }
@@ -1704,7 +1706,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f10_map(T* __restrict__ p
 #line 157 "flatopt/schedulefree.py"
     const T t14 = t8 * z_step;
     const T t15 = p_r[k] - t14;
-#line 1708 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1710 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t13;
     z_w[k] = t15;
   }
@@ -1779,7 +1781,7 @@ __device__ __forceinline__ void schedulefree_adamw_f11_reduce_block(const T* __r
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 1783 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1785 "flatopt/kernels/generated/schedulefree_adamw.cu"
     v[i] = t3;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -1821,7 +1823,7 @@ __device__ __forceinline__ void schedulefree_adamw_f11_fold_one(const T* __restr
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1825 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1827 "flatopt/kernels/generated/schedulefree_adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -1878,7 +1880,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f11_map(T* __restrict__
 #line 157 "flatopt/schedulefree.py"
       const T t16 = t10 * z_step;
       const T t17 = p_r[k] - t16;
-#line 1882 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1884 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t15;
       z[i] = t17;
     }
@@ -1917,7 +1919,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f11_map(T* __restrict__ p
 #line 157 "flatopt/schedulefree.py"
     const T t16 = t10 * z_step;
     const T t17 = p_r[k] - t16;
-#line 1921 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1923 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t15;
     z_w[k] = t17;
   }
@@ -1992,7 +1994,7 @@ __device__ __forceinline__ void schedulefree_adamw_f12_reduce_block(const T* __r
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 1996 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 1998 "flatopt/kernels/generated/schedulefree_adamw.cu"
     v[i] = t3;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -2034,7 +2036,7 @@ __device__ __forceinline__ void schedulefree_adamw_f12_fold_one(const T* __restr
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2038 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2040 "flatopt/kernels/generated/schedulefree_adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -2090,7 +2092,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f12_map(T* __restrict__
 #line 157 "flatopt/schedulefree.py"
       const T t15 = t8 * z_step;
       const T t16 = z_r[k] - t15;
-#line 2094 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2096 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t14;
       z[i] = t16;
     }
@@ -2128,7 +2130,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f12_map(T* __restrict__ p
 #line 157 "flatopt/schedulefree.py"
     const T t15 = t8 * z_step;
     const T t16 = z_r[k] - t15;
-#line 2132 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2134 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t14;
     z_w[k] = t16;
   }
@@ -2203,7 +2205,7 @@ __device__ __forceinline__ void schedulefree_adamw_f13_reduce_block(const T* __r
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 2207 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2209 "flatopt/kernels/generated/schedulefree_adamw.cu"
     v[i] = t3;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -2245,7 +2247,7 @@ __device__ __forceinline__ void schedulefree_adamw_f13_fold_one(const T* __restr
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2249 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2251 "flatopt/kernels/generated/schedulefree_adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -2304,7 +2306,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f13_map(T* __restrict__
 #line 157 "flatopt/schedulefree.py"
       const T t17 = t10 * z_step;
       const T t18 = z_r[k] - t17;
-#line 2308 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2310 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t16;
       z[i] = t18;
     }
@@ -2345,7 +2347,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f13_map(T* __restrict__ p
 #line 157 "flatopt/schedulefree.py"
     const T t17 = t10 * z_step;
     const T t18 = z_r[k] - t17;
-#line 2349 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2351 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t16;
     z_w[k] = t18;
   }
@@ -2420,7 +2422,7 @@ __device__ __forceinline__ void schedulefree_adamw_f14_reduce_block(const T* __r
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 2424 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2426 "flatopt/kernels/generated/schedulefree_adamw.cu"
     v[i] = t3;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -2462,7 +2464,7 @@ __device__ __forceinline__ void schedulefree_adamw_f14_fold_one(const T* __restr
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2466 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2468 "flatopt/kernels/generated/schedulefree_adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -2517,7 +2519,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f14_map(T* __restrict__
 #line 157 "flatopt/schedulefree.py"
       const T t15 = t8 * z_step;
       const T t16 = p_r[k] - t15;
-#line 2521 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2523 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t14;
       z[i] = t16;
     }
@@ -2554,7 +2556,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f14_map(T* __restrict__ p
 #line 157 "flatopt/schedulefree.py"
     const T t15 = t8 * z_step;
     const T t16 = p_r[k] - t15;
-#line 2558 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2560 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t14;
     z_w[k] = t16;
   }
@@ -2629,7 +2631,7 @@ __device__ __forceinline__ void schedulefree_adamw_f15_reduce_block(const T* __r
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
     const T t11 = ((T)0x1.0000000000000p+0) - t10;
-#line 2633 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2635 "flatopt/kernels/generated/schedulefree_adamw.cu"
     v[i] = t3;
     acc0 += (T)(t10);
     acc1 += (T)(t11);
@@ -2671,7 +2673,7 @@ __device__ __forceinline__ void schedulefree_adamw_f15_fold_one(const T* __restr
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2675 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2677 "flatopt/kernels/generated/schedulefree_adamw.cu"
     scal[0] = t3_f;
   }
 }
@@ -2729,7 +2731,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f15_map(T* __restrict__
 #line 157 "flatopt/schedulefree.py"
       const T t17 = t10 * z_step;
       const T t18 = p_r[k] - t17;
-#line 2733 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2735 "flatopt/kernels/generated/schedulefree_adamw.cu"
       p[i] = t16;
       z[i] = t18;
     }
@@ -2769,7 +2771,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f15_map(T* __restrict__ p
 #line 157 "flatopt/schedulefree.py"
     const T t17 = t10 * z_step;
     const T t18 = p_r[k] - t17;
-#line 2773 "flatopt/kernels/generated/schedulefree_adamw.cu"
+#line 2775 "flatopt/kernels/generated/schedulefree_adamw.cu"
     p_w[k] = t16;
     z_w[k] = t18;
   }

@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -96,7 +98,7 @@ __device__ __forceinline__ void sgd_group_f0(T* __restrict__ p, const T* __restr
 #line 93 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
-#line 100 "flatopt/kernels/generated/sgd.cu"
+#line 102 "flatopt/kernels/generated/sgd.cu"
       p[i] = t1;
     }
   }
@@ -113,7 +115,7 @@ __device__ __forceinline__ void sgd_vec_f0(T* __restrict__ p, const T* __restric
 #line 93 "flatopt/sgd.py"
     const T t0 = g_r[k] * neg_lr;
     const T t1 = p_r[k] + t0;
-#line 117 "flatopt/kernels/generated/sgd.cu"
+#line 119 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t1;
   }
   gen_st4(p + i, p_w);
@@ -180,7 +182,7 @@ __device__ __forceinline__ void sgd_group_f1(T* __restrict__ p, const T* __restr
 #line 93 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
-#line 184 "flatopt/kernels/generated/sgd.cu"
+#line 186 "flatopt/kernels/generated/sgd.cu"
       p[i] = t3;
     }
   }
@@ -200,7 +202,7 @@ __device__ __forceinline__ void sgd_vec_f1(T* __restrict__ p, const T* __restric
 #line 93 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
-#line 204 "flatopt/kernels/generated/sgd.cu"
+#line 206 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t3;
   }
   gen_st4(p + i, p_w);
@@ -268,7 +270,7 @@ __device__ __forceinline__ void sgd_group_f2(T* __restrict__ p, const T* __restr
 #line 93 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
-#line 272 "flatopt/kernels/generated/sgd.cu"
+#line 274 "flatopt/kernels/generated/sgd.cu"
       p[i] = t3;
       buf[i] = t1;
     }
@@ -290,7 +292,7 @@ __device__ __forceinline__ void sgd_vec_f2(T* __restrict__ p, const T* __restric
 #line 93 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
-#line 294 "flatopt/kernels/generated/sgd.cu"
+#line 296 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t3;
     buf_w[k] = t1;
   }
@@ -364,7 +366,7 @@ __device__ __forceinline__ void sgd_group_f3(T* __restrict__ p, const T* __restr
 #line 93 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
-#line 368 "flatopt/kernels/generated/sgd.cu"
+#line 370 "flatopt/kernels/generated/sgd.cu"
       p[i] = t5;
       buf[i] = t3;
     }
@@ -389,7 +391,7 @@ __device__ __forceinline__ void sgd_vec_f3(T* __restrict__ p, const T* __restric
 #line 93 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
-#line 393 "flatopt/kernels/generated/sgd.cu"
+#line 395 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t5;
     buf_w[k] = t3;
   }
@@ -456,7 +458,7 @@ __device__ __forceinline__ void sgd_group_f6(T* __restrict__ p, const T* __restr
 #line 93 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
-#line 460 "flatopt/kernels/generated/sgd.cu"
+#line 462 "flatopt/kernels/generated/sgd.cu"
       p[i] = t1;
       buf[i] = g_r[k];
     }
@@ -474,7 +476,7 @@ __device__ __forceinline__ void sgd_vec_f6(T* __restrict__ p, const T* __restric
 #line 93 "flatopt/sgd.py"
     const T t0 = g_r[k] * neg_lr;
     const T t1 = p_r[k] + t0;
-#line 478 "flatopt/kernels/generated/sgd.cu"
+#line 480 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t1;
     buf_w[k] = g_r[k];
   }
@@ -544,7 +546,7 @@ __device__ __forceinline__ void sgd_group_f7(T* __restrict__ p, const T* __restr
 #line 93 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
-#line 548 "flatopt/kernels/generated/sgd.cu"
+#line 550 "flatopt/kernels/generated/sgd.cu"
       p[i] = t3;
       buf[i] = t1;
     }
@@ -565,7 +567,7 @@ __device__ __forceinline__ void sgd_vec_f7(T* __restrict__ p, const T* __restric
 #line 93 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
-#line 569 "flatopt/kernels/generated/sgd.cu"
+#line 571 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t3;
     buf_w[k] = t1;
   }
@@ -637,7 +639,7 @@ __device__ __forceinline__ void sgd_group_f10(T* __restrict__ p, const T* __rest
 #line 93 "flatopt/sgd.py"
       const T t3 = t2 * neg_lr;
       const T t4 = p_r[k] + t3;
-#line 641 "flatopt/kernels/generated/sgd.cu"
+#line 643 "flatopt/kernels/generated/sgd.cu"
       p[i] = t4;
       buf[i] = t2;
     }
@@ -660,7 +662,7 @@ __device__ __forceinline__ void sgd_vec_f10(T* __restrict__ p, const T* __restri
 #line 93 "flatopt/sgd.py"
     const T t3 = t2 * neg_lr;
     const T t4 = p_r[k] + t3;
-#line 664 "flatopt/kernels/generated/sgd.cu"
+#line 666 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t4;
     buf_w[k] = t2;
   }
@@ -735,7 +737,7 @@ __device__ __forceinline__ void sgd_group_f11(T* __restrict__ p, const T* __rest
 #line 93 "flatopt/sgd.py"
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 739 "flatopt/kernels/generated/sgd.cu"
+#line 741 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
       buf[i] = t4;
     }
@@ -761,7 +763,7 @@ __device__ __forceinline__ void sgd_vec_f11(T* __restrict__ p, const T* __restri
 #line 93 "flatopt/sgd.py"
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
-#line 765 "flatopt/kernels/generated/sgd.cu"
+#line 767 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t6;
     buf_w[k] = t4;
   }
@@ -835,7 +837,7 @@ __device__ __forceinline__ void sgd_group_f18(T* __restrict__ p, const T* __rest
 #line 93 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
-#line 839 "flatopt/kernels/generated/sgd.cu"
+#line 841 "flatopt/kernels/generated/sgd.cu"
       p[i] = t5;
       buf[i] = t1;
     }
@@ -860,7 +862,7 @@ __device__ __forceinline__ void sgd_vec_f18(T* __restrict__ p, const T* __restri
 #line 93 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
-#line 864 "flatopt/kernels/generated/sgd.cu"
+#line 866 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t5;
     buf_w[k] = t1;
   }
@@ -937,7 +939,7 @@ __device__ __forceinline__ void sgd_group_f19(T* __restrict__ p, const T* __rest
 #line 93 "flatopt/sgd.py"
       const T t6 = t5 * neg_lr;
       const T t7 = p_r[k] + t6;
-#line 941 "flatopt/kernels/generated/sgd.cu"
+#line 943 "flatopt/kernels/generated/sgd.cu"
       p[i] = t7;
       buf[i] = t3;
     }
@@ -965,7 +967,7 @@ __device__ __forceinline__ void sgd_vec_f19(T* __restrict__ p, const T* __restri
 #line 93 "flatopt/sgd.py"
     const T t6 = t5 * neg_lr;
     const T t7 = p_r[k] + t6;
-#line 969 "flatopt/kernels/generated/sgd.cu"
+#line 971 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t7;
     buf_w[k] = t3;
   }
@@ -1035,7 +1037,7 @@ __device__ __forceinline__ void sgd_group_f22(T* __restrict__ p, const T* __rest
 #line 93 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
-#line 1039 "flatopt/kernels/generated/sgd.cu"
+#line 1041 "flatopt/kernels/generated/sgd.cu"
       p[i] = t3;
       buf[i] = g_r[k];
     }
@@ -1056,7 +1058,7 @@ __device__ __forceinline__ void sgd_vec_f22(T* __restrict__ p, const T* __restri
 #line 93 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
-#line 1060 "flatopt/kernels/generated/sgd.cu"
+#line 1062 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t3;
     buf_w[k] = g_r[k];
   }
@@ -1129,7 +1131,7 @@ __device__ __forceinline__ void sgd_group_f23(T* __restrict__ p, const T* __rest
 #line 93 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
-#line 1133 "flatopt/kernels/generated/sgd.cu"
+#line 1135 "flatopt/kernels/generated/sgd.cu"
       p[i] = t5;
       buf[i] = t1;
     }
@@ -1153,7 +1155,7 @@ __device__ __forceinline__ void sgd_vec_f23(T* __restrict__ p, const T* __restri
 #line 93 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
-#line 1157 "flatopt/kernels/generated/sgd.cu"
+#line 1159 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t5;
     buf_w[k] = t1;
   }
@@ -1214,7 +1216,7 @@ __device__ __forceinline__ void sgd_f32_reduce_block(const T* __restrict__ g, co
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
     const T t3 = ((T)0x1.0000000000000p+0) - t2;
-#line 1218 "flatopt/kernels/generated/sgd.cu"
+#line 1220 "flatopt/kernels/generated/sgd.cu"
     acc0 += (T)(t2);
     acc1 += (T)(t3);
   }
@@ -1254,7 +1256,7 @@ __device__ __forceinline__ void sgd_f32_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1258 "flatopt/kernels/generated/sgd.cu"
+#line 1260 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -1295,7 +1297,7 @@ __device__ __forceinline__ void sgd_group_f32_map(T* __restrict__ p, const T* __
       const T t4 = g_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 1299 "flatopt/kernels/generated/sgd.cu"
+#line 1301 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
     }
   }
@@ -1317,7 +1319,7 @@ __device__ __forceinline__ void sgd_vec_f32_map(T* __restrict__ p, const T* __re
     const T t4 = g_r[k] * t3;
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
-#line 1321 "flatopt/kernels/generated/sgd.cu"
+#line 1323 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t6;
   }
   gen_st4(p + i, p_w);
@@ -1381,7 +1383,7 @@ __device__ __forceinline__ void sgd_f33_reduce_block(const T* __restrict__ p, co
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
     const T t5 = ((T)0x1.0000000000000p+0) - t4;
-#line 1385 "flatopt/kernels/generated/sgd.cu"
+#line 1387 "flatopt/kernels/generated/sgd.cu"
     acc0 += (T)(t4);
     acc1 += (T)(t5);
   }
@@ -1422,7 +1424,7 @@ __device__ __forceinline__ void sgd_f33_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1426 "flatopt/kernels/generated/sgd.cu"
+#line 1428 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -1466,7 +1468,7 @@ __device__ __forceinline__ void sgd_group_f33_map(T* __restrict__ p, const T* __
       const T t6 = t1 * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 1470 "flatopt/kernels/generated/sgd.cu"
+#line 1472 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -1491,7 +1493,7 @@ __device__ __forceinline__ void sgd_vec_f33_map(T* __restrict__ p, const T* __re
     const T t6 = t1 * t5;
     const T t7 = t6 * neg_lr;
     const T t8 = p_r[k] + t7;
-#line 1495 "flatopt/kernels/generated/sgd.cu"
+#line 1497 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t8;
   }
   gen_st4(p + i, p_w);
@@ -1555,7 +1557,7 @@ __device__ __forceinline__ void sgd_f34_reduce_block(const T* __restrict__ g, T*
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
     const T t5 = ((T)0x1.0000000000000p+0) - t4;
-#line 1559 "flatopt/kernels/generated/sgd.cu"
+#line 1561 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t1;
     acc0 += (T)(t4);
     acc1 += (T)(t5);
@@ -1597,7 +1599,7 @@ __device__ __forceinline__ void sgd_f34_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1601 "flatopt/kernels/generated/sgd.cu"
+#line 1603 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -1639,7 +1641,7 @@ __device__ __forceinline__ void sgd_group_f34_map(T* __restrict__ p, const T* __
       const T t4 = buf_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 1643 "flatopt/kernels/generated/sgd.cu"
+#line 1645 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
     }
   }
@@ -1662,7 +1664,7 @@ __device__ __forceinline__ void sgd_vec_f34_map(T* __restrict__ p, const T* __re
     const T t4 = buf_r[k] * t3;
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
-#line 1666 "flatopt/kernels/generated/sgd.cu"
+#line 1668 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t6;
   }
   gen_st4(p + i, p_w);
@@ -1731,7 +1733,7 @@ __device__ __forceinline__ void sgd_f35_reduce_block(const T* __restrict__ p, co
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
     const T t7 = ((T)0x1.0000000000000p+0) - t6;
-#line 1735 "flatopt/kernels/generated/sgd.cu"
+#line 1737 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t3;
     acc0 += (T)(t6);
     acc1 += (T)(t7);
@@ -1774,7 +1776,7 @@ __device__ __forceinline__ void sgd_f35_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1778 "flatopt/kernels/generated/sgd.cu"
+#line 1780 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -1819,7 +1821,7 @@ __device__ __forceinline__ void sgd_group_f35_map(T* __restrict__ p, const T* __
       const T t6 = buf_r[k] * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 1823 "flatopt/kernels/generated/sgd.cu"
+#line 1825 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -1845,7 +1847,7 @@ __device__ __forceinline__ void sgd_vec_f35_map(T* __restrict__ p, const T* __re
     const T t6 = buf_r[k] * t5;
     const T t7 = t6 * neg_lr;
     const T t8 = p_r[k] + t7;
-#line 1849 "flatopt/kernels/generated/sgd.cu"
+#line 1851 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t8;
   }
   gen_st4(p + i, p_w);
@@ -1906,7 +1908,7 @@ __device__ __forceinline__ void sgd_f38_reduce_block(const T* __restrict__ g, co
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
     const T t3 = ((T)0x1.0000000000000p+0) - t2;
-#line 1910 "flatopt/kernels/generated/sgd.cu"
+#line 1912 "flatopt/kernels/generated/sgd.cu"
     acc0 += (T)(t2);
     acc1 += (T)(t3);
   }
@@ -1946,7 +1948,7 @@ __device__ __forceinline__ void sgd_f38_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 1950 "flatopt/kernels/generated/sgd.cu"
+#line 1952 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -1987,7 +1989,7 @@ __device__ __forceinline__ void sgd_group_f38_map(T* __restrict__ p, const T* __
       const T t4 = g_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 1991 "flatopt/kernels/generated/sgd.cu"
+#line 1993 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
       buf[i] = g_r[k];
     }
@@ -2010,7 +2012,7 @@ __device__ __forceinline__ void sgd_vec_f38_map(T* __restrict__ p, const T* __re
     const T t4 = g_r[k] * t3;
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
-#line 2014 "flatopt/kernels/generated/sgd.cu"
+#line 2016 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t6;
     buf_w[k] = g_r[k];
   }
@@ -2077,7 +2079,7 @@ __device__ __forceinline__ void sgd_f39_reduce_block(const T* __restrict__ p, co
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
     const T t5 = ((T)0x1.0000000000000p+0) - t4;
-#line 2081 "flatopt/kernels/generated/sgd.cu"
+#line 2083 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t1;
     acc0 += (T)(t4);
     acc1 += (T)(t5);
@@ -2120,7 +2122,7 @@ __device__ __forceinline__ void sgd_f39_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2124 "flatopt/kernels/generated/sgd.cu"
+#line 2126 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -2161,7 +2163,7 @@ __device__ __forceinline__ void sgd_group_f39_map(T* __restrict__ p, const T* __
       const T t4 = buf_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 2165 "flatopt/kernels/generated/sgd.cu"
+#line 2167 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
     }
   }
@@ -2183,7 +2185,7 @@ __device__ __forceinline__ void sgd_vec_f39_map(T* __restrict__ p, const T* __re
     const T t4 = buf_r[k] * t3;
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
-#line 2187 "flatopt/kernels/generated/sgd.cu"
+#line 2189 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t6;
   }
   gen_st4(p + i, p_w);
@@ -2248,7 +2250,7 @@ __device__ __forceinline__ void sgd_f42_reduce_block(const T* __restrict__ g, T*
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
     const T t6 = ((T)0x1.0000000000000p+0) - t5;
-#line 2252 "flatopt/kernels/generated/sgd.cu"
+#line 2254 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t2;
     acc0 += (T)(t5);
     acc1 += (T)(t6);
@@ -2290,7 +2292,7 @@ __device__ __forceinline__ void sgd_f42_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2294 "flatopt/kernels/generated/sgd.cu"
+#line 2296 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -2332,7 +2334,7 @@ __device__ __forceinline__ void sgd_group_f42_map(T* __restrict__ p, const T* __
       const T t4 = buf_r[k] * t3;
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
-#line 2336 "flatopt/kernels/generated/sgd.cu"
+#line 2338 "flatopt/kernels/generated/sgd.cu"
       p[i] = t6;
     }
   }
@@ -2355,7 +2357,7 @@ __device__ __forceinline__ void sgd_vec_f42_map(T* __restrict__ p, const T* __re
     const T t4 = buf_r[k] * t3;
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
-#line 2359 "flatopt/kernels/generated/sgd.cu"
+#line 2361 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t6;
   }
   gen_st4(p + i, p_w);
@@ -2425,7 +2427,7 @@ __device__ __forceinline__ void sgd_f43_reduce_block(const T* __restrict__ p, co
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
     const T t8 = ((T)0x1.0000000000000p+0) - t7;
-#line 2429 "flatopt/kernels/generated/sgd.cu"
+#line 2431 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t4;
     acc0 += (T)(t7);
     acc1 += (T)(t8);
@@ -2468,7 +2470,7 @@ __device__ __forceinline__ void sgd_f43_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2472 "flatopt/kernels/generated/sgd.cu"
+#line 2474 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -2513,7 +2515,7 @@ __device__ __forceinline__ void sgd_group_f43_map(T* __restrict__ p, const T* __
       const T t6 = buf_r[k] * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 2517 "flatopt/kernels/generated/sgd.cu"
+#line 2519 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -2539,7 +2541,7 @@ __device__ __forceinline__ void sgd_vec_f43_map(T* __restrict__ p, const T* __re
     const T t6 = buf_r[k] * t5;
     const T t7 = t6 * neg_lr;
     const T t8 = p_r[k] + t7;
-#line 2543 "flatopt/kernels/generated/sgd.cu"
+#line 2545 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t8;
   }
   gen_st4(p + i, p_w);
@@ -2607,7 +2609,7 @@ __device__ __forceinline__ void sgd_f50_reduce_block(const T* __restrict__ g, T*
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
     const T t7 = ((T)0x1.0000000000000p+0) - t6;
-#line 2611 "flatopt/kernels/generated/sgd.cu"
+#line 2613 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t1;
     acc0 += (T)(t6);
     acc1 += (T)(t7);
@@ -2649,7 +2651,7 @@ __device__ __forceinline__ void sgd_f50_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2653 "flatopt/kernels/generated/sgd.cu"
+#line 2655 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -2694,7 +2696,7 @@ __device__ __forceinline__ void sgd_group_f50_map(T* __restrict__ p, const T* __
       const T t6 = t1 * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 2698 "flatopt/kernels/generated/sgd.cu"
+#line 2700 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -2720,7 +2722,7 @@ __device__ __forceinline__ void sgd_vec_f50_map(T* __restrict__ p, const T* __re
     const T t6 = t1 * t5;
     const T t7 = t6 * neg_lr;
     const T t8 = p_r[k] + t7;
-#line 2724 "flatopt/kernels/generated/sgd.cu"
+#line 2726 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t8;
   }
   gen_st4(p + i, p_w);
@@ -2792,7 +2794,7 @@ __device__ __forceinline__ void sgd_f51_reduce_block(const T* __restrict__ p, co
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
     const T t9 = ((T)0x1.0000000000000p+0) - t8;
-#line 2796 "flatopt/kernels/generated/sgd.cu"
+#line 2798 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t3;
     acc0 += (T)(t8);
     acc1 += (T)(t9);
@@ -2835,7 +2837,7 @@ __device__ __forceinline__ void sgd_f51_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 2839 "flatopt/kernels/generated/sgd.cu"
+#line 2841 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -2883,7 +2885,7 @@ __device__ __forceinline__ void sgd_group_f51_map(T* __restrict__ p, const T* __
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_lr;
       const T t10 = p_r[k] + t9;
-#line 2887 "flatopt/kernels/generated/sgd.cu"
+#line 2889 "flatopt/kernels/generated/sgd.cu"
       p[i] = t10;
     }
   }
@@ -2912,7 +2914,7 @@ __device__ __forceinline__ void sgd_vec_f51_map(T* __restrict__ p, const T* __re
     const T t8 = t3 * t7;
     const T t9 = t8 * neg_lr;
     const T t10 = p_r[k] + t9;
-#line 2916 "flatopt/kernels/generated/sgd.cu"
+#line 2918 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t10;
   }
   gen_st4(p + i, p_w);
@@ -2976,7 +2978,7 @@ __device__ __forceinline__ void sgd_f54_reduce_block(const T* __restrict__ g, co
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
     const T t5 = ((T)0x1.0000000000000p+0) - t4;
-#line 2980 "flatopt/kernels/generated/sgd.cu"
+#line 2982 "flatopt/kernels/generated/sgd.cu"
     acc0 += (T)(t4);
     acc1 += (T)(t5);
   }
@@ -3016,7 +3018,7 @@ __device__ __forceinline__ void sgd_f54_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 3020 "flatopt/kernels/generated/sgd.cu"
+#line 3022 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -3060,7 +3062,7 @@ __device__ __forceinline__ void sgd_group_f54_map(T* __restrict__ p, const T* __
       const T t6 = t1 * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 3064 "flatopt/kernels/generated/sgd.cu"
+#line 3066 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
       buf[i] = g_r[k];
     }
@@ -3086,7 +3088,7 @@ __device__ __forceinline__ void sgd_vec_f54_map(T* __restrict__ p, const T* __re
     const T t6 = t1 * t5;
     const T t7 = t6 * neg_lr;
     const T t8 = p_r[k] + t7;
-#line 3090 "flatopt/kernels/generated/sgd.cu"
+#line 3092 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t8;
     buf_w[k] = g_r[k];
   }
@@ -3156,7 +3158,7 @@ __device__ __forceinline__ void sgd_f55_reduce_block(const T* __restrict__ p, co
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
     const T t7 = ((T)0x1.0000000000000p+0) - t6;
-#line 3160 "flatopt/kernels/generated/sgd.cu"
+#line 3162 "flatopt/kernels/generated/sgd.cu"
     buf[i] = t1;
     acc0 += (T)(t6);
     acc1 += (T)(t7);
@@ -3199,7 +3201,7 @@ __device__ __forceinline__ void sgd_f55_fold_one(const T* __restrict__ parts, co
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 3203 "flatopt/kernels/generated/sgd.cu"
+#line 3205 "flatopt/kernels/generated/sgd.cu"
     scal[0] = t3_f;
   }
 }
@@ -3243,7 +3245,7 @@ __device__ __forceinline__ void sgd_group_f55_map(T* __restrict__ p, const T* __
       const T t6 = t1 * t5;
       const T t7 = t6 * neg_lr;
       const T t8 = p_r[k] + t7;
-#line 3247 "flatopt/kernels/generated/sgd.cu"
+#line 3249 "flatopt/kernels/generated/sgd.cu"
       p[i] = t8;
     }
   }
@@ -3268,7 +3270,7 @@ __device__ __forceinline__ void sgd_vec_f55_map(T* __restrict__ p, const T* __re
     const T t6 = t1 * t5;
     const T t7 = t6 * neg_lr;
     const T t8 = p_r[k] + t7;
-#line 3272 "flatopt/kernels/generated/sgd.cu"
+#line 3274 "flatopt/kernels/generated/sgd.cu"
     p_w[k] = t8;
   }
   gen_st4(p + i, p_w);

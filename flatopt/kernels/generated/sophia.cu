@@ -28,10 +28,12 @@ __device__ __forceinline__ void gen_st4(double* a, const double* r) {
   *(double2*)__builtin_assume_aligned(a + 2, 16) = v;
 }
 
-// A flag set with a sum (core/elementwise/reduce.py) runs three kernels per tensor (and per multi-tensor
-// group): <k>_partials (sq_blocks(n) blocks of SQ_THREADS: the reduce phase, one partial per block and
-// sum), <k>_fold (one block per tensor: the partials folded, then the fold's operations; scal[] = its
-// results), <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no host synchronisation.
+// A flag set with a sum (core/elementwise/reduce.py) runs 2 * levels + 1 kernels per tensor (and per
+// multi-tensor group), per reduction level (suffix <L> after the first: partials1, fold1): <k>_partials<L>
+// (sq_blocks(n) blocks of SQ_THREADS: the level's reduce phase, reading the earlier levels' scal[]; one
+// partial per block and sum), <k>_fold<L> (one block per tensor: the partials folded, then the level's
+// fold; scal[] += its results); then <k>_map / <k>_map_multi (the map, reading scal[]).  No atomics, no
+// host synchronisation.
 // The blocked sums, pasted from flatopt/kernels/sq_sum.cuh (the order of core/sqsum.py):
 
 // The blocked sum shared by the kernels with per-tensor sums (pasted into kernels/generated/ by core/elementwise): the order of
@@ -110,7 +112,7 @@ __device__ __forceinline__ void sophia_group_f0(T* __restrict__ p, const T* __re
       const T t9 = t8 * t7;
       const T t10 = t9 * neg_lr;
       const T t11 = p_r[k] + t10;
-#line 114 "flatopt/kernels/generated/sophia.cu"
+#line 116 "flatopt/kernels/generated/sophia.cu"
       p[i] = t11;
       m[i] = t2;
     }
@@ -142,7 +144,7 @@ __device__ __forceinline__ void sophia_vec_f0(T* __restrict__ p, const T* __rest
     const T t9 = t8 * t7;
     const T t10 = t9 * neg_lr;
     const T t11 = p_r[k] + t10;
-#line 146 "flatopt/kernels/generated/sophia.cu"
+#line 148 "flatopt/kernels/generated/sophia.cu"
     p_w[k] = t11;
     m_w[k] = t2;
   }
@@ -226,7 +228,7 @@ __device__ __forceinline__ void sophia_group_f1(T* __restrict__ p, const T* __re
       const T t10 = t9 * t8;
       const T t11 = t10 * neg_lr;
       const T t12 = t0 + t11;
-#line 230 "flatopt/kernels/generated/sophia.cu"
+#line 232 "flatopt/kernels/generated/sophia.cu"
       p[i] = t12;
       m[i] = t3;
     }
@@ -260,7 +262,7 @@ __device__ __forceinline__ void sophia_vec_f1(T* __restrict__ p, const T* __rest
     const T t10 = t9 * t8;
     const T t11 = t10 * neg_lr;
     const T t12 = t0 + t11;
-#line 264 "flatopt/kernels/generated/sophia.cu"
+#line 266 "flatopt/kernels/generated/sophia.cu"
     p_w[k] = t12;
     m_w[k] = t3;
   }
@@ -337,7 +339,7 @@ __device__ __forceinline__ void sophia_f2_reduce_block(const T* __restrict__ g, 
     const int t11 = t10 > ((T)0x0.0p+0);
     const T t12 = (T)t11;
     const T t13 = ((T)0x1.0000000000000p+0) - t12;
-#line 341 "flatopt/kernels/generated/sophia.cu"
+#line 343 "flatopt/kernels/generated/sophia.cu"
     m[i] = t2;
     acc0 += (T)(t12);
     acc1 += (T)(t13);
@@ -380,7 +382,7 @@ __device__ __forceinline__ void sophia_f2_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 384 "flatopt/kernels/generated/sophia.cu"
+#line 386 "flatopt/kernels/generated/sophia.cu"
     scal[0] = t3_f;
   }
 }
@@ -431,7 +433,7 @@ __device__ __forceinline__ void sophia_group_f2_map(T* __restrict__ p, const T* 
       const T t11 = t6 * t10;
       const T t12 = t11 * neg_lr;
       const T t13 = p_r[k] + t12;
-#line 435 "flatopt/kernels/generated/sophia.cu"
+#line 437 "flatopt/kernels/generated/sophia.cu"
       p[i] = t13;
     }
   }
@@ -463,7 +465,7 @@ __device__ __forceinline__ void sophia_vec_f2_map(T* __restrict__ p, const T* __
     const T t11 = t6 * t10;
     const T t12 = t11 * neg_lr;
     const T t13 = p_r[k] + t12;
-#line 467 "flatopt/kernels/generated/sophia.cu"
+#line 469 "flatopt/kernels/generated/sophia.cu"
     p_w[k] = t13;
   }
   gen_st4(p + i, p_w);
@@ -539,7 +541,7 @@ __device__ __forceinline__ void sophia_f3_reduce_block(const T* __restrict__ g, 
     const int t11 = t10 > ((T)0x0.0p+0);
     const T t12 = (T)t11;
     const T t13 = ((T)0x1.0000000000000p+0) - t12;
-#line 543 "flatopt/kernels/generated/sophia.cu"
+#line 545 "flatopt/kernels/generated/sophia.cu"
     m[i] = t2;
     acc0 += (T)(t12);
     acc1 += (T)(t13);
@@ -582,7 +584,7 @@ __device__ __forceinline__ void sophia_f3_fold_one(const T* __restrict__ parts, 
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
     const T t3_f = t1_f * t2_f;
-#line 586 "flatopt/kernels/generated/sophia.cu"
+#line 588 "flatopt/kernels/generated/sophia.cu"
     scal[0] = t3_f;
   }
 }
@@ -635,7 +637,7 @@ __device__ __forceinline__ void sophia_group_f3_map(T* __restrict__ p, const T* 
       const T t12 = t7 * t11;
       const T t13 = t12 * neg_lr;
       const T t14 = t0 + t13;
-#line 639 "flatopt/kernels/generated/sophia.cu"
+#line 641 "flatopt/kernels/generated/sophia.cu"
       p[i] = t14;
     }
   }
@@ -669,7 +671,7 @@ __device__ __forceinline__ void sophia_vec_f3_map(T* __restrict__ p, const T* __
     const T t12 = t7 * t11;
     const T t13 = t12 * neg_lr;
     const T t14 = t0 + t13;
-#line 673 "flatopt/kernels/generated/sophia.cu"
+#line 675 "flatopt/kernels/generated/sophia.cu"
     p_w[k] = t14;
   }
   gen_st4(p + i, p_w);
