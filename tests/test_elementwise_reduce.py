@@ -1,6 +1,7 @@
-"""The reduce-then-map stage of the elementwise generator (``core/elementwise/reduce.py``), on a test-only
-definition: the split of a traced step at its sums, and the NumPy lowerings (phases on the threads, rows of small
-tensors, a whole tensor through ``sqsum.sq_sum``) against a direct NumPy transcription, bit for bit."""
+"""The reduce-then-map stage of the elementwise generator (``core/elementwise/reduce.py``), on test-only
+definitions: the split of a traced step at its sums (one level, and two ordered levels: a sum of a value made from
+another sum), and the NumPy lowerings (phases on the threads, rows of small tensors, a whole tensor through
+``sqsum.sq_sum``) against a direct NumPy transcription, bit for bit."""
 
 from __future__ import annotations
 
@@ -127,15 +128,7 @@ def test_two_levels_match_reference(dt, n):
     cfg = Cfg()
     p0, g, m0 = _data(n, dt, n)
     g *= dt(0.01)  # ‖g‖ near 1 at some sizes, over it at others
-    want_p, want_m = p0.copy(), m0.copy()
-    reference2(cfg, want_p, g, want_m, cfg.lr)
-    for chunk in (1 << 17, 1000):
-        p, st = p0.copy(), St(m0.copy())
-        blocks.run_serial(BOUND2["np_phases_fn"](cfg, st, p, g, t=1, lr=cfg.lr, chunk=chunk))
-        assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes(), chunk
-    p, st = p0.copy(), St(m0.copy())
-    reduce.xp_update(DEF2, 0, np, (p, g, st.m), st, run._cast(DEF2, cfg, 1, cfg.lr, p.dtype, 1.0))
-    assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes()
+    _phases_and_whole_tensor(DEF2, BOUND2, reference2, cfg, p0, g, m0)
     if n <= 20_000:
         P, G, M = (np.stack([x, x[::-1].copy()]) for x in (p0, g, m0))
         st = St(M.copy())
@@ -144,6 +137,19 @@ def test_two_levels_match_reference(dt, n):
             wp, wm = (p0 if i == 0 else p0[::-1]).copy(), M[i].copy()
             reference2(cfg, wp, G[i], wm, cfg.lr)
             assert P[i].tobytes() == wp.tobytes() and st.m[i].tobytes() == wm.tobytes(), i
+
+
+def _phases_and_whole_tensor(d, bound, ref, cfg, p0, g, m0):
+    """The phases (two chunk sizes) and the whole-tensor form of ``d`` give ``ref``'s bits."""
+    want_p, want_m = p0.copy(), m0.copy()
+    ref(cfg, want_p, g, want_m, cfg.lr)
+    for chunk in (1 << 17, 1000):
+        p, st = p0.copy(), St(m0.copy())
+        blocks.run_serial(bound["np_phases_fn"](cfg, st, p, g, t=1, lr=cfg.lr, chunk=chunk))
+        assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes(), chunk
+    p, st = p0.copy(), St(m0.copy())
+    reduce.xp_update(d, d.flags_of(cfg, 1), np, (p, g, st.m), st, run._cast(d, cfg, 1, cfg.lr, p.dtype, 1.0))
+    assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes()
 
 
 def _data(n, dt, seed):
@@ -159,15 +165,7 @@ def _data(n, dt, seed):
 def test_numpy_paths_match_reference(dt, wd, n):
     cfg = Cfg(wd=wd)
     p0, g, m0 = _data(n, dt, n)
-    want_p, want_m = p0.copy(), m0.copy()
-    reference(cfg, want_p, g, want_m, cfg.lr)
-    for chunk in (1 << 17, 1000):
-        p, st = p0.copy(), St(m0.copy())
-        blocks.run_serial(BOUND["np_phases_fn"](cfg, st, p, g, t=1, lr=cfg.lr, chunk=chunk))
-        assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes(), chunk
-    p, st = p0.copy(), St(m0.copy())
-    reduce.xp_update(DEF, DEF.flags_of(cfg, 1), np, (p, g, st.m), st, run._cast(DEF, cfg, 1, cfg.lr, p.dtype, 1.0))
-    assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes()
+    _phases_and_whole_tensor(DEF, BOUND, reference, cfg, p0, g, m0)
 
 
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
