@@ -85,12 +85,12 @@ def test_split_structure():
 
 
 def step2(e, p, g, m, *, s, f):
-    """Two reduction levels: c = g/max(‖g‖, 1); m = b·m + c; then the count of m·g > 0, a sum of a value that
-    depends on the first sum; p += m·((count + 1)·(−lr))."""
-    c = g / e.maximum(e.sqrt(e.sumsq(g)), 1)
-    m = m * s.b + c
+    """Two reduction levels: c = g/N, N = max(‖g‖, 1); m = b·m + c; then the count of m·g > 0, a sum of a value that
+    depends on the first sum; p += m·(((count + 1)/N)·(−lr)) (the second fold reads the first's N)."""
+    nrm = e.maximum(e.sqrt(e.sumsq(g)), 1)
+    m = m * s.b + g / nrm
     count = e.sum(e.cast(m * g > 0))
-    p = p + m * ((count + 1) * s.neg_lr)
+    p = p + m * (((count + 1) / nrm) * s.neg_lr)
     return dict(p=p, m=m)
 
 
@@ -109,7 +109,7 @@ def reference2(cfg, p, g, m, lr):
     buf = sqsum.sq_scratch(np, n, p.dtype)
     buf[:n] = m * g > 0
     count = sqsum.sq_sum(np, buf, n)[0]
-    p[...] = p + m * ((count + dt(1)) * dt(-lr))
+    p[...] = p + m * (((count + dt(1)) / nrm) * dt(-lr))
 
 
 def test_split_orders_dependent_sums_in_levels():
@@ -119,7 +119,8 @@ def test_split_orders_dependent_sums_in_levels():
     assert first.sums == ("_sum0",) and first.reduce.scalars == () and first.fold.outputs[0][0] == "fold0"
     assert second.sums == ("_sum1",) and second.reduce.scalars == ("b", "fold0")  # m made again from the fold
     assert second.reduce.reads == ("g", "m") and second.first == () and sp.first == ()
-    assert sp.map.scalars == ("b", "fold0", "fold1") and second.fold.scalars == ("neg_lr",)  # (count + 1)·(−lr)
+    assert sp.map.scalars == ("b", "fold0", "fold1")
+    assert second.fold.scalars == ("neg_lr", "fold0")  # ((count + 1)/N)·(−lr): N is the first fold's
 
 
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
