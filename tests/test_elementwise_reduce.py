@@ -182,3 +182,42 @@ def test_rows_match_reference(dt):
     BOUND["np_rows_fn"](cfg, st, P2, G, t=1, lr=cfg.lr, work={})
     for i, (wp, wm) in enumerate(want):
         assert P2[i].tobytes() == wp.tobytes() and st.m[i].tobytes() == wm.tobytes(), i
+
+
+@pytest.mark.parametrize("n", [1, 5000, 70_001])
+def test_two_levels_emulated_kernels(n, tmp_path, monkeypatch):
+    """The CUDA lowering of the two-level definition (``emit.cuda_source``: each level's partials and fold, the
+    second level reading the first's ``scal``, then the map), launched per tensor as ``run._reduce_kernel`` does, on
+    the CPU emulator of ``tests/cuda_emu``: the bits of the direct transcription."""
+    from flatopt.core import kernels  # noqa: PLC0415
+    from flatopt.core.elementwise import emit  # noqa: PLC0415
+
+    from .cuda_emu import emu, fakecupy  # noqa: PLC0415
+
+    if emu.available() is not None:
+        pytest.skip(str(emu.available()))
+    cu = tmp_path / "reduce_test2.cu"
+    cu.write_text(emit.cuda_source(DEF2, run.generated_shape(DEF2), cu.name))
+    names = tuple(emit.cuda_name(DEF2, 0, k) for k in ("partials", "fold", "partials1", "fold1", "map"))
+    lib = emu.build_file(cu, names)
+    cp = fakecupy.module
+    launched = []
+
+    def get(src, name, dtype):
+        kern = emu.Kernel(cu.name, f"{name}<{kernels.CTYPES[np.dtype(dtype)]}>", lib=lib)
+        launched.append(name)
+        return lambda grid, block, args: kern(grid, block, tuple(np.dtype(dtype).type(a) if isinstance(a, float)
+                                                                else a for a in args))
+
+    monkeypatch.setattr(run.kernels, "get", get)
+    monkeypatch.setattr(run.backend, "cupy", lambda: cp)
+    cfg = Cfg()
+    for dt in (np.float32, np.float64):
+        p0, g, m0 = _data(n, dt, n)
+        g *= dt(0.01)
+        want_p, want_m = p0.copy(), m0.copy()
+        reference2(cfg, want_p, g, want_m, cfg.lr)
+        p, st = cp.asarray(p0.copy()), St(cp.asarray(m0.copy()))
+        assert run._reduce_kernel(DEF2, 0, cfg, st, p, cp.asarray(g), 1, cfg.lr)  # noqa: SLF001
+        assert p.get().tobytes() == want_p.tobytes() and st.m.get().tobytes() == want_m.tobytes(), dt
+    assert launched[:5] == list(names)  # 2 levels: 2·2 + 1 launches, in order
