@@ -33,9 +33,10 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 import numpy as np
 
 from ..errors import IncompatibleStateError
-from . import backend as _backend, cpu_plan, gpu_run, step_plan
+from . import backend as _backend, cpu_plan, gpu_run, lowp, step_plan
 from .hooks import Hooks
 from .plan_cache import PlanCache
+from .precision import Precision, check_precision
 from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
 from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
@@ -93,8 +94,12 @@ class PerParamOptimizer:
             cls.__doc__ = class_doc(cls, own, has_decay=any(f.name == "weight_decay"
                                                               for f in dataclasses.fields(cls.config_cls)))
 
-    def __init__(self, config: Any, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+    def __init__(self, config: Any, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         self.config = config
+        # the precision policy (core.precision) and the 16-bit names' write-back records (core.lowp)
+        self.precision = check_precision(precision)
+        self._lowp: dict[str, lowp.LowParam] = {}
         self._lr = float(config.lr) if getattr(config, "lr", None) is not None else None
         self._slots: dict[str, _Slot] = {}
         self._lr_scale = _make_lr_scale(lr_scale)
@@ -174,8 +179,8 @@ class PerParamOptimizer:
         self.iteration += 1
 
     def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
-        """Update ``param`` (flat, contiguous, ``prod(shape)`` elements, float32/float64) in place from ``grad``
-        (same size, dtype and backend; never written).  Bad input raises ``ValueError``/``TypeError`` naming the
+        """Update ``param`` (flat, contiguous, ``prod(shape)`` elements, float16/bfloat16/float32/float64) in place
+        from ``grad`` (same size and backend, any of these dtypes; never written; 16-bit buffers: ``core.lowp``).  Bad input raises ``ValueError``/``TypeError`` naming the
         parameter, with nothing changed.  The same as ``step_batch([OptItem(name, shape, param, grad)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
@@ -188,10 +193,17 @@ class PerParamOptimizer:
         with self._lock:
             if type(items) is not list:
                 items = check_items_arg(items, type(self).__name__)
-            if self._decay is not None:
-                self._step_masked(items)
+            if lowp.needed(self, items):
+                lowp.step(self, items, self._step_plain)
             else:
-                self._step_batch(items)
+                self._step_plain(items)
+
+    def _step_plain(self, items: Sequence[OptItem]) -> None:
+        """``step_batch`` of float32/float64 items whose gradients have their parameters' dtypes."""
+        if self._decay is not None:
+            self._step_masked(items)
+        else:
+            self._step_batch(items)
 
     def _step_masked(self, items: Sequence[OptItem]) -> None:
         """``step_batch`` under a ``weight_decay_mask``: the excluded names step as one sub-batch with this config's
@@ -302,6 +314,7 @@ class PerParamOptimizer:
         """Forget the state of ``name`` (its next step starts from fresh state, e.g. after a shape change)."""
         with self._lock:
             self._slots.pop(name, None)
+            self._lowp.pop(name, None)
             self._forget_plans()
 
     def state_names(self) -> list[str]:
@@ -318,7 +331,7 @@ class PerParamOptimizer:
                     v = getattr(slot.state, f.name)
                     if _is_array(v):
                         total += v.nbytes
-            return total
+            return total + lowp.nbytes(self)
 
     # --------------------------------------------------------------------------------------- preparation
     def _check_items(self, items: Sequence[OptItem]) -> list[Any]:
@@ -370,6 +383,9 @@ class PerParamOptimizer:
         with self._lock:
             if type(items) is not list:
                 items = check_items_arg(items, type(self).__name__)
+            if lowp.needed(self, items):
+                lowp.validate(self, items, self._check_items)
+                return
             plan = self._find_plan(items)
             if plan is not None:
                 plan.params = plan.grads = None
@@ -455,7 +471,7 @@ class PerParamOptimizer:
             extra = self._extra_state()
             if self._lr is not None:
                 extra = {**extra, "lr": self._lr}
-            return OptimizerState(
+            return lowp.to_snapshot(self, OptimizerState(
                 algorithm=self.algorithm,
                 config=self._config_dict(),
                 config_key=self._config_key(),
@@ -463,7 +479,7 @@ class PerParamOptimizer:
                 params=params,
                 buffers=buffers,
                 extra=extra,
-            )
+            ))
 
     def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False, strict: bool = False) -> bool:
         """Restore a snapshot exactly, or return ``False`` with nothing changed when it belongs to another
@@ -483,6 +499,7 @@ class PerParamOptimizer:
             try:
                 check_origin(state, self.algorithm)
                 check_snapshot_fields(state)
+                state, low = lowp.from_snapshot(self, state)  # the 16-bit names' records apart (core.lowp)
                 extra = {k: v for k, v in state.extra.items() if k != "lr"}
                 try:
                     self._check_extra(extra)
@@ -499,6 +516,7 @@ class PerParamOptimizer:
             self.config = config
             self._lr = lr
             self._slots = slots
+            self._lowp = low
             self._forget_plans()
             self.iteration = int(state.step)
             self._load_extra(extra)

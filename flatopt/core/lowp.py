@@ -1,0 +1,285 @@
+"""The driver's path for 16-bit parameters and mixed gradients, generic for every algorithm (``core.precision``).
+
+A batch that holds a float16/bfloat16 parameter, a gradient of another dtype than its parameter, or names stepped
+as 16-bit before (or any batch under a ``writeback`` other than ``"nearest"``) is *lowered*:
+
+1. every item is validated on the caller's buffers (dtypes, the name's dtype so far, the write-back policy,
+   aliasing) before anything changes;
+2. each 16-bit parameter becomes a float32 working copy: per-thread scratch (``core.workspace``, one arena per
+   backend, device and dtype) holding ``f32(p)`` (``"nearest"``, ``"stochastic"``) or ``f32(p) + f32(c)``
+   (``"kahan"``), or the float32 master copy itself (``"master"``); a gradient of another dtype than the working
+   parameter is widened into scratch of its own (the caller's gradient is never written);
+3. the driver's own ``step_batch`` runs on the working items (validating them again: a refusal there changes
+   nothing, the write-back buffers of new names are installed only after it);
+4. each working copy is written back into its parameter (``core.precision``; ``t`` is the name's step count after
+   this step), in chunks of ``CHUNK`` elements, serially.
+
+``LowParam`` is what the driver keeps per 16-bit name beside its slot (whose ``dtype`` is the working dtype, float32):
+the parameter's dtype name and its write-back buffer (``comp``: Kahan's compensation in the parameter's dtype;
+``master``: float32).  In a snapshot the name's ``dtype`` is the parameter's, and the buffers are
+``precision.kahan/<name>`` and ``precision.master/<name>``; ``extra["precision"]`` records a policy other than the
+default (a snapshot of another policy is refused, with the reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import IncompatibleStateError
+from . import backend as _backend, workspace
+from .precision import LOWP_NAMES, Precision, is_lowp, random_words, round_nearest, round_stochastic, stream_base
+from .precision import widen, work_dtype
+from .types import Array, OptimizerState, OptItem
+from .validate import as_item, check_batch_aliasing, check_item
+
+CHUNK = 1 << 16  # elements per write-back chunk (bounds the temporaries of the rounding)
+_PLAIN = (np.dtype(np.float32), np.dtype(np.float64))
+BUFFERS = {"kahan": "precision.kahan", "master": "precision.master"}
+
+
+@dataclasses.dataclass
+class LowParam:
+    """What the driver keeps per 16-bit parameter name (see the module doc)."""
+
+    dtype: str  # "float16" or "bfloat16"
+    comp: Array | None = None  # "kahan": the compensation, in the parameter's dtype
+    master: Array | None = None  # "master": the float32 master copy
+
+
+def needed(opt: Any, items: Sequence[Any]) -> bool:
+    """Whether ``items`` take the lowered path (module doc); ``False`` for a malformed batch (the driver's own
+    validation then says what is wrong)."""
+    if opt.precision.writeback != "nearest":
+        return True
+    known = opt._lowp  # noqa: SLF001 - the driver's
+    try:
+        for i, it in enumerate(items):
+            if type(it) is not OptItem:
+                it = as_item(i, it)
+            pd = it.param.dtype
+            if pd not in _PLAIN or it.grad.dtype != pd or (known and it.name in known):
+                return True
+    except Exception:  # noqa: BLE001 - a malformed item
+        return False
+    return False
+
+
+def _check(opt: Any, items: Sequence[Any]) -> list[OptItem]:
+    """Step 1 of the module doc; the items as ``OptItem``."""
+    policy = opt.precision
+    out = []
+    seen: set[str] = set()
+    for i, it in enumerate(items):
+        it = as_item(i, it)
+        check_item(it.name, it.shape, it.param, it.grad, lowp=True)
+        dt = it.param.dtype
+        if policy.writeback != "nearest" and not is_lowp(dt):
+            raise ValueError(f"parameter {it.name!r}: writeback={policy.writeback!r} applies to float16/bfloat16 "
+                             f"parameters, got a {dt} parameter (its write-back is exact: step it with "
+                             f"writeback='nearest', e.g. in another optimizer)")
+        rec = opt._lowp.get(it.name)  # noqa: SLF001
+        slot = opt._slots.get(it.name)  # noqa: SLF001
+        had = rec.dtype if rec is not None else (slot.dtype.name if slot is not None else None)
+        if had is not None and had != dt.name:
+            raise TypeError(f"parameter {it.name!r}: dtype {dt} differs from the dtype {had} its state was created "
+                            f"with")
+        if it.name in seen:
+            raise ValueError(f"parameter {it.name!r} appears twice in one step_batch")
+        seen.add(it.name)
+        out.append(it)
+    if len(out) > 1:
+        check_batch_aliasing(out)
+    return out
+
+
+def _device(a: Any) -> Any:
+    return a.device if _backend.backend_name(a) == "cupy" else contextlib.nullcontext()
+
+
+def _arenas(sizes: list[tuple[Any, np.dtype, int, str]]) -> list[Array | None]:
+    """One scratch view per entry ``(like, dtype, n, role)`` (``None`` for an entry whose ``like`` is ``None``), cut
+    from one per-thread arena per (backend, device, dtype, role)."""
+    totals: dict[Any, int] = {}
+    first: dict[Any, Any] = {}
+    keys: list[Any] = []
+    for like, dtype, n, role in sizes:
+        if like is None:
+            keys.append(None)
+            continue
+        backend = _backend.backend_name(like)
+        k = (backend, like.device.id if backend == "cupy" else None, dtype, role)
+        first.setdefault(k, like)
+        keys.append((k, totals.get(k, 0)))
+        totals[k] = totals.get(k, 0) + n
+    bufs = {}
+    for k, total in totals.items():
+        like = first[k]
+        with _device(like):
+            bufs[k] = workspace.get(_backend.array_module(like), f"precision.{k[3]}", total, k[2])
+    return [None if kk is None else bufs[kk[0]][kk[1]:kk[1] + n] for (_, _, n, _), kk in zip(sizes, keys)]
+
+
+def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], list[Any]]:
+    """Step 2 of the module doc: ``(working items, jobs)``; a job is ``(item, working param, record, new)`` for a
+    16-bit parameter (``new``: the record is to be installed).  ``fill=False`` only shapes the working items (for
+    ``validate_batch``)."""
+    policy = opt.precision.writeback
+    needs = []
+    recs: list[tuple[LowParam | None, bool]] = []
+    for it in items:
+        p, g = it.param, it.grad
+        wd = work_dtype(p.dtype)
+        rec, new = None, False
+        if is_lowp(p.dtype):
+            rec = opt._lowp.get(it.name)  # noqa: SLF001
+            if rec is None:
+                rec, new = LowParam(p.dtype.name), True
+        direct = rec is not None and policy == "master" and not new
+        needs.append((p if rec is not None and not direct else None, wd, p.size, "param"))
+        needs.append((g if g.dtype != wd else None, wd, g.size, "grad"))
+        recs.append((rec, new))
+    views = _arenas(needs)
+    work, jobs = [], []
+    for k, it in enumerate(items):
+        wp, wg = views[2 * k], views[2 * k + 1]
+        rec, new = recs[k]
+        xp = _backend.array_module(it.param)
+        if rec is not None and policy == "master":
+            if new:
+                with _device(it.param):
+                    rec.master = xp.empty(it.param.size, np.float32)
+                wp = rec.master
+                if fill:
+                    widen(xp, it.param, wp)
+            else:
+                rec.master = _backend.to_backend(rec.master, it.param) if fill else rec.master
+                wp = rec.master
+        elif rec is not None:
+            if fill:
+                widen(xp, it.param, wp)
+                if policy == "kahan" and not new:
+                    comp = _backend.to_backend(rec.comp, it.param)
+                    wc = xp.empty(it.param.size, np.float32)
+                    widen(xp, comp, wc)
+                    xp.add(wp, wc, out=wp)
+        else:
+            wp = it.param
+        if wg is None:
+            wg = it.grad
+        elif fill:
+            widen(xp, it.grad, wg)
+        work.append(OptItem(it.name, it.shape, wp, wg))
+        if rec is not None:
+            jobs.append((it, wp, rec, new))
+    return work, jobs
+
+
+def _write_back(opt: Any, jobs: list[Any]) -> None:
+    """Step 4 of the module doc, then the new names' records installed."""
+    policy: Precision = opt.precision
+    for it, wp, rec, new in jobs:
+        xp = _backend.array_module(it.param)
+        p = it.param
+        n = p.size
+        if policy.writeback == "kahan":
+            if new or rec.comp is None:
+                with _device(p):
+                    rec.comp = xp.zeros(n, p.dtype)
+            rec.comp = _backend.to_backend(rec.comp, p)
+        base = stream_base(policy.seed, it.name, opt._slots[it.name].t)  # noqa: SLF001 - t after this step
+        with _device(p):
+            for lo in range(0, n, CHUNK):
+                hi = min(n, lo + CHUNK)
+                w, out = wp[lo:hi], p[lo:hi]
+                if policy.writeback == "stochastic":
+                    words = xp.empty(hi - lo, np.uint64)
+                    random_words(xp, base, lo, words, xp.empty_like(words))
+                    round_stochastic(xp, w, out, words)
+                else:
+                    round_nearest(xp, w, out)
+                if policy.writeback == "kahan":
+                    back = xp.empty(hi - lo, np.float32)
+                    widen(xp, out, back)
+                    diff = w - back
+                    xp.copyto(diff, np.float32(0), where=~xp.isfinite(back))
+                    round_nearest(xp, diff, rec.comp[lo:hi])
+        if new:
+            opt._lowp[it.name] = rec  # noqa: SLF001
+
+
+def step(opt: Any, items: Sequence[Any], run: Callable[[list[OptItem]], None]) -> None:
+    """The lowered ``step_batch`` (module doc); ``run`` is the driver's own on float32/float64 items."""
+    checked = _check(opt, items)
+    work, jobs = _lower(opt, checked, fill=True)
+    run(work)
+    _write_back(opt, jobs)
+
+
+def validate(opt: Any, items: Sequence[Any], check: Callable[[list[OptItem]], Any]) -> None:
+    """What the lowered ``step_batch`` would raise for bad input, changing nothing."""
+    work, _ = _lower(opt, _check(opt, items), fill=False)
+    check(work)
+
+
+# --------------------------------------------------------------------------------------------- snapshots
+def nbytes(opt: Any) -> int:
+    return sum(a.nbytes for r in opt._lowp.values() for a in (r.comp, r.master) if a is not None)  # noqa: SLF001
+
+
+def to_snapshot(opt: Any, state: OptimizerState) -> OptimizerState:
+    """``state`` (the driver's snapshot) with the 16-bit names' dtypes, their write-back buffers and the policy."""
+    lowp = opt._lowp  # noqa: SLF001
+    if not lowp and opt.precision == Precision():
+        return state
+    params, buffers = dict(state.params), dict(state.buffers)
+    for name in sorted(lowp):
+        rec = lowp[name]
+        params[name] = {**params[name], "dtype": rec.dtype}
+        for kind, prefix in BUFFERS.items():
+            arr = getattr(rec, "comp" if kind == "kahan" else "master")
+            if arr is not None:
+                buffers[f"{prefix}/{name}"] = arr.copy()
+    extra = state.extra
+    if opt.precision != Precision():
+        extra = {**extra, "precision": opt.precision.to_dict()}
+    return dataclasses.replace(state, params=params, buffers=buffers, extra=extra)
+
+
+def from_snapshot(opt: Any, state: OptimizerState) -> tuple[OptimizerState, dict[str, LowParam]]:
+    """``(the snapshot as the driver's own restore reads it, the 16-bit names' records)``; changes nothing;
+    :class:`IncompatibleStateError` (the reason) for another policy or a missing or malformed write-back buffer."""
+    policy = opt.precision
+    raw = state.extra.get("precision")
+    try:
+        theirs = Precision() if raw is None else Precision.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise IncompatibleStateError(f"snapshot extra['precision']: {exc}") from None
+    if theirs != policy:
+        raise IncompatibleStateError(f"the snapshot was written under {theirs!r}, this optimizer has {policy!r} "
+                                     f"(another write-back keeps other buffers and other bits; no conversion)")
+    params, buffers = dict(state.params), dict(state.buffers)
+    recs = {}
+    for name, meta in state.params.items():
+        dtype = meta.get("dtype") if isinstance(meta, dict) else None
+        if dtype not in LOWP_NAMES:
+            continue
+        rec = LowParam(dtype)
+        prefix = BUFFERS.get(policy.writeback)
+        if prefix is not None:
+            key = f"{prefix}/{name}"
+            arr = buffers.pop(key, None)
+            n = int(np.prod(meta.get("shape", ()), dtype=np.int64))
+            want = dtype if policy.writeback == "kahan" else "float32"
+            if arr is None or arr.shape != (n,) or arr.dtype.name != want:
+                got = "missing" if arr is None else f"shape {arr.shape}, dtype {arr.dtype}"
+                raise IncompatibleStateError(f"parameter {name!r}: write-back buffer {key!r} must be {want} of "
+                                             f"shape ({n},) under writeback={policy.writeback!r}, got {got}")
+            setattr(rec, "comp" if policy.writeback == "kahan" else "master", arr.copy())
+        params[name] = {**meta, "dtype": "float32"}
+        recs[name] = rec
+    extra = {k: v for k, v in state.extra.items() if k != "precision"}
+    return dataclasses.replace(state, params=params, buffers=buffers, extra=extra), recs
