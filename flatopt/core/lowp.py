@@ -77,16 +77,16 @@ def _check(opt: Any, items: Sequence[Any]) -> list[OptItem]:
         it = as_item(i, it)
         check_item(it.name, it.shape, it.param, it.grad, lowp=True)
         dt = it.param.dtype
-        if policy.writeback != "nearest" and not is_lowp(dt):
-            raise ValueError(f"parameter {it.name!r}: writeback={policy.writeback!r} applies to float16/bfloat16 "
-                             f"parameters, got a {dt} parameter (its write-back is exact: step it with "
-                             f"writeback='nearest', e.g. in another optimizer)")
         rec = opt._lowp.get(it.name)  # noqa: SLF001
         slot = opt._slots.get(it.name)  # noqa: SLF001
         had = rec.dtype if rec is not None else (slot.dtype.name if slot is not None else None)
         if had is not None and had != dt.name:
             raise TypeError(f"parameter {it.name!r}: dtype {dt} differs from the dtype {had} its state was created "
                             f"with")
+        if policy.writeback != "nearest" and not is_lowp(dt):
+            raise ValueError(f"parameter {it.name!r}: writeback={policy.writeback!r} applies to float16/bfloat16 "
+                             f"parameters, got a {dt} parameter (its write-back is exact: step it with "
+                             f"writeback='nearest', e.g. in another optimizer)")
         if it.name in seen:
             raise ValueError(f"parameter {it.name!r} appears twice in one step_batch")
         seen.add(it.name)

@@ -175,7 +175,8 @@ def widen(xp: Any, src: Any, out: Any) -> None:
 def round_nearest(xp: Any, w: Any, out: Any) -> None:
     """``out`` (float16 or bfloat16) = ``w`` (float32) rounded to nearest even (module doc)."""
     if out.dtype.name != "bfloat16":
-        xp.copyto(out, w, casting="unsafe")  # IEEE: round to nearest even, overflow to inf, NaN kept
+        with np.errstate(over="ignore"):
+            xp.copyto(out, w, casting="unsafe")  # IEEE: round to nearest even, overflow to inf, NaN kept
         return
     b = w.view(np.uint32)
     lsb = xp.right_shift(b, np.uint32(16))
@@ -210,6 +211,11 @@ def round_stochastic(xp: Any, w: Any, out: Any, words: Any) -> None:
         _keep_nan(xp, w, b, top)
         xp.copyto(out.view(np.uint16), top, casting="unsafe")
         return
+    with np.errstate(over="ignore", invalid="ignore"):
+        _stochastic_f16(xp, w, b, finite, out, words)
+
+
+def _stochastic_f16(xp: Any, w: Any, b: Any, finite: Any, out: Any, words: Any) -> None:
     a = xp.abs(w)
     normal = a >= np.float32(2.0**-14)
     mag = a.view(np.uint32) + xp.right_shift(words, np.uint64(19)).astype(np.uint32)
