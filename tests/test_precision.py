@@ -16,9 +16,11 @@ import pytest
 import flatopt
 from flatopt import OptItem, Precision
 from flatopt.core import precision as prec
+from flatopt.core.precision import check_precision
 from flatopt.errors import IncompatibleStateError
 
-from .helpers import assert_bits_equal, assert_states_equal
+from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_for, run_steps
+from .registry import REGISTRY
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -33,8 +35,12 @@ def make(cls, precision=None, **kw):
     import inspect
     if "precision" in inspect.signature(cls).parameters:
         return cls(precision=precision, **kw)
-    opt = cls(**kw)
-    flatopt.PerParamOptimizer.__init__(opt, opt.config, precision=precision)
+    return with_policy(cls(**kw), precision)
+
+
+def with_policy(opt, precision):
+    """``opt`` (fresh) under ``precision``, as the driver's ``precision=`` keyword sets it."""
+    opt.precision = check_precision(precision)
     return opt
 
 
@@ -495,3 +501,62 @@ def test_refused_policy_combinations_change_nothing():
     assert km.state_names() == ["b"] and sorted(km._lowp) == ["b"]  # noqa: SLF001
     assert opt.state_dict().extra["precision"] == {"writeback": "stochastic", "state": "float32", "seed": 0}
     del before
+
+
+# ------------------------------------------------------------------------------------------- the contract, 16-bit
+def _lowered(spec, dtype, mode):
+    """A fresh optimizer of ``spec`` under ``mode`` and 16-bit parameters of its shapes (``None``: it composes
+    optimizers and does not take the driver's policy yet)."""
+    params = {f"p{i}": (s, np.random.default_rng(i).standard_normal(math.prod(s)).astype(np.float32).astype(dtype))
+              for i, s in enumerate(spec.shapes)}
+    opt = make_for(spec, params)
+    if not isinstance(opt, flatopt.PerParamOptimizer):
+        return None, params
+    return with_policy(opt, Precision(mode, seed=5)), params
+
+
+def _lowp_grads(params, it):
+    return {n: g.astype(params[n][1].dtype) for n, g in grads_for(params, it).items()}
+
+
+def _run16(opt, params, steps, start=0, batch=False):
+    for it in range(start, start + steps):
+        grads = _lowp_grads(params, it)
+        items = [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())]
+        for g in grads.values():
+            g.flags.writeable = False  # any write into a gradient raises
+        if batch:
+            opt.step_batch(items)
+        else:
+            for item in items:
+                opt.step(*item)
+        opt.end_iteration()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_algorithm_steps_16bit_parameters(name, dtype, mode, tmp_path):
+    """In place, gradients untouched, finite; step_batch ≡ serial; save (through a file), load, continue: bit for
+    bit."""
+    spec = REGISTRY[name]
+    opt, params = _lowered(spec, dtype, mode)
+    if opt is None:
+        pytest.skip(f"{name}: composes optimizers; the precision keyword reaches it with the integration")
+    start = {n: p.copy() for n, (_, p) in params.items()}
+    _run16(opt, params, 2)
+    assert any(not np.array_equal(p, start[n]) for n, (_, p) in params.items())
+    assert all(np.isfinite(f32(p)).all() for _, p in params.values())
+    batched = {n: (s, start[n].copy()) for n, (s, _) in params.items()}
+    other, _ = _lowered(spec, dtype, mode)
+    _run16(other, batched, 2, batch=True)
+    for n in params:
+        assert_bits_equal(batched[n][1], params[n][1], f"{name} {n}: step_batch vs serial")
+    flatopt.save(tmp_path / "s.npz", opt)
+    fresh, _ = _lowered(spec, dtype, mode)
+    assert fresh.load_state_dict(flatopt.load(tmp_path / "s.npz")), fresh.last_load_notes
+    _run16(opt, params, 2, start=2, batch=True)
+    _run16(fresh, batched, 2, start=2, batch=True)
+    for n in params:
+        assert_bits_equal(batched[n][1], params[n][1], f"{name} {n}: resumed")
+    assert_states_equal(fresh.state_dict(), opt.state_dict())
