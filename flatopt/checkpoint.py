@@ -269,7 +269,8 @@ def _bfloat16(path: Any) -> np.dtype:
     except ImportError:
         raise CheckpointError(f"{path}: holds bfloat16 buffers, which need ml_dtypes (pip install "
                               f"'flatopt[lowp]')") from None
-    return np.dtype(ml_dtypes.bfloat16)
+    dt: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return dt
 
 
 def _entry(e: Any) -> tuple[Any, str, np.dtype, tuple[int, ...]]:

@@ -180,8 +180,9 @@ class PerParamOptimizer:
 
     def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
         """Update ``param`` (flat, contiguous, ``prod(shape)`` elements, float16/bfloat16/float32/float64) in place
-        from ``grad`` (same size and backend, any of these dtypes; never written; 16-bit buffers: ``core.lowp``).  Bad input raises ``ValueError``/``TypeError`` naming the
-        parameter, with nothing changed.  The same as ``step_batch([OptItem(name, shape, param, grad)])``."""
+        from ``grad`` (same size and backend, any of these dtypes; never written; 16-bit buffers: ``core.lowp``).
+        Bad input raises ``ValueError``/``TypeError`` naming the parameter, with nothing changed.  The same as
+        ``step_batch([OptItem(name, shape, param, grad)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
     def step_batch(self, items: Sequence[OptItem]) -> None:

@@ -55,7 +55,7 @@ def needed(opt: Any, items: Sequence[Any]) -> bool:
     validation then says what is wrong)."""
     if opt.precision.writeback != "nearest":
         return True
-    known = opt._lowp  # noqa: SLF001 - the driver's
+    known = opt._lowp  # noqa: SLF001 - the driver's map
     try:
         for i, it in enumerate(items):
             if type(it) is not OptItem:
@@ -77,8 +77,8 @@ def _check(opt: Any, items: Sequence[Any]) -> list[OptItem]:
         it = as_item(i, it)
         check_item(it.name, it.shape, it.param, it.grad, lowp=True)
         dt = it.param.dtype
-        rec = opt._lowp.get(it.name)  # noqa: SLF001
-        slot = opt._slots.get(it.name)  # noqa: SLF001
+        rec = opt._lowp.get(it.name)  # noqa: SLF001 - the driver's map
+        slot = opt._slots.get(it.name)  # noqa: SLF001 - the driver's map
         had = rec.dtype if rec is not None else (slot.dtype.name if slot is not None else None)
         if had is not None and had != dt.name:
             raise TypeError(f"parameter {it.name!r}: dtype {dt} differs from the dtype {had} its state was created "
@@ -135,7 +135,7 @@ def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], l
         wd = work_dtype(p.dtype)
         rec, new = None, False
         if is_lowp(p.dtype):
-            rec = opt._lowp.get(it.name)  # noqa: SLF001
+            rec = opt._lowp.get(it.name)  # noqa: SLF001 - the driver's map
             if rec is None:
                 rec, new = LowParam(p.dtype.name), True
         direct = rec is not None and policy == "master" and not new
@@ -190,7 +190,8 @@ def _write_back(opt: Any, jobs: list[Any]) -> None:
                 with _device(p):
                     rec.comp = xp.zeros(n, p.dtype)
             rec.comp = _backend.to_backend(rec.comp, p)
-        base = stream_base(policy.seed, it.name, opt._slots[it.name].t)  # noqa: SLF001 - t after this step
+        t = opt._slots[it.name].t  # noqa: SLF001 - the driver's t, after this step
+        base = stream_base(policy.seed, it.name, t)
         with _device(p):
             for lo in range(0, n, CHUNK):
                 hi = min(n, lo + CHUNK)
@@ -208,7 +209,7 @@ def _write_back(opt: Any, jobs: list[Any]) -> None:
                     xp.copyto(diff, np.float32(0), where=~xp.isfinite(back))
                     round_nearest(xp, diff, rec.comp[lo:hi])
         if new:
-            opt._lowp[it.name] = rec  # noqa: SLF001
+            opt._lowp[it.name] = rec  # noqa: SLF001 - the driver's map
 
 
 def step(opt: Any, items: Sequence[Any], run: Callable[[list[OptItem]], None]) -> None:
@@ -227,12 +228,13 @@ def validate(opt: Any, items: Sequence[Any], check: Callable[[list[OptItem]], An
 
 # --------------------------------------------------------------------------------------------- snapshots
 def nbytes(opt: Any) -> int:
-    return sum(a.nbytes for r in opt._lowp.values() for a in (r.comp, r.master) if a is not None)  # noqa: SLF001
+    recs = opt._lowp.values()  # noqa: SLF001 - the driver's map
+    return sum(a.nbytes for r in recs for a in (r.comp, r.master) if a is not None)
 
 
 def to_snapshot(opt: Any, state: OptimizerState) -> OptimizerState:
     """``state`` (the driver's snapshot) with the 16-bit names' dtypes, their write-back buffers and the policy."""
-    lowp = opt._lowp  # noqa: SLF001
+    lowp = opt._lowp  # noqa: SLF001 - the driver's map
     if not lowp and opt.precision == Precision():
         return state
     params, buffers = dict(state.params), dict(state.buffers)

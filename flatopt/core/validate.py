@@ -271,8 +271,9 @@ def check_snapshot_fields(state: OptimizerState) -> None:
     """Every field of a snapshot has the type and range a snapshot of any optimizer has, or
     :class:`~flatopt.errors.IncompatibleStateError` names the field (nothing is converted: ``"7"`` or ``2.5`` for
     an int is refused, as is ``True``).  ``step`` an int >= 0; ``config`` a dict with str keys; ``params`` a dict
-    name -> dict with ``shape`` (a list of ints >= 0), ``dtype`` (float16, bfloat16, float32 or float64) and ``t`` (an int >= 0: a
-    state created by e.g. Sophia's ``update_hessian`` has not stepped yet); ``buffers`` a dict str -> array;
+    name -> dict with ``shape`` (a list of ints >= 0), ``dtype`` (float16, bfloat16, float32 or float64) and ``t``
+    (an int >= 0: a state created by e.g. Sophia's ``update_hessian`` has not stepped yet); ``buffers`` a dict str
+    -> array;
     ``extra`` a dict with str keys (its ``lr``, the learning rate in effect, as ``set_lr`` takes it).  What an
     algorithm keeps inside these (its scalar state, its extra counters, the buffers' shapes) is checked by the
     optimizer that loads it."""
