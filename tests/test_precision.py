@@ -560,3 +560,4 @@ def test_every_algorithm_steps_16bit_parameters(name, dtype, mode, tmp_path):
     for n in params:
         assert_bits_equal(batched[n][1], params[n][1], f"{name} {n}: resumed")
     assert_states_equal(fresh.state_dict(), opt.state_dict())
+

@@ -190,11 +190,9 @@ def round_nearest(xp: Any, w: Any, out: Any) -> None:
 
 def _keep_nan(xp: Any, w: Any, b: Any, top: Any) -> None:
     """Where ``w`` is NaN, ``top`` (the bfloat16 bits as uint32) = its top 16 bits, quiet."""
-    nan = xp.isnan(w)
-    if nan.any():
-        q = xp.right_shift(b, np.uint32(16))
-        xp.bitwise_or(q, np.uint32(0x40), out=q)
-        xp.copyto(top, q, where=nan)
+    q = xp.right_shift(b, np.uint32(16))
+    xp.bitwise_or(q, np.uint32(0x40), out=q)
+    xp.copyto(top, q, where=xp.isnan(w))  # (no branch on the data: no host synchronisation on a GPU)
 
 
 def round_stochastic(xp: Any, w: Any, out: Any, words: Any) -> None:
@@ -207,7 +205,7 @@ def round_stochastic(xp: Any, w: Any, out: Any, words: Any) -> None:
         xp.add(top, b, out=top)
         xp.right_shift(top, np.uint32(16), out=top)
         over = finite & ((top & np.uint32(0x7FFF)) == np.uint32(0x7F80))
-        xp.subtract(top, np.uint32(1), out=top, where=over)  # 0x7F80 -> 0x7F7F, the largest finite, sign kept
+        xp.subtract(top, over.astype(np.uint32), out=top)  # 0x7F80 -> 0x7F7F, the largest finite, sign kept
         _keep_nan(xp, w, b, top)
         xp.copyto(out.view(np.uint16), top, casting="unsafe")
         return
@@ -226,7 +224,7 @@ def _stochastic_f16(xp: Any, w: Any, b: Any, finite: Any, out: Any, words: Any) 
     up = words.astype(np.float64) < (y - q).astype(np.float64) * 2.0**32
     sub = (q + up.astype(np.float32)) * np.float32(2.0**-24)
     xp.copyto(res, sub, where=~normal)
-    xp.minimum(res, np.float32(np.finfo(np.float16).max), out=res, where=finite)  # saturate finite values
+    xp.copyto(res, xp.minimum(res, np.float32(np.finfo(np.float16).max)), where=finite)  # saturate finite values
     xp.copysign(res, w, out=res)
     xp.copyto(res, w, where=~finite)  # NaN and ±inf as they are
     xp.copyto(out, res, casting="unsafe")  # exact: every finite res is a float16 value
