@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -34,6 +35,7 @@ from . import backend as _backend, workspace
 from .precision import LOWP_NAMES, Precision, is_lowp, random_words, round_nearest, round_stochastic, stream_base
 from .precision import widen, work_dtype
 from .types import Array, OptimizerState, OptItem
+from .parallel import run_tasks
 from .validate import as_item, check_batch_aliasing, check_item
 
 CHUNK = 1 << 16  # elements per write-back chunk (bounds the temporaries of the rounding)
@@ -143,71 +145,94 @@ def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], l
         needs.append((g if g.dtype != wd else None, wd, g.size, "grad"))
         recs.append((rec, new))
     views = _arenas(needs)
-    work, jobs = [], []
+    work, jobs, fills = [], [], []
     for k, it in enumerate(items):
         wp, wg = views[2 * k], views[2 * k + 1]
         rec, new = recs[k]
-        xp = _backend.array_module(it.param)
+        comp = None
         if rec is not None and policy == "master":
             if new:
                 with _device(it.param):
-                    rec.master = xp.empty(it.param.size, np.float32)
-                wp = rec.master
-                if fill:
-                    widen(xp, it.param, wp)
+                    wp = rec.master = _backend.array_module(it.param).empty(it.param.size, np.float32)
             else:
-                rec.master = _backend.to_backend(rec.master, it.param) if fill else rec.master
-                wp = rec.master
-        elif rec is not None:
-            if fill:
-                widen(xp, it.param, wp)
-                if policy == "kahan" and not new:
-                    comp = _backend.to_backend(rec.comp, it.param)
-                    wc = xp.empty(it.param.size, np.float32)
-                    widen(xp, comp, wc)
-                    xp.add(wp, wc, out=wp)
-        else:
+                wp = rec.master = _backend.to_backend(rec.master, it.param) if fill else rec.master
+        elif rec is not None and policy == "kahan" and not new and fill:
+            comp = rec.comp = _backend.to_backend(rec.comp, it.param)
+        if rec is None:
             wp = it.param
+        elif policy != "master" or new:
+            fills.append((it, it.param, wp, comp))
         if wg is None:
             wg = it.grad
-        elif fill:
-            widen(xp, it.grad, wg)
+        else:
+            fills.append((it, it.grad, wg, None))
         work.append(OptItem(it.name, it.shape, wp, wg))
         if rec is not None:
             jobs.append((it, wp, rec, new))
+    if fill:
+        _over_chunks([(it, src.size, functools.partial(_widen, src, dst, comp)) for it, src, dst, comp in fills])
     return work, jobs
+
+
+def _widen(src: Array, dst: Array, comp: Array | None, lo: int, hi: int) -> None:
+    """``dst[lo:hi]`` = ``src[lo:hi]`` widened, plus the widened ``comp[lo:hi]`` where given (Kahan's p + c)."""
+    xp = _backend.array_module(src)
+    widen(xp, src[lo:hi], dst[lo:hi])
+    if comp is not None:
+        wc = workspace.get(xp, "precision.comp", hi - lo, np.float32)
+        widen(xp, comp[lo:hi], wc)
+        xp.add(dst[lo:hi], wc, out=dst[lo:hi])
+
+
+def _over_chunks(work: list[tuple[OptItem, int, Callable[[int, int], None]]]) -> None:
+    """Run ``fn(lo, hi)`` over the chunks of ``CHUNK`` elements of each ``(item, n, fn)``: on NumPy as tasks on the
+    threads (each chunk is a pure function of its elements and indices: any split gives the same bits), on CuPy in
+    order with the item's device current."""
+    tasks = []
+    for it, n, fn in work:
+        if _backend.backend_name(it.param) == "cupy":
+            with it.param.device:
+                for lo in range(0, n, CHUNK):
+                    fn(lo, min(n, lo + CHUNK))
+            continue
+        tasks += [(min(n, lo + CHUNK) - lo, it.name, functools.partial(fn, lo, min(n, lo + CHUNK)))
+                  for lo in range(0, n, CHUNK)]
+    run_tasks(tasks)
+
+
+def _write_chunk(writeback: str, base: int, wp: Array, p: Array, comp: Array | None, lo: int, hi: int) -> None:
+    """Step 4 of the module doc on elements ``lo:hi`` of one parameter."""
+    xp = _backend.array_module(p)
+    w, out = wp[lo:hi], p[lo:hi]
+    if writeback == "stochastic":
+        words = workspace.get(xp, "precision.words", hi - lo, np.uint64)
+        random_words(xp, base, lo, words, workspace.get(xp, "precision.words_tmp", hi - lo, np.uint64))
+        round_stochastic(xp, w, out, words)
+    else:
+        round_nearest(xp, w, out)
+    if comp is not None:
+        back = workspace.get(xp, "precision.back", hi - lo, np.float32)
+        widen(xp, out, back)
+        xp.subtract(w, back, out=back)  # exact where out is finite
+        xp.copyto(back, np.float32(0), where=~xp.isfinite(out))
+        round_nearest(xp, back, comp[lo:hi])
 
 
 def _write_back(opt: Any, jobs: list[Any]) -> None:
     """Step 4 of the module doc, then the new names' records installed."""
     policy: Precision = opt.precision
+    work = []
     for it, wp, rec, new in jobs:
-        xp = _backend.array_module(it.param)
         p = it.param
-        n = p.size
-        if policy.writeback == "kahan":
-            if new or rec.comp is None:
-                with _device(p):
-                    rec.comp = xp.zeros(n, p.dtype)
-            rec.comp = _backend.to_backend(rec.comp, p)
+        if policy.writeback == "kahan" and (new or rec.comp is None):
+            with _device(p):
+                rec.comp = _backend.array_module(p).zeros(p.size, p.dtype)
         t = opt._slots[it.name].t  # noqa: SLF001 - the driver's t, after this step
         base = stream_base(policy.seed, it.name, t)
-        with _device(p):
-            for lo in range(0, n, CHUNK):
-                hi = min(n, lo + CHUNK)
-                w, out = wp[lo:hi], p[lo:hi]
-                if policy.writeback == "stochastic":
-                    words = xp.empty(hi - lo, np.uint64)
-                    random_words(xp, base, lo, words, xp.empty_like(words))
-                    round_stochastic(xp, w, out, words)
-                else:
-                    round_nearest(xp, w, out)
-                if policy.writeback == "kahan":
-                    back = xp.empty(hi - lo, np.float32)
-                    widen(xp, out, back)
-                    diff = w - back
-                    xp.copyto(diff, np.float32(0), where=~xp.isfinite(back))
-                    round_nearest(xp, diff, rec.comp[lo:hi])
+        comp = rec.comp if policy.writeback == "kahan" else None
+        work.append((it, p.size, functools.partial(_write_chunk, policy.writeback, base, wp, p, comp)))
+    _over_chunks(work)
+    for it, _, rec, new in jobs:
         if new:
             opt._lowp[it.name] = rec  # noqa: SLF001 - the driver's map
 
