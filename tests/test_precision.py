@@ -561,3 +561,21 @@ def test_every_algorithm_steps_16bit_parameters(name, dtype, mode, tmp_path):
         assert_bits_equal(batched[n][1], params[n][1], f"{name} {n}: resumed")
     assert_states_equal(fresh.state_dict(), opt.state_dict())
 
+
+
+def test_plans_of_working_items_and_of_plain_items_do_not_mix():
+    """The same float32 parameters stepped by step_batch with bfloat16 gradients (lowered: working items) and with
+    float32 ones (a cached plan), alternately and re-using the arrays: every step is the one of widened gradients."""
+    shapes = {"a": (300,), "b": (7, 3), "c": (5,)}
+    r = np.random.default_rng(2)
+    p0 = {n: r.standard_normal(math.prod(s)).astype(np.float32) for n, s in shapes.items()}
+    g16 = {n: r.standard_normal(p.size).astype(np.float32).astype(BF16) for n, p in p0.items()}
+    g32 = {n: r.standard_normal(p.size).astype(np.float32) for n, p in p0.items()}
+    opt, ref = flatopt.AdamW(lr=1e-2), flatopt.AdamW(lr=1e-2)
+    ps, qs = {n: p.copy() for n, p in p0.items()}, {n: p.copy() for n, p in p0.items()}
+    for k in range(6):
+        gs = g16 if k % 3 else g32
+        opt.step_batch([OptItem(n, shapes[n], ps[n], gs[n]) for n in shapes])
+        ref.step_batch([OptItem(n, shapes[n], qs[n], f32(gs[n])) for n in shapes])
+        for n in shapes:
+            assert_bits_equal(ps[n], qs[n], f"step {k} {n}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -194,17 +195,10 @@ class PerParamOptimizer:
         with self._lock:
             if type(items) is not list:
                 items = check_items_arg(items, type(self).__name__)
-            if lowp.needed(self, items):
-                lowp.step(self, items, self._step_plain)
+            if self._decay is not None:
+                self._step_masked(items)
             else:
-                self._step_plain(items)
-
-    def _step_plain(self, items: Sequence[OptItem]) -> None:
-        """``step_batch`` of float32/float64 items whose gradients have their parameters' dtypes."""
-        if self._decay is not None:
-            self._step_masked(items)
-        else:
-            self._step_batch(items)
+                self._step_batch(items)
 
     def _step_masked(self, items: Sequence[OptItem]) -> None:
         """``step_batch`` under a ``weight_decay_mask``: the excluded names step as one sub-batch with this config's
@@ -240,10 +234,15 @@ class PerParamOptimizer:
         finally:
             self.config = saved
 
-    def _step_batch(self, items: Sequence[OptItem]) -> None:
-        """``step_batch`` of ``items`` (a list or tuple) under ``self._lock``."""
+    def _step_batch(self, items: Sequence[OptItem], lowered: bool = False) -> None:
+        """``step_batch`` of ``items`` (a list or tuple) under ``self._lock``; a batch with 16-bit buffers or mixed
+        gradients runs as its float32/float64 working items (``core.lowp``; ``lowered``: these are they).  A cached
+        plan is only ever built from, and matches, working or plain items."""
         self.plan_cache.serial += 1
-        plan = self._find_plan(items)
+        plan = self._find_plan(items, lowered)
+        if plan is None and not lowered and lowp.needed(self, items):
+            lowp.step(self, items, functools.partial(self._step_batch, lowered=True))
+            return
         if plan is None:
             if not self._plannable:
                 prepared = (self.hooks.prepare or self._prepare)(items)
@@ -258,6 +257,7 @@ class PerParamOptimizer:
             if plan is None:
                 self._execute(prepared)
                 return
+            plan.lowered = lowered
             plan.params = [c[0].param for c in checked]
             plan.grads = [c[0].grad for c in checked]
         plan.run(self, items)
@@ -274,15 +274,16 @@ class PerParamOptimizer:
         driver's execution, else ``_run``."""
         (self.hooks.run or self._run)(prepared)
 
-    def _find_plan(self, items: Sequence[Any]) -> Any:
-        """The cached plan ``items`` repeat, or ``None`` (then the full path runs)."""
+    def _find_plan(self, items: Sequence[Any], lowered: bool = False) -> Any:
+        """The cached plan ``items`` repeat, or ``None`` (then the full path runs); ``lowered``: of working items
+        (``core.lowp``), whose plans the caller's own items never match, nor the reverse."""
         plans = self.plan_cache.step_plans
         if not plans or len(items) < 2:
             return None
         try:
             names = list(map(step_plan.item_name, items))
             plan = plans.get(tuple(names))
-            if plan is not None and plan.matches(self, items, names):
+            if plan is not None and plan.lowered == lowered and plan.matches(self, items, names):
                 plan.hits += 1
                 return plan
         except Exception:  # noqa: BLE001 - a malformed item: the full validation says what is wrong
@@ -384,12 +385,12 @@ class PerParamOptimizer:
         with self._lock:
             if type(items) is not list:
                 items = check_items_arg(items, type(self).__name__)
-            if lowp.needed(self, items):
-                lowp.validate(self, items, self._check_items)
-                return
             plan = self._find_plan(items)
             if plan is not None:
                 plan.params = plan.grads = None
+                return
+            if lowp.needed(self, items):
+                lowp.validate(self, items, self._check_items)
                 return
             self._check_items(items)
 

@@ -58,12 +58,14 @@ def needed(opt: Any, items: Sequence[Any]) -> bool:
     if opt.precision.writeback != "nearest":
         return True
     known = opt._lowp  # noqa: SLF001 - the driver's map
+    f32, f64 = _PLAIN
     try:
         for i, it in enumerate(items):
             if type(it) is not OptItem:
                 it = as_item(i, it)
             pd = it.param.dtype
-            if pd not in _PLAIN or it.grad.dtype != pd or (known and it.name in known):
+            if (pd is not f32 and pd is not f64 and pd not in _PLAIN) or (
+                    it.grad.dtype is not pd and it.grad.dtype != pd) or (known and it.name in known):
                 return True
     except Exception:  # noqa: BLE001 - a malformed item
         return False
