@@ -54,6 +54,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from . import workspace
+
 WRITEBACKS = ("nearest", "stochastic", "kahan", "master")
 STATES = ("float32",)
 LATER_STATES = ("bfloat16", "8bit", "al8")  # issue #29's compressed states: refused until they exist
@@ -179,7 +181,8 @@ def round_nearest(xp: Any, w: Any, out: Any) -> None:
             xp.copyto(out, w, casting="unsafe")  # IEEE: round to nearest even, overflow to inf, NaN kept
         return
     b = w.view(np.uint32)
-    lsb = xp.right_shift(b, np.uint32(16))
+    lsb = workspace.get(xp, "precision.rn_bits", w.size, np.uint32)
+    xp.right_shift(b, np.uint32(16), out=lsb)
     xp.bitwise_and(lsb, np.uint32(1), out=lsb)
     xp.add(lsb, np.uint32(0x7FFF), out=lsb)
     xp.add(lsb, b, out=lsb)
@@ -190,9 +193,12 @@ def round_nearest(xp: Any, w: Any, out: Any) -> None:
 
 def _keep_nan(xp: Any, w: Any, b: Any, top: Any) -> None:
     """Where ``w`` is NaN, ``top`` (the bfloat16 bits as uint32) = its top 16 bits, quiet."""
-    q = xp.right_shift(b, np.uint32(16))
+    q = workspace.get(xp, "precision.nan_bits", w.size, np.uint32)
+    xp.right_shift(b, np.uint32(16), out=q)
     xp.bitwise_or(q, np.uint32(0x40), out=q)
-    xp.copyto(top, q, where=xp.isnan(w))  # (no branch on the data: no host synchronisation on a GPU)
+    nan = workspace.get(xp, "precision.nan", w.size, np.bool_)
+    xp.isnan(w, out=nan)
+    xp.copyto(top, q, where=nan)  # (no branch on the data: no host synchronisation on a GPU)
 
 
 def round_stochastic(xp: Any, w: Any, out: Any, words: Any) -> None:
