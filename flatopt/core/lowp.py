@@ -5,14 +5,19 @@ as 16-bit before (or any batch under a ``writeback`` other than ``"nearest"``) i
 
 1. every item is validated on the caller's buffers (dtypes, the name's dtype so far, the write-back policy,
    aliasing) before anything changes;
-2. each 16-bit parameter becomes a float32 working copy: per-thread scratch (``core.workspace``, one arena per
-   backend, device and dtype) holding ``f32(p)`` (``"nearest"``, ``"stochastic"``) or ``f32(p) + f32(c)``
-   (``"kahan"``), or the float32 master copy itself (``"master"``); a gradient of another dtype than the working
-   parameter is widened into scratch of its own (the caller's gradient is never written);
+2. each 16-bit parameter becomes a float32 working copy: the calling thread's scratch (``core.workspace``, one arena
+   per backend, device, dtype and role) holding ``f32(p)`` (``"nearest"``, ``"stochastic"``) or ``f32(p) + f32(c)``
+   (``"kahan"``), or the float32 master copy itself (``"master"``; a new name's is made from the parameter); a
+   gradient of another dtype than the working parameter (float32, or float64 for a float64 parameter) is converted
+   into scratch of its own (the caller's gradient is never written);
 3. the driver's own ``step_batch`` runs on the working items (validating them again: a refusal there changes
    nothing, the write-back buffers of new names are installed only after it);
 4. each working copy is written back into its parameter (``core.precision``; ``t`` is the name's step count after
-   this step), in chunks of ``CHUNK`` elements, serially.
+   this step).
+
+Steps 2 and 4 run in chunks of ``CHUNK`` elements, on the threads on NumPy (``core.parallel``: every element's
+result depends on its value and index alone, so any split gives the same bits), in order on CuPy.  The working
+items are new arrays at each call, so the driver keeps no step plan for a lowered batch (``core.step_plan``).
 
 ``LowParam`` is what the driver keeps per 16-bit name beside its slot (whose ``dtype`` is the working dtype, float32):
 the parameter's dtype name and its write-back buffer (``comp``: Kahan's compensation in the parameter's dtype;
