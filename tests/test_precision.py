@@ -19,7 +19,7 @@ from flatopt.core import precision as prec
 from flatopt.core.precision import check_precision
 from flatopt.errors import IncompatibleStateError
 
-from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_for, run_steps
+from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_for, step_items
 from .registry import REGISTRY
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -525,12 +525,7 @@ def _run16(opt, params, steps, start=0, batch=False):
         items = [OptItem(n, s, p, grads[n]) for n, (s, p) in sorted(params.items())]
         for g in grads.values():
             g.flags.writeable = False  # any write into a gradient raises
-        if batch:
-            opt.step_batch(items)
-        else:
-            for item in items:
-                opt.step(*item)
-        opt.end_iteration()
+        step_items(opt, items, batch)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -579,3 +574,21 @@ def test_plans_of_working_items_and_of_plain_items_do_not_mix():
         ref.step_batch([OptItem(n, shapes[n], qs[n], f32(gs[n])) for n in shapes])
         for n in shapes:
             assert_bits_equal(ps[n], qs[n], f"step {k} {n}")
+
+
+def test_reset_and_malformed_policy_in_a_snapshot():
+    opt = make(flatopt.SGD, Precision("master"), lr=0.1)
+    opt.step("b", (4,), np.ones(4, BF16), np.ones(4, BF16))
+    assert opt.state_nbytes() == 16
+    snap = opt.state_dict()
+    bad = flatopt.OptimizerState(**{**snap.__dict__, "extra": {**snap.extra, "precision": "master"}})
+    fresh = make(flatopt.SGD, Precision("master"), lr=0.1)
+    assert not fresh.load_state_dict(bad) and "extra['precision']" in fresh.last_load_notes[0]
+    assert fresh.state_names() == []
+    assert fresh.load_state_dict(snap)
+    with pytest.raises(TypeError, match="'b'.*differs from the dtype bfloat16"):  # the loaded name keeps its dtype
+        fresh.step("b", (4,), np.ones(4, F16), np.ones(4, F16))
+    opt.reset("b")
+    assert opt.state_nbytes() == 0 and opt.state_names() == []
+    opt.step("b", (4,), np.ones(4, F16), np.ones(4, F16))  # afresh, with another dtype
+    assert opt.state_dict().params["b"]["dtype"] == "float16"
