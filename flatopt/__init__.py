@@ -16,6 +16,7 @@ from .buffers import flat_view, pack, pack_like
 from .core.driver import PerParamOptimizer
 from .core.parallel import TaskError
 from .core.types import Optimizer, OptimizerState, OptItem
+from .core.precision import Precision
 from .adafactor import Adafactor
 from .adafactor8bit import Adafactor8Bit
 from .adam import Adam
@@ -63,6 +64,7 @@ __all__ = [
     "Optimizer",
     "OptimizerState",
     "OptItem",
+    "Precision",
     "PerParamOptimizer",
     "SGD",
     "Soap",

@@ -3,6 +3,9 @@
 Layout: the zip member ``header`` is a UTF-8 JSON document (as a uint8 array) with ``format`` =
 ``"flatopt-checkpoint"``, ``format_version``, ``algorithm``, ``config``, ``config_key``, ``step``, ``params``,
 ``extra`` and ``buffers``, a list of ``{"key", "member", "dtype", "shape"}``; each buffer is the member ``a<i>``.
+A bfloat16 buffer (a Kahan compensation of bfloat16 parameters) is stored as its uint16 bits with ``"dtype":
+"bfloat16"`` in its entry, and read back as ``ml_dtypes.bfloat16`` (imported then; a clear error names the extra
+where it is absent).
 CuPy arrays are copied to the host when saved; ``load`` returns NumPy arrays, which an optimizer moves to the
 backend of the parameter at its next step, so a checkpoint moves freely between NumPy and CuPy.
 
@@ -64,8 +67,10 @@ def save(path: str | os.PathLike[str], optimizer_or_state: Optimizer | Optimizer
     entries: list[dict[str, Any]] = []
     for i, key in enumerate(sorted(state.buffers)):
         a = np.ascontiguousarray(backend.to_numpy(state.buffers[key]))
-        arrays[f"a{i}"] = a
-        entries.append({"key": key, "member": f"a{i}", "dtype": a.dtype.str, "shape": list(a.shape)})
+        bf16 = a.dtype.name == "bfloat16"
+        arrays[f"a{i}"] = a.view(np.uint16) if bf16 else a
+        entries.append({"key": key, "member": f"a{i}", "dtype": "bfloat16" if bf16 else a.dtype.str,
+                        "shape": list(a.shape)})
     header = {
         "format": MAGIC,
         "format_version": state.format_version,
@@ -227,6 +232,8 @@ def load(path: str | os.PathLike[str]) -> OptimizerState:
                 used.add(member)
                 try:
                     buffers[key] = _read_member(z, members[f"{member}.npy"], file_size, dtype, shape)
+                    if e["dtype"] == "bfloat16":
+                        buffers[key] = buffers[key].view(_bfloat16(path))
                 except _Mismatch as exc:
                     raise CheckpointError(f"{path}: buffer {key!r} does not match its header entry ({exc})") from None
             state = OptimizerState(
@@ -255,8 +262,20 @@ class _Mismatch(ValueError):
     """A member is not the array its header entry (or the header member's own rules) declares."""
 
 
+def _bfloat16(path: Any) -> np.dtype:
+    """``ml_dtypes.bfloat16``'s dtype, or :class:`CheckpointError` saying which extra reads ``path``."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise CheckpointError(f"{path}: holds bfloat16 buffers, which need ml_dtypes (pip install "
+                              f"'flatopt[lowp]')") from None
+    dt: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return dt
+
+
 def _entry(e: Any) -> tuple[Any, str, np.dtype, tuple[int, ...]]:
-    """``(key, member, dtype, shape)`` of a header ``buffers`` entry (``key`` None when it is malformed)."""
+    """``(key, member, dtype, shape)`` of a header ``buffers`` entry (``key`` None when it is malformed; a
+    ``"bfloat16"`` entry is read as its uint16 bits)."""
     bad = (None, "", np.dtype(np.uint8), ())
     if not isinstance(e, dict):
         return bad
@@ -264,6 +283,8 @@ def _entry(e: Any) -> tuple[Any, str, np.dtype, tuple[int, ...]]:
     if not (isinstance(key, str) and isinstance(member, str) and isinstance(dtype, str) and isinstance(shape, list)
             and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         return bad
+    if dtype == "bfloat16":
+        return key, member, np.dtype("<u2"), tuple(shape)
     try:
         dt = np.dtype(dtype)
     except (TypeError, ValueError):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -33,9 +34,10 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 import numpy as np
 
 from ..errors import IncompatibleStateError
-from . import backend as _backend, cpu_plan, gpu_run, step_plan
+from . import backend as _backend, cpu_plan, gpu_run, lowp, step_plan
 from .hooks import Hooks
 from .plan_cache import PlanCache
+from .precision import Precision, check_precision
 from . import slots as slotlib
 from .slots import Slot as _Slot, config_from_dict as config_from_dict, config_to_dict as config_to_dict  # re-exported
 from .slots import persistent_fields as persistent_fields  # noqa: F401 - re-exported
@@ -93,8 +95,12 @@ class PerParamOptimizer:
             cls.__doc__ = class_doc(cls, own, has_decay=any(f.name == "weight_decay"
                                                               for f in dataclasses.fields(cls.config_cls)))
 
-    def __init__(self, config: Any, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+    def __init__(self, config: Any, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         self.config = config
+        # the precision policy (core.precision) and the 16-bit names' write-back records (core.lowp)
+        self.precision = check_precision(precision)
+        self._lowp: dict[str, lowp.LowParam] = {}
         self._lr = float(config.lr) if getattr(config, "lr", None) is not None else None
         self._slots: dict[str, _Slot] = {}
         self._lr_scale = _make_lr_scale(lr_scale)
@@ -174,9 +180,10 @@ class PerParamOptimizer:
         self.iteration += 1
 
     def step(self, name: str, shape: tuple[int, ...], param: Array, grad: Array) -> None:
-        """Update ``param`` (flat, contiguous, ``prod(shape)`` elements, float32/float64) in place from ``grad``
-        (same size, dtype and backend; never written).  Bad input raises ``ValueError``/``TypeError`` naming the
-        parameter, with nothing changed.  The same as ``step_batch([OptItem(name, shape, param, grad)])``."""
+        """Update ``param`` (flat, contiguous, ``prod(shape)`` elements, float16/bfloat16/float32/float64) in place
+        from ``grad`` (same size and backend, any of these dtypes; never written; 16-bit buffers: ``core.lowp``).
+        Bad input raises ``ValueError``/``TypeError`` naming the parameter, with nothing changed.  The same as
+        ``step_batch([OptItem(name, shape, param, grad)])``."""
         self.step_batch([OptItem(name, shape, param, grad)])
 
     def step_batch(self, items: Sequence[OptItem]) -> None:
@@ -227,10 +234,15 @@ class PerParamOptimizer:
         finally:
             self.config = saved
 
-    def _step_batch(self, items: Sequence[OptItem]) -> None:
-        """``step_batch`` of ``items`` (a list or tuple) under ``self._lock``."""
+    def _step_batch(self, items: Sequence[OptItem], lowered: bool = False) -> None:
+        """``step_batch`` of ``items`` (a list or tuple) under ``self._lock``; a batch with 16-bit buffers or mixed
+        gradients runs as its float32/float64 working items (``core.lowp``; ``lowered``: these are they).  A cached
+        plan is only ever built from, and matches, working or plain items."""
         self.plan_cache.serial += 1
-        plan = self._find_plan(items)
+        plan = self._find_plan(items, lowered)
+        if plan is None and not lowered and lowp.needed(self, items):
+            lowp.step(self, items, functools.partial(self._step_batch, lowered=True))
+            return
         if plan is None:
             if not self._plannable:
                 prepared = (self.hooks.prepare or self._prepare)(items)
@@ -245,6 +257,7 @@ class PerParamOptimizer:
             if plan is None:
                 self._execute(prepared)
                 return
+            plan.lowered = lowered
             plan.params = [c[0].param for c in checked]
             plan.grads = [c[0].grad for c in checked]
         plan.run(self, items)
@@ -261,15 +274,16 @@ class PerParamOptimizer:
         driver's execution, else ``_run``."""
         (self.hooks.run or self._run)(prepared)
 
-    def _find_plan(self, items: Sequence[Any]) -> Any:
-        """The cached plan ``items`` repeat, or ``None`` (then the full path runs)."""
+    def _find_plan(self, items: Sequence[Any], lowered: bool = False) -> Any:
+        """The cached plan ``items`` repeat, or ``None`` (then the full path runs); ``lowered``: of working items
+        (``core.lowp``), whose plans the caller's own items never match, nor the reverse."""
         plans = self.plan_cache.step_plans
         if not plans or len(items) < 2:
             return None
         try:
             names = list(map(step_plan.item_name, items))
             plan = plans.get(tuple(names))
-            if plan is not None and plan.matches(self, items, names):
+            if plan is not None and plan.lowered == lowered and plan.matches(self, items, names):
                 plan.hits += 1
                 return plan
         except Exception:  # noqa: BLE001 - a malformed item: the full validation says what is wrong
@@ -302,6 +316,7 @@ class PerParamOptimizer:
         """Forget the state of ``name`` (its next step starts from fresh state, e.g. after a shape change)."""
         with self._lock:
             self._slots.pop(name, None)
+            self._lowp.pop(name, None)
             self._forget_plans()
 
     def state_names(self) -> list[str]:
@@ -318,7 +333,7 @@ class PerParamOptimizer:
                     v = getattr(slot.state, f.name)
                     if _is_array(v):
                         total += v.nbytes
-            return total
+            return total + lowp.nbytes(self)
 
     # --------------------------------------------------------------------------------------- preparation
     def _check_items(self, items: Sequence[OptItem]) -> list[Any]:
@@ -373,6 +388,9 @@ class PerParamOptimizer:
             plan = self._find_plan(items)
             if plan is not None:
                 plan.params = plan.grads = None
+                return
+            if lowp.needed(self, items):
+                lowp.validate(self, items, self._check_items)
                 return
             self._check_items(items)
 
@@ -455,7 +473,7 @@ class PerParamOptimizer:
             extra = self._extra_state()
             if self._lr is not None:
                 extra = {**extra, "lr": self._lr}
-            return OptimizerState(
+            return lowp.to_snapshot(self, OptimizerState(
                 algorithm=self.algorithm,
                 config=self._config_dict(),
                 config_key=self._config_key(),
@@ -463,7 +481,7 @@ class PerParamOptimizer:
                 params=params,
                 buffers=buffers,
                 extra=extra,
-            )
+            ))
 
     def load_state_dict(self, state: OptimizerState, *, restore_hparams: bool = False, strict: bool = False) -> bool:
         """Restore a snapshot exactly, or return ``False`` with nothing changed when it belongs to another
@@ -483,6 +501,7 @@ class PerParamOptimizer:
             try:
                 check_origin(state, self.algorithm)
                 check_snapshot_fields(state)
+                state, low = lowp.from_snapshot(self, state)  # the 16-bit names' records apart (core.lowp)
                 extra = {k: v for k, v in state.extra.items() if k != "lr"}
                 try:
                     self._check_extra(extra)
@@ -499,6 +518,7 @@ class PerParamOptimizer:
             self.config = config
             self._lr = lr
             self._slots = slots
+            self._lowp = low
             self._forget_plans()
             self.iteration = int(state.step)
             self._load_extra(extra)

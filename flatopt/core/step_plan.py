@@ -74,6 +74,7 @@ class StepPlan:
         states exist); ``chunk``: the NumPy chunk size (``core.driver.CHUNK``)."""
         self.chunk = chunk
         self.hits = self.skips = 0
+        self.lowered = False  # built from the working items of a batch with 16-bit buffers (core.lowp)
         items = [c[0] for c in checked]
         self.n = len(items)
         self.names = [it.name for it in items]

@@ -16,6 +16,9 @@ from . import backend as _backend
 from .types import OptimizerState, OptItem
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# what a parameter or gradient may be on the driver's lowered path (core.lowp): the 16-bit dtypes by name
+# (bfloat16 is ml_dtypes', which flatopt does not import)
+LOWP_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def check_shape(name: str, shape: Any) -> tuple[int, ...]:
@@ -45,15 +48,20 @@ def _address_range(a: Any) -> tuple[int, int]:
     return start, start + a.nbytes
 
 
-def check_array(name: str, what: str, a: Any) -> str:
-    """Validate one flat buffer; return its backend name."""
+def check_array(name: str, what: str, a: Any, lowp: bool = False) -> str:
+    """Validate one flat buffer; return its backend name.  ``lowp``: float16 and bfloat16 are accepted too (the
+    driver's lowered path, ``core.lowp``)."""
     try:
         backend = _backend.backend_name(a)
     except TypeError as exc:
         raise TypeError(f"parameter {name!r}: {what} {exc}") from None
     if a.ndim != 1:
         raise ValueError(f"parameter {name!r}: {what} must be a 1-D flat buffer, got {a.ndim}-D shape {a.shape}")
-    if a.dtype not in FLOAT_DTYPES:
+    if lowp:
+        if a.dtype.name not in LOWP_DTYPE_NAMES or a.dtype.kind not in "fV":
+            raise TypeError(f"parameter {name!r}: {what} dtype {a.dtype} is not accepted: a parameter or gradient "
+                            f"is float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64")
+    elif a.dtype not in FLOAT_DTYPES:
         raise TypeError(f"parameter {name!r}: {what} dtype must be float32 or float64, got {a.dtype}")
     if not a.flags.c_contiguous:
         raise ValueError(f"parameter {name!r}: {what} must be contiguous (got a strided view)")
@@ -63,18 +71,20 @@ def check_array(name: str, what: str, a: Any) -> str:
     return backend
 
 
-def check_item(name: Any, shape: Any, param: Any, grad: Any) -> tuple[tuple[int, ...], str]:
-    """Validate one (name, shape, param, grad); return the normalised shape and the backend name."""
+def check_item(name: Any, shape: Any, param: Any, grad: Any, lowp: bool = False) -> tuple[tuple[int, ...], str]:
+    """Validate one (name, shape, param, grad); return the normalised shape and the backend name.  ``lowp`` (the
+    driver's lowered path, ``core.lowp``): 16-bit buffers are accepted, and a gradient may have another dtype than
+    its parameter."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"parameter name must be a non-empty str, got {name!r}")
     shape = check_shape(name, shape)
-    pb = check_array(name, "param", param)
-    gb = check_array(name, "grad", grad)
+    pb = check_array(name, "param", param, lowp)
+    gb = check_array(name, "grad", grad, lowp)
     if pb != gb:
         raise TypeError(f"parameter {name!r}: param is a {pb} array but grad is a {gb} array")
     if pb == "cupy" and param.device != grad.device:
         raise ValueError(f"parameter {name!r}: param and grad live on different GPUs")
-    if param.dtype != grad.dtype:
+    if param.dtype != grad.dtype and not lowp:
         raise TypeError(f"parameter {name!r}: param dtype {param.dtype} differs from grad dtype {grad.dtype}")
     n = math.prod(shape)
     if param.size != n:
@@ -261,8 +271,9 @@ def check_snapshot_fields(state: OptimizerState) -> None:
     """Every field of a snapshot has the type and range a snapshot of any optimizer has, or
     :class:`~flatopt.errors.IncompatibleStateError` names the field (nothing is converted: ``"7"`` or ``2.5`` for
     an int is refused, as is ``True``).  ``step`` an int >= 0; ``config`` a dict with str keys; ``params`` a dict
-    name -> dict with ``shape`` (a list of ints >= 0), ``dtype`` (float32 or float64) and ``t`` (an int >= 0: a
-    state created by e.g. Sophia's ``update_hessian`` has not stepped yet); ``buffers`` a dict str -> array;
+    name -> dict with ``shape`` (a list of ints >= 0), ``dtype`` (float16, bfloat16, float32 or float64) and ``t``
+    (an int >= 0: a state created by e.g. Sophia's ``update_hessian`` has not stepped yet); ``buffers`` a dict str
+    -> array;
     ``extra`` a dict with str keys (its ``lr``, the learning rate in effect, as ``set_lr`` takes it).  What an
     algorithm keeps inside these (its scalar state, its extra counters, the buffers' shapes) is checked by the
     optimizer that loads it."""
@@ -289,8 +300,9 @@ def check_snapshot_fields(state: OptimizerState) -> None:
         if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in shape):
             raise _Bad(f"{where}['shape'] must be a list of ints >= 0, got {_short(shape)}")
         dtype = meta.get("dtype")
-        if not isinstance(dtype, str) or _float_dtype(dtype) is None:
-            raise _Bad(f"{where}['dtype'] must be 'float32' or 'float64', got {_short(dtype)}")
+        if not isinstance(dtype, str) or dtype not in LOWP_DTYPE_NAMES:
+            raise _Bad(f"{where}['dtype'] must be 'float16', 'bfloat16', 'float32' or 'float64', got "
+                       f"{_short(dtype)}")
         t = meta.get("t")
         if not _is_int(t) or t < 0:
             raise _Bad(f"{where}['t'] (its step count) must be an int >= 0, got {_short(t)}")
@@ -306,14 +318,6 @@ def check_snapshot_fields(state: OptimizerState) -> None:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _float_dtype(name: str) -> np.dtype | None:
-    try:
-        dt = np.dtype(name)
-    except (TypeError, ValueError):
-        return None
-    return dt if dt in FLOAT_DTYPES else None
 
 
 def _short(v: Any) -> str:
