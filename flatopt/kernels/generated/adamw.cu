@@ -95,7 +95,7 @@ __device__ __forceinline__ void adamw_group_f0(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -103,7 +103,7 @@ __device__ __forceinline__ void adamw_group_f0(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 / bc2_sqrt;
       const T t9 = t8 + eps;
@@ -128,7 +128,7 @@ __device__ __forceinline__ void adamw_vec_f0(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -136,7 +136,7 @@ __device__ __forceinline__ void adamw_vec_f0(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -212,9 +212,9 @@ __device__ __forceinline__ void adamw_group_f1(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/adam.py"
+#line 67 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -222,7 +222,7 @@ __device__ __forceinline__ void adamw_group_f1(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
@@ -247,9 +247,9 @@ __device__ __forceinline__ void adamw_vec_f1(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/adam.py"
+#line 67 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -257,7 +257,7 @@ __device__ __forceinline__ void adamw_vec_f1(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -335,7 +335,7 @@ __device__ __forceinline__ void adamw_group_f2(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -343,9 +343,9 @@ __device__ __forceinline__ void adamw_group_f2(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 76 "flatopt/adam.py"
+#line 73 "flatopt/adam.py"
       const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
@@ -372,7 +372,7 @@ __device__ __forceinline__ void adamw_vec_f2(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -380,9 +380,9 @@ __device__ __forceinline__ void adamw_vec_f2(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 76 "flatopt/adam.py"
+#line 73 "flatopt/adam.py"
     const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -462,9 +462,9 @@ __device__ __forceinline__ void adamw_group_f3(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/adam.py"
+#line 67 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -472,9 +472,9 @@ __device__ __forceinline__ void adamw_group_f3(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 76 "flatopt/adam.py"
+#line 73 "flatopt/adam.py"
       const T t8 = ((vmax_r[k] >= t7 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t7);
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 / bc2_sqrt;
       const T t11 = t10 + eps;
@@ -501,9 +501,9 @@ __device__ __forceinline__ void adamw_vec_f3(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/adam.py"
+#line 67 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -511,9 +511,9 @@ __device__ __forceinline__ void adamw_vec_f3(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 76 "flatopt/adam.py"
+#line 73 "flatopt/adam.py"
     const T t8 = ((vmax_r[k] >= t7 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t7);
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 / bc2_sqrt;
     const T t11 = t10 + eps;
@@ -585,7 +585,7 @@ __device__ __forceinline__ void adamw_f4_reduce_block(const T* __restrict__ g, T
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -593,7 +593,7 @@ __device__ __forceinline__ void adamw_f4_reduce_block(const T* __restrict__ g, T
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -641,7 +641,7 @@ __device__ __forceinline__ void adamw_f4_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -681,7 +681,7 @@ __device__ __forceinline__ void adamw_group_f4_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = t0 / bc2_sqrt;
       const T t2 = t1 + eps;
@@ -709,7 +709,7 @@ __device__ __forceinline__ void adamw_vec_f4_map(T* __restrict__ p, const T* __r
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = t0 / bc2_sqrt;
     const T t2 = t1 + eps;
@@ -780,7 +780,7 @@ __device__ __forceinline__ void adamw_f5_reduce_block(const T* __restrict__ g, T
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -788,7 +788,7 @@ __device__ __forceinline__ void adamw_f5_reduce_block(const T* __restrict__ g, T
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -836,7 +836,7 @@ __device__ __forceinline__ void adamw_f5_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -876,9 +876,9 @@ __device__ __forceinline__ void adamw_group_f5_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/adam.py"
+#line 67 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
       const T t1 = sqrt(v_r[k]);
       const T t2 = t1 / bc2_sqrt;
       const T t3 = t2 + eps;
@@ -906,9 +906,9 @@ __device__ __forceinline__ void adamw_vec_f5_map(T* __restrict__ p, const T* __r
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/adam.py"
+#line 67 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t1 = sqrt(v_r[k]);
     const T t2 = t1 / bc2_sqrt;
     const T t3 = t2 + eps;
@@ -981,7 +981,7 @@ __device__ __forceinline__ void adamw_f6_reduce_block(const T* __restrict__ g, T
     const T m_i = m[i];
     const T v_i = v[i];
     const T vmax_i = vmax[i];
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -989,9 +989,9 @@ __device__ __forceinline__ void adamw_f6_reduce_block(const T* __restrict__ g, T
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 76 "flatopt/adam.py"
+#line 73 "flatopt/adam.py"
     const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -1041,7 +1041,7 @@ __device__ __forceinline__ void adamw_f6_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1081,7 +1081,7 @@ __device__ __forceinline__ void adamw_group_f6_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
       const T t0 = sqrt(vmax_r[k]);
       const T t1 = t0 / bc2_sqrt;
       const T t2 = t1 + eps;
@@ -1109,7 +1109,7 @@ __device__ __forceinline__ void adamw_vec_f6_map(T* __restrict__ p, const T* __r
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t0 = sqrt(vmax_r[k]);
     const T t1 = t0 / bc2_sqrt;
     const T t2 = t1 + eps;
@@ -1181,7 +1181,7 @@ __device__ __forceinline__ void adamw_f7_reduce_block(const T* __restrict__ g, T
     const T m_i = m[i];
     const T v_i = v[i];
     const T vmax_i = vmax[i];
-#line 73 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1189,9 +1189,9 @@ __device__ __forceinline__ void adamw_f7_reduce_block(const T* __restrict__ g, T
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 76 "flatopt/adam.py"
+#line 73 "flatopt/adam.py"
     const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -1241,7 +1241,7 @@ __device__ __forceinline__ void adamw_f7_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1281,9 +1281,9 @@ __device__ __forceinline__ void adamw_group_f7_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/adam.py"
+#line 67 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
       const T t1 = sqrt(vmax_r[k]);
       const T t2 = t1 / bc2_sqrt;
       const T t3 = t2 + eps;
@@ -1311,9 +1311,9 @@ __device__ __forceinline__ void adamw_vec_f7_map(T* __restrict__ p, const T* __r
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/adam.py"
+#line 67 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 77 "flatopt/adam.py"
+#line 74 "flatopt/adam.py"
     const T t1 = sqrt(vmax_r[k]);
     const T t2 = t1 / bc2_sqrt;
     const T t3 = t2 + eps;

@@ -96,20 +96,20 @@ __device__ __forceinline__ void mars_group_f0(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 96 "flatopt/mars.py"
+#line 81 "flatopt/mars.py"
       const T t3 = t2 - m_r[k];
       const T t4 = t3 * omb1;
       const T t5 = m_r[k] + t4;
-#line 97 "flatopt/mars.py"
+#line 82 "flatopt/mars.py"
       const T t6 = v_r[k] * b2;
       const T t7 = t2 * omb2;
       const T t8 = t7 * t2;
       const T t9 = t6 + t8;
-#line 100 "flatopt/mars.py"
+#line 85 "flatopt/mars.py"
       const T t10 = sqrt(t9);
       const T t11 = t10 / bc2_sqrt;
       const T t12 = t11 + eps;
@@ -136,20 +136,20 @@ __device__ __forceinline__ void mars_vec_f0(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 96 "flatopt/mars.py"
+#line 81 "flatopt/mars.py"
     const T t3 = t2 - m_r[k];
     const T t4 = t3 * omb1;
     const T t5 = m_r[k] + t4;
-#line 97 "flatopt/mars.py"
+#line 82 "flatopt/mars.py"
     const T t6 = v_r[k] * b2;
     const T t7 = t2 * omb2;
     const T t8 = t7 * t2;
     const T t9 = t6 + t8;
-#line 100 "flatopt/mars.py"
+#line 85 "flatopt/mars.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 / bc2_sqrt;
     const T t12 = t11 + eps;
@@ -229,22 +229,22 @@ __device__ __forceinline__ void mars_group_f1(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 96 "flatopt/mars.py"
+#line 81 "flatopt/mars.py"
       const T t3 = t2 - m_r[k];
       const T t4 = t3 * omb1;
       const T t5 = m_r[k] + t4;
-#line 97 "flatopt/mars.py"
+#line 82 "flatopt/mars.py"
       const T t6 = v_r[k] * b2;
       const T t7 = t2 * omb2;
       const T t8 = t7 * t2;
       const T t9 = t6 + t8;
-#line 99 "flatopt/mars.py"
+#line 84 "flatopt/mars.py"
       const T t10 = p_r[k] * decay;
-#line 100 "flatopt/mars.py"
+#line 85 "flatopt/mars.py"
       const T t11 = sqrt(t9);
       const T t12 = t11 / bc2_sqrt;
       const T t13 = t12 + eps;
@@ -271,22 +271,22 @@ __device__ __forceinline__ void mars_vec_f1(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 96 "flatopt/mars.py"
+#line 81 "flatopt/mars.py"
     const T t3 = t2 - m_r[k];
     const T t4 = t3 * omb1;
     const T t5 = m_r[k] + t4;
-#line 97 "flatopt/mars.py"
+#line 82 "flatopt/mars.py"
     const T t6 = v_r[k] * b2;
     const T t7 = t2 * omb2;
     const T t8 = t7 * t2;
     const T t9 = t6 + t8;
-#line 99 "flatopt/mars.py"
+#line 84 "flatopt/mars.py"
     const T t10 = p_r[k] * decay;
-#line 100 "flatopt/mars.py"
+#line 85 "flatopt/mars.py"
     const T t11 = sqrt(t9);
     const T t12 = t11 / bc2_sqrt;
     const T t13 = t12 + eps;
@@ -357,11 +357,11 @@ __device__ __forceinline__ void mars_f2_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 95 "flatopt/mars.py"
+#line 80 "flatopt/mars.py"
     const T t3 = t2 * t2;
 #line 367 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
@@ -395,7 +395,7 @@ template <typename T>
 __device__ __forceinline__ void mars_f2_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 95 "flatopt/mars.py"
+#line 80 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
 #line 402 "flatopt/kernels/generated/mars.cu"
@@ -434,22 +434,22 @@ __device__ __forceinline__ void mars_group_f2_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 95 "flatopt/mars.py"
+#line 80 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 96 "flatopt/mars.py"
+#line 81 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 97 "flatopt/mars.py"
+#line 82 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 100 "flatopt/mars.py"
+#line 85 "flatopt/mars.py"
       const T t11 = sqrt(t10);
       const T t12 = t11 / bc2_sqrt;
       const T t13 = t12 + eps;
@@ -476,22 +476,22 @@ __device__ __forceinline__ void mars_vec_f2_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 95 "flatopt/mars.py"
+#line 80 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 96 "flatopt/mars.py"
+#line 81 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 97 "flatopt/mars.py"
+#line 82 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 100 "flatopt/mars.py"
+#line 85 "flatopt/mars.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 / bc2_sqrt;
     const T t13 = t12 + eps;
@@ -563,11 +563,11 @@ __device__ __forceinline__ void mars_f3_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 95 "flatopt/mars.py"
+#line 80 "flatopt/mars.py"
     const T t3 = t2 * t2;
 #line 573 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
@@ -601,7 +601,7 @@ template <typename T>
 __device__ __forceinline__ void mars_f3_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 95 "flatopt/mars.py"
+#line 80 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
 #line 608 "flatopt/kernels/generated/mars.cu"
@@ -640,24 +640,24 @@ __device__ __forceinline__ void mars_group_f3_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 95 "flatopt/mars.py"
+#line 80 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 96 "flatopt/mars.py"
+#line 81 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 97 "flatopt/mars.py"
+#line 82 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 99 "flatopt/mars.py"
+#line 84 "flatopt/mars.py"
       const T t11 = p_r[k] * decay;
-#line 100 "flatopt/mars.py"
+#line 85 "flatopt/mars.py"
       const T t12 = sqrt(t10);
       const T t13 = t12 / bc2_sqrt;
       const T t14 = t13 + eps;
@@ -684,24 +684,24 @@ __device__ __forceinline__ void mars_vec_f3_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/mars.py"
+#line 78 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 95 "flatopt/mars.py"
+#line 80 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 96 "flatopt/mars.py"
+#line 81 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 97 "flatopt/mars.py"
+#line 82 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 99 "flatopt/mars.py"
+#line 84 "flatopt/mars.py"
     const T t11 = p_r[k] * decay;
-#line 100 "flatopt/mars.py"
+#line 85 "flatopt/mars.py"
     const T t12 = sqrt(t10);
     const T t13 = t12 / bc2_sqrt;
     const T t14 = t13 + eps;
