@@ -86,6 +86,11 @@ def adam_family(name: str, scalars: Any, example: Any, *, decoupled: bool) -> An
 AMSGRAD = {"vmax": lambda cfg: cfg.amsgrad}  # Adam's and AdamW's only_if: vmax is kept with amsgrad only
 
 
+def decay_flag(cfg: Any, t: int) -> dict[str, bool]:
+    """The flags of a step whose only option is the weight decay (``wd``: λ != 0)."""
+    return dict(wd=cfg.weight_decay != 0)
+
+
 def bias_corrections(betas: tuple[float, float], t: int) -> tuple[float, float]:
     """(1 − β1^t, 1 − β2^t) in float64 (never β^t in float32)."""
     return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
@@ -107,7 +112,6 @@ class AdamConfig(Cautious):
 
 
 def scalars(cfg: AdamConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     return dict(wd=cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc2_sqrt=bc2 ** 0.5, eps=cfg.eps,

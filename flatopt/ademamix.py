@@ -41,7 +41,7 @@ import dataclasses
 import math
 from typing import Any
 
-from .adam import adam_moments, bias_corrections
+from .adam import adam_moments, bias_corrections, decay_flag
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
@@ -96,7 +96,6 @@ def schedule_beta3(cfg: AdEMAMixConfig, t: int) -> float:
 
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: AdEMAMixConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2, _ = cfg.betas
     bc1, bc2 = bias_corrections((b1, b2), t)
     return dict(decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2,
@@ -104,12 +103,7 @@ def scalars(cfg: AdEMAMixConfig, t: int, lr: Any) -> dict[str, Any]:
                 alpha=schedule_alpha(cfg, t), neg_lr=-lr)
 
 
-def flags(cfg: AdEMAMixConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
-
-
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, m_slow: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.wd:
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)
@@ -120,7 +114,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, m_slow: Any, *, s: Any, f: Any)
     return dict(p=p, m=m, v=v, m_slow=m_slow)
 
 
-DEF = define("ademamix", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v", "m_slow"),
+DEF = define("ademamix", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m", "v", "m_slow"),
              example=AdEMAMixConfig())
 
 

@@ -61,7 +61,6 @@ class AdoptConfig(Cautious):
 
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: AdoptConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     clip = math.pow(t, 0.25)  # pytorch-optimizer's default clip_lambda
     return dict(decay=1.0 - lr * cfg.weight_decay, wd=cfg.weight_decay, eps=cfg.eps, clip=clip, neg_clip=-clip,
@@ -74,7 +73,6 @@ def flags(cfg: AdoptConfig, t: int) -> dict[str, bool]:
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.dec:
         p = p * s.decay
     elif f.wd:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .adam import bias_corrections, check_common
+from .adam import bias_corrections, check_common, decay_flag
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
@@ -62,15 +62,10 @@ class LambConfig(Cautious):
 
 
 def scalars(cfg: LambConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced)."""
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     return dict(omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc1=bc1, bc2=bc2, eps=cfg.eps, wd=cfg.weight_decay,
                 neg_lr=-lr)
-
-
-def flags(cfg: LambConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
@@ -87,7 +82,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
     return dict(p=p, m=m, v=v)
 
 
-DEF = define("lamb", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v"), example=LambConfig())
+DEF = define("lamb", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m", "v"), example=LambConfig())
 _D = LambConfig  # the constructor's defaults: written once, in the config
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .adam import check_common
+from .adam import check_common, decay_flag
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
@@ -42,18 +42,12 @@ class LionConfig(Cautious):
 
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: LionConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     return dict(decay=1.0 - lr * cfg.weight_decay, b1=b1, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, neg_lr=-lr)
 
 
-def flags(cfg: LionConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
-
-
 def step(e: Any, p: Any, g: Any, m: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it (the NumPy
-    path computes sign(c)·(−η) branch-free: ``core/elementwise/lower_numpy.py`` ``signed_mul``)."""
+    """The NumPy path computes sign(c)·(−η) branch-free (``core/elementwise/lower_numpy.py`` ``signed_mul``)."""
     if f.wd:
         p = p * s.decay
     c = m * s.b1 + g * s.omb1
@@ -62,7 +56,7 @@ def step(e: Any, p: Any, g: Any, m: Any, *, s: Any, f: Any) -> dict[str, Any]:
     return dict(p=p, m=m)
 
 
-DEF = define("lion", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m",), example=LionConfig())
+DEF = define("lion", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m",), example=LionConfig())
 
 
 class Lion(ElementwiseOptimizer, definition=DEF):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .adam import adam_moments, bias_corrections, check_common
+from .adam import adam_moments, bias_corrections, check_common, decay_flag
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
@@ -48,7 +48,6 @@ class NAdamWConfig(Cautious):
 
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: NAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     bc1_next = 1.0 - b1 ** (t + 1)
@@ -57,12 +56,7 @@ def scalars(cfg: NAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
                 neg_lr=-lr)  # k_g, k_m, neg_lr: the cautious direction's (its mask's count reads no lr)
 
 
-def flags(cfg: NAdamWConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
-
-
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.wd:
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)
@@ -75,7 +69,7 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
     return dict(p=p, m=m, v=v)
 
 
-DEF = define("nadamw", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v"),
+DEF = define("nadamw", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m", "v"),
              example=NAdamWConfig())
 
 

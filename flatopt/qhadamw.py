@@ -51,7 +51,6 @@ class QHAdamWConfig(Cautious):
 
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: QHAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     nu1, nu2 = cfg.nus
     bc1, bc2 = bias_corrections(cfg.betas, t)
@@ -64,7 +63,6 @@ def flags(cfg: QHAdamWConfig, t: int) -> dict[str, bool]:
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.wd:
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)

@@ -83,7 +83,6 @@ def flags(cfg: RAdamConfig, t: int) -> dict[str, bool]:
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.dec:
         p = p * s.decay
     elif f.wd:

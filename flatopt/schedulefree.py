@@ -134,7 +134,6 @@ def lerp(a: Any, b: Any, w: Any, big: bool) -> Any:
 
 
 def step(e: Any, p: Any, g: Any, z: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     v = v * s.b2 + (g * s.omb2) * g
     u = e.cautious(g / (e.sqrt(v / s.bc2) + s.eps), g)  # masked before the decay is added
     if f.wd:

@@ -64,7 +64,6 @@ def _valid(f: dict[str, bool]) -> bool:
 
 
 def step(e: Any, p: Any, g: Any, buf: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     d = g
     if f.wd:
         d = p * s.wd + d

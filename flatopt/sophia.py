@@ -38,7 +38,7 @@ import dataclasses
 import math
 from typing import Any
 
-from .adam import check_common
+from .adam import check_common, decay_flag
 from .core import backend
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
@@ -63,18 +63,12 @@ class SophiaConfig(Cautious):
 
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: SophiaConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1 = cfg.betas[0]
     return dict(decay=1.0 - lr * cfg.weight_decay, b1=b1, omb1=1.0 - b1, rho=cfg.rho, eps=cfg.eps, neg_lr=-lr)
 
 
-def flags(cfg: SophiaConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
-
-
 def step(e: Any, p: Any, g: Any, m: Any, h: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it.  ``h`` is
-    read, never written here (``update_hessian`` moves it)."""
+    """``h`` is read, never written here (``update_hessian`` moves it)."""
     if f.wd:
         p = p * s.decay
     m = m * s.b1 + g * s.omb1
@@ -83,7 +77,7 @@ def step(e: Any, p: Any, g: Any, m: Any, h: Any, *, s: Any, f: Any) -> dict[str,
     return dict(p=p, m=m)
 
 
-DEF = define("sophia", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "h"),
+DEF = define("sophia", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m", "h"),
              example=SophiaConfig())
 
 

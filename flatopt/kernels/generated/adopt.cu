@@ -95,21 +95,21 @@ __device__ __forceinline__ void adopt_group_f0(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
       const T t2 = g_r[k] / t1;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
       const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t5 = t4 - m_r[k];
       const T t6 = t5 * omb1;
       const T t7 = m_r[k] + t6;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t8 = t7 * neg_lr;
       const T t9 = p_r[k] + t8;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t10 = v_r[k] * b2;
       const T t11 = g_r[k] * omb2;
       const T t12 = t11 * g_r[k];
@@ -132,21 +132,21 @@ __device__ __forceinline__ void adopt_vec_f0(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
     const T t2 = g_r[k] / t1;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
     const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t5 = t4 - m_r[k];
     const T t6 = t5 * omb1;
     const T t7 = m_r[k] + t6;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t8 = t7 * neg_lr;
     const T t9 = p_r[k] + t8;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t10 = v_r[k] * b2;
     const T t11 = g_r[k] * omb2;
     const T t12 = t11 * g_r[k];
@@ -220,24 +220,24 @@ __device__ __forceinline__ void adopt_group_f1(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t2 = sqrt(v_r[k]);
       const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
       const T t4 = t1 / t3;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
       const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t7 = t6 - m_r[k];
       const T t8 = t7 * omb1;
       const T t9 = m_r[k] + t8;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t10 = t9 * neg_lr;
       const T t11 = p_r[k] + t10;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t12 = v_r[k] * b2;
       const T t13 = t1 * omb2;
       const T t14 = t13 * t1;
@@ -260,24 +260,24 @@ __device__ __forceinline__ void adopt_vec_f1(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t2 = sqrt(v_r[k]);
     const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
     const T t4 = t1 / t3;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
     const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t7 = t6 - m_r[k];
     const T t8 = t7 * omb1;
     const T t9 = m_r[k] + t8;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t10 = t9 * neg_lr;
     const T t11 = p_r[k] + t10;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t12 = v_r[k] * b2;
     const T t13 = t1 * omb2;
     const T t14 = t13 * t1;
@@ -351,23 +351,23 @@ __device__ __forceinline__ void adopt_group_f3(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 79 "flatopt/adopt.py"
+#line 77 "flatopt/adopt.py"
       const T t0 = p_r[k] * decay;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t1 = sqrt(v_r[k]);
       const T t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
       const T t3 = g_r[k] / t2;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
       const T t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t6 = t5 - m_r[k];
       const T t7 = t6 * omb1;
       const T t8 = m_r[k] + t7;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t9 = t8 * neg_lr;
       const T t10 = t0 + t9;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t11 = v_r[k] * b2;
       const T t12 = g_r[k] * omb2;
       const T t13 = t12 * g_r[k];
@@ -390,23 +390,23 @@ __device__ __forceinline__ void adopt_vec_f3(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 79 "flatopt/adopt.py"
+#line 77 "flatopt/adopt.py"
     const T t0 = p_r[k] * decay;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t1 = sqrt(v_r[k]);
     const T t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
     const T t3 = g_r[k] / t2;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
     const T t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t6 = t5 - m_r[k];
     const T t7 = t6 * omb1;
     const T t8 = m_r[k] + t7;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t9 = t8 * neg_lr;
     const T t10 = t0 + t9;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t11 = v_r[k] * b2;
     const T t12 = g_r[k] * omb2;
     const T t13 = t12 * g_r[k];
@@ -479,7 +479,7 @@ __device__ __forceinline__ void adopt_group_f4(const T* __restrict__ g, T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
       const T t0 = g_r[k] * g_r[k];
       const T t1 = v_r[k] + t0;
 #line 486 "flatopt/kernels/generated/adopt.cu"
@@ -496,7 +496,7 @@ __device__ __forceinline__ void adopt_vec_f4(const T* __restrict__ g, T* __restr
   T v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
     const T t0 = g_r[k] * g_r[k];
     const T t1 = v_r[k] + t0;
 #line 503 "flatopt/kernels/generated/adopt.cu"
@@ -559,10 +559,10 @@ __device__ __forceinline__ void adopt_group_f5(const T* __restrict__ p, const T*
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
       const T t2 = t1 * t1;
       const T t3 = v_r[k] + t2;
 #line 569 "flatopt/kernels/generated/adopt.cu"
@@ -580,10 +580,10 @@ __device__ __forceinline__ void adopt_vec_f5(const T* __restrict__ p, const T* _
   T v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
     const T t2 = t1 * t1;
     const T t3 = v_r[k] + t2;
 #line 590 "flatopt/kernels/generated/adopt.cu"
@@ -647,9 +647,9 @@ __device__ __forceinline__ void adopt_group_f7(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 79 "flatopt/adopt.py"
+#line 77 "flatopt/adopt.py"
       const T t0 = p_r[k] * decay;
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
       const T t1 = g_r[k] * g_r[k];
       const T t2 = v_r[k] + t1;
 #line 656 "flatopt/kernels/generated/adopt.cu"
@@ -668,9 +668,9 @@ __device__ __forceinline__ void adopt_vec_f7(T* __restrict__ p, const T* __restr
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 79 "flatopt/adopt.py"
+#line 77 "flatopt/adopt.py"
     const T t0 = p_r[k] * decay;
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
     const T t1 = g_r[k] * g_r[k];
     const T t2 = v_r[k] + t1;
 #line 677 "flatopt/kernels/generated/adopt.cu"
@@ -731,18 +731,18 @@ __device__ __forceinline__ void adopt_f8_reduce_block(const T* __restrict__ g, T
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t0 = sqrt(v_i);
     const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
     const T t2 = g_i / t1;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
     const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t5 = t4 - m_i;
     const T t6 = t5 * omb1;
     const T t7 = m_i + t6;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t8 = t7 * t4;
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
@@ -785,7 +785,7 @@ __device__ __forceinline__ void adopt_f8_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -825,14 +825,14 @@ __device__ __forceinline__ void adopt_group_f8_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
       const T t2 = g_r[k] / t1;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
       const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t5 = m_r[k] * t4;
       const int t6 = t5 > ((T)0x0.0p+0);
       const T t7 = (T)t6;
@@ -840,7 +840,7 @@ __device__ __forceinline__ void adopt_group_f8_map(T* __restrict__ p, const T* _
       const T t9 = m_r[k] * t8;
       const T t10 = t9 * neg_lr;
       const T t11 = p_r[k] + t10;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t12 = v_r[k] * b2;
       const T t13 = g_r[k] * omb2;
       const T t14 = t13 * g_r[k];
@@ -862,14 +862,14 @@ __device__ __forceinline__ void adopt_vec_f8_map(T* __restrict__ p, const T* __r
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
     const T t2 = g_r[k] / t1;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
     const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t5 = m_r[k] * t4;
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -877,7 +877,7 @@ __device__ __forceinline__ void adopt_vec_f8_map(T* __restrict__ p, const T* __r
     const T t9 = m_r[k] * t8;
     const T t10 = t9 * neg_lr;
     const T t11 = p_r[k] + t10;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t12 = v_r[k] * b2;
     const T t13 = g_r[k] * omb2;
     const T t14 = t13 * g_r[k];
@@ -944,21 +944,21 @@ __device__ __forceinline__ void adopt_f9_reduce_block(const T* __restrict__ p, c
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
     const T t0 = p_i * wd;
     const T t1 = g_i + t0;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t2 = sqrt(v_i);
     const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
     const T t4 = t1 / t3;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
     const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t7 = t6 - m_i;
     const T t8 = t7 * omb1;
     const T t9 = m_i + t8;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t10 = t9 * t6;
     const int t11 = t10 > ((T)0x0.0p+0);
     const T t12 = (T)t11;
@@ -1002,7 +1002,7 @@ __device__ __forceinline__ void adopt_f9_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1042,17 +1042,17 @@ __device__ __forceinline__ void adopt_group_f9_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t2 = sqrt(v_r[k]);
       const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
       const T t4 = t1 / t3;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
       const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t7 = m_r[k] * t6;
       const int t8 = t7 > ((T)0x0.0p+0);
       const T t9 = (T)t8;
@@ -1060,7 +1060,7 @@ __device__ __forceinline__ void adopt_group_f9_map(T* __restrict__ p, const T* _
       const T t11 = m_r[k] * t10;
       const T t12 = t11 * neg_lr;
       const T t13 = p_r[k] + t12;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t14 = v_r[k] * b2;
       const T t15 = t1 * omb2;
       const T t16 = t15 * t1;
@@ -1082,17 +1082,17 @@ __device__ __forceinline__ void adopt_vec_f9_map(T* __restrict__ p, const T* __r
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t2 = sqrt(v_r[k]);
     const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
     const T t4 = t1 / t3;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
     const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t7 = m_r[k] * t6;
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;
@@ -1100,7 +1100,7 @@ __device__ __forceinline__ void adopt_vec_f9_map(T* __restrict__ p, const T* __r
     const T t11 = m_r[k] * t10;
     const T t12 = t11 * neg_lr;
     const T t13 = p_r[k] + t12;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t14 = v_r[k] * b2;
     const T t15 = t1 * omb2;
     const T t16 = t15 * t1;
@@ -1166,18 +1166,18 @@ __device__ __forceinline__ void adopt_f11_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t0 = sqrt(v_i);
     const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
     const T t2 = g_i / t1;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
     const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 86 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t5 = t4 - m_i;
     const T t6 = t5 * omb1;
     const T t7 = m_i + t6;
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t8 = t7 * t4;
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
@@ -1220,7 +1220,7 @@ __device__ __forceinline__ void adopt_f11_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1260,16 +1260,16 @@ __device__ __forceinline__ void adopt_group_f11_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 79 "flatopt/adopt.py"
+#line 77 "flatopt/adopt.py"
       const T t0 = p_r[k] * decay;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t1 = sqrt(v_r[k]);
       const T t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
       const T t3 = g_r[k] / t2;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
       const T t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t6 = m_r[k] * t5;
       const int t7 = t6 > ((T)0x0.0p+0);
       const T t8 = (T)t7;
@@ -1277,7 +1277,7 @@ __device__ __forceinline__ void adopt_group_f11_map(T* __restrict__ p, const T* 
       const T t10 = m_r[k] * t9;
       const T t11 = t10 * neg_lr;
       const T t12 = t0 + t11;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t13 = v_r[k] * b2;
       const T t14 = g_r[k] * omb2;
       const T t15 = t14 * g_r[k];
@@ -1299,16 +1299,16 @@ __device__ __forceinline__ void adopt_vec_f11_map(T* __restrict__ p, const T* __
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 79 "flatopt/adopt.py"
+#line 77 "flatopt/adopt.py"
     const T t0 = p_r[k] * decay;
-#line 84 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t1 = sqrt(v_r[k]);
     const T t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
     const T t3 = g_r[k] / t2;
-#line 85 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
     const T t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
-#line 87 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t6 = m_r[k] * t5;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
@@ -1316,7 +1316,7 @@ __device__ __forceinline__ void adopt_vec_f11_map(T* __restrict__ p, const T* __
     const T t10 = m_r[k] * t9;
     const T t11 = t10 * neg_lr;
     const T t12 = t0 + t11;
-#line 88 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t13 = v_r[k] * b2;
     const T t14 = g_r[k] * omb2;
     const T t15 = t14 * g_r[k];
@@ -1389,7 +1389,7 @@ __device__ __forceinline__ void adopt_group_f12(const T* __restrict__ g, T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
       const T t0 = g_r[k] * g_r[k];
       const T t1 = v_r[k] + t0;
 #line 1396 "flatopt/kernels/generated/adopt.cu"
@@ -1406,7 +1406,7 @@ __device__ __forceinline__ void adopt_vec_f12(const T* __restrict__ g, T* __rest
   T v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
     const T t0 = g_r[k] * g_r[k];
     const T t1 = v_r[k] + t0;
 #line 1413 "flatopt/kernels/generated/adopt.cu"
@@ -1469,10 +1469,10 @@ __device__ __forceinline__ void adopt_group_f13(const T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
       const T t2 = t1 * t1;
       const T t3 = v_r[k] + t2;
 #line 1479 "flatopt/kernels/generated/adopt.cu"
@@ -1490,10 +1490,10 @@ __device__ __forceinline__ void adopt_vec_f13(const T* __restrict__ p, const T* 
   T v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 81 "flatopt/adopt.py"
+#line 79 "flatopt/adopt.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
     const T t2 = t1 * t1;
     const T t3 = v_r[k] + t2;
 #line 1500 "flatopt/kernels/generated/adopt.cu"
@@ -1557,9 +1557,9 @@ __device__ __forceinline__ void adopt_group_f15(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 79 "flatopt/adopt.py"
+#line 77 "flatopt/adopt.py"
       const T t0 = p_r[k] * decay;
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
       const T t1 = g_r[k] * g_r[k];
       const T t2 = v_r[k] + t1;
 #line 1566 "flatopt/kernels/generated/adopt.cu"
@@ -1578,9 +1578,9 @@ __device__ __forceinline__ void adopt_vec_f15(T* __restrict__ p, const T* __rest
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 79 "flatopt/adopt.py"
+#line 77 "flatopt/adopt.py"
     const T t0 = p_r[k] * decay;
-#line 83 "flatopt/adopt.py"
+#line 81 "flatopt/adopt.py"
     const T t1 = g_r[k] * g_r[k];
     const T t2 = v_r[k] + t1;
 #line 1587 "flatopt/kernels/generated/adopt.cu"

@@ -95,7 +95,7 @@ __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -103,11 +103,11 @@ __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t8 = t6 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
       const T t11 = t7 / t10;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void qhadamw_vec_f0(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -139,11 +139,11 @@ __device__ __forceinline__ void qhadamw_vec_f0(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
@@ -218,9 +218,9 @@ __device__ __forceinline__ void qhadamw_group_f1(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -228,11 +228,11 @@ __device__ __forceinline__ void qhadamw_group_f1(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t9 = t7 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t10 = sqrt(t9);
       const T t11 = t10 + eps;
       const T t12 = t8 / t11;
@@ -256,9 +256,9 @@ __device__ __forceinline__ void qhadamw_vec_f1(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -266,11 +266,11 @@ __device__ __forceinline__ void qhadamw_vec_f1(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t9 = t7 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 + eps;
     const T t12 = t8 / t11;
@@ -346,7 +346,7 @@ __device__ __forceinline__ void qhadamw_group_f2(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -354,14 +354,14 @@ __device__ __forceinline__ void qhadamw_group_f2(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
       const T t8 = g_r[k] * c_g;
       const T t9 = t7 + t8;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t10 = t6 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t11 = sqrt(t10);
       const T t12 = t11 + eps;
       const T t13 = t9 / t12;
@@ -385,7 +385,7 @@ __device__ __forceinline__ void qhadamw_vec_f2(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -393,14 +393,14 @@ __device__ __forceinline__ void qhadamw_vec_f2(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t8 = g_r[k] * c_g;
     const T t9 = t7 + t8;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 + eps;
     const T t13 = t9 / t12;
@@ -475,9 +475,9 @@ __device__ __forceinline__ void qhadamw_group_f3(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -485,14 +485,14 @@ __device__ __forceinline__ void qhadamw_group_f3(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_g;
       const T t10 = t8 + t9;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t11 = t7 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t12 = sqrt(t11);
       const T t13 = t12 + eps;
       const T t14 = t10 / t13;
@@ -516,9 +516,9 @@ __device__ __forceinline__ void qhadamw_vec_f3(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -526,14 +526,14 @@ __device__ __forceinline__ void qhadamw_vec_f3(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_g;
     const T t10 = t8 + t9;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t11 = t7 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t10 / t13;
@@ -609,7 +609,7 @@ __device__ __forceinline__ void qhadamw_group_f4(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -617,15 +617,15 @@ __device__ __forceinline__ void qhadamw_group_f4(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t8 = t6 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_gg;
       const T t10 = t9 * g_r[k];
       const T t11 = t8 + t10;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t12 = sqrt(t11);
       const T t13 = t12 + eps;
       const T t14 = t7 / t13;
@@ -649,7 +649,7 @@ __device__ __forceinline__ void qhadamw_vec_f4(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -657,15 +657,15 @@ __device__ __forceinline__ void qhadamw_vec_f4(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_gg;
     const T t10 = t9 * g_r[k];
     const T t11 = t8 + t10;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t7 / t13;
@@ -740,9 +740,9 @@ __device__ __forceinline__ void qhadamw_group_f5(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -750,15 +750,15 @@ __device__ __forceinline__ void qhadamw_group_f5(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t9 = t7 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
       const T t10 = g_r[k] * c_gg;
       const T t11 = t10 * g_r[k];
       const T t12 = t9 + t11;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t13 = sqrt(t12);
       const T t14 = t13 + eps;
       const T t15 = t8 / t14;
@@ -782,9 +782,9 @@ __device__ __forceinline__ void qhadamw_vec_f5(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -792,15 +792,15 @@ __device__ __forceinline__ void qhadamw_vec_f5(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t9 = t7 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t10 = g_r[k] * c_gg;
     const T t11 = t10 * g_r[k];
     const T t12 = t9 + t11;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t13 = sqrt(t12);
     const T t14 = t13 + eps;
     const T t15 = t8 / t14;
@@ -876,7 +876,7 @@ __device__ __forceinline__ void qhadamw_group_f6(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -884,18 +884,18 @@ __device__ __forceinline__ void qhadamw_group_f6(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
       const T t8 = g_r[k] * c_g;
       const T t9 = t7 + t8;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t10 = t6 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
       const T t11 = g_r[k] * c_gg;
       const T t12 = t11 * g_r[k];
       const T t13 = t10 + t12;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t14 = sqrt(t13);
       const T t15 = t14 + eps;
       const T t16 = t9 / t15;
@@ -919,7 +919,7 @@ __device__ __forceinline__ void qhadamw_vec_f6(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -927,18 +927,18 @@ __device__ __forceinline__ void qhadamw_vec_f6(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t8 = g_r[k] * c_g;
     const T t9 = t7 + t8;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t11 = g_r[k] * c_gg;
     const T t12 = t11 * g_r[k];
     const T t13 = t10 + t12;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t14 = sqrt(t13);
     const T t15 = t14 + eps;
     const T t16 = t9 / t15;
@@ -1013,9 +1013,9 @@ __device__ __forceinline__ void qhadamw_group_f7(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -1023,18 +1023,18 @@ __device__ __forceinline__ void qhadamw_group_f7(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_g;
       const T t10 = t8 + t9;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t11 = t7 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
       const T t12 = g_r[k] * c_gg;
       const T t13 = t12 * g_r[k];
       const T t14 = t11 + t13;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t15 = sqrt(t14);
       const T t16 = t15 + eps;
       const T t17 = t10 / t16;
@@ -1058,9 +1058,9 @@ __device__ __forceinline__ void qhadamw_vec_f7(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -1068,18 +1068,18 @@ __device__ __forceinline__ void qhadamw_vec_f7(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_g;
     const T t10 = t8 + t9;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t11 = t7 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t12 = g_r[k] * c_gg;
     const T t13 = t12 * g_r[k];
     const T t14 = t11 + t13;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t15 = sqrt(t14);
     const T t16 = t15 + eps;
     const T t17 = t10 / t16;
@@ -1147,7 +1147,7 @@ __device__ __forceinline__ void qhadamw_f8_reduce_block(const T* __restrict__ g,
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1155,11 +1155,11 @@ __device__ __forceinline__ void qhadamw_f8_reduce_block(const T* __restrict__ g,
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
@@ -1206,7 +1206,7 @@ __device__ __forceinline__ void qhadamw_f8_fold_one(const T* __restrict__ parts,
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1246,11 +1246,11 @@ __device__ __forceinline__ void qhadamw_group_f8_map(T* __restrict__ p, const T*
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t0 = m_r[k] * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t1 = v_r[k] * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
       const T t4 = t0 / t3;
@@ -1277,11 +1277,11 @@ __device__ __forceinline__ void qhadamw_vec_f8_map(T* __restrict__ p, const T* _
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = m_r[k] * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t1 = v_r[k] * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t2 = sqrt(t1);
     const T t3 = t2 + eps;
     const T t4 = t0 / t3;
@@ -1351,7 +1351,7 @@ __device__ __forceinline__ void qhadamw_f9_reduce_block(const T* __restrict__ g,
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1359,11 +1359,11 @@ __device__ __forceinline__ void qhadamw_f9_reduce_block(const T* __restrict__ g,
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
@@ -1410,7 +1410,7 @@ __device__ __forceinline__ void qhadamw_f9_fold_one(const T* __restrict__ parts,
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1450,13 +1450,13 @@ __device__ __forceinline__ void qhadamw_group_f9_map(T* __restrict__ p, const T*
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t1 = m_r[k] * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t2 = v_r[k] * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t3 = sqrt(t2);
       const T t4 = t3 + eps;
       const T t5 = t1 / t4;
@@ -1483,13 +1483,13 @@ __device__ __forceinline__ void qhadamw_vec_f9_map(T* __restrict__ p, const T* _
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t1 = m_r[k] * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t2 = v_r[k] * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t3 = sqrt(t2);
     const T t4 = t3 + eps;
     const T t5 = t1 / t4;
@@ -1560,7 +1560,7 @@ __device__ __forceinline__ void qhadamw_f10_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1568,14 +1568,14 @@ __device__ __forceinline__ void qhadamw_f10_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t8 = g_i * c_g;
     const T t9 = t7 + t8;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 + eps;
     const T t13 = t9 / t12;
@@ -1622,7 +1622,7 @@ __device__ __forceinline__ void qhadamw_f10_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1662,14 +1662,14 @@ __device__ __forceinline__ void qhadamw_group_f10_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t0 = m_r[k] * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
       const T t1 = g_r[k] * c_g;
       const T t2 = t0 + t1;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t3 = v_r[k] * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t4 = sqrt(t3);
       const T t5 = t4 + eps;
       const T t6 = t2 / t5;
@@ -1696,14 +1696,14 @@ __device__ __forceinline__ void qhadamw_vec_f10_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = m_r[k] * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t1 = g_r[k] * c_g;
     const T t2 = t0 + t1;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t3 = v_r[k] * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t4 = sqrt(t3);
     const T t5 = t4 + eps;
     const T t6 = t2 / t5;
@@ -1773,7 +1773,7 @@ __device__ __forceinline__ void qhadamw_f11_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1781,14 +1781,14 @@ __device__ __forceinline__ void qhadamw_f11_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t8 = g_i * c_g;
     const T t9 = t7 + t8;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 + eps;
     const T t13 = t9 / t12;
@@ -1835,7 +1835,7 @@ __device__ __forceinline__ void qhadamw_f11_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1875,16 +1875,16 @@ __device__ __forceinline__ void qhadamw_group_f11_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t1 = m_r[k] * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
       const T t2 = g_r[k] * c_g;
       const T t3 = t1 + t2;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t4 = v_r[k] * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = t3 / t6;
@@ -1911,16 +1911,16 @@ __device__ __forceinline__ void qhadamw_vec_f11_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t1 = m_r[k] * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t2 = g_r[k] * c_g;
     const T t3 = t1 + t2;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t4 = v_r[k] * c_v;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = t3 / t6;
@@ -1991,7 +1991,7 @@ __device__ __forceinline__ void qhadamw_f12_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1999,15 +1999,15 @@ __device__ __forceinline__ void qhadamw_f12_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t9 = g_i * c_gg;
     const T t10 = t9 * g_i;
     const T t11 = t8 + t10;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t7 / t13;
@@ -2054,7 +2054,7 @@ __device__ __forceinline__ void qhadamw_f12_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2094,15 +2094,15 @@ __device__ __forceinline__ void qhadamw_group_f12_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t0 = m_r[k] * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t1 = v_r[k] * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
       const T t2 = g_r[k] * c_gg;
       const T t3 = t2 * g_r[k];
       const T t4 = t1 + t3;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = t0 / t6;
@@ -2129,15 +2129,15 @@ __device__ __forceinline__ void qhadamw_vec_f12_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = m_r[k] * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t1 = v_r[k] * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t2 = g_r[k] * c_gg;
     const T t3 = t2 * g_r[k];
     const T t4 = t1 + t3;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = t0 / t6;
@@ -2207,7 +2207,7 @@ __device__ __forceinline__ void qhadamw_f13_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -2215,15 +2215,15 @@ __device__ __forceinline__ void qhadamw_f13_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t9 = g_i * c_gg;
     const T t10 = t9 * g_i;
     const T t11 = t8 + t10;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t7 / t13;
@@ -2270,7 +2270,7 @@ __device__ __forceinline__ void qhadamw_f13_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2310,17 +2310,17 @@ __device__ __forceinline__ void qhadamw_group_f13_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t1 = m_r[k] * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t2 = v_r[k] * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
       const T t3 = g_r[k] * c_gg;
       const T t4 = t3 * g_r[k];
       const T t5 = t2 + t4;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t6 = sqrt(t5);
       const T t7 = t6 + eps;
       const T t8 = t1 / t7;
@@ -2347,17 +2347,17 @@ __device__ __forceinline__ void qhadamw_vec_f13_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t1 = m_r[k] * c_m;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t2 = v_r[k] * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t3 = g_r[k] * c_gg;
     const T t4 = t3 * g_r[k];
     const T t5 = t2 + t4;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t6 = sqrt(t5);
     const T t7 = t6 + eps;
     const T t8 = t1 / t7;
@@ -2428,7 +2428,7 @@ __device__ __forceinline__ void qhadamw_f14_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -2436,18 +2436,18 @@ __device__ __forceinline__ void qhadamw_f14_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t8 = g_i * c_g;
     const T t9 = t7 + t8;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t11 = g_i * c_gg;
     const T t12 = t11 * g_i;
     const T t13 = t10 + t12;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t14 = sqrt(t13);
     const T t15 = t14 + eps;
     const T t16 = t9 / t15;
@@ -2494,7 +2494,7 @@ __device__ __forceinline__ void qhadamw_f14_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2534,18 +2534,18 @@ __device__ __forceinline__ void qhadamw_group_f14_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t0 = m_r[k] * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
       const T t1 = g_r[k] * c_g;
       const T t2 = t0 + t1;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t3 = v_r[k] * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
       const T t4 = g_r[k] * c_gg;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 + eps;
       const T t9 = t2 / t8;
@@ -2572,18 +2572,18 @@ __device__ __forceinline__ void qhadamw_vec_f14_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = m_r[k] * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t1 = g_r[k] * c_g;
     const T t2 = t0 + t1;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t3 = v_r[k] * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t4 = g_r[k] * c_gg;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -2653,7 +2653,7 @@ __device__ __forceinline__ void qhadamw_f15_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -2661,18 +2661,18 @@ __device__ __forceinline__ void qhadamw_f15_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t8 = g_i * c_g;
     const T t9 = t7 + t8;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t11 = g_i * c_gg;
     const T t12 = t11 * g_i;
     const T t13 = t10 + t12;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t14 = sqrt(t13);
     const T t15 = t14 + eps;
     const T t16 = t9 / t15;
@@ -2719,7 +2719,7 @@ __device__ __forceinline__ void qhadamw_f15_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2759,20 +2759,20 @@ __device__ __forceinline__ void qhadamw_group_f15_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t1 = m_r[k] * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
       const T t2 = g_r[k] * c_g;
       const T t3 = t1 + t2;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t4 = v_r[k] * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
       const T t5 = g_r[k] * c_gg;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 + eps;
       const T t10 = t3 / t9;
@@ -2799,20 +2799,20 @@ __device__ __forceinline__ void qhadamw_vec_f15_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 67 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 71 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t1 = m_r[k] * c_m;
-#line 73 "flatopt/qhadamw.py"
+#line 71 "flatopt/qhadamw.py"
     const T t2 = g_r[k] * c_g;
     const T t3 = t1 + t2;
-#line 74 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t4 = v_r[k] * c_v;
-#line 76 "flatopt/qhadamw.py"
+#line 74 "flatopt/qhadamw.py"
     const T t5 = g_r[k] * c_gg;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 77 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 + eps;
     const T t10 = t3 / t9;

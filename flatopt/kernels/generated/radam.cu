@@ -95,7 +95,7 @@ __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -103,7 +103,7 @@ __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
       const T t7 = t2 * factor;
       const T t8 = p_r[k] + t7;
 #line 110 "flatopt/kernels/generated/radam.cu"
@@ -124,7 +124,7 @@ __device__ __forceinline__ void radam_vec_f0(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -132,7 +132,7 @@ __device__ __forceinline__ void radam_vec_f0(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t7 = t2 * factor;
     const T t8 = p_r[k] + t7;
 #line 139 "flatopt/kernels/generated/radam.cu"
@@ -204,10 +204,10 @@ __device__ __forceinline__ void radam_group_f1(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -215,7 +215,7 @@ __device__ __forceinline__ void radam_group_f1(T* __restrict__ p, const T* __res
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
       const T t9 = t4 * factor;
       const T t10 = p_r[k] + t9;
 #line 222 "flatopt/kernels/generated/radam.cu"
@@ -236,10 +236,10 @@ __device__ __forceinline__ void radam_vec_f1(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -247,7 +247,7 @@ __device__ __forceinline__ void radam_vec_f1(T* __restrict__ p, const T* __restr
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t9 = t4 * factor;
     const T t10 = p_r[k] + t9;
 #line 254 "flatopt/kernels/generated/radam.cu"
@@ -319,9 +319,9 @@ __device__ __forceinline__ void radam_group_f3(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 88 "flatopt/radam.py"
+#line 87 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -329,7 +329,7 @@ __device__ __forceinline__ void radam_group_f3(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
       const T t8 = t3 * factor;
       const T t9 = t0 + t8;
 #line 336 "flatopt/kernels/generated/radam.cu"
@@ -350,9 +350,9 @@ __device__ __forceinline__ void radam_vec_f3(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 88 "flatopt/radam.py"
+#line 87 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -360,7 +360,7 @@ __device__ __forceinline__ void radam_vec_f3(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t8 = t3 * factor;
     const T t9 = t0 + t8;
 #line 367 "flatopt/kernels/generated/radam.cu"
@@ -433,7 +433,7 @@ __device__ __forceinline__ void radam_group_f4(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -441,7 +441,7 @@ __device__ __forceinline__ void radam_group_f4(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 + eps;
       const T t9 = t2 / t8;
@@ -465,7 +465,7 @@ __device__ __forceinline__ void radam_vec_f4(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -473,7 +473,7 @@ __device__ __forceinline__ void radam_vec_f4(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -548,10 +548,10 @@ __device__ __forceinline__ void radam_group_f5(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -559,7 +559,7 @@ __device__ __forceinline__ void radam_group_f5(T* __restrict__ p, const T* __res
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
       const T t11 = t4 / t10;
@@ -583,10 +583,10 @@ __device__ __forceinline__ void radam_vec_f5(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -594,7 +594,7 @@ __device__ __forceinline__ void radam_vec_f5(T* __restrict__ p, const T* __restr
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t4 / t10;
@@ -669,9 +669,9 @@ __device__ __forceinline__ void radam_group_f7(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 88 "flatopt/radam.py"
+#line 87 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -679,7 +679,7 @@ __device__ __forceinline__ void radam_group_f7(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 + eps;
       const T t10 = t3 / t9;
@@ -703,9 +703,9 @@ __device__ __forceinline__ void radam_vec_f7(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 88 "flatopt/radam.py"
+#line 87 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -713,7 +713,7 @@ __device__ __forceinline__ void radam_vec_f7(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 + eps;
     const T t10 = t3 / t9;
@@ -780,11 +780,11 @@ __device__ __forceinline__ void radam_f8_reduce_block(const T* __restrict__ g, T
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T m_i = m[i];
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
@@ -826,7 +826,7 @@ __device__ __forceinline__ void radam_f8_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -866,12 +866,12 @@ __device__ __forceinline__ void radam_group_f8_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
       const T t4 = m_r[k] * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
       const T t6 = (T)t5;
@@ -896,12 +896,12 @@ __device__ __forceinline__ void radam_vec_f8_map(T* __restrict__ p, const T* __r
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t4 = m_r[k] * g_r[k];
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -970,14 +970,14 @@ __device__ __forceinline__ void radam_f9_reduce_block(const T* __restrict__ p, c
     const T p_i = p[i];
     const T g_i = g[i];
     const T m_i = m[i];
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
     const T t0 = p_i * wd;
     const T t1 = g_i + t0;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t2 = t1 - m_i;
     const T t3 = t2 * omb1;
     const T t4 = m_i + t3;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t5 = t4 * t1;
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -1020,7 +1020,7 @@ __device__ __forceinline__ void radam_f9_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1060,15 +1060,15 @@ __device__ __forceinline__ void radam_group_f9_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t2 = v_r[k] * b2;
       const T t3 = t1 * omb2;
       const T t4 = t3 * t1;
       const T t5 = t2 + t4;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
       const T t6 = m_r[k] * t1;
       const int t7 = t6 > ((T)0x0.0p+0);
       const T t8 = (T)t7;
@@ -1093,15 +1093,15 @@ __device__ __forceinline__ void radam_vec_f9_map(T* __restrict__ p, const T* __r
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t2 = v_r[k] * b2;
     const T t3 = t1 * omb2;
     const T t4 = t3 * t1;
     const T t5 = t2 + t4;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t6 = m_r[k] * t1;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
@@ -1169,11 +1169,11 @@ __device__ __forceinline__ void radam_f11_reduce_block(const T* __restrict__ g, 
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T m_i = m[i];
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
@@ -1215,7 +1215,7 @@ __device__ __forceinline__ void radam_f11_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1255,14 +1255,14 @@ __device__ __forceinline__ void radam_group_f11_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 88 "flatopt/radam.py"
+#line 87 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t1 = v_r[k] * b2;
       const T t2 = g_r[k] * omb2;
       const T t3 = t2 * g_r[k];
       const T t4 = t1 + t3;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
       const T t5 = m_r[k] * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
       const T t7 = (T)t6;
@@ -1287,14 +1287,14 @@ __device__ __forceinline__ void radam_vec_f11_map(T* __restrict__ p, const T* __
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 88 "flatopt/radam.py"
+#line 87 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t1 = v_r[k] * b2;
     const T t2 = g_r[k] * omb2;
     const T t3 = t2 * g_r[k];
     const T t4 = t1 + t3;
-#line 95 "flatopt/radam.py"
+#line 94 "flatopt/radam.py"
     const T t5 = m_r[k] * g_r[k];
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -1364,7 +1364,7 @@ __device__ __forceinline__ void radam_f12_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1372,7 +1372,7 @@ __device__ __forceinline__ void radam_f12_reduce_block(const T* __restrict__ g, 
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -1419,7 +1419,7 @@ __device__ __forceinline__ void radam_f12_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1459,7 +1459,7 @@ __device__ __forceinline__ void radam_group_f12_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = t0 + eps;
       const T t2 = m_r[k] / t1;
@@ -1486,7 +1486,7 @@ __device__ __forceinline__ void radam_vec_f12_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = t0 + eps;
     const T t2 = m_r[k] / t1;
@@ -1557,10 +1557,10 @@ __device__ __forceinline__ void radam_f13_reduce_block(const T* __restrict__ p, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
     const T t0 = p_i * wd;
     const T t1 = g_i + t0;
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t2 = t1 - m_i;
     const T t3 = t2 * omb1;
     const T t4 = m_i + t3;
@@ -1568,7 +1568,7 @@ __device__ __forceinline__ void radam_f13_reduce_block(const T* __restrict__ p, 
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t4 / t10;
@@ -1616,7 +1616,7 @@ __device__ __forceinline__ void radam_f13_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1656,10 +1656,10 @@ __device__ __forceinline__ void radam_group_f13_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
       const T t2 = sqrt(v_r[k]);
       const T t3 = t2 + eps;
       const T t4 = m_r[k] / t3;
@@ -1686,10 +1686,10 @@ __device__ __forceinline__ void radam_vec_f13_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/radam.py"
+#line 89 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t2 = sqrt(v_r[k]);
     const T t3 = t2 + eps;
     const T t4 = m_r[k] / t3;
@@ -1759,7 +1759,7 @@ __device__ __forceinline__ void radam_f15_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 91 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1767,7 +1767,7 @@ __device__ __forceinline__ void radam_f15_reduce_block(const T* __restrict__ g, 
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -1814,7 +1814,7 @@ __device__ __forceinline__ void radam_f15_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1854,9 +1854,9 @@ __device__ __forceinline__ void radam_group_f15_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 88 "flatopt/radam.py"
+#line 87 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
       const T t1 = sqrt(v_r[k]);
       const T t2 = t1 + eps;
       const T t3 = m_r[k] / t2;
@@ -1883,9 +1883,9 @@ __device__ __forceinline__ void radam_vec_f15_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 88 "flatopt/radam.py"
+#line 87 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 93 "flatopt/radam.py"
+#line 92 "flatopt/radam.py"
     const T t1 = sqrt(v_r[k]);
     const T t2 = t1 + eps;
     const T t3 = m_r[k] / t2;

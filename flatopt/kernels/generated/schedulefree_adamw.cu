@@ -95,24 +95,24 @@ __device__ __forceinline__ void schedulefree_adamw_group_f0(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t8 = z_r[k] - p_r[k];
       const T t9 = t8 * ckp1;
       const T t10 = p_r[k] + t9;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t11 = t7 * y_step;
       const T t12 = t10 + t11;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t13 = t7 * z_step;
       const T t14 = z_r[k] - t13;
 #line 119 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -133,24 +133,24 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f0(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t8 = z_r[k] - p_r[k];
     const T t9 = t8 * ckp1;
     const T t10 = p_r[k] + t9;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t11 = t7 * y_step;
     const T t12 = t10 + t11;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t13 = t7 * z_step;
     const T t14 = z_r[k] - t13;
 #line 157 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -223,27 +223,27 @@ __device__ __forceinline__ void schedulefree_adamw_group_f1(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
       const T t8 = p_r[k] * decay;
       const T t9 = t7 + t8;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t10 = z_r[k] - p_r[k];
       const T t11 = t10 * ckp1;
       const T t12 = p_r[k] + t11;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t13 = t9 * y_step;
       const T t14 = t12 + t13;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t15 = t9 * z_step;
       const T t16 = z_r[k] - t15;
 #line 250 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -264,27 +264,27 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f1(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
     const T t8 = p_r[k] * decay;
     const T t9 = t7 + t8;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t10 = z_r[k] - p_r[k];
     const T t11 = t10 * ckp1;
     const T t12 = p_r[k] + t11;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t13 = t9 * y_step;
     const T t14 = t12 + t13;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t15 = t9 * z_step;
     const T t16 = z_r[k] - t15;
 #line 291 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -356,24 +356,24 @@ __device__ __forceinline__ void schedulefree_adamw_group_f2(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t8 = p_r[k] - p_r[k];
       const T t9 = t8 * ckp1;
       const T t10 = p_r[k] + t9;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t11 = t7 * y_step;
       const T t12 = t10 + t11;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t13 = t7 * z_step;
       const T t14 = p_r[k] - t13;
 #line 380 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -393,24 +393,24 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f2(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t8 = p_r[k] - p_r[k];
     const T t9 = t8 * ckp1;
     const T t10 = p_r[k] + t9;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t11 = t7 * y_step;
     const T t12 = t10 + t11;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t13 = t7 * z_step;
     const T t14 = p_r[k] - t13;
 #line 417 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -482,27 +482,27 @@ __device__ __forceinline__ void schedulefree_adamw_group_f3(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
       const T t8 = p_r[k] * decay;
       const T t9 = t7 + t8;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t10 = p_r[k] - p_r[k];
       const T t11 = t10 * ckp1;
       const T t12 = p_r[k] + t11;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t13 = t9 * y_step;
       const T t14 = t12 + t13;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t15 = t9 * z_step;
       const T t16 = p_r[k] - t15;
 #line 509 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -522,27 +522,27 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f3(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
     const T t8 = p_r[k] * decay;
     const T t9 = t7 + t8;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t10 = p_r[k] - p_r[k];
     const T t11 = t10 * ckp1;
     const T t12 = p_r[k] + t11;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t13 = t9 * y_step;
     const T t14 = t12 + t13;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t15 = t9 * z_step;
     const T t16 = p_r[k] - t15;
 #line 549 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -615,25 +615,25 @@ __device__ __forceinline__ void schedulefree_adamw_group_f4(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t8 = z_r[k] - p_r[k];
       const T t9 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t10 = t8 * t9;
       const T t11 = z_r[k] - t10;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t12 = t7 * y_step;
       const T t13 = t11 + t12;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t14 = t7 * z_step;
       const T t15 = z_r[k] - t14;
 #line 640 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -654,25 +654,25 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f4(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t8 = z_r[k] - p_r[k];
     const T t9 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t10 = t8 * t9;
     const T t11 = z_r[k] - t10;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t12 = t7 * y_step;
     const T t13 = t11 + t12;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t14 = t7 * z_step;
     const T t15 = z_r[k] - t14;
 #line 679 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -745,28 +745,28 @@ __device__ __forceinline__ void schedulefree_adamw_group_f5(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
       const T t8 = p_r[k] * decay;
       const T t9 = t7 + t8;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t10 = z_r[k] - p_r[k];
       const T t11 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t12 = t10 * t11;
       const T t13 = z_r[k] - t12;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t14 = t9 * y_step;
       const T t15 = t13 + t14;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t16 = t9 * z_step;
       const T t17 = z_r[k] - t16;
 #line 773 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -787,28 +787,28 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f5(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
     const T t8 = p_r[k] * decay;
     const T t9 = t7 + t8;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t10 = z_r[k] - p_r[k];
     const T t11 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t12 = t10 * t11;
     const T t13 = z_r[k] - t12;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t14 = t9 * y_step;
     const T t15 = t13 + t14;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t16 = t9 * z_step;
     const T t17 = z_r[k] - t16;
 #line 815 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -880,25 +880,25 @@ __device__ __forceinline__ void schedulefree_adamw_group_f6(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t8 = p_r[k] - p_r[k];
       const T t9 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t10 = t8 * t9;
       const T t11 = p_r[k] - t10;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t12 = t7 * y_step;
       const T t13 = t11 + t12;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t14 = t7 * z_step;
       const T t15 = p_r[k] - t14;
 #line 905 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -918,25 +918,25 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f6(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t8 = p_r[k] - p_r[k];
     const T t9 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t10 = t8 * t9;
     const T t11 = p_r[k] - t10;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t12 = t7 * y_step;
     const T t13 = t11 + t12;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t14 = t7 * z_step;
     const T t15 = p_r[k] - t14;
 #line 943 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1008,28 +1008,28 @@ __device__ __forceinline__ void schedulefree_adamw_group_f7(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
       const T t8 = p_r[k] * decay;
       const T t9 = t7 + t8;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t10 = p_r[k] - p_r[k];
       const T t11 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t12 = t10 * t11;
       const T t13 = p_r[k] - t12;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t14 = t9 * y_step;
       const T t15 = t13 + t14;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t16 = t9 * z_step;
       const T t17 = p_r[k] - t16;
 #line 1036 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1049,28 +1049,28 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f7(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
     const T t8 = p_r[k] * decay;
     const T t9 = t7 + t8;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t10 = p_r[k] - p_r[k];
     const T t11 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t12 = t10 * t11;
     const T t13 = p_r[k] - t12;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t14 = t9 * y_step;
     const T t15 = t13 + t14;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t16 = t9 * z_step;
     const T t17 = p_r[k] - t16;
 #line 1077 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1134,12 +1134,12 @@ __device__ __forceinline__ void schedulefree_adamw_f8_reduce_block(const T* __re
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -1185,7 +1185,7 @@ __device__ __forceinline__ void schedulefree_adamw_f8_fold_one(const T* __restri
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1225,7 +1225,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f8_map(T* __restrict__ 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -1235,14 +1235,14 @@ __device__ __forceinline__ void schedulefree_adamw_group_f8_map(T* __restrict__ 
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t9 = z_r[k] - p_r[k];
       const T t10 = t9 * ckp1;
       const T t11 = p_r[k] + t10;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t12 = t8 * y_step;
       const T t13 = t11 + t12;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t14 = t8 * z_step;
       const T t15 = z_r[k] - t14;
 #line 1249 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1262,7 +1262,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f8_map(T* __restrict__ p,
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -1272,14 +1272,14 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f8_map(T* __restrict__ p,
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t9 = z_r[k] - p_r[k];
     const T t10 = t9 * ckp1;
     const T t11 = p_r[k] + t10;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t12 = t8 * y_step;
     const T t13 = t11 + t12;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t14 = t8 * z_step;
     const T t15 = z_r[k] - t14;
 #line 1286 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1343,12 +1343,12 @@ __device__ __forceinline__ void schedulefree_adamw_f9_reduce_block(const T* __re
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -1394,7 +1394,7 @@ __device__ __forceinline__ void schedulefree_adamw_f9_fold_one(const T* __restri
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1434,7 +1434,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f9_map(T* __restrict__ 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -1444,17 +1444,17 @@ __device__ __forceinline__ void schedulefree_adamw_group_f9_map(T* __restrict__ 
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
       const T t9 = p_r[k] * decay;
       const T t10 = t8 + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t11 = z_r[k] - p_r[k];
       const T t12 = t11 * ckp1;
       const T t13 = p_r[k] + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t14 = t10 * y_step;
       const T t15 = t13 + t14;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t16 = t10 * z_step;
       const T t17 = z_r[k] - t16;
 #line 1461 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1474,7 +1474,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f9_map(T* __restrict__ p,
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -1484,17 +1484,17 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f9_map(T* __restrict__ p,
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
     const T t9 = p_r[k] * decay;
     const T t10 = t8 + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t11 = z_r[k] - p_r[k];
     const T t12 = t11 * ckp1;
     const T t13 = p_r[k] + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t14 = t10 * y_step;
     const T t15 = t13 + t14;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t16 = t10 * z_step;
     const T t17 = z_r[k] - t16;
 #line 1501 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1558,12 +1558,12 @@ __device__ __forceinline__ void schedulefree_adamw_f10_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -1609,7 +1609,7 @@ __device__ __forceinline__ void schedulefree_adamw_f10_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1648,7 +1648,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f10_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -1658,14 +1658,14 @@ __device__ __forceinline__ void schedulefree_adamw_group_f10_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t9 = p_r[k] - p_r[k];
       const T t10 = t9 * ckp1;
       const T t11 = p_r[k] + t10;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t12 = t8 * y_step;
       const T t13 = t11 + t12;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t14 = t8 * z_step;
       const T t15 = p_r[k] - t14;
 #line 1672 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1684,7 +1684,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f10_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -1694,14 +1694,14 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f10_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t9 = p_r[k] - p_r[k];
     const T t10 = t9 * ckp1;
     const T t11 = p_r[k] + t10;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t12 = t8 * y_step;
     const T t13 = t11 + t12;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t14 = t8 * z_step;
     const T t15 = p_r[k] - t14;
 #line 1708 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1765,12 +1765,12 @@ __device__ __forceinline__ void schedulefree_adamw_f11_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -1816,7 +1816,7 @@ __device__ __forceinline__ void schedulefree_adamw_f11_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1855,7 +1855,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f11_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -1865,17 +1865,17 @@ __device__ __forceinline__ void schedulefree_adamw_group_f11_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
       const T t9 = p_r[k] * decay;
       const T t10 = t8 + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t11 = p_r[k] - p_r[k];
       const T t12 = t11 * ckp1;
       const T t13 = p_r[k] + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t14 = t10 * y_step;
       const T t15 = t13 + t14;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t16 = t10 * z_step;
       const T t17 = p_r[k] - t16;
 #line 1882 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1894,7 +1894,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f11_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -1904,17 +1904,17 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f11_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
     const T t9 = p_r[k] * decay;
     const T t10 = t8 + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t11 = p_r[k] - p_r[k];
     const T t12 = t11 * ckp1;
     const T t13 = p_r[k] + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t14 = t10 * y_step;
     const T t15 = t13 + t14;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t16 = t10 * z_step;
     const T t17 = p_r[k] - t16;
 #line 1921 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1978,12 +1978,12 @@ __device__ __forceinline__ void schedulefree_adamw_f12_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -2029,7 +2029,7 @@ __device__ __forceinline__ void schedulefree_adamw_f12_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2069,7 +2069,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f12_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -2079,15 +2079,15 @@ __device__ __forceinline__ void schedulefree_adamw_group_f12_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t9 = z_r[k] - p_r[k];
       const T t10 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t11 = t9 * t10;
       const T t12 = z_r[k] - t11;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t13 = t8 * y_step;
       const T t14 = t12 + t13;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t15 = t8 * z_step;
       const T t16 = z_r[k] - t15;
 #line 2094 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2107,7 +2107,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f12_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -2117,15 +2117,15 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f12_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t9 = z_r[k] - p_r[k];
     const T t10 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t11 = t9 * t10;
     const T t12 = z_r[k] - t11;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t13 = t8 * y_step;
     const T t14 = t12 + t13;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t15 = t8 * z_step;
     const T t16 = z_r[k] - t15;
 #line 2132 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2189,12 +2189,12 @@ __device__ __forceinline__ void schedulefree_adamw_f13_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -2240,7 +2240,7 @@ __device__ __forceinline__ void schedulefree_adamw_f13_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2280,7 +2280,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f13_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -2290,18 +2290,18 @@ __device__ __forceinline__ void schedulefree_adamw_group_f13_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
       const T t9 = p_r[k] * decay;
       const T t10 = t8 + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t11 = z_r[k] - p_r[k];
       const T t12 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t13 = t11 * t12;
       const T t14 = z_r[k] - t13;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t15 = t10 * y_step;
       const T t16 = t14 + t15;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t17 = t10 * z_step;
       const T t18 = z_r[k] - t17;
 #line 2308 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2321,7 +2321,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f13_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -2331,18 +2331,18 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f13_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
     const T t9 = p_r[k] * decay;
     const T t10 = t8 + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t11 = z_r[k] - p_r[k];
     const T t12 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t13 = t11 * t12;
     const T t14 = z_r[k] - t13;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t15 = t10 * y_step;
     const T t16 = t14 + t15;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t17 = t10 * z_step;
     const T t18 = z_r[k] - t17;
 #line 2349 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2406,12 +2406,12 @@ __device__ __forceinline__ void schedulefree_adamw_f14_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -2457,7 +2457,7 @@ __device__ __forceinline__ void schedulefree_adamw_f14_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2496,7 +2496,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f14_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -2506,15 +2506,15 @@ __device__ __forceinline__ void schedulefree_adamw_group_f14_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t9 = p_r[k] - p_r[k];
       const T t10 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t11 = t9 * t10;
       const T t12 = p_r[k] - t11;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t13 = t8 * y_step;
       const T t14 = t12 + t13;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t15 = t8 * z_step;
       const T t16 = p_r[k] - t15;
 #line 2521 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2533,7 +2533,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f14_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -2543,15 +2543,15 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f14_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t9 = p_r[k] - p_r[k];
     const T t10 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t11 = t9 * t10;
     const T t12 = p_r[k] - t11;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t13 = t8 * y_step;
     const T t14 = t12 + t13;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t15 = t8 * z_step;
     const T t16 = p_r[k] - t15;
 #line 2558 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2615,12 +2615,12 @@ __device__ __forceinline__ void schedulefree_adamw_f15_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 138 "flatopt/schedulefree.py"
+#line 137 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -2666,7 +2666,7 @@ __device__ __forceinline__ void schedulefree_adamw_f15_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2705,7 +2705,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f15_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -2715,18 +2715,18 @@ __device__ __forceinline__ void schedulefree_adamw_group_f15_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
       const T t9 = p_r[k] * decay;
       const T t10 = t8 + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
       const T t11 = p_r[k] - p_r[k];
       const T t12 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t13 = t11 * t12;
       const T t14 = p_r[k] - t13;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
       const T t15 = t10 * y_step;
       const T t16 = t14 + t15;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t17 = t10 * z_step;
       const T t18 = p_r[k] - t17;
 #line 2733 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2745,7 +2745,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f15_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 139 "flatopt/schedulefree.py"
+#line 138 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -2755,18 +2755,18 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f15_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 141 "flatopt/schedulefree.py"
+#line 140 "flatopt/schedulefree.py"
     const T t9 = p_r[k] * decay;
     const T t10 = t8 + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 143 "flatopt/schedulefree.py"
     const T t11 = p_r[k] - p_r[k];
     const T t12 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t13 = t11 * t12;
     const T t14 = p_r[k] - t13;
-#line 145 "flatopt/schedulefree.py"
+#line 144 "flatopt/schedulefree.py"
     const T t15 = t10 * y_step;
     const T t16 = t14 + t15;
-#line 146 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t17 = t10 * z_step;
     const T t18 = p_r[k] - t17;
 #line 2773 "flatopt/kernels/generated/schedulefree_adamw.cu"

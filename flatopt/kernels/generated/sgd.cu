@@ -93,7 +93,7 @@ __device__ __forceinline__ void sgd_group_f0(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
 #line 100 "flatopt/kernels/generated/sgd.cu"
@@ -110,7 +110,7 @@ __device__ __forceinline__ void sgd_vec_f0(T* __restrict__ p, const T* __restric
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_r[k] * neg_lr;
     const T t1 = p_r[k] + t0;
 #line 117 "flatopt/kernels/generated/sgd.cu"
@@ -174,10 +174,10 @@ __device__ __forceinline__ void sgd_group_f1(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 184 "flatopt/kernels/generated/sgd.cu"
@@ -194,10 +194,10 @@ __device__ __forceinline__ void sgd_vec_f1(T* __restrict__ p, const T* __restric
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 204 "flatopt/kernels/generated/sgd.cu"
@@ -262,10 +262,10 @@ __device__ __forceinline__ void sgd_group_f2(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 272 "flatopt/kernels/generated/sgd.cu"
@@ -284,10 +284,10 @@ __device__ __forceinline__ void sgd_vec_f2(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 294 "flatopt/kernels/generated/sgd.cu"
@@ -355,13 +355,13 @@ __device__ __forceinline__ void sgd_group_f3(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t2 + t1;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 368 "flatopt/kernels/generated/sgd.cu"
@@ -380,13 +380,13 @@ __device__ __forceinline__ void sgd_vec_f3(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t2 + t1;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 393 "flatopt/kernels/generated/sgd.cu"
@@ -453,7 +453,7 @@ __device__ __forceinline__ void sgd_group_f6(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
 #line 460 "flatopt/kernels/generated/sgd.cu"
@@ -471,7 +471,7 @@ __device__ __forceinline__ void sgd_vec_f6(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_r[k] * neg_lr;
     const T t1 = p_r[k] + t0;
 #line 478 "flatopt/kernels/generated/sgd.cu"
@@ -538,10 +538,10 @@ __device__ __forceinline__ void sgd_group_f7(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 548 "flatopt/kernels/generated/sgd.cu"
@@ -559,10 +559,10 @@ __device__ __forceinline__ void sgd_vec_f7(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 569 "flatopt/kernels/generated/sgd.cu"
@@ -630,11 +630,11 @@ __device__ __forceinline__ void sgd_group_f10(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = g_r[k] * omd;
       const T t2 = t0 + t1;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t3 = t2 * neg_lr;
       const T t4 = p_r[k] + t3;
 #line 641 "flatopt/kernels/generated/sgd.cu"
@@ -653,11 +653,11 @@ __device__ __forceinline__ void sgd_vec_f10(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = g_r[k] * omd;
     const T t2 = t0 + t1;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t3 = t2 * neg_lr;
     const T t4 = p_r[k] + t3;
 #line 664 "flatopt/kernels/generated/sgd.cu"
@@ -725,14 +725,14 @@ __device__ __forceinline__ void sgd_group_f11(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t1 * omd;
       const T t4 = t2 + t3;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
 #line 739 "flatopt/kernels/generated/sgd.cu"
@@ -751,14 +751,14 @@ __device__ __forceinline__ void sgd_vec_f11(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t1 * omd;
     const T t4 = t2 + t3;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
 #line 765 "flatopt/kernels/generated/sgd.cu"
@@ -826,13 +826,13 @@ __device__ __forceinline__ void sgd_group_f18(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t2 = t1 * mom;
       const T t3 = g_r[k] + t2;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 839 "flatopt/kernels/generated/sgd.cu"
@@ -851,13 +851,13 @@ __device__ __forceinline__ void sgd_vec_f18(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = g_r[k] + t2;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 864 "flatopt/kernels/generated/sgd.cu"
@@ -925,16 +925,16 @@ __device__ __forceinline__ void sgd_group_f19(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t2 + t1;
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t4 = t3 * mom;
       const T t5 = t1 + t4;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t6 = t5 * neg_lr;
       const T t7 = p_r[k] + t6;
 #line 941 "flatopt/kernels/generated/sgd.cu"
@@ -953,16 +953,16 @@ __device__ __forceinline__ void sgd_vec_f19(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t2 + t1;
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t4 = t3 * mom;
     const T t5 = t1 + t4;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t6 = t5 * neg_lr;
     const T t7 = p_r[k] + t6;
 #line 969 "flatopt/kernels/generated/sgd.cu"
@@ -1029,10 +1029,10 @@ __device__ __forceinline__ void sgd_group_f22(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t0 = g_r[k] * mom;
       const T t1 = g_r[k] + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 1039 "flatopt/kernels/generated/sgd.cu"
@@ -1050,10 +1050,10 @@ __device__ __forceinline__ void sgd_vec_f22(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = g_r[k] * mom;
     const T t1 = g_r[k] + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 1060 "flatopt/kernels/generated/sgd.cu"
@@ -1120,13 +1120,13 @@ __device__ __forceinline__ void sgd_group_f23(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t2 = t1 * mom;
       const T t3 = t1 + t2;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 1133 "flatopt/kernels/generated/sgd.cu"
@@ -1144,13 +1144,13 @@ __device__ __forceinline__ void sgd_vec_f23(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = t1 + t2;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 1157 "flatopt/kernels/generated/sgd.cu"
@@ -1209,7 +1209,7 @@ __device__ __forceinline__ void sgd_f32_reduce_block(const T* __restrict__ g, co
   T acc0 = 0, acc1 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_i * g_i;
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -1249,7 +1249,7 @@ __device__ __forceinline__ void sgd_f32_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1287,7 +1287,7 @@ __device__ __forceinline__ void sgd_group_f32_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = g_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -1309,7 +1309,7 @@ __device__ __forceinline__ void sgd_vec_f32_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_r[k] * g_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -1373,10 +1373,10 @@ __device__ __forceinline__ void sgd_f33_reduce_block(const T* __restrict__ p, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T p_i = p[i];
     const T g_i = g[i];
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -1417,7 +1417,7 @@ __device__ __forceinline__ void sgd_f33_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1455,10 +1455,10 @@ __device__ __forceinline__ void sgd_group_f33_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -1480,10 +1480,10 @@ __device__ __forceinline__ void sgd_vec_f33_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -1547,10 +1547,10 @@ __device__ __forceinline__ void sgd_f34_reduce_block(const T* __restrict__ g, T*
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t0 = buf_i * mom;
     const T t1 = t0 + g_i;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * g_i;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -1592,7 +1592,7 @@ __device__ __forceinline__ void sgd_f34_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1631,7 +1631,7 @@ __device__ __forceinline__ void sgd_group_f34_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = buf_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -1654,7 +1654,7 @@ __device__ __forceinline__ void sgd_vec_f34_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = buf_r[k] * g_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -1720,13 +1720,13 @@ __device__ __forceinline__ void sgd_f35_reduce_block(const T* __restrict__ p, co
     const T p_i = p[i];
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t2 = buf_i * mom;
     const T t3 = t2 + t1;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * t1;
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -1769,7 +1769,7 @@ __device__ __forceinline__ void sgd_f35_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1808,10 +1808,10 @@ __device__ __forceinline__ void sgd_group_f35_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = buf_r[k] * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -1834,10 +1834,10 @@ __device__ __forceinline__ void sgd_vec_f35_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = buf_r[k] * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -1901,7 +1901,7 @@ __device__ __forceinline__ void sgd_f38_reduce_block(const T* __restrict__ g, co
   T acc0 = 0, acc1 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_i * g_i;
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -1941,7 +1941,7 @@ __device__ __forceinline__ void sgd_f38_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1979,7 +1979,7 @@ __device__ __forceinline__ void sgd_group_f38_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = g_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -2002,7 +2002,7 @@ __device__ __forceinline__ void sgd_vec_f38_map(T* __restrict__ p, const T* __re
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_r[k] * g_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -2069,10 +2069,10 @@ __device__ __forceinline__ void sgd_f39_reduce_block(const T* __restrict__ p, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T p_i = p[i];
     const T g_i = g[i];
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -2115,7 +2115,7 @@ __device__ __forceinline__ void sgd_f39_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2153,7 +2153,7 @@ __device__ __forceinline__ void sgd_group_f39_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = buf_r[k] * buf_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -2175,7 +2175,7 @@ __device__ __forceinline__ void sgd_vec_f39_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = buf_r[k] * buf_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -2239,11 +2239,11 @@ __device__ __forceinline__ void sgd_f42_reduce_block(const T* __restrict__ g, T*
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t0 = buf_i * mom;
     const T t1 = g_i * omd;
     const T t2 = t0 + t1;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
@@ -2285,7 +2285,7 @@ __device__ __forceinline__ void sgd_f42_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2324,7 +2324,7 @@ __device__ __forceinline__ void sgd_group_f42_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = buf_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -2347,7 +2347,7 @@ __device__ __forceinline__ void sgd_vec_f42_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = buf_r[k] * g_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -2413,14 +2413,14 @@ __device__ __forceinline__ void sgd_f43_reduce_block(const T* __restrict__ p, co
     const T p_i = p[i];
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t2 = buf_i * mom;
     const T t3 = t1 * omd;
     const T t4 = t2 + t3;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t5 = t4 * t1;
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -2463,7 +2463,7 @@ __device__ __forceinline__ void sgd_f43_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2502,10 +2502,10 @@ __device__ __forceinline__ void sgd_group_f43_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = buf_r[k] * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -2528,10 +2528,10 @@ __device__ __forceinline__ void sgd_vec_f43_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = buf_r[k] * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -2596,13 +2596,13 @@ __device__ __forceinline__ void sgd_f50_reduce_block(const T* __restrict__ g, T*
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t0 = buf_i * mom;
     const T t1 = t0 + g_i;
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = g_i + t2;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * g_i;
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -2644,7 +2644,7 @@ __device__ __forceinline__ void sgd_f50_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2683,10 +2683,10 @@ __device__ __forceinline__ void sgd_group_f50_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = g_r[k] + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * g_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -2709,10 +2709,10 @@ __device__ __forceinline__ void sgd_vec_f50_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = g_r[k] + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * g_r[k];
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -2778,16 +2778,16 @@ __device__ __forceinline__ void sgd_f51_reduce_block(const T* __restrict__ p, co
     const T p_i = p[i];
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 76 "flatopt/sgd.py"
+#line 75 "flatopt/sgd.py"
     const T t2 = buf_i * mom;
     const T t3 = t2 + t1;
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t4 = t3 * mom;
     const T t5 = t1 + t4;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t6 = t5 * t1;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
@@ -2830,7 +2830,7 @@ __device__ __forceinline__ void sgd_f51_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2869,13 +2869,13 @@ __device__ __forceinline__ void sgd_group_f51_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t1 + t2;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t4 = t3 * t1;
       const int t5 = t4 > ((T)0x0.0p+0);
       const T t6 = (T)t5;
@@ -2898,13 +2898,13 @@ __device__ __forceinline__ void sgd_vec_f51_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t1 + t2;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * t1;
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -2968,10 +2968,10 @@ __device__ __forceinline__ void sgd_f54_reduce_block(const T* __restrict__ g, co
   T acc0 = 0, acc1 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = g_i * mom;
     const T t1 = g_i + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * g_i;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -3011,7 +3011,7 @@ __device__ __forceinline__ void sgd_f54_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -3049,10 +3049,10 @@ __device__ __forceinline__ void sgd_group_f54_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t0 = g_r[k] * mom;
       const T t1 = g_r[k] + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * g_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -3075,10 +3075,10 @@ __device__ __forceinline__ void sgd_vec_f54_map(T* __restrict__ p, const T* __re
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = g_r[k] * mom;
     const T t1 = g_r[k] + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * g_r[k];
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -3145,13 +3145,13 @@ __device__ __forceinline__ void sgd_f55_reduce_block(const T* __restrict__ p, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T p_i = p[i];
     const T g_i = g[i];
-#line 70 "flatopt/sgd.py"
+#line 69 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = t1 + t2;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * t1;
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -3194,7 +3194,7 @@ __device__ __forceinline__ void sgd_f55_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -3232,10 +3232,10 @@ __device__ __forceinline__ void sgd_group_f55_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = buf_r[k] + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * buf_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -3257,10 +3257,10 @@ __device__ __forceinline__ void sgd_vec_f55_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = buf_r[k] + t0;
-#line 78 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * buf_r[k];
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
