@@ -14,12 +14,9 @@ Defaults lr 1e-3, betas (0.9, 0.999), eps 1e-8 (outside the square root), weight
 rlx-optim requires lr).  This is torch's single-tensor operation order; torch's
 ``Adam(decoupled_weight_decay=True)`` is ``flatopt.AdamW``.  Deviations: none from torch or the paper (``maximize``,
 ``capturable``, ``differentiable`` are not offered); rlx-optim computes with f64 intermediates, flatopt in the
-parameter's dtype with float64 bias corrections.  Every path is derived from the definition below (``step``, through
-``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
-(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
-``kernels/generated/``).  ``end_iteration`` only counts iterations (bias correction uses the per-name t).  State:
-``m``, ``v`` (and ``vmax``): 8 B/param in float32 (12 with amsgrad).  Use it where a model was tuned with L2-coupled
-Adam; otherwise prefer AdamW.
+parameter's dtype with float64 bias corrections.  ``end_iteration`` only counts iterations (bias correction uses the
+per-name t).  State: ``m``, ``v`` (and ``vmax``): 8 B/param in float32 (12 with amsgrad).  Use it where a model was
+tuned with L2-coupled Adam; otherwise prefer AdamW.
 ``cautious=True``: the direction m/(√v̂ + ε) masked where it disagrees in sign with g' (L2-decayed), times
 numel/(count + 1) per tensor, as pytorch-optimizer's ``apply_cautious`` (docs/algorithms.md, cautious).
 """
@@ -30,10 +27,10 @@ import dataclasses
 import math
 from typing import Any
 
-from .core.elementwise import define, run
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.driver import PerParamOptimizer
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
 
@@ -86,13 +83,17 @@ def adam_family(name: str, scalars: Any, example: Any, *, decoupled: bool) -> An
                   slots=("m", "v", "vmax"), example=example)
 
 
+AMSGRAD = {"vmax": lambda cfg: cfg.amsgrad}  # Adam's and AdamW's only_if: vmax is kept with amsgrad only
+
+
+def decay_flag(cfg: Any, t: int) -> dict[str, bool]:
+    """The flags of a step whose only option is the weight decay (``wd``: λ != 0)."""
+    return dict(wd=cfg.weight_decay != 0)
+
+
 def bias_corrections(betas: tuple[float, float], t: int) -> tuple[float, float]:
     """(1 − β1^t, 1 − β2^t) in float64 (never β^t in float32)."""
     return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
-
-
-def zeros_state(xp: Any, n: int, dtype: Any, k: int) -> list[Array]:
-    return [xp.zeros(n, dtype) for _ in range(k)]
 
 
 # ------------------------------------------------------------------------------------------------ Adam
@@ -110,20 +111,7 @@ class AdamConfig(Cautious):
         check_bool("Adam", "amsgrad", self.amsgrad)
 
 
-@dataclasses.dataclass
-class AdamState:
-    m: Array
-    v: Array
-    vmax: Array = None
-
-
-def init(xp: Any, cfg: AdamConfig, shape: tuple[int, ...], dtype: Any) -> AdamState:
-    n = math.prod(shape)
-    return AdamState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype) if cfg.amsgrad else None)
-
-
 def scalars(cfg: AdamConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     return dict(wd=cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc2_sqrt=bc2 ** 0.5, eps=cfg.eps,
@@ -131,20 +119,11 @@ def scalars(cfg: AdamConfig, t: int, lr: Any) -> dict[str, Any]:
 
 
 DEF = adam_family("adam", scalars, AdamConfig(), decoupled=False)
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
-class Adam(PerParamOptimizer):
+class Adam(ElementwiseOptimizer, definition=DEF, only_if=AMSGRAD):
     """``Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False)``: see the module doc."""
 
-    algorithm = "adam"
-    config_cls = AdamConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -152,4 +131,3 @@ class Adam(PerParamOptimizer):
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

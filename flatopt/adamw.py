@@ -12,10 +12,7 @@ Update rule, per element, with t the step count of this parameter (advanced insi
 Defaults lr 1e-3, betas (0.9, 0.999), eps 1e-8 (outside the square root), weight_decay 1e-2, amsgrad False.
 Arithmetic is in the parameter's dtype (as torch; rlx-optim uses f64 intermediates), in the operation order of
 torch's single-tensor path.  torch's vectorised CPU kernels may contract multiply-adds, so the two agree to a few
-ulps rather than bit for bit.  Every path is derived from the definition below (``step``, through
-``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
-(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
-``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
+ulps rather than bit for bit.  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (and ``vmax``).
 ``cautious=True``: the direction m/(√v̂ + ε) masked where it disagrees in sign with g, times numel/(count + 1) per
 tensor; the decay stays outside, as pytorch-optimizer's ``apply_cautious`` (docs/algorithms.md, cautious).
 """
@@ -27,11 +24,10 @@ import functools
 import math
 from typing import Any
 
-from .adam import adam_family
-from .core.elementwise import run
+from .adam import AMSGRAD, adam_family
 from .core.elementwise.define import Cautious
-from .core.driver import PerParamOptimizer
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
 
@@ -57,18 +53,6 @@ class AdamWConfig(Cautious):
             raise TypeError(f"AdamW: amsgrad must be a bool, got {self.amsgrad!r}")
 
 
-@dataclasses.dataclass
-class AdamWState:
-    m: Array
-    v: Array
-    vmax: Array = None
-
-
-def init(xp: Any, cfg: AdamWConfig, shape: tuple[int, ...], dtype: Any) -> AdamWState:
-    n = math.prod(shape)
-    return AdamWState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype) if cfg.amsgrad else None)
-
-
 @functools.lru_cache(maxsize=16)
 def _bias(cfg: AdamWConfig, t: int) -> tuple[float, float]:
     """``(1 - beta1^t, sqrt(1 - beta2^t))`` in double (the host computes them for every path)."""
@@ -87,20 +71,11 @@ def scalars(cfg: AdamWConfig, t: int, lr: Any) -> dict[str, Any]:
 
 
 DEF = adam_family("adamw", scalars, AdamWConfig(), decoupled=True)  # the step: adam.py `adam_family_step`
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
-class AdamW(PerParamOptimizer):
+class AdamW(ElementwiseOptimizer, definition=DEF, only_if=AMSGRAD):
     """``AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False)``: see the module doc."""
 
-    algorithm = "adamw"
-    config_cls = AdamWConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
     matters = ("amsgrad",)
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -108,5 +83,4 @@ class AdamW(PerParamOptimizer):
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(AdamWConfig(lr, betas, eps, weight_decay, amsgrad, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
 

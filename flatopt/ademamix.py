@@ -26,11 +26,10 @@ decoupled (the paper's Algorithm 1 and the official code, as AdamW), where pytor
 ``weight_decouple=False`` adds λ·p to the gradient: this class equals ``AdEMAMix(weight_decouple=True)``;
 ``fixed_decay``, ``maximize`` and ``stable_adamw`` are not offered; with a warm-up, β1 and β3 must be
 positive and β1 ≤ β3 (pytorch-optimizer accepts others and then fails or divides by zero at some step: the logarithms
-and the denominator of β3(t)).  Every path (NumPy, the compiled CPU pass, the CUDA per-tensor and multi-tensor
-kernels) is derived from the one definition below, the same bits.  ``end_iteration`` only counts iterations (the
-warm-up follows the per-name t).  State: ``m``, ``v``, ``m_slow`` (12 B/param in float32).  Use it for long runs
-where a very slow momentum (β3 0.9999) pays (the paper: language models over many thousands of steps), with an lr
-and a weight decay a little lower than AdamW's, and a warm-up of α and β3 as long as the run when it diverges early.
+and the denominator of β3(t)).  ``end_iteration`` only counts iterations (the warm-up follows the per-name t).
+State: ``m``, ``v``, ``m_slow`` (12 B/param in float32).  Use it for long runs where a very slow momentum (β3 0.9999)
+pays (the paper: language models over many thousands of steps), with an lr and a weight decay a little lower than
+AdamW's, and a warm-up of α and β3 as long as the run when it diverges early.
 ``cautious=True``: the fast momentum m (before its bias correction) masked where it disagrees in sign with g, times
 numel/(count + 1) per tensor; the slow term α·s and the decay stay outside, as pytorch-optimizer's
 ``AdEMAMix(cautious=True)`` (docs/algorithms.md, cautious).
@@ -42,11 +41,11 @@ import dataclasses
 import math
 from typing import Any
 
-from .adam import adam_moments, bias_corrections
-from .core.driver import PerParamOptimizer
-from .core.elementwise import define, run
+from .adam import adam_moments, bias_corrections, decay_flag
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
 
@@ -79,18 +78,6 @@ class AdEMAMixConfig(Cautious):
         check_range("AdEMAMix", "weight_decay", self.weight_decay, 0.0, math.inf)
 
 
-@dataclasses.dataclass
-class AdEMAMixState:
-    m: Array
-    v: Array
-    m_slow: Array
-
-
-def init(xp: Any, cfg: AdEMAMixConfig, shape: tuple[int, ...], dtype: Any) -> AdEMAMixState:
-    n = math.prod(shape)
-    return AdEMAMixState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype))
-
-
 def schedule_alpha(cfg: AdEMAMixConfig, t: int) -> float:
     """α(t), in double (pytorch-optimizer's ``schedule_alpha``)."""
     T = cfg.t_alpha_beta3
@@ -109,7 +96,6 @@ def schedule_beta3(cfg: AdEMAMixConfig, t: int) -> float:
 
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: AdEMAMixConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2, _ = cfg.betas
     bc1, bc2 = bias_corrections((b1, b2), t)
     return dict(decay=1.0 - lr * cfg.weight_decay, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2,
@@ -117,12 +103,7 @@ def scalars(cfg: AdEMAMixConfig, t: int, lr: Any) -> dict[str, Any]:
                 alpha=schedule_alpha(cfg, t), neg_lr=-lr)
 
 
-def flags(cfg: AdEMAMixConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
-
-
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, m_slow: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.wd:
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)
@@ -133,23 +114,13 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, m_slow: Any, *, s: Any, f: Any)
     return dict(p=p, m=m, v=v, m_slow=m_slow)
 
 
-DEF = define("ademamix", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v", "m_slow"),
+DEF = define("ademamix", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m", "v", "m_slow"),
              example=AdEMAMixConfig())
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
-class AdEMAMix(PerParamOptimizer):
+class AdEMAMix(ElementwiseOptimizer, definition=DEF):
     """``AdEMAMix(lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha_beta3=None, eps=1e-8,
     weight_decay=0.0)``: see the module doc."""
-
-    algorithm = "ademamix"
-    config_cls = AdEMAMixConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
                  alpha: float = 5.0, t_alpha_beta3: float | None = None, eps: float = 1e-8,
@@ -157,4 +128,3 @@ class AdEMAMix(PerParamOptimizer):
                  weight_decay_mask: DecayMask = None) -> None:
         super().__init__(AdEMAMixConfig(lr, betas, alpha, t_alpha_beta3, eps, weight_decay, cautious=cautious),
                          lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

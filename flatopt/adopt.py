@@ -22,10 +22,9 @@ of the operation sequence (t == 1), never a test on the data.  Deviations: pytor
 fixed at its default t^¼ (no other clip, no ``None``); ``fixed_decay`` (a decay of 1 − λ, not scaled by the lr),
 ``maximize`` and ``stable_adamw`` are not offered; the paper's first version has no clip (the clip is the
 authors' later default, which pytorch-optimizer follows); the decoupled decay is pytorch-optimizer's and the official
-code's p·(1 − η·λ) on the value before the step.  Every path (NumPy, the compiled CPU pass, the CUDA per-tensor and
-multi-tensor kernels) is derived from the one definition below, the same bits.  ``end_iteration`` only counts
-iterations.  State: ``m``, ``v`` (8 B/param in float32).  Use it where Adam diverges at a β2 that suits the problem
-(ADOPT converges for any β2), or as a drop-in for Adam with the same lr.
+code's p·(1 − η·λ) on the value before the step.  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8
+B/param in float32).  Use it where Adam diverges at a β2 that suits the problem (ADOPT converges for any β2), or as a
+drop-in for Adam with the same lr.
 ``cautious=True``: m masked where it disagrees in sign with the clipped normalised gradient n, times
 numel/(count + 1) per tensor, as pytorch-optimizer's ``ADOPT(cautious=True)`` (n has the signs of the L2-decayed
 gradient g', not of the raw one, but where it underflows to 0); the first step (v only) is unchanged; the
@@ -39,10 +38,10 @@ import math
 from typing import Any
 
 from .adam import check_bool, check_common
-from .core.driver import PerParamOptimizer
-from .core.elementwise import define, run
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import normalize_numbers
 
 
@@ -60,20 +59,8 @@ class AdoptConfig(Cautious):
         check_bool("Adopt", "decoupled", self.decoupled)
 
 
-@dataclasses.dataclass
-class AdoptState:
-    m: Array
-    v: Array
-
-
-def init(xp: Any, cfg: AdoptConfig, shape: tuple[int, ...], dtype: Any) -> AdoptState:
-    n = math.prod(shape)
-    return AdoptState(xp.zeros(n, dtype), xp.zeros(n, dtype))
-
-
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: AdoptConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     clip = math.pow(t, 0.25)  # pytorch-optimizer's default clip_lambda
     return dict(decay=1.0 - lr * cfg.weight_decay, wd=cfg.weight_decay, eps=cfg.eps, clip=clip, neg_clip=-clip,
@@ -86,7 +73,6 @@ def flags(cfg: AdoptConfig, t: int) -> dict[str, bool]:
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.dec:
         p = p * s.decay
     elif f.wd:
@@ -104,24 +90,13 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
 DEF = define("adopt", step, scalars=scalars, flags=flags, flag_names=("wd", "dec", "first"), slots=("m", "v"),
              example=AdoptConfig(), valid=lambda f: f["wd"] or not f["dec"],
              wide_maps=True)  # the cautious map recomputes n (a division, a square root): spills in double
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
-class Adopt(PerParamOptimizer):
+class Adopt(ElementwiseOptimizer, definition=DEF):
     """``Adopt(lr=1e-3, betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.0, decoupled=False)``: see the module doc."""
-
-    algorithm = "adopt"
-    config_cls = AdoptConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.9999), eps: float = 1e-6,
                  weight_decay: float = 0.0, decoupled: bool = False, *, cautious: bool = False,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(AdoptConfig(lr, betas, eps, weight_decay, decoupled, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

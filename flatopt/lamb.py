@@ -39,17 +39,14 @@ cautious).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from .adam import bias_corrections, check_common
-from .core.driver import PerParamOptimizer
-from .core.elementwise import define, run
+from .adam import bias_corrections, check_common, decay_flag
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import normalize_numbers
-
-_SCRATCH = {"persist": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,28 +61,11 @@ class LambConfig(Cautious):
         check_common("Lamb", self)
 
 
-@dataclasses.dataclass
-class LambState:
-    m: Array
-    v: Array
-    work: Array = dataclasses.field(default=None, metadata=_SCRATCH)  # the sums' work area, the partials (unsaved)
-
-
-def init(xp: Any, cfg: LambConfig, shape: tuple[int, ...], dtype: Any) -> LambState:
-    n = math.prod(shape)
-    return LambState(xp.zeros(n, dtype), xp.zeros(n, dtype))
-
-
 def scalars(cfg: LambConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced)."""
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     return dict(omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, bc1=bc1, bc2=bc2, eps=cfg.eps, wd=cfg.weight_decay,
                 neg_lr=-lr)
-
-
-def flags(cfg: LambConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
@@ -102,33 +82,15 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
     return dict(p=p, m=m, v=v)
 
 
-DEF = define("lamb", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v"), example=LambConfig())
-_BOUND = run.bind_reduce(DEF)
-update = _BOUND["update_fn"]
-np_phases = _BOUND["np_phases_fn"]
-np_rows = _BOUND["np_rows_fn"]
-kernel_update = _BOUND["kernel_fn"]
-MULTI = _BOUND["multi_tensor"]
-
-
+DEF = define("lamb", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m", "v"), example=LambConfig())
 _D = LambConfig  # the constructor's defaults: written once, in the config
 
 
-class Lamb(PerParamOptimizer):
+class Lamb(ElementwiseOptimizer, definition=DEF):  # every flag set sums: the reduce-then-map forms (run.py)
     """``Lamb(...)``: see the module doc."""
-
-    algorithm = "lamb"
-    config_cls = LambConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI
-    np_phases_fn = staticmethod(np_phases)
-    np_rows_fn = staticmethod(np_rows)
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
                  weight_decay: float = _D.weight_decay, *, cautious: bool = _D.cautious, lr_scale: LrScale = None,
                  weight_decay_mask: DecayMask = None) -> None:
         super().__init__(LambConfig(lr, betas, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        # no run.configure: every flag set sums already (the class binds the reduce-then-map forms)

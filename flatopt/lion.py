@@ -11,10 +11,7 @@ Defaults lr 1e-4 (lion-pytorch's), betas (0.9, 0.99), weight_decay 0 (rlx-optim'
 element: use an lr 3-10x smaller than AdamW's and a weight decay 3-10x larger.  No bias correction, so the step
 count t is unused.  Deviations: none from lion-pytorch with ``decoupled_weight_decay=False`` (its
 ``decoupled_weight_decay=True`` divides λ by the initial lr: not offered); optax ``lion`` computes the same rule
-with other roundings.  Every path is derived from the definition below (``step``, through ``core/elementwise``): the
-NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists (the same bits; otherwise the
-NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in ``kernels/generated/``).
-``end_iteration`` only counts iterations.  State: ``m`` (4 B/param in float32).
+with other roundings.  ``end_iteration`` only counts iterations.  State: ``m`` (4 B/param in float32).
 ``cautious=True``: sign(c) masked where it disagrees in sign with g, times numel/(count + 1) per tensor, as
 pytorch-optimizer's ``Lion(cautious=True)`` (docs/algorithms.md, cautious).
 """
@@ -22,14 +19,13 @@ pytorch-optimizer's ``Lion(cautious=True)`` (docs/algorithms.md, cautious).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from .adam import check_common
-from .core.elementwise import define, run
+from .adam import check_common, decay_flag
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.driver import PerParamOptimizer
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import normalize_numbers
 
 
@@ -44,29 +40,14 @@ class LionConfig(Cautious):
         check_common("Lion", self, eps_field=False)
 
 
-@dataclasses.dataclass
-class LionState:
-    m: Array
-
-
-def init(xp: Any, cfg: LionConfig, shape: tuple[int, ...], dtype: Any) -> LionState:
-    return LionState(xp.zeros(math.prod(shape), dtype))
-
-
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: LionConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     return dict(decay=1.0 - lr * cfg.weight_decay, b1=b1, omb1=1.0 - b1, b2=b2, omb2=1.0 - b2, neg_lr=-lr)
 
 
-def flags(cfg: LionConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
-
-
 def step(e: Any, p: Any, g: Any, m: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it (the NumPy
-    path computes sign(c)·(−η) branch-free: ``core/elementwise/lower_numpy.py`` ``signed_mul``)."""
+    """The NumPy path computes sign(c)·(−η) branch-free (``core/elementwise/lower_numpy.py`` ``signed_mul``)."""
     if f.wd:
         p = p * s.decay
     c = m * s.b1 + g * s.omb1
@@ -75,24 +56,13 @@ def step(e: Any, p: Any, g: Any, m: Any, *, s: Any, f: Any) -> dict[str, Any]:
     return dict(p=p, m=m)
 
 
-DEF = define("lion", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m",), example=LionConfig())
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
+DEF = define("lion", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m",), example=LionConfig())
 
 
-class Lion(PerParamOptimizer):
+class Lion(ElementwiseOptimizer, definition=DEF):
     """``Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)``: see the module doc."""
-
-    algorithm = "lion"
-    config_cls = LionConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
                  cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(LionConfig(lr, betas, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -47,13 +47,11 @@ import math
 from typing import Any
 
 from .adam import bias_corrections, check_bool, check_common
-from .core.driver import PerParamOptimizer
-from .core.elementwise import define, run
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
-
-_SCRATCH = {"persist": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,19 +68,6 @@ class MarsConfig(Cautious):
         check_common("Mars", self)
         check_range("Mars", "gamma", self.gamma, 0.0, math.inf)
         check_bool("Mars", "clip_c", self.clip_c)
-
-
-@dataclasses.dataclass
-class MarsState:
-    m: Array
-    v: Array
-    g_prev: Array
-    work: Array = dataclasses.field(default=None, metadata=_SCRATCH)  # the sums' work area, the partials (unsaved)
-
-
-def init(xp: Any, cfg: MarsConfig, shape: tuple[int, ...], dtype: Any) -> MarsState:
-    n = math.prod(shape)
-    return MarsState(xp.zeros(n, dtype), xp.zeros(n, dtype), xp.zeros(n, dtype))
 
 
 def scalars(cfg: MarsConfig, t: int, lr: Any) -> dict[str, Any]:
@@ -113,28 +98,11 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, g_prev: Any, *, s: Any, f: Any)
 
 DEF = define("mars", step, scalars=scalars, flags=flags, flag_names=("wd", "clip"), slots=("m", "v", "g_prev"),
              example=MarsConfig())
-_BOUND = run.bind_reduce(DEF)
-update = _BOUND["update_fn"]
-np_phases = _BOUND["np_phases_fn"]
-np_rows = _BOUND["np_rows_fn"]
-kernel_update = _BOUND["kernel_fn"]
-MULTI = _BOUND["multi_tensor"]
-
-
 _D = MarsConfig  # the constructor's defaults: written once, in the config
 
 
-class Mars(PerParamOptimizer):
+class Mars(ElementwiseOptimizer, definition=DEF):  # clip_c sums: the reduce-then-map forms (run.py)
     """``Mars(...)``: see the module doc."""
-
-    algorithm = "mars"
-    config_cls = MarsConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(update)
-    kernel_fn = staticmethod(kernel_update)
-    multi_tensor = MULTI
-    np_phases_fn = staticmethod(np_phases)
-    np_rows_fn = staticmethod(np_rows)
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
                  weight_decay: float = _D.weight_decay, gamma: float = _D.gamma, clip_c: bool = _D.clip_c, *,

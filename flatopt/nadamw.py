@@ -16,10 +16,7 @@ Defaults lr 1e-3 and weight_decay 1e-2 (flatopt AdamW's), betas (0.9, 0.999), ep
 torch's default momentum schedule μ_t = β1(1 − ½·0.96^(t·ψ)), ψ = 4e-3 (Dozat's decaying schedule, a different
 optimizer: 0.44 apart after 10 steps) is not offered; flatopt is torch's NAdam at ψ = ∞.  torch keeps the product Π
 μ in float32; flatopt computes β1^t and β1^(t+1) in float64.  optax raises β to the power t in float32, which puts
-it ~7e-6 away at β2 = 0.999.  Every path is derived from the definition below (``step``, through
-``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
-(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
-``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+it ~7e-6 away at β2 = 0.999.  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
 ``cautious=True``: the direction (both terms together) masked where it disagrees in sign with g, times
 numel/(count + 1) per tensor, then added to p at once, not term by term (docs/algorithms.md, cautious).
 """
@@ -27,14 +24,13 @@ numel/(count + 1) per tensor, then added to p at once, not term by term (docs/al
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from .adam import adam_moments, bias_corrections, check_common, zeros_state
-from .core.driver import PerParamOptimizer
-from .core.elementwise import define, run
+from .adam import adam_moments, bias_corrections, check_common, decay_flag
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import normalize_numbers
 
 
@@ -50,19 +46,8 @@ class NAdamWConfig(Cautious):
         check_common("NAdamW", self)
 
 
-@dataclasses.dataclass
-class NAdamWState:
-    m: Array
-    v: Array
-
-
-def init(xp: Any, cfg: NAdamWConfig, shape: tuple[int, ...], dtype: Any) -> NAdamWState:
-    return NAdamWState(*zeros_state(xp, math.prod(shape), dtype, 2))
-
-
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: NAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     bc1, bc2 = bias_corrections(cfg.betas, t)
     bc1_next = 1.0 - b1 ** (t + 1)
@@ -71,12 +56,7 @@ def scalars(cfg: NAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
                 neg_lr=-lr)  # k_g, k_m, neg_lr: the cautious direction's (its mask's count reads no lr)
 
 
-def flags(cfg: NAdamWConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
-
-
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.wd:
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)
@@ -89,26 +69,15 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
     return dict(p=p, m=m, v=v)
 
 
-DEF = define("nadamw", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "v"),
+DEF = define("nadamw", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m", "v"),
              example=NAdamWConfig())
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
-class NAdamW(PerParamOptimizer):
+class NAdamW(ElementwiseOptimizer, definition=DEF):
     """``NAdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)``: see the module doc."""
-
-    algorithm = "nadamw"
-    config_cls = NAdamWConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, cautious: bool = False, lr_scale: LrScale = None,
                  weight_decay_mask: DecayMask = None) -> None:
         super().__init__(NAdamWConfig(lr, betas, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -13,10 +13,7 @@ rlx-optim's), eps 1e-8, weight_decay 1e-2.  ν = (1, 1) is AdamW; ν1 = 0 is RMS
 
 Deviations: qhoptim stores already-debiased averages (its β_adj weights); flatopt stores the raw EMAs m, v and
 debiases with float64 β^t, identical in exact arithmetic (rlx-optim does the same).  qhoptim's defaults (β1 0.9, ν
-(1, 1)) differ from these.  Every path is derived from the definition below (``step``, through
-``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
-(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
-``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
+(1, 1)) differ from these.  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32).
 ``cautious=True``: the direction n/d masked where it disagrees in sign with g, times numel/(count + 1) per tensor
 (docs/algorithms.md, cautious).
 """
@@ -24,14 +21,13 @@ debiases with float64 β^t, identical in exact arithmetic (rlx-optim does the sa
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from .adam import adam_moments, bias_corrections, check_common, zeros_state
-from .core.driver import PerParamOptimizer
-from .core.elementwise import define, run
+from .adam import adam_moments, bias_corrections, check_common
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
 
@@ -53,19 +49,8 @@ class QHAdamWConfig(Cautious):
         object.__setattr__(self, "nus", (float(self.nus[0]), float(self.nus[1])))
 
 
-@dataclasses.dataclass
-class QHAdamWState:
-    m: Array
-    v: Array
-
-
-def init(xp: Any, cfg: QHAdamWConfig, shape: tuple[int, ...], dtype: Any) -> QHAdamWState:
-    return QHAdamWState(*zeros_state(xp, math.prod(shape), dtype, 2))
-
-
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: QHAdamWConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1, b2 = cfg.betas
     nu1, nu2 = cfg.nus
     bc1, bc2 = bias_corrections(cfg.betas, t)
@@ -78,7 +63,6 @@ def flags(cfg: QHAdamWConfig, t: int) -> dict[str, bool]:
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.wd:
         p = p * s.decay
     m, v = adam_moments(g, m, v, s)
@@ -94,25 +78,14 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
 
 DEF = define("qhadamw", step, scalars=scalars, flags=flags, flag_names=("wd", "nu1", "nu2"), slots=("m", "v"),
              example=QHAdamWConfig())
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
-class QHAdamW(PerParamOptimizer):
+class QHAdamW(ElementwiseOptimizer, definition=DEF):
     """``QHAdamW(lr=1e-3, betas=(0.995, 0.999), nus=(0.7, 1.0), eps=1e-8, weight_decay=1e-2)``: see the module
     doc."""
-
-    algorithm = "qhadamw"
-    config_cls = QHAdamWConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.995, 0.999),
                  nus: tuple[float, float] = (0.7, 1.0), eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -17,11 +17,8 @@ official code, torch, optax and pytorch-optimizer use 5, and flatopt does: ``thr
 ε's placement (rlx-optim and optax put ε on √v̂, i.e. ε·√b2 here).  From torch: the step scalars −η·r·√b2/b1 are
 folded into one float64 factor (torch multiplies the arrays by lr, the adaptive factor and r in turn), a few ulps.
 From the official code: its default ``degenerated_to_sgd=False`` skips the whole update (decay included) while ρ_t <
-5; flatopt (like torch) takes the SGD-momentum step.  Every path is derived from the definition below (``step``,
-through ``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler
-exists (the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the
-snapshots in ``kernels/generated/``).  ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in
-float32).
+5; flatopt (like torch) takes the SGD-momentum step.  ``end_iteration`` only counts iterations.  State: ``m``, ``v``
+(8 B/param in float32).
 ``cautious=True``: the direction (m/(√v + ε), or m unrectified) masked where it disagrees in sign with g', times
 numel/(count + 1) per tensor (docs/algorithms.md, cautious).
 """
@@ -33,11 +30,11 @@ import functools
 import math
 from typing import Any
 
-from .adam import adam_moments, bias_corrections, check_bool, check_common, zeros_state
-from .core.driver import PerParamOptimizer
-from .core.elementwise import define, run
+from .adam import adam_moments, bias_corrections, check_bool, check_common
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.types import Array, DecayMask, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
 
@@ -55,16 +52,6 @@ class RAdamConfig(Cautious):
         check_common("RAdam", self)
         check_bool("RAdam", "decoupled_weight_decay", self.decoupled_weight_decay)
         check_range("RAdam", "threshold", self.threshold, 4.0, math.inf)
-
-
-@dataclasses.dataclass
-class RAdamState:
-    m: Array
-    v: Array
-
-
-def init(xp: Any, cfg: RAdamConfig, shape: tuple[int, ...], dtype: Any) -> RAdamState:
-    return RAdamState(*zeros_state(xp, math.prod(shape), dtype, 2))
 
 
 @functools.lru_cache(maxsize=16)
@@ -96,7 +83,6 @@ def flags(cfg: RAdamConfig, t: int) -> dict[str, bool]:
 
 
 def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     if f.dec:
         p = p * s.decay
     elif f.wd:
@@ -111,25 +97,14 @@ def step(e: Any, p: Any, g: Any, m: Any, v: Any, *, s: Any, f: Any) -> dict[str,
 
 DEF = define("radam", step, scalars=scalars, flags=flags, flag_names=("wd", "dec", "rect"), slots=("m", "v"),
              example=RAdamConfig(), valid=lambda f: f["wd"] or not f["dec"])
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
-class RAdam(PerParamOptimizer):
+class RAdam(ElementwiseOptimizer, definition=DEF):
     """``RAdam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
     threshold=5.0)``: see the module doc."""
-
-    algorithm = "radam"
-    config_cls = RAdamConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False, threshold: float = 5.0, *,
                  cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold,
                                      cautious=cautious), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)

@@ -65,9 +65,10 @@ import numpy as np
 
 from .core import backend, cpu_plan, gpu_run, step_plan
 from .core import multi_tensor as mt
-from .core.driver import CHUNK, PerParamOptimizer
+from .core.driver import CHUNK
 from .core.elementwise import define, run
 from .core.elementwise.define import Cautious
+from .core.elementwise.optimizer import ElementwiseOptimizer
 from .core.types import Array, DecayMask, JSONDict, LrScale
 from .core.validate import check_array, check_lr, check_range, normalize_numbers
 
@@ -99,26 +100,14 @@ class ScheduleFreeAdamWConfig(Cautious):
         check_range(who, "weight_lr_power", self.weight_lr_power, 0.0, math.inf)
 
 
-@dataclasses.dataclass
-class ScheduleFreeAdamWState:
-    z: Array
-    v: Array
-    lr_max: float = -1.0  # host numbers of the averaging weight (in double, from the base lr)
-    weight_sum: float = 0.0
-
-
-def init(xp: Any, cfg: ScheduleFreeAdamWConfig, shape: tuple[int, ...], dtype: Any) -> ScheduleFreeAdamWState:
-    n = math.prod(shape)
-    return ScheduleFreeAdamWState(xp.zeros(n, dtype), xp.zeros(n, dtype))  # z becomes y at the first step
-
-
 def sched(cfg: ScheduleFreeAdamWConfig, t: int) -> float:
     """The linear warm-up factor of step t (the reference's ``(k+1) / warmup_steps`` while k < warmup_steps)."""
     return t / cfg.warmup_steps if t - 1 < cfg.warmup_steps else 1.0
 
 
-def advance(cfg: ScheduleFreeAdamWConfig, st: ScheduleFreeAdamWState, t: int, base_lr: float) -> float:
-    """Step t's averaging weight c of one parameter, advancing its host numbers (once per step, in double)."""
+def advance(cfg: ScheduleFreeAdamWConfig, st: Any, t: int, base_lr: float) -> float:
+    """Step t's averaging weight c of one parameter, advancing its host numbers ``lr_max`` and ``weight_sum`` of its
+    state (once per step, in double, from the base lr)."""
     st.lr_max = lr_max = max(base_lr * sched(cfg, t), st.lr_max)
     weight = (t ** cfg.r) * (lr_max ** cfg.weight_lr_power)
     st.weight_sum = weight_sum = st.weight_sum + weight
@@ -145,7 +134,6 @@ def lerp(a: Any, b: Any, w: Any, big: bool) -> Any:
 
 
 def step(e: Any, p: Any, g: Any, z: Any, v: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     v = v * s.b2 + (g * s.omb2) * g
     u = e.cautious(g / (e.sqrt(v / s.bc2) + s.eps), g)  # masked before the decay is added
     if f.wd:
@@ -160,7 +148,6 @@ def step(e: Any, p: Any, g: Any, z: Any, v: Any, *, s: Any, f: Any) -> dict[str,
 
 DEF = define("schedulefree_adamw", step, scalars=scalars, flags=flags, flag_names=("wd", "first", "big"),
              slots=("z", "v"), example=ScheduleFreeAdamWConfig(weight_decay=0.01), host=("ckp1",))
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
 # the conversions y -> x (eval) and x -> y (train): lerp towards z, each its own small definition (g is not read)
@@ -210,18 +197,13 @@ class _Kept:
         self.refs: list[Any] = []
 
 
-class ScheduleFreeAdamW(PerParamOptimizer):
+class ScheduleFreeAdamW(ElementwiseOptimizer, definition=DEF, host_state={"lr_max": -1.0, "weight_sum": 0.0}):
     """``ScheduleFreeAdamW(lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=0, r=0.0,
     weight_lr_power=2.0)``: see the module doc.  ``eval(params)`` before evaluating, ``train(params)`` after."""
 
-    algorithm = "schedulefree_adamw"
-    config_cls = ScheduleFreeAdamWConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise); receives lr as (lr, ckp1)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # launched by _run per group of tensors that share t and ckp1
-    elementwise = True
-    scratch_buffers = max(_scratch, _CONVERT_SCRATCH)
+    # update_fn and kernel_fn receive lr as (lr, ckp1); multi_tensor is launched by _run_sf per group of tensors
+    # that share t and ckp1
+    scratch_buffers = max(run.scratch_needed(DEF), _CONVERT_SCRATCH)
 
     def __init__(self, lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 0, r: float = 0.0, weight_lr_power: float = 2.0, *,
@@ -229,7 +211,6 @@ class ScheduleFreeAdamW(PerParamOptimizer):
         super().__init__(ScheduleFreeAdamWConfig(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power,
                                                  cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
         self.mode = "train"
         self.hooks = self.hooks.replace(run=self._run_sf)
 
@@ -270,7 +251,7 @@ class ScheduleFreeAdamW(PerParamOptimizer):
         if gpu:
             self._run_gpu(gpu, base)
 
-    def step_lr(self, state: ScheduleFreeAdamWState, t: int, lr: float) -> tuple[float, float]:
+    def step_lr(self, state: Any, t: int, lr: float) -> tuple[float, float]:
         """What step t of a parameter's update receives as ``lr``: ``(lr, ckp1)``, advancing its host numbers (once
         per step: the driver's execution calls it; a test that steps the hooks by hand calls it too)."""
         return lr, advance(self.config, state, t, self._lr if self._lr is not None else 0.0)

@@ -10,11 +10,8 @@ Update rule, per element, with g' the decayed gradient and ``buf`` the momentum 
 
 Deviations: none from torch (``maximize`` and ``differentiable`` are not offered).  The rlx-optim seed folds the
 first step into ``momentum * 0 + g'``, which differs from torch when dampening != 0; flatopt follows torch.
-Arithmetic is in the parameter's dtype.  Every path is derived from the definition below (``step``, through
-``core/elementwise``): the NumPy/CuPy path, the compiled C pass that runs it on the CPU where a C compiler exists
-(the same bits; otherwise the NumPy path runs) and the per-tensor and multi-tensor CUDA kernels (the snapshots in
-``kernels/generated/``).  ``end_iteration`` only counts iterations (SGD has no schedule). State: ``buf`` (only when
-momentum != 0).
+Arithmetic is in the parameter's dtype.  ``end_iteration`` only counts iterations (SGD has no schedule). State:
+``buf`` (only when momentum != 0).
 ``cautious=True``: d masked where d·g' ≤ 0, times numel/(count + 1) per tensor (docs/algorithms.md, cautious).
 """
 
@@ -23,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .core.elementwise import define, run
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
-from .core.driver import PerParamOptimizer
-from .core.types import Array, DecayMask, JSONDict, LrScale
+from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.types import DecayMask, JSONDict, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
 
@@ -50,18 +47,6 @@ class SGDConfig(Cautious):
             raise ValueError("SGD: nesterov needs momentum > 0 and dampening == 0")
 
 
-@dataclasses.dataclass
-class SGDState:
-    buf: Array = None  # momentum buffer (None when momentum == 0)
-
-
-def init(xp: Any, cfg: SGDConfig, shape: tuple[int, ...], dtype: Any) -> SGDState:
-    n = 1
-    for d in shape:
-        n *= d
-    return SGDState(buf=xp.zeros(n, dtype) if cfg.momentum != 0 else None)
-
-
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: SGDConfig, t: int, lr: Any) -> dict[str, Any]:
     return dict(wd=cfg.weight_decay, mom=cfg.momentum, omd=1.0 - cfg.dampening, neg_lr=-lr)
@@ -79,7 +64,6 @@ def _valid(f: dict[str, bool]) -> bool:
 
 
 def step(e: Any, p: Any, g: Any, buf: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it."""
     d = g
     if f.wd:
         d = p * s.wd + d
@@ -96,20 +80,11 @@ def step(e: Any, p: Any, g: Any, buf: Any, *, s: Any, f: Any) -> dict[str, Any]:
 
 DEF = define("sgd", step, scalars=scalars, flags=flags, flag_names=("wd", "mom", "first", "damp", "nest"),
              slots=("buf",), example=SGDConfig(lr=1e-2, momentum=0.9), valid=_valid)
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
-class SGD(PerParamOptimizer):
+class SGD(ElementwiseOptimizer, definition=DEF, only_if={"buf": lambda cfg: cfg.momentum != 0}):
     """``SGD(lr, momentum=0, dampening=0, nesterov=False, weight_decay=0)``: see the module docstring."""
 
-    algorithm = "sgd"
-    config_cls = SGDConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py)
-    elementwise = True
-    scratch_buffers = _scratch
     matters = ("momentum",)  # whether a momentum buffer exists
 
     def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
@@ -117,7 +92,6 @@ class SGD(PerParamOptimizer):
                  weight_decay_mask: DecayMask = None) -> None:
         super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay, cautious=cautious),
                          lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
 
     def _config_key(self) -> JSONDict:
         return {"momentum": self.config.momentum != 0}

@@ -22,10 +22,9 @@ Defaults lr 1e-4 (official), betas (0.965, 0.99), rho 0.04 (the official code's 
 (official), eps 1e-15 (the official constant).  Deviations: rlx-optim computes clip(m/max(γh, ε), ±ρ) with γ = 0.01,
 ρ = 0.04 — a mix of the paper's earlier and final forms that caps every step at 0.04·η and stops ρ from scaling h —
 flatopt follows the official code.  The official ``bs`` argument of ``step`` is folded into ĥ. pytorch-optimizer's
-``SophiaH`` follows the earlier form.  t is unused (no bias correction).  ``step`` below is the one definition of
-the update: the NumPy/CuPy path, the compiled CPU pass (``kernels/generated/elementwise.c``; without a C compiler
-the NumPy path runs) and the CUDA kernels (``kernels/generated/sophia.cu``) are derived from it.
-``update_hessian``'s EMA stays two NumPy/CuPy operations on ``h`` (called every few steps, per tensor; see there).  ``end_iteration`` only counts iterations.  State: ``m``, ``h`` (8 B/param in float32).
+``SophiaH`` follows the earlier form.  t is unused (no bias correction).  ``update_hessian``'s EMA is not derived from
+the definition: two NumPy/CuPy operations on ``h`` (called every few steps, per tensor; see there).
+``end_iteration`` only counts iterations.  State: ``m``, ``h`` (8 B/param in float32).
 ``cautious=True`` (not in the official code nor pytorch-optimizer's Sophia variants): the direction is the clipped
 step sign(m)·min(|m|/(h·ρ + ε), 1), masked where it disagrees in sign with g, times numel/(count + 1) per tensor,
 as pytorch-optimizer's ``apply_cautious`` on the update it subtracts; the decay stays outside (docs/algorithms.md,
@@ -39,11 +38,11 @@ import dataclasses
 import math
 from typing import Any
 
-from .adam import check_common
+from .adam import check_common, decay_flag
 from .core import backend
-from .core.driver import PerParamOptimizer
-from .core.elementwise import define, run
+from .core.elementwise import define
 from .core.elementwise.define import Cautious
+from .core.elementwise.optimizer import ElementwiseOptimizer
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_array, check_range, check_shape, normalize_numbers
 
@@ -62,31 +61,14 @@ class SophiaConfig(Cautious):
         check_range("Sophia", "rho", self.rho, 0.0, math.inf)
 
 
-@dataclasses.dataclass
-class SophiaState:
-    m: Array
-    h: Array
-
-
-def init(xp: Any, cfg: SophiaConfig, shape: tuple[int, ...], dtype: Any) -> SophiaState:
-    n = math.prod(shape)
-    return SophiaState(xp.zeros(n, dtype), xp.zeros(n, dtype))
-
-
 # ------------------------------------------------------------------------------------------------ the definition
 def scalars(cfg: SophiaConfig, t: int, lr: Any) -> dict[str, Any]:
-    """The per-step scalars by name, in double (``lr`` may be traced: see ``core/elementwise/trace.py``)."""
     b1 = cfg.betas[0]
     return dict(decay=1.0 - lr * cfg.weight_decay, b1=b1, omb1=1.0 - b1, rho=cfg.rho, eps=cfg.eps, neg_lr=-lr)
 
 
-def flags(cfg: SophiaConfig, t: int) -> dict[str, bool]:
-    return dict(wd=cfg.weight_decay != 0)
-
-
 def step(e: Any, p: Any, g: Any, m: Any, h: Any, *, s: Any, f: Any) -> dict[str, Any]:
-    """One element of the update (the module docstring), written once: every path is derived from it.  ``h`` is
-    read, never written here (``update_hessian`` moves it)."""
+    """``h`` is read, never written here (``update_hessian`` moves it)."""
     if f.wd:
         p = p * s.decay
     m = m * s.b1 + g * s.omb1
@@ -95,32 +77,21 @@ def step(e: Any, p: Any, g: Any, m: Any, h: Any, *, s: Any, f: Any) -> dict[str,
     return dict(p=p, m=m)
 
 
-DEF = define("sophia", step, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m", "h"),
+DEF = define("sophia", step, scalars=scalars, flags=decay_flag, flag_names=("wd",), slots=("m", "h"),
              example=SophiaConfig())
-_update, _kernel_update, _multi, _scratch = run.bind(DEF)
 
 
 _D = SophiaConfig  # the constructor's defaults: written once, in the config
 
 
-class Sophia(PerParamOptimizer):
+class Sophia(ElementwiseOptimizer, definition=DEF):
     """``Sophia(...)`` plus ``update_hessian(name, shape, h_hat)``: see the module doc."""
-
-    algorithm = "sophia"
-    config_cls = SophiaConfig
-    init_fn = staticmethod(init)
-    update_fn = staticmethod(_update)  # derived from DEF (core/elementwise)
-    kernel_fn = staticmethod(_kernel_update)
-    multi_tensor = _multi  # one launch for many tensors on CuPy (core/multi_tensor.py); h updated in place
-    elementwise = True
-    scratch_buffers = _scratch
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, rho: float = _D.rho,
                  weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, cautious: bool = _D.cautious,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
         super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps, cautious=cautious), lr_scale=lr_scale,
                          weight_decay_mask=weight_decay_mask)
-        run.configure(self, DEF)  # cautious: the reduce-then-map forms (core/elementwise/run.py)
 
     def update_hessian(self, name: str, shape: tuple[int, ...], h_hat: Array) -> None:
         """h ← β2·h + (1 − β2)·ĥ for ``name`` (state created with t = 0 if new; t is not advanced).

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flatopt
-from flatopt import OptItem, lamb, mars
+from flatopt import OptItem
 from flatopt.core import blocks, cpu_tensors, driver, norms, parallel, sqsum
 
 from .helpers import assert_bits_equal, rng_arrays
@@ -27,11 +27,11 @@ class _Twin:
 TWIN = _Twin()
 SIZES = [1, 64, 64, 64, 64, 300, 300, 4097, 4097, 8192, 8192, 70_000, 200_003]
 ALGOS = {
-    "lamb": (flatopt.Lamb, lamb, dict(lr=1e-2, weight_decay=1e-2)),
-    "lamb_nowd": (flatopt.Lamb, lamb, dict(lr=1e-2, weight_decay=0.0)),
-    "mars": (flatopt.Mars, mars, dict(lr=1e-2, weight_decay=1e-2)),
-    "mars_bigc": (flatopt.Mars, mars, dict(lr=1e-2, gamma=3.0)),  # ‖c‖ > 1: the clip divides
-    "mars_noclip": (flatopt.Mars, mars, dict(lr=1e-2, clip_c=False)),
+    "lamb": (flatopt.Lamb, dict(lr=1e-2, weight_decay=1e-2)),
+    "lamb_nowd": (flatopt.Lamb, dict(lr=1e-2, weight_decay=0.0)),
+    "mars": (flatopt.Mars, dict(lr=1e-2, weight_decay=1e-2)),
+    "mars_bigc": (flatopt.Mars, dict(lr=1e-2, gamma=3.0)),  # ‖c‖ > 1: the clip divides
+    "mars_noclip": (flatopt.Mars, dict(lr=1e-2, clip_c=False)),
 }
 
 
@@ -77,28 +77,28 @@ def test_column_and_row_sums_are_sq_sum(dtype):
                 assert got[i].tobytes() == sqsum.sq_sum(np, buf, n)[0].tobytes(), (n, i)
 
 
-def _twin_run(mod, cls, kw, dtype, steps):
+def _twin_run(cls, kw, dtype, steps):
     """Each tensor stepped alone by the twin: {name: param} after ``steps`` (lists of names per step)."""
     cfg = cls(**kw).config
     params = {f"w{i:02d}": rng_arrays(i, (n,), dtype) for i, n in enumerate(SIZES)}
-    states = {k: mod.init(np, cfg, p.shape, dtype) for k, p in params.items()}
+    states = {k: cls.init_fn(np, cfg, p.shape, dtype) for k, p in params.items()}
     t = dict.fromkeys(params, 0)
     for it, names in enumerate(steps):
         for k in names:
             i = int(k[1:])
             t[k] += 1
-            mod.update(TWIN, cfg, states[k], params[k], _grad(i, it, params[k].size, dtype), t=t[k], lr=kw["lr"],
-                       scratch=[])
+            cls.update_fn(TWIN, cfg, states[k], params[k], _grad(i, it, params[k].size, dtype), t=t[k], lr=kw["lr"],
+                          scratch=[])
     return params, states
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("algo", sorted(ALGOS))
 def test_phases_and_row_buckets_are_the_twin_on_any_thread_count(algo, dtype, monkeypatch):
-    cls, mod, kw = ALGOS[algo]
+    cls, kw = ALGOS[algo]
     names = [f"w{i:02d}" for i in range(len(SIZES))]
     steps = [names, names, names[::2], names[1:], names]
-    want, want_states = _twin_run(mod, cls, kw, dtype, steps)
+    want, want_states = _twin_run(cls, kw, dtype, steps)
     monkeypatch.setattr(parallel, "PARALLEL_MIN_COST", 0)
     # 1000: many column ranges and step ranges per large tensor; the default: several rows to a piece
     for threads, chunk in (("1", 1000), ("2", 1000), ("3", 1000), ("2", driver.CHUNK)):
@@ -125,7 +125,7 @@ def test_phases_and_row_buckets_are_the_twin_on_any_thread_count(algo, dtype, mo
 
 @pytest.mark.parametrize("algo", ["lamb", "mars"])
 def test_row_buckets_pack_the_state_and_are_reused(algo):
-    cls, _, kw = ALGOS[algo]
+    cls, kw = ALGOS[algo]
     opt = cls(**kw)
     params = {f"w{i:02d}": rng_arrays(i, (64,), np.float32) for i in range(30)}
     items = [OptItem(k, p.shape, p, _grad(i, 0, 64, np.float32)) for i, (k, p) in enumerate(sorted(params.items()))]

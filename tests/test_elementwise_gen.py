@@ -63,7 +63,7 @@ def test_the_scalar_caches_key_on_the_sign_of_lr(order):
         p = np.full(4, -0.0, np.float32)
         g = np.array([1, -1, 1, -1], np.float32)
         scratch = [np.empty(4, np.float32) for _ in range(2)]
-        run.numpy_update(lion.DEF, np, cfg, lion.init(np, cfg, (4,), np.float32), p, g, t=1, lr=lr,
+        run.numpy_update(lion.DEF, np, cfg, lion.Lion.init_fn(np, cfg, (4,), np.float32), p, g, t=1, lr=lr,
                          scratch=scratch)
         expect = np.float32(-0.0) + np.sign(np.float32(0.1) * g) * np.float32(-lr)
         assert p.view(np.uint32).tolist() == expect.view(np.uint32).tolist(), lr
@@ -85,7 +85,7 @@ def test_host_values_reach_every_path_and_key_its_caches():
     got = {}
     for ck in (0.25, 0.3, 0.25):
         for path in ("numpy", "native"):
-            st = sf.init(np, cfg, (n,), np.float32)
+            st = sf.ScheduleFreeAdamW.init_fn(np, cfg, (n,), np.float32)
             st.z[:] = z
             p = p0.copy()
             if path == "native":

@@ -235,7 +235,7 @@ def test_the_generated_table_marks_16_byte_aligned_tensors(dt, gpu_device):
     members = []
     for k, off in enumerate(offsets):
         p, g = buf[off:off + 300 + k], grads[off:off + 300 + k]
-        st = flatopt.adamw.init(cp, cfg, (p.size,), dt)
+        st = flatopt.AdamW.init_fn(cp, cfg, (p.size,), dt)
         members.append((p, g, types.SimpleNamespace(state=st), 1.0))
     group = mt.Group(spec, members, 256)
     ncol = 3 + len(spec.arrays(members[0][2].state, members[0][0])) + 1

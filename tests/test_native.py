@@ -590,7 +590,7 @@ def test_the_compiled_scalars_are_keyed_on_their_bits(order):
         try:
             p = np.full(4, -0.0, np.float32)
             scratch = [np.empty(4, np.float32), np.empty(4, np.float32)]
-            lion.Lion.update_fn(np, cfg, lion.init(np, cfg, (4,), np.float32), p, g, t=1, lr=lr, scratch=scratch)
+            lion.Lion.update_fn(np, cfg, lion.Lion.init_fn(np, cfg, (4,), np.float32), p, g, t=1, lr=lr, scratch=scratch)
             return p.view(np.uint32).tolist()
         finally:
             native.reset()
@@ -613,7 +613,7 @@ def test_a_misaligned_buffer_never_reaches_the_compiled_pass():
     native.reset()
     assert native.status()[0]
     cfg = flatopt.lion.LionConfig(lr=0.1)
-    st = flatopt.lion.init(np, cfg, (n,), np.float32)
+    st = flatopt.Lion.init_fn(np, cfg, (n,), np.float32)
     assert not run.native_update(flatopt.lion.DEF, cfg, st, bad, ok, t=1, lr=0.1)
     assert bad.tolist() == [0.0] * n
 
