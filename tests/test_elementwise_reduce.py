@@ -113,7 +113,7 @@ def test_numpy_paths_match_reference(dt, wd, n):
         blocks.run_serial(BOUND["np_phases_fn"](cfg, st, p, g, t=1, lr=cfg.lr, chunk=chunk))
         assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes(), chunk
     p, st = p0.copy(), St(m0.copy())
-    reduce.xp_update(DEF, DEF.flags_of(cfg, 1), np, (p, g, st.m), st, run._cast(DEF, cfg, 1, cfg.lr, p.dtype, 1.0))
+    reduce.xp_update(DEF, DEF.flags_of(cfg, 1), np, (p, g, st.m), st, run.values(DEF, cfg, 1, cfg.lr).cast(p.dtype))
     assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes()
 
 

@@ -381,7 +381,7 @@ def _cuda_reduce(d, fs: int, sp, derived: dict, src: str, L: _Lines) -> None:
     _kernel(L, SQ_BOUNDS, cuda_name(d, fs, "partials_multi"),
             ["const long long* __restrict__ tensors", "const long long* __restrict__ segs",
              "const long long* __restrict__ spans", "const long long nparts", "T* __restrict__ parts", *scal_params])
-    L += ["  __shared__ T sh[SQ_THREADS];",  # launch block b is block c of tensor ti (core/multi_tensor.py `Norms`)
+    L += ["  __shared__ T sh[SQ_THREADS];",  # launch block b is block c of tensor ti (core/multi_tensor.py `Group`)
           "  const long long ti = segs[2 * (long long)blockIdx.x], c = segs[2 * (long long)blockIdx.x + 1];",
           f"  const long long* row = tensors + {ncol} * ti;",
           f"  const long long n = row[{ncol - 2}], off = spans[2 * ti], nb = spans[2 * ti + 1];", *_row(d, arrays),
