@@ -163,10 +163,10 @@ def _c_algo(d) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------- CUDA
 THREADS = 256  # threads per block of every generated kernel (its __launch_bounds__)
 ELEMS = 4  # elements per thread loaded before any is stored
-SQ = 256  # threads per block of the blocked sums (kernels/sq_sum.cuh SQ_THREADS, core/sqsum.py)
-# their launch bounds: SQ threads, at least one block per SM (without the second number ptxas caps the registers of
-# a multi-tensor partials kernel low enough to spill; tests/test_kernels_compile.py reads its report)
-SQ_BOUNDS = f"{SQ}, 1"
+# the blocked sums' launch bounds: SQ_THREADS (kernels/sq_sum.cuh, core/sqsum.py), at least one block per SM (without
+# the second number ptxas caps the registers of a multi-tensor partials kernel low enough to spill;
+# tests/test_kernels_compile.py reads its report)
+SQ_BOUNDS = "256, 1"
 _SQ_SUM = Path(__file__).resolve().parent.parent.parent / "kernels" / "sq_sum.cuh"
 
 

@@ -1,8 +1,8 @@
 """The tracer: an algorithm's ``step`` run on symbolic values becomes a list of instructions.
 
 Each instruction is one rounded operation (or a comparison, a select, a cast), recorded in the order the step
-function performs it; every lowering (``lower_numpy``, ``emit_c``, ``emit_cuda``) executes the list as it is, so
-the NumPy path, the C pass and the CUDA kernels make the same rounded operations in the same order by construction.
+function performs it; every lowering (``lower_numpy``, ``emit``) executes the list as it is, so the NumPy path, the C
+pass and the CUDA kernels make the same rounded operations in the same order by construction.
 A value is referred to by an ``Ref``: an input array (``("in", name)``), a per-step scalar (``("s", name)``), a
 literal (``("c", float)``) or the result of instruction k (``("v", k)``).  ``bool()`` of a symbolic value raises:
 a step may branch on its flags (plain Python bools), never on its data.
