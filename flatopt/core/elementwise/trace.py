@@ -48,9 +48,6 @@ class Program:
     reads: tuple  # the input arrays read, in the definition's order
     scalars: tuple  # the scalar names used, in the definition's order
 
-    def out(self) -> dict:
-        return dict(self.outputs)
-
 
 class DataDependentBranch(TypeError):
     pass
@@ -91,8 +88,8 @@ class Intrinsics:
     ``sign``, ``isfinite``, ``cast`` (a comparison's 1/0 in the dtype), ``copysign``, ``maximum``, ``minimum``,
     ``where(c, x, y)``; then the per-tensor ``sum``, ``sumsq`` and ``cautious``."""
 
-    def __init__(self, t: "_Tracer", flags: dict | None = None):
-        self._t, self._flags = t, flags or {}
+    def __init__(self, t: "_Tracer", flags: dict):
+        self._t, self._flags = t, flags
 
     def sum(self, x: Any) -> Sym:
         """The sum over the tensor of a per-element value, in the blocked order of ``core/sqsum.py`` (rounded to
