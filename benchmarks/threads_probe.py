@@ -525,7 +525,7 @@ def isa(repeats: int = 15) -> None:
         return out
 
     cfg = adamw.AdamWConfig(lr=1e-3, weight_decay=1e-2)
-    fs, packed = adamw.DEF.flags_of(cfg, 5), _run._packed(adamw.DEF, cfg, 5, 1e-3)
+    fs, packed = adamw.DEF.flags_of(cfg, 5), _run.values(adamw.DEF, cfg, 5, 1e-3).packed
     scalars = (ctypes.c_double * (len(packed) // 8)).from_buffer_copy(packed)
     sets = {"memory": arrays(n, False), "memory, 64-byte aligned": arrays(n, True), "cache": arrays(small, False)}
     ptrs = {k: (ctypes.c_void_p * 4)(*[a.ctypes.data for a in v]) for k, v in sets.items()}

@@ -57,8 +57,8 @@ def test_the_scalar_caches_key_on_the_sign_of_lr(order):
     cfg = lion.LionConfig(1e-2, (0.9, 0.99), 0.0)
     for lr in order:
         want = math.copysign(1.0, -lr)
-        assert math.copysign(1.0, run._scalars(lion.DEF, cfg, 1, lr)["neg_lr"]) == want  # noqa: SLF001
-        packed = np.frombuffer(run._packed(lion.DEF, cfg, 1, lr), np.float64)  # noqa: SLF001
+        assert math.copysign(1.0, run.values(lion.DEF, cfg, 1, lr).sc["neg_lr"]) == want
+        packed = np.frombuffer(run.values(lion.DEF, cfg, 1, lr).packed, np.float64)
         assert math.copysign(1.0, packed[lion.DEF.scalar_names.index("neg_lr")]) == want
         p = np.full(4, -0.0, np.float32)
         g = np.array([1, -1, 1, -1], np.float32)
@@ -97,8 +97,8 @@ def test_host_values_reach_every_path_and_key_its_caches():
     assert len(got[0.25]) == 1 and len(got[0.3]) == 1 and got[0.25] != got[0.3]
     shapes = {trace.trace_scalars(sf.scalars, cfg, 3, (ck,))[0] for ck in (0.25, 0.3, 1.0)}
     assert shapes == {run.generated_shape(sf.DEF)}
-    assert sf.ScheduleFreeAdamW.multi_tensor.args(cfg, 3, np.float32, (0.25,)) != \
-        sf.ScheduleFreeAdamW.multi_tensor.args(cfg, 3, np.float32, (0.3,))
+    assert sf.ScheduleFreeAdamW.multi_tensor.kernels(cfg, 3, (0.25,)) != \
+        sf.ScheduleFreeAdamW.multi_tensor.kernels(cfg, 3, (0.3,))
 
 
 def test_the_numpy_path_passes_out_as_numpy_asks():

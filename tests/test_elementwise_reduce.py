@@ -149,7 +149,7 @@ def _phases_and_whole_tensor(d, bound, ref, cfg, p0, g, m0):
         blocks.run_serial(bound["np_phases_fn"](cfg, st, p, g, t=1, lr=cfg.lr, chunk=chunk))
         assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes(), chunk
     p, st = p0.copy(), St(m0.copy())
-    reduce.xp_update(d, d.flags_of(cfg, 1), np, (p, g, st.m), st, run._cast(d, cfg, 1, cfg.lr, p.dtype, 1.0))
+    reduce.xp_update(d, d.flags_of(cfg, 1), np, (p, g, st.m), st, run.values(d, cfg, 1, cfg.lr).cast(p.dtype))
     assert p.tobytes() == want_p.tobytes() and st.m.tobytes() == want_m.tobytes()
 
 
@@ -187,7 +187,7 @@ def test_rows_match_reference(dt):
 @pytest.mark.parametrize("n", [1, 5000, 70_001])
 def test_two_levels_emulated_kernels(n, tmp_path, monkeypatch):
     """The CUDA lowering of the two-level definition (``emit.cuda_source``: each level's partials and fold, the
-    second level reading the first's ``scal``, then the map), launched per tensor as ``run._reduce_kernel`` does, on
+    second level reading the first's ``scal``, then the map), launched per tensor by ``run.kernel_update``, on
     the CPU emulator of ``tests/cuda_emu``: the bits of the direct transcription."""
     from flatopt.core import kernels  # noqa: PLC0415
     from flatopt.core.elementwise import emit  # noqa: PLC0415
@@ -218,6 +218,6 @@ def test_two_levels_emulated_kernels(n, tmp_path, monkeypatch):
         want_p, want_m = p0.copy(), m0.copy()
         reference2(cfg, want_p, g, want_m, cfg.lr)
         p, st = cp.asarray(p0.copy()), St(cp.asarray(m0.copy()))
-        assert run._reduce_kernel(DEF2, 0, cfg, st, p, cp.asarray(g), 1, cfg.lr)  # noqa: SLF001
+        assert run.kernel_update(DEF2, cfg, st, p, cp.asarray(g), t=1, lr=cfg.lr)
         assert p.get().tobytes() == want_p.tobytes() and st.m.get().tobytes() == want_m.tobytes(), dt
     assert launched[:5] == list(names)  # 2 levels: 2·2 + 1 launches, in order

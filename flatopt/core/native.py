@@ -53,7 +53,8 @@ def _sources() -> tuple[Path]:
 
 
 def _compiler(exe: str) -> Any:
-    """``compile_to(path, pass_fds)`` for ``native_cache.load``: builds the library at ``path``; None, or why it failed."""
+    """``compile_to(path, pass_fds)`` for ``native_cache.load``: builds the library at ``path``; None, or why it
+    failed."""
     def compile_to(path: str, fds: tuple[int, ...]) -> str | None:
         res = subprocess.run([exe, *FLAGS, "-o", path, *map(str, _sources()), "-lm"], capture_output=True, text=True,
                              timeout=native_cache.COMPILE_TIMEOUT_S, pass_fds=fds)
@@ -64,14 +65,14 @@ def _compiler(exe: str) -> Any:
 
 
 def _bind(handle: Any) -> dict[str, Any]:
-    """{entry: its function, with its argument types}."""
+    """{entry: its function, with its argument types}: (dt, flag set, arrays, n, struct of named doubles), or for a
+    reduce phase (dt, flag set, arrays, column sums, rows, w, first, struct)."""
     fns = {}
     for name in re.findall(r"\bint flatopt_gen_(\w+)\(", GENERATED.read_text()):
-        fn = getattr(handle, f"flatopt_gen_{name}")  # (dt, flag set, arrays, n, struct of named doubles)
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-        if re.search(r"_columns\d*$", name):  # (dt, flag set, arrays, column sums, rows, w, first, struct)
-            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+        fn = getattr(handle, f"flatopt_gen_{name}")
+        extent = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int] if re.search(r"_columns\d*$", name) \
+            else [ctypes.c_int64]
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, *extent, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         fns["gen_" + name] = fn
     return fns
@@ -89,8 +90,8 @@ def _build() -> tuple[Any, str]:
         return None, "no /proc/self/fd: the library is only loaded through its checked descriptor"
     try:
         version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _sources()), " ".join(FLAGS).encode(), version.encode(),
-                                         platform.machine().encode()])).hexdigest()[:20]
+        key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _sources()), " ".join(FLAGS).encode(),
+                                         version.encode(), platform.machine().encode()])).hexdigest()[:20]
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
     why = "no private, writable cache directory"
@@ -149,7 +150,7 @@ def gen_step(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) ->
     """Run the generated loop of ``algo`` for flag set ``fs`` (``core/elementwise``) on ``arrays`` (its definition's
     p, g and slots; a stand-in for a slot the flag set does not use), ``packed``: its scalars struct; False (nothing
     touched) when it cannot: the caller runs the NumPy path."""
-    return _gen(f"gen_{algo}", fs, arrays, arrays[0].size, (), (), packed)
+    return _gen(f"gen_{algo}", fs, arrays, arrays[0].size, packed)
 
 
 def gen_columns(algo: str, fs: int, arrays: Sequence[np.ndarray], accs: Sequence[np.ndarray], rows: int, w: int,
@@ -159,37 +160,29 @@ def gen_columns(algo: str, fs: int, arrays: Sequence[np.ndarray], accs: Sequence
     into its ``w`` column sums ``accs`` in row order (``first``: they replace the sums); False (nothing touched)
     when it cannot: the caller runs the NumPy path.  ``level``: which reduction level (entry ``_columns<level>``
     after the first)."""
-    return _gen(f"gen_{algo}_columns{level or ''}", fs, arrays, rows * w, (*accs,), (rows, w, int(first)), packed)
+    return _gen(f"gen_{algo}_columns{level or ''}", fs, arrays, rows * w, packed, (accs, w), (rows, w, int(first)))
 
 
 def gen_map(algo: str, fs: int, arrays: Sequence[np.ndarray], packed: bytes) -> bool:
     """Run the generated map phase of ``algo``'s flag set ``fs`` on ``arrays``; ``packed``: the definition's
     scalars then the fold's, as doubles.  False (nothing touched) when it cannot."""
-    return _gen(f"gen_{algo}_map", fs, arrays, arrays[0].size, (), (), packed)
+    return _gen(f"gen_{algo}_map", fs, arrays, arrays[0].size, packed)
 
 
-def _gen(entry: str, fs: int, arrays: Sequence[np.ndarray], n: int, accs: tuple, extents: tuple,
-         packed: bytes) -> bool:
+def _gen(entry: str, fs: int, arrays: Sequence[np.ndarray], n: int, packed: bytes, accs: tuple = ((), 0),
+         extent: tuple | None = None) -> bool:
+    """``accs``: (the column sums, their length); ``extent``: the arguments that replace n (a reduce phase's)."""
     fns = _lib()
-    if fns is None:
-        return False
-    fn = fns.get(entry)
+    fn = None if fns is None else fns.get(entry)
     dtype = arrays[0].dtype
     dt = _DT.get(dtype)
     if fn is None or dt is None:
         return False
-    for a in arrays:
-        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != n:
+    for group, size in ((arrays, n), accs):
+        if any(a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != size for a in group):
             return False
-    for a in accs:
-        if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.aligned or a.size != extents[1]:
-            return False
-    ptrs = (ctypes.c_void_p * len(arrays))(*[a.__array_interface__["data"][0] for a in arrays])
-    if accs:
-        sums = (ctypes.c_void_p * len(accs))(*[a.__array_interface__["data"][0] for a in accs])
-        rc = fn(dt, fs, ptrs, sums, *extents, _scalars(packed))
-    else:
-        rc = fn(dt, fs, ptrs, n, _scalars(packed))
-    if rc != 0:
+    ptrs = [(ctypes.c_void_p * len(group))(*[a.__array_interface__["data"][0] for a in group])
+            for group in (arrays, accs[0]) if len(group)]
+    if fn(dt, fs, *ptrs, *(extent or (n,)), _scalars(packed)) != 0:
         raise RuntimeError(f"flatopt_{entry} has no loop for flag set {fs}")
     return True

@@ -20,47 +20,36 @@ def sources() -> dict[str, str]:
     """{file name under kernels/generated: its text}, from every registered definition."""
     importlib.import_module("flatopt")
     defs = [REGISTRY[k] for k in sorted(REGISTRY)]
-    out = {"elementwise.c": emit.c_source(defs)}
-    for d in defs:
-        name = run.cuda_file(d)
-        out[name.split("/", 1)[1]] = emit.cuda_source(d, run.generated_shape(d), f"flatopt/kernels/{name}")
-    return out
+    return {"elementwise.c": emit.c_source(defs)} | {f"{d.name}.cu": _cuda(d) for d in defs}
+
+
+def _cuda(d) -> str:
+    return emit.cuda_source(d, run.generated_shape(d), f"flatopt/kernels/{run.cuda_file(d)}")
 
 
 def show(algo: str, lowering: str) -> str:
     importlib.import_module("flatopt")
     d = REGISTRY[algo]
-    if lowering == "c":
-        return emit.c_source([d])
-    if lowering == "cuda":
-        return emit.cuda_source(d, run.generated_shape(d), f"flatopt/kernels/{run.cuda_file(d)}")
+    if lowering in ("c", "cuda"):
+        return emit.c_source([d]) if lowering == "c" else _cuda(d)
     lines = []
     for f in d.flag_sets():
         fs = d.index(f)
-        prog = d.program(f)
         lines.append(f"# {algo} flag set {fs}: {f}")
-        sp = d.split_at(fs)
-        if sp is not None:  # reduce, then map (reduce.py): each part
-            parts = [(f"{part}{level or ''}", getattr(lv, part)) for level, lv in enumerate(sp.levels)
-                     for part in ("reduce", "fold")]
-            for part, pr in parts + [("map", sp.map)]:
-                lines.append(f"## {part}")
-                if lowering == "numpy" and not part.startswith("fold"):
-                    p = lower_numpy.allocate(pr)
-                    lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
-                    lines += [f"copy {src} -> {name}" for name, src in p.copies]
-                    continue
-                lines += [f"t{k} = {i.op}{i.args}    # line {i.line}" for k, i in enumerate(pr.instrs)]
-                lines += [f"{name} <- {ref}" for name, ref in pr.outputs]
-            continue
-        if lowering == "numpy":
-            p = run.plan(d, fs)
-            lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
-            lines += [f"copy {src} -> {name}" for name, src in p.copies]
-            lines.append(f"# scratch buffers: {p.scratch}, boolean: {p.bools}")
-        else:
-            lines += [f"t{k} = {i.op}{i.args}    # line {i.line}" for k, i in enumerate(prog.instrs)]
-            lines += [f"{name} <- {ref}" for name, ref in prog.outputs]
+        sp = d.split_at(fs)  # reduce, then map (reduce.py): each level's parts, then the map
+        parts = [("", d.program(f))] if sp is None else \
+            [(f"{k}{level or ''}", getattr(lv, k)) for level, lv in enumerate(sp.levels) for k in ("reduce", "fold")] \
+            + [("map", sp.map)]
+        for part, prog in parts:
+            lines += [f"## {part}"] * bool(part)
+            if lowering == "numpy" and not part.startswith("fold"):
+                p = lower_numpy.allocate(prog)
+                lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
+                lines += [f"copy {src} -> {name}" for name, src in p.copies]
+                lines += [f"# scratch buffers: {p.scratch}, boolean: {p.bools}"] * (not part)
+            else:
+                lines += [f"t{k} = {i.op}{i.args}    # line {i.line}" for k, i in enumerate(prog.instrs)]
+                lines += [f"{name} <- {ref}" for name, ref in prog.outputs]
     return "\n".join(lines) + "\n"
 
 

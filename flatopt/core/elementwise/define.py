@@ -31,12 +31,13 @@ addition: the same bits on NumPy (``core/norms.py``'s column sums), the C pass a
 its summands need; the first writes the arrays it computes that no sum changes), its sums and a fold (the per-tensor
 instructions of that level, run once per tensor in the dtype: its results ``fold<k>`` are scalars of the later
 levels and of the map), then a map (the rest, per element); a sum of a value that depends on another sum is in a
-later level (Mars's mask count after its clip's norm).  A zero sum of terms that
-are all −0 may read ±0 by path (the blocked order pads with +0).  Such a definition's optimizer is not elementwise: ``run.bind_reduce(DEF)``
-gives its ``update_fn``, ``np_phases_fn``, ``np_rows_fn``, ``kernel_fn`` (2·levels + 1 launches per tensor: each
-level's partials and fold, then the map) and ``multi_tensor`` (as many per dtype group), and its state has an
-unsaved field ``work`` (the sums' work area, the kernels' partials).  See ``flatopt/lamb.py`` and ``flatopt/mars.py``.  ``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()``
-whether any flag set has one.
+later level (Mars's mask count after its clip's norm).  A zero sum of terms that are all −0 may read ±0 by path (the
+blocked order pads with +0).  Such a definition's optimizer is not elementwise: ``run.bind_reduce(DEF)`` gives its
+``update_fn``, ``np_phases_fn``, ``np_rows_fn``, ``kernel_fn`` (2·levels + 1 launches per tensor: each level's
+partials and fold, then the map) and ``multi_tensor`` (as many per dtype group), and its state has an unsaved field
+``work`` (the sums' work area, the kernels' partials).  See ``flatopt/lamb.py`` and ``flatopt/mars.py``.
+``Definition.split_at(fs)`` gives the split (None for a flag set without a sum), ``has_sums()`` whether any flag set
+has one.
 
 **Cautious.**  A config deriving from :class:`Cautious` has the keyword-only field ``cautious`` (a bool, False by
 default, checked before the config's own checks); its definition gains the flag ``cautious`` as its last (the
@@ -50,8 +51,8 @@ numel/(count + 1) (both sums over the tensor), so those flag sets are reduce-the
 sets without a sum.
 
 From it (all cached per flag set): the instruction list (``trace``), the NumPy/CuPy path (``lower_numpy``), the C
-pass (``emit_c``, compiled by ``core/native.py``) and the CUDA kernels (``emit_cuda``, loaded by
-``core/kernels.py``).  ``update``, ``kernel_update`` and ``multi`` are what the optimizer class binds.
+pass (``emit.c_source``, compiled by ``core/native.py``) and the CUDA kernels (``emit.cuda_source``, loaded by
+``core/kernels.py``); ``run.bind`` gives what the optimizer class binds.
 """
 
 from __future__ import annotations
@@ -116,7 +117,6 @@ class Definition:
         self.scalar_names = tuple(scalars(example, 1, 1.0, *self.example_host))
         self.valid = valid or (lambda f: True)
         self.source = Path(inspect.getsourcefile(step) or "?")
-        self.first_line = step.__code__.co_firstlineno
         if register:
             REGISTRY[name] = self
 
@@ -155,11 +155,9 @@ class Definition:
     def program(self, f: dict) -> tr.Program:
         return self.program_at(self.index(f))
 
-    def flags_of(self, cfg: Any, t: int, host: tuple = ()) -> int:
-        return self._flags_of(cfg, t, host)
-
     @functools.lru_cache(maxsize=256)  # noqa: B019
-    def _flags_of(self, cfg: Any, t: int, host: tuple) -> int:
+    def flags_of(self, cfg: Any, t: int, host: tuple = ()) -> int:
+        """The index of the flag set of a step (``host``: the definition's host values)."""
         f = self.flags_fn(cfg, t, *host)
         if self.cautious:
             f = {**f, "cautious": cfg.cautious}

@@ -1,8 +1,8 @@
 """The tracer: an algorithm's ``step`` run on symbolic values becomes a list of instructions.
 
 Each instruction is one rounded operation (or a comparison, a select, a cast), recorded in the order the step
-function performs it; every lowering (``lower_numpy``, ``emit_c``, ``emit_cuda``) executes the list as it is, so
-the NumPy path, the C pass and the CUDA kernels make the same rounded operations in the same order by construction.
+function performs it; every lowering (``lower_numpy``, ``emit``) executes the list as it is, so the NumPy path, the C
+pass and the CUDA kernels make the same rounded operations in the same order by construction.
 A value is referred to by an ``Ref``: an input array (``("in", name)``), a per-step scalar (``("s", name)``), a
 literal (``("c", float)``) or the result of instruction k (``("v", k)``).  ``bool()`` of a symbolic value raises:
 a step may branch on its flags (plain Python bools), never on its data.
@@ -16,6 +16,7 @@ other numbers they use passed as double arguments.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 from typing import Any, Callable
 
@@ -47,19 +48,18 @@ class Program:
     reads: tuple  # the input arrays read, in the definition's order
     scalars: tuple  # the scalar names used, in the definition's order
 
-    def out(self) -> dict:
-        return dict(self.outputs)
-
 
 class DataDependentBranch(TypeError):
     pass
 
 
 class Sym:
-    """A symbolic array value inside a traced step."""
+    """A symbolic array value inside a traced step: its operators (set below from ``_OPERATORS``) record
+    instructions."""
 
     __slots__ = ("t", "ref", "is_bool")
     __array_priority__ = 1000  # a NumPy scalar on the left defers to us
+    __hash__ = None  # type: ignore[assignment]  # == is a symbolic comparison (NumPy's convention), not a bool
 
     def __init__(self, t: "_Tracer", ref: Ref, is_bool: bool = False):
         self.t, self.ref, self.is_bool = t, ref, is_bool
@@ -68,78 +68,34 @@ class Sym:
         raise DataDependentBranch(f"data-dependent branch in {self.t.algo}.step: a symbolic value was used as a "
                                   f"Python bool (branch on the flags `f`, or use e.where)")
 
-    def _bin(self, op: str, other: Any, reverse: bool = False) -> "Sym":
-        a, b = self, self.t.lift(other)
-        return self.t.emit(op, (b, a) if reverse else (a, b))
 
-    __add__ = lambda s, o: s._bin("add", o)  # noqa: E731
-    __radd__ = lambda s, o: s._bin("add", o, True)  # noqa: E731
-    __sub__ = lambda s, o: s._bin("sub", o)  # noqa: E731
-    __rsub__ = lambda s, o: s._bin("sub", o, True)  # noqa: E731
-    __mul__ = lambda s, o: s._bin("mul", o)  # noqa: E731
-    __rmul__ = lambda s, o: s._bin("mul", o, True)  # noqa: E731
-    __truediv__ = lambda s, o: s._bin("div", o)  # noqa: E731
-    __rtruediv__ = lambda s, o: s._bin("div", o, True)  # noqa: E731
-    __lt__ = lambda s, o: s._bin("lt", o)  # noqa: E731
-    __le__ = lambda s, o: s._bin("le", o)  # noqa: E731
-    __gt__ = lambda s, o: s._bin("gt", o)  # noqa: E731
-    __ge__ = lambda s, o: s._bin("ge", o)  # noqa: E731
-    __and__ = lambda s, o: s._bin("and", o)  # noqa: E731
-    __or__ = lambda s, o: s._bin("or", o)  # noqa: E731
-    __invert__ = lambda s: s.t.emit("not", (s,))  # noqa: E731
-    __neg__ = lambda s: s.t.emit("neg", (s,))  # noqa: E731
-
-    def __eq__(self, o: object) -> Any:  # a symbolic comparison (NumPy's convention), not a bool
-        return self._bin("eq", o)
-
-    def __ne__(self, o: object) -> Any:
-        return self._bin("ne", o)
-
-    __hash__ = None  # type: ignore[assignment]
+# the operators of Sym and HostSym: dunder name -> (Sym's op, HostSym's C operator: the four arithmetic ones, which
+# are also reversed, ``2 * x``)
+_OPERATORS = {"add": ("add", "+"), "sub": ("sub", "-"), "mul": ("mul", "*"), "truediv": ("div", "/"),
+              "lt": ("lt", None), "le": ("le", None), "gt": ("gt", None), "ge": ("ge", None), "eq": ("eq", None),
+              "ne": ("ne", None), "and": ("and", None), "or": ("or", None)}
+for _name, (_op, _c) in _OPERATORS.items():
+    setattr(Sym, f"__{_name}__", lambda s, o, op=_op: s.t.emit(op, (s, s.t.lift(o))))
+    if _c is not None:
+        setattr(Sym, f"__r{_name}__", lambda s, o, op=_op: s.t.emit(op, (s.t.lift(o), s)))
+Sym.__invert__ = lambda s: s.t.emit("not", (s,))  # type: ignore[attr-defined]
+Sym.__neg__ = lambda s: s.t.emit("neg", (s,))  # type: ignore[attr-defined]
 
 
 class Intrinsics:
     """``e``: the operations a step may use besides + - * / and the comparisons; each has NumPy's semantics
-    (``maximum``/``minimum`` propagate a NaN, ``sign`` of ±0 is 0 and of a NaN the NaN)."""
+    (``maximum``/``minimum`` propagate a NaN, ``sign`` of ±0 is 0 and of a NaN the NaN): ``sqrt``, ``abs``,
+    ``sign``, ``isfinite``, ``cast`` (a comparison's 1/0 in the dtype), ``copysign``, ``maximum``, ``minimum``,
+    ``where(c, x, y)``; then the per-tensor ``sum``, ``sumsq`` and ``cautious``."""
 
-    def __init__(self, t: "_Tracer", flags: dict | None = None):
-        self._t, self._flags = t, flags or {}
-
-    def _u(self, op: str, x: Any) -> Sym:
-        return self._t.emit(op, (self._t.lift(x),))
-
-    def sqrt(self, x: Any) -> Sym:
-        return self._u("sqrt", x)
-
-    def abs(self, x: Any) -> Sym:
-        return self._u("abs", x)
-
-    def sign(self, x: Any) -> Sym:
-        return self._u("sign", x)
-
-    def isfinite(self, x: Any) -> Sym:
-        return self._u("isfinite", x)
-
-    def cast(self, x: Any) -> Sym:
-        return self._u("cast", x)
-
-    def copysign(self, x: Any, y: Any) -> Sym:
-        return self._t.emit("copysign", (self._t.lift(x), self._t.lift(y)))
-
-    def maximum(self, x: Any, y: Any) -> Sym:
-        return self._t.emit("maximum", (self._t.lift(x), self._t.lift(y)))
-
-    def minimum(self, x: Any, y: Any) -> Sym:
-        return self._t.emit("minimum", (self._t.lift(x), self._t.lift(y)))
-
-    def where(self, c: Any, x: Any, y: Any) -> Sym:
-        return self._t.emit("where", (self._t.lift(c), self._t.lift(x), self._t.lift(y)))
+    def __init__(self, t: "_Tracer", flags: dict):
+        self._t, self._flags = t, flags
 
     def sum(self, x: Any) -> Sym:
         """The sum over the tensor of a per-element value, in the blocked order of ``core/sqsum.py`` (rounded to
         the dtype at every addition): a per-tensor value that the step may keep computing with (``reduce.split``
         makes it a reduce phase, a fold and a map)."""
-        return self._u("sum", x)
+        return self._t.emit("sum", (self._t.lift(x),))
 
     def sumsq(self, x: Any) -> Sym:
         """``sum(x * x)``: the sum of squares of ``x``."""
@@ -170,11 +126,13 @@ class Intrinsics:
         return u * (mask * scale)
 
 
+for _op in ("sqrt", "abs", "sign", "isfinite", "cast", "copysign", "maximum", "minimum", "where"):
+    setattr(Intrinsics, _op, lambda self, *xs, op=_op: self._t.emit(op, tuple(map(self._t.lift, xs))))
+
+
 class _Tracer:
     def __init__(self, algo: str, step: Callable):
-        self.algo, self.instrs = algo, []
-        code = step.__code__
-        self.code = code
+        self.algo, self.instrs, self.code = algo, [], step.__code__
 
     def lift(self, x: Any) -> Sym:
         if isinstance(x, Sym):
@@ -184,7 +142,9 @@ class _Tracer:
         return Sym(self, ("c", float(x)))
 
     def emit(self, op: str, args: tuple) -> Sym:
-        if op in ("where",) and not args[0].is_bool:
+        if len(args) != ARITY[op]:
+            raise TypeError(f"{self.algo}.step: e.{op} takes {ARITY[op]} argument(s), got {len(args)}")
+        if op == "where" and not args[0].is_bool:
             raise TypeError(f"{self.algo}.step: e.where's condition must be a comparison or e.isfinite")
         line = _caller_line(self.code)
         is_bool = op in BOOL_OPS
@@ -193,8 +153,6 @@ class _Tracer:
 
 
 def _caller_line(code: types.CodeType) -> int:
-    import sys  # noqa: PLC0415
-
     f = sys._getframe(2)  # noqa: SLF001 - the caller's frame, as inspect.currentframe does, without its cost
     while f is not None and f.f_code is not code:
         f = f.f_back
@@ -250,19 +208,17 @@ class HostSym:
     def __bool__(self) -> bool:
         raise DataDependentBranch("a scalar that depends on the learning rate was used as a Python bool")
 
-    def _b(self, op: str, o: Any, rev: bool = False) -> "HostSym":
-        other = o.node if isinstance(o, HostSym) else ("num", float(o))
-        return HostSym((op, other, self.node) if rev else (op, self.node, other))
 
-    __add__ = lambda s, o: s._b("+", o)  # noqa: E731
-    __radd__ = lambda s, o: s._b("+", o, True)  # noqa: E731
-    __sub__ = lambda s, o: s._b("-", o)  # noqa: E731
-    __rsub__ = lambda s, o: s._b("-", o, True)  # noqa: E731
-    __mul__ = lambda s, o: s._b("*", o)  # noqa: E731
-    __rmul__ = lambda s, o: s._b("*", o, True)  # noqa: E731
-    __truediv__ = lambda s, o: s._b("/", o)  # noqa: E731
-    __rtruediv__ = lambda s, o: s._b("/", o, True)  # noqa: E731
-    __neg__ = lambda s: HostSym(("neg", s.node))  # noqa: E731
+
+for _name, (_, _c) in _OPERATORS.items():
+    if _c is not None:
+        setattr(HostSym, f"__{_name}__", lambda s, o, c=_c: HostSym((c, s.node, _host_node(o))))
+        setattr(HostSym, f"__r{_name}__", lambda s, o, c=_c: HostSym((c, _host_node(o), s.node)))
+HostSym.__neg__ = lambda s: HostSym(("neg", s.node))  # type: ignore[attr-defined]
+
+
+def _host_node(o: Any) -> tuple:
+    return o.node if isinstance(o, HostSym) else ("num", float(o))
 
 
 def trace_scalars(scalars: Callable, cfg: Any, t: int, host: tuple = ()) -> tuple[tuple, tuple]:
