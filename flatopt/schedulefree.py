@@ -69,6 +69,7 @@ from .core.driver import CHUNK
 from .core.elementwise import define, run
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import Array, DecayMask, JSONDict, LrScale
 from .core.validate import check_array, check_lr, check_range, normalize_numbers
 
@@ -207,10 +208,11 @@ class ScheduleFreeAdamW(ElementwiseOptimizer, definition=DEF, host_state={"lr_ma
 
     def __init__(self, lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 0, r: float = 0.0, weight_lr_power: float = 2.0, *,
-                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(ScheduleFreeAdamWConfig(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power,
                                                  cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)
         self.mode = "train"
         self.hooks = self.hooks.replace(run=self._run_sf)
 

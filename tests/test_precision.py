@@ -16,7 +16,6 @@ import pytest
 import flatopt
 from flatopt import OptItem, Precision
 from flatopt.core import precision as prec
-from flatopt.core.precision import check_precision
 from flatopt.errors import IncompatibleStateError
 
 from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_for, step_items
@@ -30,18 +29,8 @@ MODES = ("nearest", "stochastic", "kahan", "master")
 
 
 def make(cls, precision=None, **kw):
-    """An optimizer of ``cls`` under ``precision``: through its ``precision=`` keyword where the class takes one,
-    else the driver's (``PerParamOptimizer.__init__``) set on the constructed object."""
-    import inspect
-    if "precision" in inspect.signature(cls).parameters:
-        return cls(precision=precision, **kw)
-    return with_policy(cls(**kw), precision)
-
-
-def with_policy(opt, precision):
-    """``opt`` (fresh) under ``precision``, as the driver's ``precision=`` keyword sets it."""
-    opt.precision = check_precision(precision)
-    return opt
+    """An optimizer of ``cls`` under ``precision``, through its public ``precision=`` keyword."""
+    return cls(precision=precision, **kw)
 
 
 ALGOS = {
@@ -505,14 +494,11 @@ def test_refused_policy_combinations_change_nothing():
 
 # ------------------------------------------------------------------------------------------- the contract, 16-bit
 def _lowered(spec, dtype, mode):
-    """A fresh optimizer of ``spec`` under ``mode`` and 16-bit parameters of its shapes (``None``: it composes
-    optimizers and does not take the driver's policy yet)."""
+    """A fresh optimizer of ``spec`` under ``mode`` (its public ``precision=`` keyword) and 16-bit parameters of
+    its shapes."""
     params = {f"p{i}": (s, np.random.default_rng(i).standard_normal(math.prod(s)).astype(np.float32).astype(dtype))
               for i, s in enumerate(spec.shapes)}
-    opt = make_for(spec, params)
-    if not isinstance(opt, flatopt.PerParamOptimizer):
-        return None, params
-    return with_policy(opt, Precision(mode, seed=5)), params
+    return make_for(spec, params, precision=Precision(mode, seed=5)), params
 
 
 def _lowp_grads(params, it):
@@ -536,8 +522,7 @@ def test_every_algorithm_steps_16bit_parameters(name, dtype, mode, tmp_path):
     bit."""
     spec = REGISTRY[name]
     opt, params = _lowered(spec, dtype, mode)
-    if opt is None:
-        pytest.skip(f"{name}: composes optimizers; the precision keyword reaches it with the integration")
+    assert opt.precision == Precision(mode, seed=5)
     start = {n: p.copy() for n, (_, p) in params.items()}
     _run16(opt, params, 2)
     assert any(not np.array_equal(p, start[n]) for n, (_, p) in params.items())
