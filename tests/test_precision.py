@@ -577,3 +577,41 @@ def test_reset_and_malformed_policy_in_a_snapshot():
     assert opt.state_nbytes() == 0 and opt.state_names() == []
     opt.step("b", (4,), np.ones(4, F16), np.ones(4, F16))  # afresh, with another dtype
     assert opt.state_dict().params["b"]["dtype"] == "float16"
+
+
+# ------------------------------------------------------------------------------- ScheduleFreeAdamW's conversions
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_schedulefree_eval_train_convert_the_carried_value(mode, dtype):
+    """eval/train of 16-bit parameters convert the float32 value the parameter carries (the master copy, p + c, or
+    p) as the float32 optimizer converts it, then write it back to nearest (Kahan: with the new compensation)."""
+    shape = (37, 29)
+    p0, grads = data(shape, dtype, 3, seed=4)
+
+    def make_sf(precision):
+        return make(flatopt.ScheduleFreeAdamW, precision, lr=1e-2, warmup_steps=1)
+
+    opt = make_sf(Precision(mode))
+    p = run(opt, p0.copy(), grads, shape)
+    ep, comp, master, ref = emulate(make_sf, mode, dtype, p0, grads, shape)
+    assert_bits_equal(p, ep)
+    w = master if mode == "master" else f32(ep) + (f32(comp) if mode == "kahan" else 0)
+    rec = opt._lowp["w"]  # noqa: SLF001
+    for conv in ("eval", "train"):
+        before = p.copy()
+        getattr(opt, conv)({"w": p})
+        getattr(ref, conv)({"w": w})
+        assert not np.array_equal(f32(p), f32(before)), conv  # the conversion moved the parameter
+        assert_bits_equal(p, w.astype(dtype), f"{conv}: the parameter is the nearest of the converted value")
+        if mode == "master":
+            assert_bits_equal(rec.master, w, f"{conv}: the master copy converts as a float32 parameter")
+        if mode == "kahan":
+            c = np.where(np.isfinite(f32(p)), w - f32(p), 0).astype(np.float32).astype(dtype)
+            assert_bits_equal(rec.comp, c, f"{conv}: compensation")
+            w = f32(p) + f32(c)
+        elif mode != "master":
+            w = f32(p)
+    assert opt.mode == "train"
+    with pytest.raises(TypeError, match="'w'.*float32 differs from the dtype"):
+        opt.eval({"w": f32(p)})
+    assert_bits_equal(p, w.astype(dtype))

@@ -258,6 +258,32 @@ def validate(opt: Any, items: Sequence[Any], check: Callable[[list[OptItem]], An
     check(work)
 
 
+# ---------------------------------------------------------------------- conversions outside a step
+def carried(opt: Any, name: str, p: Array) -> Array:
+    """The float32 value the 16-bit parameter ``name`` (buffer ``p``) carries, for an in-place conversion of it by
+    an algorithm (ScheduleFreeAdamW's ``eval``/``train``): the master copy itself (``"master"``), else new memory
+    holding ``f32(p)`` plus, under ``"kahan"``, ``f32(c)``.  :func:`store` writes it back."""
+    rec = opt._lowp[name]  # noqa: SLF001 - the driver's map
+    if rec.master is not None:
+        rec.master = _backend.to_backend(rec.master, p)
+        return rec.master
+    with _device(p):
+        w = _backend.array_module(p).empty(p.size, np.float32)
+    comp = None
+    if rec.comp is not None:
+        comp = rec.comp = _backend.to_backend(rec.comp, p)
+    _over_chunks([(OptItem(name, (p.size,), p, p), p.size, functools.partial(_widen, p, w, comp))])
+    return w
+
+
+def store(opt: Any, name: str, w: Array, p: Array) -> None:
+    """``p`` = ``w`` (from :func:`carried`, converted) rounded to nearest, and Kahan's compensation ``c`` =
+    nearest(``w - f32(p)``): no random draw is spent outside a step."""
+    rec = opt._lowp[name]  # noqa: SLF001 - the driver's map
+    fn = functools.partial(_write_chunk, "nearest", 0, w, p, rec.comp)
+    _over_chunks([(OptItem(name, (p.size,), p, p), p.size, fn)])
+
+
 # --------------------------------------------------------------------------------------------- snapshots
 def nbytes(opt: Any) -> int:
     recs = opt._lowp.values()  # noqa: SLF001 - the driver's map

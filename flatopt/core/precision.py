@@ -58,7 +58,7 @@ from . import workspace
 
 WRITEBACKS = ("nearest", "stochastic", "kahan", "master")
 STATES = ("float32",)
-LATER_STATES = ("bfloat16", "8bit", "al8")  # issue #29's compressed states: refused until they exist
+LATER_STATES = ("bfloat16", "8bit", "al8")  # compressed states: named, refused as not implemented
 LOWP_NAMES = ("float16", "bfloat16")  # the 16-bit parameter dtypes, by name (bfloat16 is ml_dtypes')
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")  # every dtype a parameter or gradient may have
 SEED_END = 1 << 63
@@ -86,7 +86,7 @@ class Precision:
                              f"got {self.writeback!r}")
         if isinstance(self.state, Mapping) or self.state in LATER_STATES:
             raise ValueError(f"Precision: state={self.state!r} is not implemented yet (compressed optimizer "
-                             f"states, issue #29's later phase); only 'float32' is available")
+                             f"states); only 'float32' is available")
         if not isinstance(self.state, str) or self.state not in STATES:
             raise ValueError(f"Precision: state must be 'float32', got {self.state!r}")
         if isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer)):
