@@ -104,6 +104,9 @@ class PerParamOptimizer:
         # True: a float32/float64 parameter under another write-back than "nearest" is stepped as it is (exact)
         # instead of refused (Adafactor8Bit's stochastic_round_writeback, as the original)
         self._plain_writeback_exact = False
+        # name -> the index, in the whole parameter, of element 0 of the buffers given for it (a rank of
+        # flatopt.distributed steps a range of a parameter): the stochastic write-back draws by that global index
+        self.element_offsets: dict[str, int] = {}
         self._lr = float(config.lr) if getattr(config, "lr", None) is not None else None
         self._slots: dict[str, _Slot] = {}
         self._lr_scale = _make_lr_scale(lr_scale)

@@ -13,7 +13,8 @@ as 16-bit before (or any batch under a ``writeback`` other than ``"nearest"``) i
 3. the driver's own ``step_batch`` runs on the working items (validating them again: a refusal there changes
    nothing, the write-back buffers of new names are installed only after it);
 4. each working copy is written back into its parameter (``core.precision``; ``t`` is the name's step count after
-   this step).
+   this step; the element index is the one in the whole parameter: ``element_offsets`` of the driver gives the
+   offset of a range that a rank of ``flatopt.distributed`` steps).
 
 Steps 2 and 4 run in chunks of ``CHUNK`` elements, on the threads on NumPy (``core.parallel``: every element's
 result depends on its value and index alone, so any split gives the same bits), in order on CuPy.  The working
@@ -207,13 +208,15 @@ def _over_chunks(work: list[tuple[OptItem, int, Callable[[int, int], None]]]) ->
     run_tasks(tasks)
 
 
-def _write_chunk(writeback: str, base: int, wp: Array, p: Array, comp: Array | None, lo: int, hi: int) -> None:
-    """Step 4 of the module doc on elements ``lo:hi`` of one parameter."""
+def _write_chunk(writeback: str, base: int, off: int, wp: Array, p: Array, comp: Array | None, lo: int,
+                 hi: int) -> None:
+    """Step 4 of the module doc on elements ``lo:hi`` of one parameter (``off``: the index of its element 0 in the
+    whole parameter, for the random draw)."""
     xp = _backend.array_module(p)
     w, out = wp[lo:hi], p[lo:hi]
     if writeback == "stochastic":
         words = workspace.get(xp, "precision.words", hi - lo, np.uint64)
-        random_words(xp, base, lo, words, workspace.get(xp, "precision.words_tmp", hi - lo, np.uint64))
+        random_words(xp, base, off + lo, words, workspace.get(xp, "precision.words_tmp", hi - lo, np.uint64))
         round_stochastic(xp, w, out, words)
     else:
         round_nearest(xp, w, out)
@@ -237,7 +240,8 @@ def _write_back(opt: Any, jobs: list[Any]) -> None:
         t = opt._slots[it.name].t  # noqa: SLF001 - the driver's t, after this step
         base = stream_base(policy.seed, it.name, t)
         comp = rec.comp if policy.writeback == "kahan" else None
-        work.append((it, p.size, functools.partial(_write_chunk, policy.writeback, base, wp, p, comp)))
+        off = opt.element_offsets.get(it.name, 0)
+        work.append((it, p.size, functools.partial(_write_chunk, policy.writeback, base, off, wp, p, comp)))
     _over_chunks(work)
     for it, _, rec, new in jobs:
         if new:
@@ -280,7 +284,7 @@ def store(opt: Any, name: str, w: Array, p: Array) -> None:
     """``p`` = ``w`` (from :func:`carried`, converted) rounded to nearest, and Kahan's compensation ``c`` =
     nearest(``w - f32(p)``): no random draw is spent outside a step."""
     rec = opt._lowp[name]  # noqa: SLF001 - the driver's map
-    fn = functools.partial(_write_chunk, "nearest", 0, w, p, rec.comp)
+    fn = functools.partial(_write_chunk, "nearest", 0, 0, w, p, rec.comp)
     _over_chunks([(OptItem(name, (p.size,), p, p), p.size, fn)])
 
 
