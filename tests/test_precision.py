@@ -615,3 +615,35 @@ def test_schedulefree_eval_train_convert_the_carried_value(mode, dtype):
     with pytest.raises(TypeError, match="'w'.*float32 differs from the dtype"):
         opt.eval({"w": f32(p)})
     assert_bits_equal(p, w.astype(dtype))
+
+
+def test_muon_adamw_applies_the_policy_to_both_halves():
+    """One policy for both groups: each half steps as the standalone optimizer under it; the snapshot holds both
+    halves' Kahan buffers, and a snapshot of another policy is refused with the reason."""
+    shapes = {"w": (12, 10), "b": (10,)}
+    pol = Precision("kahan", seed=2)
+    opt = flatopt.MuonAdamW({"w": ((12, 10), "bfloat16"), "b": (10,)}, ["w"], adamw_lr_ratio=0.5, precision=pol)
+    assert opt.muon.precision == opt.adamw.precision == opt.precision == pol
+    muon = flatopt.Muon(**{k: v for k, v in opt.muon.config.__dict__.items()}, precision=pol)
+    adamw = flatopt.AdamW(**{k: v for k, v in opt.adamw.config.__dict__.items()}, precision=pol)
+    r = np.random.default_rng(0)
+    ps = {n: r.standard_normal(math.prod(s)).astype(np.float32).astype(BF16) for n, s in shapes.items()}
+    qs = {n: p.copy() for n, p in ps.items()}
+    for k in range(3):
+        gs = {n: r.standard_normal(p.size).astype(np.float32).astype(BF16) for n, p in ps.items()}
+        opt.step_batch([OptItem(n, shapes[n], ps[n], gs[n]) for n in shapes])
+        muon.step("w", shapes["w"], qs["w"], gs["w"])
+        adamw.step("b", shapes["b"], qs["b"], gs["b"])
+    for n in shapes:
+        assert_bits_equal(ps[n], qs[n], n)
+    snap = opt.state_dict()
+    assert {"muon.precision.kahan/w", "adamw.precision.kahan/b"} <= set(snap.buffers)
+    fresh = flatopt.MuonAdamW({"w": ((12, 10), "bfloat16"), "b": (10,)}, ["w"], adamw_lr_ratio=0.5, precision=pol)
+    assert fresh.load_state_dict(snap), fresh.last_load_notes
+    assert_states_equal(fresh.state_dict(), snap)
+    other = flatopt.MuonAdamW({"w": ((12, 10), "bfloat16"), "b": (10,)}, ["w"], adamw_lr_ratio=0.5,
+                              precision=Precision("master"))
+    assert not other.load_state_dict(snap) and "kahan" in other.last_load_notes[0]
+    assert other.state_names() == []
+    with pytest.raises(flatopt.errors.DTypeMismatch, match="'w'.*float32 differs from bfloat16"):
+        opt.step("w", shapes["w"], f32(ps["w"]), f32(gs["w"]))
