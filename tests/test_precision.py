@@ -647,3 +647,29 @@ def test_muon_adamw_applies_the_policy_to_both_halves():
     assert other.state_names() == []
     with pytest.raises(flatopt.errors.DTypeMismatch, match="'w'.*float32 differs from bfloat16"):
         opt.step("w", shapes["w"], f32(ps["w"]), f32(gs["w"]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_lowered_steps_allocate_no_chunk_temporaries(mode, dtype, monkeypatch):
+    """After the first steps, a lowered step_batch takes its working copies, gradients, random words and rounding
+    temporaries from scratch: what it allocates stays far below one chunk's float32 temporaries (NumPy's own ufunc
+    buffers aside)."""
+    import tracemalloc
+
+    from flatopt.core.lowp import CHUNK
+    monkeypatch.setenv("FLATOPT_NUM_THREADS", "1")
+    n = 3 * CHUNK + 5
+    r = np.random.default_rng(1)
+    opt = make(flatopt.AdamW, Precision(mode), lr=1e-3)
+    items = [OptItem(f"p{i}", (n,), r.standard_normal(n).astype(np.float32).astype(dtype),
+                     r.standard_normal(n).astype(np.float32).astype(dtype)) for i in range(2)]
+    for _ in range(2):
+        opt.step_batch(items)
+    tracemalloc.start()
+    try:
+        opt.step_batch(items)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < CHUNK * 4, (mode, dtype, peak)

@@ -222,9 +222,12 @@ def _write_chunk(writeback: str, base: int, off: int, wp: Array, p: Array, comp:
         round_nearest(xp, w, out)
     if comp is not None:
         back = workspace.get(xp, "precision.back", hi - lo, np.float32)
+        bad = workspace.get(xp, "precision.back_bad", hi - lo, np.bool_)
         widen(xp, out, back)
+        xp.isfinite(back, out=bad)
+        xp.logical_not(bad, out=bad)
         xp.subtract(w, back, out=back)  # exact where out is finite
-        xp.copyto(back, np.float32(0), where=~xp.isfinite(out))
+        xp.copyto(back, np.float32(0), where=bad)
         round_nearest(xp, back, comp[lo:hi])
 
 
