@@ -93,7 +93,8 @@ def _check(opt: Any, items: Sequence[Any]) -> list[OptItem]:
         if had is not None and had != dt.name:
             raise TypeError(f"parameter {it.name!r}: dtype {dt} differs from the dtype {had} its state was created "
                             f"with")
-        if policy.writeback != "nearest" and not is_lowp(dt) and not opt._plain_writeback_exact:  # noqa: SLF001
+        exact = opt._plain_writeback_exact  # noqa: SLF001 - the driver's flag (Adafactor8Bit's original option)
+        if policy.writeback != "nearest" and not is_lowp(dt) and not exact:
             raise ValueError(f"parameter {it.name!r}: writeback={policy.writeback!r} applies to float16/bfloat16 "
                              f"parameters, got a {dt} parameter (its write-back is exact: step it with "
                              f"writeback='nearest', e.g. in another optimizer)")
