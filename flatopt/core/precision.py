@@ -161,21 +161,28 @@ def random_words(xp: Any, base: int, lo: int, out: Any, tmp: Any) -> None:
     xp.right_shift(out, np.uint64(32), out=out)
 
 
-_ramps: dict[Any, Any] = {}  # (module, device) -> the read-only uint64 ramp i·φ (mod 2**64), i = 0, 1, ...
+_ramps: dict[Any, Any] = {}  # (module, device, stream) -> (the read-only uint64 ramp i·φ mod 2**64, the stream)
 _ramps_lock = threading.Lock()
 
 
 def _phi_ramp(xp: Any, n: int) -> Any:
-    key = (xp.__name__, xp.cuda.Device().id if xp is not np and hasattr(xp, "cuda") else -1)
-    ramp = _ramps.get(key)
-    if ramp is None or ramp.size < n:
+    """The ramp ``i·φ`` (i < n) on the current device and stream (on CuPy per stream, as ``core.workspace``'s
+    buffers: it is filled on that stream, so work on another stream never reads it before it is written)."""
+    stream = None
+    if xp is not np and hasattr(xp, "cuda"):
+        stream = xp.cuda.get_current_stream()
+        key: Any = (xp.__name__, xp.cuda.Device().id, stream.ptr)
+    else:
+        key = (xp.__name__,)
+    got = _ramps.get(key)
+    if got is None or got[0].size < n:
         with _ramps_lock:
-            ramp = _ramps.get(key)
-            if ramp is None or ramp.size < n:
+            got = _ramps.get(key)
+            if got is None or got[0].size < n:
                 ramp = xp.arange(max(n, 1 << 16), dtype=np.uint64)
                 xp.multiply(ramp, np.uint64(_PHI), out=ramp)
-                _ramps[key] = ramp
-    return ramp[:n]
+                got = _ramps[key] = (ramp, stream)  # (the stream kept: its handle is not re-used meanwhile)
+    return got[0][:n]
 
 
 # ------------------------------------------------------------------------------------------- conversions
