@@ -30,6 +30,7 @@ from typing import Any
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
@@ -128,6 +129,7 @@ class Adam(ElementwiseOptimizer, definition=DEF, only_if=AMSGRAD):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, cautious: bool = False,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(AdamConfig(lr, betas, eps, weight_decay, amsgrad, cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)

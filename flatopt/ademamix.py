@@ -45,6 +45,7 @@ from .adam import adam_moments, bias_corrections, decay_flag
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
@@ -125,6 +126,7 @@ class AdEMAMix(ElementwiseOptimizer, definition=DEF):
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float, float] = (0.9, 0.999, 0.9999),
                  alpha: float = 5.0, t_alpha_beta3: float | None = None, eps: float = 1e-8,
                  weight_decay: float = 0.0, *, cautious: bool = False, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
+                 weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(AdEMAMixConfig(lr, betas, alpha, t_alpha_beta3, eps, weight_decay, cautious=cautious),
-                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask, precision=precision)

@@ -41,6 +41,7 @@ from .adam import check_bool, check_common
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import normalize_numbers
 
@@ -97,6 +98,7 @@ class Adopt(ElementwiseOptimizer, definition=DEF):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.9999), eps: float = 1e-6,
                  weight_decay: float = 0.0, decoupled: bool = False, *, cautious: bool = False,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(AdoptConfig(lr, betas, eps, weight_decay, decoupled, cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)

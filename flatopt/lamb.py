@@ -45,6 +45,7 @@ from .adam import bias_corrections, check_common, decay_flag
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import normalize_numbers
 
@@ -91,6 +92,7 @@ class Lamb(ElementwiseOptimizer, definition=DEF):  # every flag set sums: the re
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
                  weight_decay: float = _D.weight_decay, *, cautious: bool = _D.cautious, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
+                 weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(LambConfig(lr, betas, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)

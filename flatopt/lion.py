@@ -25,6 +25,7 @@ from .adam import check_common, decay_flag
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import normalize_numbers
 
@@ -63,6 +64,7 @@ class Lion(ElementwiseOptimizer, definition=DEF):
     """``Lion(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)``: see the module doc."""
 
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
-                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(LionConfig(lr, betas, weight_decay, cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)

@@ -50,6 +50,7 @@ from .adam import bias_corrections, check_bool, check_common
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
@@ -106,6 +107,7 @@ class Mars(ElementwiseOptimizer, definition=DEF):  # clip_c sums: the reduce-the
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, eps: float = _D.eps,
                  weight_decay: float = _D.weight_decay, gamma: float = _D.gamma, clip_c: bool = _D.clip_c, *,
-                 cautious: bool = _D.cautious, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 cautious: bool = _D.cautious, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(MarsConfig(lr, betas, eps, weight_decay, gamma, clip_c, cautious=cautious),
-                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask, precision=precision)

@@ -30,6 +30,7 @@ from .adam import adam_moments, bias_corrections, check_common, decay_flag
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import normalize_numbers
 
@@ -78,6 +79,7 @@ class NAdamW(ElementwiseOptimizer, definition=DEF):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, cautious: bool = False, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
+                 weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(NAdamWConfig(lr, betas, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)

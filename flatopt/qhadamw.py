@@ -27,6 +27,7 @@ from .adam import adam_moments, bias_corrections, check_common
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
@@ -86,6 +87,7 @@ class QHAdamW(ElementwiseOptimizer, definition=DEF):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.995, 0.999),
                  nus: tuple[float, float] = (0.7, 1.0), eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(QHAdamWConfig(lr, betas, nus, eps, weight_decay, cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)

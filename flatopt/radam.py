@@ -34,6 +34,7 @@ from .adam import adam_moments, bias_corrections, check_bool, check_common
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, LrScale
 from .core.validate import check_range, normalize_numbers
 
@@ -105,6 +106,7 @@ class RAdam(ElementwiseOptimizer, definition=DEF):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False, threshold: float = 5.0, *,
-                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(RAdamConfig(lr, betas, eps, weight_decay, decoupled_weight_decay, threshold,
-                                     cautious=cautious), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                                     cautious=cautious), lr_scale=lr_scale, weight_decay_mask=weight_decay_mask, precision=precision)

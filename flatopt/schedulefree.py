@@ -45,6 +45,13 @@ Round trip y → x → y: not bit for bit (two rounded lerps): |y' − y| ≤ |1
 (1 − w2)·(u|x| + (2u + u²)|w1|·|z − y|) + u|y'| + (2u + u²)|w2|·|z − x| per element, with w1, w2 the two weights
 rounded to the dtype and u its unit roundoff (``tests/test_schedulefree.py`` checks it).
 
+16-bit parameters (``precision=``, ``flatopt.Precision``): a conversion acts on the float32 value the parameter
+carries (``core.lowp.carried``): the master copy under ``writeback="master"`` (then the parameter is its nearest, and
+the master copy converts exactly as a float32 parameter would), ``f32(p) + f32(c)`` under ``"kahan"`` (then
+``p = nearest(x)`` and the compensation ``c = nearest(x − f32(p))``), ``f32(p)`` under ``"nearest"`` and
+``"stochastic"`` (then ``p = nearest(x)``: a conversion is not a step and draws no random bits; each conversion adds
+up to half a 16-bit ulp of rounding, so use ``"master"`` or ``"kahan"`` where eval/train alternate often).
+
 ``cautious=True`` (not in the ``schedulefree`` package nor pytorch-optimizer's ``ScheduleFreeAdamW``): the direction
 is the normalised gradient g/(√(v/(1 − β2^t)) + ε), masked where it disagrees in sign with g and scaled by
 numel/(count + 1) per tensor (pytorch-optimizer's ``apply_cautious``), before the decay λ·y is added; the masked u
@@ -63,12 +70,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .core import backend, cpu_plan, gpu_run, step_plan
+from .core import backend, cpu_plan, gpu_run, lowp, step_plan
 from .core import multi_tensor as mt
 from .core.driver import CHUNK
 from .core.elementwise import define, run
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import Array, DecayMask, JSONDict, LrScale
 from .core.validate import check_array, check_lr, check_range, normalize_numbers
 
@@ -207,10 +215,11 @@ class ScheduleFreeAdamW(ElementwiseOptimizer, definition=DEF, host_state={"lr_ma
 
     def __init__(self, lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 0, r: float = 0.0, weight_lr_power: float = 2.0, *,
-                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 cautious: bool = False, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(ScheduleFreeAdamWConfig(lr, betas, eps, weight_decay, warmup_steps, r, weight_lr_power,
                                                  cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)
         self.mode = "train"
         self.hooks = self.hooks.replace(run=self._run_sf)
 
@@ -309,26 +318,34 @@ class ScheduleFreeAdamW(ElementwiseOptimizer, definition=DEF, host_state={"lr_ma
             checked = self._check_buffers(params)
             if self.mode == mode:
                 return
-            update, kernel_update, _, _ = CONVERT[mode]
-            cfg = self.config
             for name, buf in checked:
                 slot = self._slots[name]
                 if not slot.pinned:
                     self._move_state(slot, buf)
-                if slot.backend == "cupy":
-                    with buf.device:
-                        if backend.force_twin() or not kernel_update(cfg, slot.state, buf, buf, t=1, lr=0.0):
-                            cp = backend.cupy()
-                            scratch = [cp.empty_like(buf) for _ in range(_CONVERT_SCRATCH)]
-                            update(cp, cfg, slot.state, buf, buf, t=1, lr=0.0, scratch=scratch)
-                    continue
-                full = cpu_plan.scratch(buf.dtype, _CONVERT_SCRATCH, CHUNK)
-                for lo in range(0, buf.size, CHUNK):
-                    hi = min(lo + CHUNK, buf.size)
-                    view = types.SimpleNamespace(z=slot.state.z[lo:hi])
-                    p = buf[lo:hi]
-                    update(np, cfg, view, p, p, t=1, lr=0.0, scratch=[b[:hi - lo] for b in full])
+                if name in self._lowp:  # a 16-bit parameter: the float32 value it carries (module doc)
+                    w = lowp.carried(self, name, buf)
+                    self._convert_one(slot, w, mode)
+                    lowp.store(self, name, w, buf)
+                else:
+                    self._convert_one(slot, buf, mode)
             self.mode = mode
+
+    def _convert_one(self, slot: Any, buf: Array, mode: str) -> None:
+        update, kernel_update, _, _ = CONVERT[mode]
+        cfg = self.config
+        if slot.backend == "cupy":
+            with buf.device:
+                if backend.force_twin() or not kernel_update(cfg, slot.state, buf, buf, t=1, lr=0.0):
+                    cp = backend.cupy()
+                    scratch = [cp.empty_like(buf) for _ in range(_CONVERT_SCRATCH)]
+                    update(cp, cfg, slot.state, buf, buf, t=1, lr=0.0, scratch=scratch)
+            return
+        full = cpu_plan.scratch(buf.dtype, _CONVERT_SCRATCH, CHUNK)
+        for lo in range(0, buf.size, CHUNK):
+            hi = min(lo + CHUNK, buf.size)
+            view = types.SimpleNamespace(z=slot.state.z[lo:hi])
+            p = buf[lo:hi]
+            update(np, cfg, view, p, p, t=1, lr=0.0, scratch=[b[:hi - lo] for b in full])
 
     def _check_buffers(self, params: Mapping[str, Array]) -> list[tuple[str, Array]]:
         if not isinstance(params, Mapping):
@@ -340,13 +357,16 @@ class ScheduleFreeAdamW(ElementwiseOptimizer, definition=DEF, host_state={"lr_ma
             if slot is None:
                 raise ValueError(f"parameter {name!r}: no state (never stepped, or another optimizer's): "
                                  f"nothing to convert")
-            kind = check_array(name, "param", buf)
+            kind = check_array(name, "param", buf, lowp=True)
             n = math.prod(slot.shape)
             if buf.ndim != 1 or buf.size != n:
                 raise ValueError(f"parameter {name!r}: the buffer must be flat with {n} elements, got shape "
                                  f"{buf.shape}")
-            if buf.dtype != slot.dtype:
-                raise TypeError(f"parameter {name!r}: buffer dtype {buf.dtype} differs from its state's {slot.dtype}")
+            rec = self._lowp.get(name)
+            want = rec.dtype if rec is not None else slot.dtype.name
+            if buf.dtype.name != want:
+                raise TypeError(f"parameter {name!r}: buffer dtype {buf.dtype} differs from the dtype {want} its "
+                                f"state was created with")
             if slot.pinned and kind != slot.backend:
                 raise TypeError(f"parameter {name!r}: state lives on {slot.backend}, got a {kind} buffer")
             if kind == "cupy" and slot.pinned and slot.device is not None and buf.device.id != slot.device:

@@ -23,6 +23,7 @@ from typing import Any
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import DecayMask, JSONDict, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
@@ -89,9 +90,10 @@ class SGD(ElementwiseOptimizer, definition=DEF, only_if={"buf": lambda cfg: cfg.
 
     def __init__(self, lr: float, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, *, cautious: bool = False, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
+                 weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(SGDConfig(lr, momentum, dampening, nesterov, weight_decay, cautious=cautious),
-                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask, precision=precision)
 
     def _config_key(self) -> JSONDict:
         return {"momentum": self.config.momentum != 0}

@@ -43,6 +43,7 @@ from .core import backend
 from .core.elementwise import define
 from .core.elementwise.define import Cautious
 from .core.elementwise.optimizer import ElementwiseOptimizer
+from .core.precision import Precision
 from .core.types import Array, DecayMask, LrScale
 from .core.validate import check_array, check_range, check_shape, normalize_numbers
 
@@ -89,9 +90,10 @@ class Sophia(ElementwiseOptimizer, definition=DEF):
 
     def __init__(self, lr: float = _D.lr, betas: tuple[float, float] = _D.betas, rho: float = _D.rho,
                  weight_decay: float = _D.weight_decay, eps: float = _D.eps, *, cautious: bool = _D.cautious,
-                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
+                 lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(SophiaConfig(lr, betas, rho, weight_decay, eps, cautious=cautious), lr_scale=lr_scale,
-                         weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)
 
     def update_hessian(self, name: str, shape: tuple[int, ...], h_hat: Array) -> None:
         """h ← β2·h + (1 − β2)·ĥ for ``name`` (state created with t = 0 if new; t is not advanced).

@@ -59,6 +59,7 @@ import numpy as np
 
 from .core import linalg
 from .core.driver import PerParamOptimizer
+from .core.precision import Precision
 from .core.types import Array, LrScale
 from .core.validate import check_lr, check_range, normalize_numbers
 
@@ -158,8 +159,9 @@ class Stiefel(PerParamOptimizer):
     threaded = False  # BLAS/LAPACK work (see the module doc)
     blas_bound = True  # ... held at one thread
 
-    def __init__(self, lr: float, momentum: float = _D.momentum, *, lr_scale: LrScale | None = None) -> None:
-        super().__init__(StiefelConfig(lr, momentum), lr_scale=lr_scale)
+    def __init__(self, lr: float, momentum: float = _D.momentum, *, lr_scale: LrScale | None = None,
+                 precision: Precision | None = None) -> None:
+        super().__init__(StiefelConfig(lr, momentum), lr_scale=lr_scale, precision=precision)
         self.hooks = self.hooks.replace(check_shape=self._check_matrix)
 
     def _config_key(self) -> dict[str, Any]:  # the state layout: a momentum buffer or none

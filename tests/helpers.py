@@ -76,9 +76,10 @@ def step_items(opt, items, batch):
     opt.end_iteration()
 
 
-def make_for(spec, params):
+def make_for(spec, params, **overrides):
     """A fresh optimizer of a registry ``spec`` for ``params`` ({name: (shape, buffer)}): optimizers with a manifest
-    fixed at construction (``spec.make_for``) get exactly these names and shapes."""
+    fixed at construction (``spec.make_for``) get exactly these names and shapes (``overrides``: constructor
+    keywords)."""
     if spec.make_for is not None:
-        return spec.make_for({n: s for n, (s, _) in params.items()})
-    return spec.make()
+        return spec.make_for({n: s for n, (s, _) in params.items()}, **overrides)
+    return spec.make(**overrides)

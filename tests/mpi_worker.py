@@ -5,6 +5,8 @@
     mpiexec -n 3 python tests/mpi_worker.py resume DIR    # resume those checkpoints on another world size
     mpiexec -n 2 python tests/mpi_worker.py bad           # bad input on one rank raises on every rank
     mpiexec -n 3 python tests/mpi_worker.py helpers       # allreduce_mean, global_norm, grad_norm
+    mpiexec -n 2 python tests/mpi_worker.py precision DIR # bfloat16 parameters under each write-back: sharded ==
+                                                          # single process, bit for bit, also after a resume
 
 Each rank prints ``RANK <r> OK <mode>`` at the end; any failure raises (non-zero exit).
 """
@@ -142,12 +144,16 @@ def mode_bad() -> None:
         run_sharded(sh, params, range(2))
         before = sh.state_dict()
         grads = grads_for(params, 2)
-        # 1. a float64 gradient on one rank only
+        # 1. an integer gradient on one rank only
         bad = dict(grads)
         if RANK == culprit:
-            bad["p0"] = bad["p0"].astype(np.float64)
+            bad["p0"] = bad["p0"].astype(np.int32)
         msg = expect_everywhere(lambda: sh.step_batch(items_of(params, bad)), TypeError, culprit)
         assert "p0" in msg, msg
+        # 1b. a gradient of another (accepted) dtype on one rank only: the ranks pass different batches
+        if RANK == culprit:
+            bad["p0"] = grads["p0"].astype(np.float64)
+        expect_everywhere(lambda: sh.step_batch(items_of(params, bad)), RemoteStepError, -1)
         # 2. the ranks pass different batches (one rank drops an item)
         its = items_of(params, grads)
         mism = its[:-1] if RANK == culprit else its
@@ -246,6 +252,63 @@ def mode_dynamic() -> None:
             assert_bits_equal(got[n][1], want[n][1], f"{type(make()).__name__} {n}")
 
 
+def mode_precision(out: Path) -> None:
+    """bfloat16 parameters (split into ranges for SGD/AdamW: the stochastic draw by the index in the whole
+    parameter; the Kahan/master buffers sharded like the state) are bit-identical to one process, and a sharded
+    checkpoint resumes on this world size and, merged, in a plain optimizer."""
+    import ml_dtypes
+
+    shapes = [(7,), (50,), (10, 9), (4, 3), (33,)]
+    makers = {"adamw": lambda p: flatopt.AdamW(lr=1e-2, weight_decay=0.1, precision=p),
+              "sgd": lambda p: flatopt.SGD(lr=0.05, momentum=0.9, precision=p),
+              "muon_adamw": lambda p: flatopt.MuonAdamW(params={f"p{i}": s for i, s in enumerate(shapes)},
+                                                         muon_names=["p2", "p3"], adamw_lr_ratio=0.5, precision=p)}
+
+    def params16():
+        return {n: (s, p.astype(ml_dtypes.bfloat16)) for n, (s, p) in make_params(shapes).items()}
+
+    def grads16(params, it):
+        return {n: g.astype(ml_dtypes.bfloat16) for n, g in grads_for(params, it).items()}
+
+    def run(opt, params, its):
+        for it in its:
+            opt.step_batch(items_of(params, grads16(params, it)))
+            opt.end_iteration()
+
+    for key, make in makers.items():
+        for mode in ("stochastic", "kahan", "master"):
+            policy = flatopt.Precision(mode, seed=11)
+            what = f"{key} {mode} W={WORLD}"
+            ref_params = params16()
+            ref = make(policy)
+            run(ref, ref_params, range(SAVE_AT))
+            mid = {n: p.copy() for n, (_, p) in ref_params.items()}
+            run(ref, ref_params, range(SAVE_AT, STEPS))
+            want = {n: p for n, (_, p) in ref_params.items()}
+            params = params16()
+            sh = Sharded(lambda: make(policy), COMM, split_min=SPLIT_MIN)
+            run(sh, params, range(SAVE_AT))
+            if key != "muon_adamw":
+                assert any(len(sh.plan.pieces(n)) > 1 for n in params), "some parameter is split into ranges"
+            check_params(params, mid, f"{what} step {SAVE_AT}")
+            d = out / f"{key}-{mode}"
+            sh.save(d)
+            run(sh, params, range(SAVE_AT, STEPS))
+            check_params(params, want, f"{what} step {STEPS}")
+            assert_states_equal(sh.state_dict(), ref.state_dict())
+            # resume: a fresh sharded optimizer from the shards, and a plain one from the merged snapshot
+            for fresh in (Sharded(lambda: make(policy), COMM, split_min=SPLIT_MIN), make(policy)):
+                params = params16()
+                for n, (_, p) in params.items():
+                    p[...] = mid[n]
+                if isinstance(fresh, Sharded):
+                    fresh.load(d)
+                else:
+                    assert fresh.load_state_dict(load_merged(d)) is True, (what, fresh.last_load_notes)
+                run(fresh, params, range(SAVE_AT, STEPS))
+                check_params(params, want, f"{what} resumed ({type(fresh).__name__})")
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "exact":
@@ -254,6 +317,8 @@ def main() -> None:
         mode_resume(Path(sys.argv[2]))
     elif mode == "bad":
         mode_bad()
+    elif mode == "precision":
+        mode_precision(Path(sys.argv[2]))
     elif mode == "helpers":
         mode_helpers()
         mode_dynamic()

@@ -3,6 +3,7 @@ path), state layout (codes in the state dict, bit-exact resume), per-group optio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -325,9 +326,9 @@ def test_came_one_pass_residual_equals_the_written_u(m_quant_type, monkeypatch):
 
 
 def test_options_of_the_original_that_do_not_apply_are_accepted():
-    """``stochastic_round_writeback`` (BF16/FP16 parameters in the original; flatopt's are float32/float64, whose
-    write-back is exact) and ``warmup_multiplier`` (a CUDA-allocator priming trick) are accepted, validated, and
-    change nothing."""
+    """``stochastic_round_writeback`` (BF16/FP16 parameters in the original: a float32 parameter's write-back is
+    exact) and ``warmup_multiplier`` (a CUDA-allocator priming trick) are accepted, validated, and change nothing on
+    float32 parameters."""
     shape = (40, 30)
     outs = []
     for kw in ({}, dict(stochastic_round_writeback=True, warmup_multiplier=3)):
@@ -341,6 +342,32 @@ def test_options_of_the_original_that_do_not_apply_are_accepted():
         flatopt.Adafactor8Bit(warmup_multiplier=-1)
     with pytest.raises(TypeError, match="stochastic_round_writeback"):
         flatopt.Adafactor8Bit(stochastic_round_writeback=1)
+
+
+
+def test_stochastic_round_writeback_is_the_stochastic_policy():
+    """On 16-bit parameters ``stochastic_round_writeback=True`` is ``precision=Precision(writeback="stochastic")``
+    (the same bits and snapshot); it is optimizer-wide, and contradicting an explicit policy is an error."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    shape = (40, 30)
+    outs = []
+    for kw in (dict(stochastic_round_writeback=True), dict(precision=flatopt.Precision("stochastic")),
+               dict(stochastic_round_writeback=True, precision=flatopt.Precision("stochastic")), {}):
+        p = rng_arrays(0, shape, scale=0.1).astype(ml_dtypes.bfloat16)
+        opt = flatopt.Adafactor8Bit(beta1=0.9, **kw)
+        assert opt.precision.writeback == ("stochastic" if kw else "nearest")
+        for t in range(3):
+            opt.step("w", shape, p, rng_arrays(1 + t, shape).astype(ml_dtypes.bfloat16))
+        outs.append((p, opt.state_dict()))
+    for p, st in outs[1:3]:
+        assert_bits_equal(p, outs[0][0], "alias vs policy")
+        ref = outs[0][1]  # (the configuration records the option as given)
+        assert_states_equal(dataclasses.replace(st, config=ref.config, config_key=ref.config_key), ref)
+    assert outs[3][0].tobytes() != outs[0][0].tobytes()  # round to nearest differs
+    with pytest.raises(ValueError, match="stochastic_round_writeback.*contradicts.*kahan"):
+        flatopt.Adafactor8Bit(stochastic_round_writeback=True, precision=flatopt.Precision("kahan"))
+    with pytest.raises(ValueError, match=r"groups\[0\]: stochastic_round_writeback"):
+        flatopt.Adafactor8Bit(groups=[("b*", dict(stochastic_round_writeback=True))])
 
 
 # --------------------------------------------------------------------------- state layout and resume

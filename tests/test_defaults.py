@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import flatopt
-from flatopt.core.driver import signature_line
+from flatopt.core.driver import COMMON_KEYWORDS, signature_line
 
 CLASSES = ["Sophia", "Lamb", "Mars", "Stiefel", "Soap", "KronPsgd", "Muon", "Adafactor", "Adafactor8Bit"]
 
@@ -54,7 +54,8 @@ def test_help_shows_the_derived_signature(name):
     cls = getattr(flatopt, name)
     line = signature_line(cls)
     assert " ".join(cls.__doc__.split()).startswith(f"``{line}``"), cls.__doc__[:200]
-    assert "lr_scale" not in line and "weight_decay_mask" not in line
+    assert "lr_scale" not in line and "weight_decay_mask" not in line and "precision" not in line
+    assert "``precision``" in cls.__doc__  # the shared keywords, described after the module doc
     for p in inspect.signature(cls).parameters.values():
-        if p.default is not p.empty and p.name not in ("lr_scale", "weight_decay_mask"):
+        if p.default is not p.empty and p.name not in COMMON_KEYWORDS:
             assert f"{p.name}={p.default!r}" in line

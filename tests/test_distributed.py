@@ -148,6 +148,15 @@ def test_bad_input_on_one_rank_raises_on_every_rank(world):
 
 
 @needs_mpi
+@pytest.mark.parametrize("world", [2, 3])
+def test_16bit_parameters_sharded_are_bit_identical_to_one_process(world, tmp_path):
+    """bfloat16 parameters under stochastic, Kahan and master write-back (flatopt.Precision), SGD/AdamW buffers
+    cut into ranges: the same bits as one process, and resumed from the shards or the merged snapshot."""
+    pytest.importorskip("ml_dtypes")
+    _all_ok(mpirun(world, "precision", tmp_path), world, "precision")
+
+
+@needs_mpi
 def test_helpers_and_varying_batches_on_three_ranks():
     _all_ok(mpirun(3, "helpers"), 3, "helpers")
 

@@ -16,7 +16,6 @@ import pytest
 import flatopt
 from flatopt import OptItem, Precision
 from flatopt.core import precision as prec
-from flatopt.core.precision import check_precision
 from flatopt.errors import IncompatibleStateError
 
 from .helpers import assert_bits_equal, assert_states_equal, grads_for, make_for, step_items
@@ -30,18 +29,8 @@ MODES = ("nearest", "stochastic", "kahan", "master")
 
 
 def make(cls, precision=None, **kw):
-    """An optimizer of ``cls`` under ``precision``: through its ``precision=`` keyword where the class takes one,
-    else the driver's (``PerParamOptimizer.__init__``) set on the constructed object."""
-    import inspect
-    if "precision" in inspect.signature(cls).parameters:
-        return cls(precision=precision, **kw)
-    return with_policy(cls(**kw), precision)
-
-
-def with_policy(opt, precision):
-    """``opt`` (fresh) under ``precision``, as the driver's ``precision=`` keyword sets it."""
-    opt.precision = check_precision(precision)
-    return opt
+    """An optimizer of ``cls`` under ``precision``, through its public ``precision=`` keyword."""
+    return cls(precision=precision, **kw)
 
 
 ALGOS = {
@@ -505,14 +494,11 @@ def test_refused_policy_combinations_change_nothing():
 
 # ------------------------------------------------------------------------------------------- the contract, 16-bit
 def _lowered(spec, dtype, mode):
-    """A fresh optimizer of ``spec`` under ``mode`` and 16-bit parameters of its shapes (``None``: it composes
-    optimizers and does not take the driver's policy yet)."""
+    """A fresh optimizer of ``spec`` under ``mode`` (its public ``precision=`` keyword) and 16-bit parameters of
+    its shapes."""
     params = {f"p{i}": (s, np.random.default_rng(i).standard_normal(math.prod(s)).astype(np.float32).astype(dtype))
               for i, s in enumerate(spec.shapes)}
-    opt = make_for(spec, params)
-    if not isinstance(opt, flatopt.PerParamOptimizer):
-        return None, params
-    return with_policy(opt, Precision(mode, seed=5)), params
+    return make_for(spec, params, precision=Precision(mode, seed=5)), params
 
 
 def _lowp_grads(params, it):
@@ -536,8 +522,7 @@ def test_every_algorithm_steps_16bit_parameters(name, dtype, mode, tmp_path):
     bit."""
     spec = REGISTRY[name]
     opt, params = _lowered(spec, dtype, mode)
-    if opt is None:
-        pytest.skip(f"{name}: composes optimizers; the precision keyword reaches it with the integration")
+    assert opt.precision == Precision(mode, seed=5)
     start = {n: p.copy() for n, (_, p) in params.items()}
     _run16(opt, params, 2)
     assert any(not np.array_equal(p, start[n]) for n, (_, p) in params.items())
@@ -592,3 +577,99 @@ def test_reset_and_malformed_policy_in_a_snapshot():
     assert opt.state_nbytes() == 0 and opt.state_names() == []
     opt.step("b", (4,), np.ones(4, F16), np.ones(4, F16))  # afresh, with another dtype
     assert opt.state_dict().params["b"]["dtype"] == "float16"
+
+
+# ------------------------------------------------------------------------------- ScheduleFreeAdamW's conversions
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_schedulefree_eval_train_convert_the_carried_value(mode, dtype):
+    """eval/train of 16-bit parameters convert the float32 value the parameter carries (the master copy, p + c, or
+    p) as the float32 optimizer converts it, then write it back to nearest (Kahan: with the new compensation)."""
+    shape = (37, 29)
+    p0, grads = data(shape, dtype, 3, seed=4)
+
+    def make_sf(precision):
+        return make(flatopt.ScheduleFreeAdamW, precision, lr=1e-2, warmup_steps=1)
+
+    opt = make_sf(Precision(mode))
+    p = run(opt, p0.copy(), grads, shape)
+    ep, comp, master, ref = emulate(make_sf, mode, dtype, p0, grads, shape)
+    assert_bits_equal(p, ep)
+    w = master if mode == "master" else f32(ep) + (f32(comp) if mode == "kahan" else 0)
+    rec = opt._lowp["w"]  # noqa: SLF001
+    for conv in ("eval", "train"):
+        before = p.copy()
+        getattr(opt, conv)({"w": p})
+        getattr(ref, conv)({"w": w})
+        assert not np.array_equal(f32(p), f32(before)), conv  # the conversion moved the parameter
+        assert_bits_equal(p, w.astype(dtype), f"{conv}: the parameter is the nearest of the converted value")
+        if mode == "master":
+            assert_bits_equal(rec.master, w, f"{conv}: the master copy converts as a float32 parameter")
+        if mode == "kahan":
+            c = np.where(np.isfinite(f32(p)), w - f32(p), 0).astype(np.float32).astype(dtype)
+            assert_bits_equal(rec.comp, c, f"{conv}: compensation")
+            w = f32(p) + f32(c)
+        elif mode != "master":
+            w = f32(p)
+    assert opt.mode == "train"
+    with pytest.raises(TypeError, match="'w'.*float32 differs from the dtype"):
+        opt.eval({"w": f32(p)})
+    assert_bits_equal(p, w.astype(dtype))
+
+
+def test_muon_adamw_applies_the_policy_to_both_halves():
+    """One policy for both groups: each half steps as the standalone optimizer under it; the snapshot holds both
+    halves' Kahan buffers, and a snapshot of another policy is refused with the reason."""
+    shapes = {"w": (12, 10), "b": (10,)}
+    pol = Precision("kahan", seed=2)
+    opt = flatopt.MuonAdamW({"w": ((12, 10), "bfloat16"), "b": (10,)}, ["w"], adamw_lr_ratio=0.5, precision=pol)
+    assert opt.muon.precision == opt.adamw.precision == opt.precision == pol
+    muon = flatopt.Muon(**{k: v for k, v in opt.muon.config.__dict__.items()}, precision=pol)
+    adamw = flatopt.AdamW(**{k: v for k, v in opt.adamw.config.__dict__.items()}, precision=pol)
+    r = np.random.default_rng(0)
+    ps = {n: r.standard_normal(math.prod(s)).astype(np.float32).astype(BF16) for n, s in shapes.items()}
+    qs = {n: p.copy() for n, p in ps.items()}
+    for k in range(3):
+        gs = {n: r.standard_normal(p.size).astype(np.float32).astype(BF16) for n, p in ps.items()}
+        opt.step_batch([OptItem(n, shapes[n], ps[n], gs[n]) for n in shapes])
+        muon.step("w", shapes["w"], qs["w"], gs["w"])
+        adamw.step("b", shapes["b"], qs["b"], gs["b"])
+    for n in shapes:
+        assert_bits_equal(ps[n], qs[n], n)
+    snap = opt.state_dict()
+    assert {"muon.precision.kahan/w", "adamw.precision.kahan/b"} <= set(snap.buffers)
+    fresh = flatopt.MuonAdamW({"w": ((12, 10), "bfloat16"), "b": (10,)}, ["w"], adamw_lr_ratio=0.5, precision=pol)
+    assert fresh.load_state_dict(snap), fresh.last_load_notes
+    assert_states_equal(fresh.state_dict(), snap)
+    other = flatopt.MuonAdamW({"w": ((12, 10), "bfloat16"), "b": (10,)}, ["w"], adamw_lr_ratio=0.5,
+                              precision=Precision("master"))
+    assert not other.load_state_dict(snap) and "kahan" in other.last_load_notes[0]
+    assert other.state_names() == []
+    with pytest.raises(flatopt.errors.DTypeMismatch, match="'w'.*float32 differs from bfloat16"):
+        opt.step("w", shapes["w"], f32(ps["w"]), f32(gs["w"]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_lowered_steps_allocate_no_chunk_temporaries(mode, dtype, monkeypatch):
+    """After the first steps, a lowered step_batch takes its working copies, gradients, random words and rounding
+    temporaries from scratch: what it allocates stays far below one chunk's float32 temporaries (NumPy's own ufunc
+    buffers aside)."""
+    import tracemalloc
+
+    from flatopt.core.lowp import CHUNK
+    monkeypatch.setenv("FLATOPT_NUM_THREADS", "1")
+    n = 3 * CHUNK + 5
+    r = np.random.default_rng(1)
+    opt = make(flatopt.AdamW, Precision(mode), lr=1e-3)
+    items = [OptItem(f"p{i}", (n,), r.standard_normal(n).astype(np.float32).astype(dtype),
+                     r.standard_normal(n).astype(np.float32).astype(dtype)) for i in range(2)]
+    for _ in range(2):
+        opt.step_batch(items)
+    tracemalloc.start()
+    try:
+        opt.step_batch(items)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < CHUNK * 4, (mode, dtype, peak)

@@ -52,6 +52,7 @@ from .numerics import st_shape, step_sizes  # noqa: F401 - part of the module's 
 from ..core import blocks
 from ..core import gpu_run, shards
 from ..core.driver import PerParamOptimizer, config_to_dict
+from ..core.precision import Precision
 from ..core.types import Array, DecayMask, LrScale
 from ..core.validate import check_lr, check_range, normalize_numbers
 
@@ -166,10 +167,10 @@ class Adafactor(PerParamOptimizer):
                  weight_decay: float = _D.weight_decay, *, beta1: float | None = _D.beta1,
                  beta2: float | None = _D.beta2, scale_parameter: bool | None = _D.scale_parameter,
                  warmup_init: bool = _D.warmup_init, factored: bool = _D.factored, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None) -> None:
+                 weight_decay_mask: DecayMask = None, precision: Precision | None = None) -> None:
         cfg = AdafactorConfig(lr, beta2_decay, eps1, eps2, clip_threshold, weight_decay, beta1, beta2,
                               scale_parameter, warmup_init, factored)
-        super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask, precision=precision)
         self._scale_spec = scale_parameter  # what the caller asked for (None: follows the lr mode in with_lr)
         self._step_cfg = cfg
         self.hooks = self.hooks.replace(effective_lr=self._rho_lr, run=self._run_all, update=self._update_item,

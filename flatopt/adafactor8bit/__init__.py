@@ -40,9 +40,13 @@ Deviations from the original (all deliberate):
   between them continues with the same P (``flatopt.adafactor8bit.apollo_proj``), drawn on all threads on NumPy;
 * ``lag_norm`` (the original: CUDA kernels only, ignored on its CPU path) is honoured on every backend for the
   non-APOLLO paths: the clip and Fira factor of step t use step t − 1's update norm (no clip at t = 1);
-* ``stochastic_round_writeback`` (BF16/FP16 parameters in the original) and ``warmup_multiplier`` (a CUDA
-  allocator priming trick) are accepted and validated but have no effect: flatopt's parameters are float32/float64,
-  whose write-back is exact, and it allocates nothing per step.
+* ``stochastic_round_writeback=True`` (BF16/FP16 parameters in the original) is ``precision=
+  Precision(writeback="stochastic")`` (``flatopt.Precision``, the write-back policy every optimizer takes): the
+  original's unbiased rounding of 16-bit parameters, with random bits that are a pure function of (seed, name, t,
+  element index) instead of the original's generator state; float32/float64 parameters are written back exactly, as
+  in the original.  It is optimizer-wide (a group may not set it differently), and an explicit ``precision=`` with
+  another write-back is an error.  ``warmup_multiplier`` (a CUDA allocator priming trick) is accepted and validated
+  but has no effect: a step allocates nothing.
 
 GPU (CuPy arrays): the factored, CAME and elementwise (Adam- and Adafactor-style) steps are fused CUDA kernels
 (``flatopt.adafactor8bit.fused``, ``kernels/adafactor8bit.cu``): decode, EMA, statistics, update and re-encode in
@@ -78,6 +82,7 @@ from . import state as S
 from . import migrate as migration
 from ..core.driver import PerParamOptimizer, config_from_dict
 from ..core.hooks import Hooks
+from ..core.precision import Precision
 from ..core.types import FORMAT_VERSION, Array, DecayMask, JSONDict, LrScale, OptimizerState, OptItem
 from ..errors import IncompatibleStateError
 from ..core.validate import check_lr, check_range, normalize_numbers
@@ -197,6 +202,24 @@ def _as_select(sel: Selector) -> Select:
     return Select(names=list(sel))
 
 
+
+def _writeback_alias(base: Adafactor8BitConfig, precision: Precision | None, groups: Any) -> Precision | None:
+    """The policy ``stochastic_round_writeback`` stands for (module doc): ``precision`` itself, or
+    ``Precision(writeback="stochastic")`` where the option is set and ``precision`` is not given."""
+    for i, grp in enumerate(groups or ()):
+        over = grp[1] if isinstance(grp, tuple) and len(grp) == 2 and isinstance(grp[1], Mapping) else {}
+        if over.get("stochastic_round_writeback", base.stochastic_round_writeback) != base.stochastic_round_writeback:
+            raise ValueError(f"Adafactor8Bit: groups[{i}]: stochastic_round_writeback is the write-back policy of the "
+                             f"whole optimizer (precision=); a group may not set it differently")
+    if not base.stochastic_round_writeback:
+        return precision
+    if precision is None:
+        return Precision(writeback="stochastic")
+    if isinstance(precision, Precision) and precision.writeback != "stochastic":
+        raise ValueError(f"Adafactor8Bit: stochastic_round_writeback=True is writeback='stochastic', which "
+                         f"contradicts precision={precision!r}")
+    return precision
+
 @functools.lru_cache(maxsize=64)
 def _without_decay(cfg: Adafactor8BitConfig) -> Adafactor8BitConfig:
     """``cfg`` with ``weight_decay = 0`` (one object per configuration: states of one group share it)."""
@@ -227,9 +250,12 @@ class Adafactor8Bit(PerParamOptimizer):
     def __init__(self, lr: float = _D.lr, *, groups: Sequence[tuple[Selector, Mapping[str, Any]]] | None = None,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
                  apollo_proj_fn: Callable[[int, tuple[int, ...]], Array] | None = None,
-                 apollo_next_seed: Callable[[int], int] | None = None, **options: Any) -> None:
+                 apollo_next_seed: Callable[[int], int] | None = None, precision: Precision | None = None,
+                 **options: Any) -> None:
         base = Adafactor8BitConfig(lr=lr, **options)
-        super().__init__(base, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        super().__init__(base, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask,
+                         precision=_writeback_alias(base, precision, groups))
+        self._plain_writeback_exact = base.stochastic_round_writeback  # (the original's float32 parameters)
         self._groups: list[tuple[Select, dict[str, Any], Adafactor8BitConfig]] = []
         for i, grp in enumerate(groups or ()):
             try:

@@ -101,6 +101,12 @@ class PerParamOptimizer:
         # the precision policy (core.precision) and the 16-bit names' write-back records (core.lowp)
         self.precision = check_precision(precision)
         self._lowp: dict[str, lowp.LowParam] = {}
+        # True: a float32/float64 parameter under another write-back than "nearest" is stepped as it is (exact)
+        # instead of refused (Adafactor8Bit's stochastic_round_writeback, as the original)
+        self._plain_writeback_exact = False
+        # name -> the index, in the whole parameter, of element 0 of the buffers given for it (a rank of
+        # flatopt.distributed steps a range of a parameter): the stochastic write-back draws by that global index
+        self.element_offsets: dict[str, int] = {}
         self._lr = float(config.lr) if getattr(config, "lr", None) is not None else None
         self._slots: dict[str, _Slot] = {}
         self._lr_scale = _make_lr_scale(lr_scale)
@@ -597,10 +603,15 @@ def check_compatible(state: OptimizerState, algorithm: str, config_key: Any) -> 
                                      + "; ".join(diff))
 
 
+COMMON_KEYWORDS = ("lr_scale", "weight_decay_mask", "precision")  # every optimizer's, described by _COMMON_ARGS
 _COMMON_ARGS = (
     "Keyword arguments of every optimizer: ``lr_scale`` (default None: 1.0 for every name), a mapping name -> "
     "float (names not in it: 1.0) or a callable name -> float that multiplies the learning rate of that "
-    "parameter.{decay}  Both are construction configuration, checked when given and not saved in checkpoints."
+    "parameter.{decay}  Both are construction configuration, checked when given and not saved in checkpoints.  "
+    "``precision`` (default None: ``flatopt.Precision()``, round-to-nearest write-back of float16/bfloat16 "
+    "parameters, float32 states) is the precision policy (``flatopt.Precision``: ``writeback`` 'nearest', "
+    "'stochastic', 'kahan' or 'master', ``state``, ``seed``), the same for every optimizer; it is recorded in "
+    "checkpoints, and a snapshot of another policy is refused."
 )
 _DECAY_ARG = (
     "  ``weight_decay_mask`` (default None: every name decays), a mapping name -> bool (names not in it: True) or "
@@ -628,11 +639,11 @@ def class_doc(cls: type, own: str, *, has_decay: bool) -> str:
 
 def signature_line(cls: type) -> str:
     """``Name(arg=default, ..., *, kw=default, **rest)`` from ``cls``'s constructor, without the keyword arguments
-    every optimizer shares (``lr_scale``, ``weight_decay_mask``: described after it)."""
+    every optimizer shares (``lr_scale``, ``weight_decay_mask``, ``precision``: described after it)."""
     parts: list[str] = []
     star = False
     for p in list(inspect.signature(cls).parameters.values()):
-        if p.name in ("lr_scale", "weight_decay_mask"):
+        if p.name in COMMON_KEYWORDS:
             continue
         if p.kind is p.KEYWORD_ONLY and not star:
             parts.append("*")

@@ -13,7 +13,8 @@ as 16-bit before (or any batch under a ``writeback`` other than ``"nearest"``) i
 3. the driver's own ``step_batch`` runs on the working items (validating them again: a refusal there changes
    nothing, the write-back buffers of new names are installed only after it);
 4. each working copy is written back into its parameter (``core.precision``; ``t`` is the name's step count after
-   this step).
+   this step; the element index is the one in the whole parameter: ``element_offsets`` of the driver gives the
+   offset of a range that a rank of ``flatopt.distributed`` steps).
 
 Steps 2 and 4 run in chunks of ``CHUNK`` elements, on the threads on NumPy (``core.parallel``: every element's
 result depends on its value and index alone, so any split gives the same bits), in order on CuPy.  The working
@@ -92,7 +93,8 @@ def _check(opt: Any, items: Sequence[Any]) -> list[OptItem]:
         if had is not None and had != dt.name:
             raise TypeError(f"parameter {it.name!r}: dtype {dt} differs from the dtype {had} its state was created "
                             f"with")
-        if policy.writeback != "nearest" and not is_lowp(dt):
+        exact = opt._plain_writeback_exact  # noqa: SLF001 - the driver's flag (Adafactor8Bit's original option)
+        if policy.writeback != "nearest" and not is_lowp(dt) and not exact:
             raise ValueError(f"parameter {it.name!r}: writeback={policy.writeback!r} applies to float16/bfloat16 "
                              f"parameters, got a {dt} parameter (its write-back is exact: step it with "
                              f"writeback='nearest', e.g. in another optimizer)")
@@ -207,21 +209,26 @@ def _over_chunks(work: list[tuple[OptItem, int, Callable[[int, int], None]]]) ->
     run_tasks(tasks)
 
 
-def _write_chunk(writeback: str, base: int, wp: Array, p: Array, comp: Array | None, lo: int, hi: int) -> None:
-    """Step 4 of the module doc on elements ``lo:hi`` of one parameter."""
+def _write_chunk(writeback: str, base: int, off: int, wp: Array, p: Array, comp: Array | None, lo: int,
+                 hi: int) -> None:
+    """Step 4 of the module doc on elements ``lo:hi`` of one parameter (``off``: the index of its element 0 in the
+    whole parameter, for the random draw)."""
     xp = _backend.array_module(p)
     w, out = wp[lo:hi], p[lo:hi]
     if writeback == "stochastic":
         words = workspace.get(xp, "precision.words", hi - lo, np.uint64)
-        random_words(xp, base, lo, words, workspace.get(xp, "precision.words_tmp", hi - lo, np.uint64))
+        random_words(xp, base, off + lo, words, workspace.get(xp, "precision.words_tmp", hi - lo, np.uint64))
         round_stochastic(xp, w, out, words)
     else:
         round_nearest(xp, w, out)
     if comp is not None:
         back = workspace.get(xp, "precision.back", hi - lo, np.float32)
+        bad = workspace.get(xp, "precision.back_bad", hi - lo, np.bool_)
         widen(xp, out, back)
+        xp.isfinite(back, out=bad)
+        xp.logical_not(bad, out=bad)
         xp.subtract(w, back, out=back)  # exact where out is finite
-        xp.copyto(back, np.float32(0), where=~xp.isfinite(out))
+        xp.copyto(back, np.float32(0), where=bad)
         round_nearest(xp, back, comp[lo:hi])
 
 
@@ -237,7 +244,8 @@ def _write_back(opt: Any, jobs: list[Any]) -> None:
         t = opt._slots[it.name].t  # noqa: SLF001 - the driver's t, after this step
         base = stream_base(policy.seed, it.name, t)
         comp = rec.comp if policy.writeback == "kahan" else None
-        work.append((it, p.size, functools.partial(_write_chunk, policy.writeback, base, wp, p, comp)))
+        off = opt.element_offsets.get(it.name, 0)
+        work.append((it, p.size, functools.partial(_write_chunk, policy.writeback, base, off, wp, p, comp)))
     _over_chunks(work)
     for it, _, rec, new in jobs:
         if new:
@@ -256,6 +264,32 @@ def validate(opt: Any, items: Sequence[Any], check: Callable[[list[OptItem]], An
     """What the lowered ``step_batch`` would raise for bad input, changing nothing."""
     work, _ = _lower(opt, _check(opt, items), fill=False)
     check(work)
+
+
+# ---------------------------------------------------------------------- conversions outside a step
+def carried(opt: Any, name: str, p: Array) -> Array:
+    """The float32 value the 16-bit parameter ``name`` (buffer ``p``) carries, for an in-place conversion of it by
+    an algorithm (ScheduleFreeAdamW's ``eval``/``train``): the master copy itself (``"master"``), else new memory
+    holding ``f32(p)`` plus, under ``"kahan"``, ``f32(c)``.  :func:`store` writes it back."""
+    rec = opt._lowp[name]  # noqa: SLF001 - the driver's map
+    if rec.master is not None:
+        rec.master = _backend.to_backend(rec.master, p)
+        return rec.master
+    with _device(p):
+        w = _backend.array_module(p).empty(p.size, np.float32)
+    comp = None
+    if rec.comp is not None:
+        comp = rec.comp = _backend.to_backend(rec.comp, p)
+    _over_chunks([(OptItem(name, (p.size,), p, p), p.size, functools.partial(_widen, p, w, comp))])
+    return w
+
+
+def store(opt: Any, name: str, w: Array, p: Array) -> None:
+    """``p`` = ``w`` (from :func:`carried`, converted) rounded to nearest, and Kahan's compensation ``c`` =
+    nearest(``w - f32(p)``): no random draw is spent outside a step."""
+    rec = opt._lowp[name]  # noqa: SLF001 - the driver's map
+    fn = functools.partial(_write_chunk, "nearest", 0, 0, w, p, rec.comp)
+    _over_chunks([(OptItem(name, (p.size,), p, p), p.size, fn)])
 
 
 # --------------------------------------------------------------------------------------------- snapshots

@@ -50,6 +50,7 @@ Then NaN -> NaN, ±inf -> ±inf, a finite value whose result is infinite -> the 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Mapping
 
 import numpy as np
@@ -58,7 +59,7 @@ from . import workspace
 
 WRITEBACKS = ("nearest", "stochastic", "kahan", "master")
 STATES = ("float32",)
-LATER_STATES = ("bfloat16", "8bit", "al8")  # issue #29's compressed states: refused until they exist
+LATER_STATES = ("bfloat16", "8bit", "al8")  # compressed states: named, refused as not implemented
 LOWP_NAMES = ("float16", "bfloat16")  # the 16-bit parameter dtypes, by name (bfloat16 is ml_dtypes')
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")  # every dtype a parameter or gradient may have
 SEED_END = 1 << 63
@@ -86,7 +87,7 @@ class Precision:
                              f"got {self.writeback!r}")
         if isinstance(self.state, Mapping) or self.state in LATER_STATES:
             raise ValueError(f"Precision: state={self.state!r} is not implemented yet (compressed optimizer "
-                             f"states, issue #29's later phase); only 'float32' is available")
+                             f"states); only 'float32' is available")
         if not isinstance(self.state, str) or self.state not in STATES:
             raise ValueError(f"Precision: state must be 'float32', got {self.state!r}")
         if isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer)):
@@ -147,17 +148,41 @@ def stream_base(seed: int, name: str, t: int) -> int:
 
 
 def random_words(xp: Any, base: int, lo: int, out: Any, tmp: Any) -> None:
-    """``U_i`` (module doc) for i = lo, lo + 1, ... into the uint64 ``out`` (``tmp``: uint64 scratch, same size)."""
+    """``U_i`` (module doc) for i = lo, lo + 1, ... into the uint64 ``out`` (``tmp``: uint64 scratch, same size);
+    allocates nothing after the first call of a size (``base + (i + 1)·φ = i·φ + (base + (lo + 1)·φ)`` modulo
+    2**64, from a cached ramp of ``i·φ``)."""
     n = out.size
-    xp.copyto(out, xp.arange(lo + 1, lo + n + 1, dtype=np.uint64))
-    xp.multiply(out, np.uint64(_PHI), out=out)
-    xp.add(out, np.uint64(base), out=out)
+    xp.add(_phi_ramp(xp, n), np.uint64((base + (lo + 1) * _PHI) & _MASK), out=out)
     for shift, mult in _MIX:
         xp.right_shift(out, np.uint64(shift), out=tmp)
         xp.bitwise_xor(out, tmp, out=out)
         if mult is not None:
             xp.multiply(out, np.uint64(mult), out=out)
     xp.right_shift(out, np.uint64(32), out=out)
+
+
+_ramps: dict[Any, Any] = {}  # (module, device, stream) -> (the read-only uint64 ramp i·φ mod 2**64, the stream)
+_ramps_lock = threading.Lock()
+
+
+def _phi_ramp(xp: Any, n: int) -> Any:
+    """The ramp ``i·φ`` (i < n) on the current device and stream (on CuPy per stream, as ``core.workspace``'s
+    buffers: it is filled on that stream, so work on another stream never reads it before it is written)."""
+    stream = None
+    if xp is not np and hasattr(xp, "cuda"):
+        stream = xp.cuda.get_current_stream()
+        key: Any = (xp.__name__, xp.cuda.Device().id, stream.ptr)
+    else:
+        key = (xp.__name__,)
+    got = _ramps.get(key)
+    if got is None or got[0].size < n:
+        with _ramps_lock:
+            got = _ramps.get(key)
+            if got is None or got[0].size < n:
+                ramp = xp.arange(max(n, 1 << 16), dtype=np.uint64)
+                xp.multiply(ramp, np.uint64(_PHI), out=ramp)
+                got = _ramps[key] = (ramp, stream)  # (the stream kept: its handle is not re-used meanwhile)
+    return got[0][:n]
 
 
 # ------------------------------------------------------------------------------------------- conversions
@@ -201,36 +226,63 @@ def _keep_nan(xp: Any, w: Any, b: Any, top: Any) -> None:
     xp.copyto(top, q, where=nan)  # (no branch on the data: no host synchronisation on a GPU)
 
 
+def _scratch(xp: Any, n: int, *kinds: tuple[str, Any]) -> list[Any]:
+    """One ``core.workspace`` view of ``n`` elements per ``(role, dtype)``."""
+    return [workspace.get(xp, f"precision.{role}", n, dtype) for role, dtype in kinds]
+
+
 def round_stochastic(xp: Any, w: Any, out: Any, words: Any) -> None:
     """``out`` (float16 or bfloat16) = ``w`` (float32) rounded stochastically with the words ``U_i`` (uint64,
-    < 2**32) of ``random_words`` (module doc)."""
+    < 2**32) of ``random_words`` (module doc); ``words`` is not written, and nothing is allocated."""
     b = w.view(np.uint32)
-    finite = xp.isfinite(w)
+    n = w.size
     if out.dtype.name == "bfloat16":
-        top = xp.right_shift(words, np.uint64(16)).astype(np.uint32)
+        top, low, over, finite = _scratch(xp, n, ("sr_top", np.uint32), ("sr_low", np.uint32),
+                                          ("sr_over", np.bool_), ("sr_finite", np.bool_))
+        xp.right_shift(words, np.uint64(16), out=workspace.get(xp, "precision.sr_words", n, np.uint64))
+        xp.copyto(top, workspace.get(xp, "precision.sr_words", n, np.uint64), casting="unsafe")
         xp.add(top, b, out=top)
         xp.right_shift(top, np.uint32(16), out=top)
-        over = finite & ((top & np.uint32(0x7FFF)) == np.uint32(0x7F80))
-        xp.subtract(top, over.astype(np.uint32), out=top)  # 0x7F80 -> 0x7F7F, the largest finite, sign kept
+        xp.bitwise_and(top, np.uint32(0x7FFF), out=low)
+        xp.equal(low, np.uint32(0x7F80), out=over)
+        xp.isfinite(w, out=finite)
+        xp.logical_and(over, finite, out=over)
+        xp.copyto(low, over, casting="unsafe")
+        xp.subtract(top, low, out=top)  # 0x7F80 -> 0x7F7F, the largest finite, sign kept
         _keep_nan(xp, w, b, top)
         xp.copyto(out.view(np.uint16), top, casting="unsafe")
         return
     with np.errstate(over="ignore", invalid="ignore"):
-        _stochastic_f16(xp, w, b, finite, out, words)
+        _stochastic_f16(xp, w, out, words)
 
 
-def _stochastic_f16(xp: Any, w: Any, b: Any, finite: Any, out: Any, words: Any) -> None:
-    a = xp.abs(w)
-    normal = a >= np.float32(2.0**-14)
-    mag = a.view(np.uint32) + xp.right_shift(words, np.uint64(19)).astype(np.uint32)
+def _stochastic_f16(xp: Any, w: Any, out: Any, words: Any) -> None:
+    n = w.size
+    a, y, q, mag, u64, f64, sub, bad = _scratch(
+        xp, n, ("f16_a", np.float32), ("f16_y", np.float32), ("f16_q", np.float32), ("f16_mag", np.uint32),
+        ("f16_u64", np.uint64), ("f16_f64", np.float64), ("f16_sub", np.bool_), ("f16_bad", np.bool_))
+    xp.abs(w, out=a)
+    # subnormal float16 range: (q + up)·2**-24 with up = U_i < f·2**32, f = y - q, y = a·2**24
+    xp.multiply(a, np.float32(2.0**24), out=y)
+    xp.floor(y, out=q)
+    xp.subtract(y, q, out=y)  # f (exact)
+    xp.copyto(f64, y)
+    xp.multiply(f64, 2.0**32, out=f64)
+    xp.less(words, f64, out=sub)  # (uint64 < 2**32 and float64: compared exactly)
+    xp.copyto(y, sub)
+    xp.add(q, y, out=q)
+    xp.multiply(q, np.float32(2.0**-24), out=q)
+    # normal float16 range: the magnitude's bits plus U_i >> 19, cleared below the float16 mantissa
+    xp.right_shift(words, np.uint64(19), out=u64)
+    xp.copyto(mag, u64, casting="unsafe")
+    xp.add(mag, a.view(np.uint32), out=mag)
     xp.bitwise_and(mag, np.uint32(0xFFFFE000), out=mag)
     res = mag.view(np.float32)
-    y = a * np.float32(2.0**24)
-    q = xp.floor(y)
-    up = words.astype(np.float64) < (y - q).astype(np.float64) * 2.0**32
-    sub = (q + up.astype(np.float32)) * np.float32(2.0**-24)
-    xp.copyto(res, sub, where=~normal)
-    xp.copyto(res, xp.minimum(res, np.float32(np.finfo(np.float16).max)), where=finite)  # saturate finite values
+    xp.less(a, np.float32(2.0**-14), out=sub)
+    xp.copyto(res, q, where=sub)
+    xp.minimum(res, np.float32(np.finfo(np.float16).max), out=res)  # saturate (non-finite w: replaced below)
     xp.copysign(res, w, out=res)
-    xp.copyto(res, w, where=~finite)  # NaN and ±inf as they are
+    xp.isfinite(w, out=bad)
+    xp.logical_not(bad, out=bad)
+    xp.copyto(res, w, where=bad)  # NaN and ±inf as they are
     xp.copyto(out, res, casting="unsafe")  # exact: every finite res is a float16 value

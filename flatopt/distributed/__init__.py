@@ -23,7 +23,10 @@ reduced gradients; then parameters after N steps are bit-identical to the single
 size: per-name state, per-name step counts and per-name random streams (KronPsgd's probes are keyed by name) do
 not depend on who steps, ranges of elementwise updates are independent element by element, and the one
 optimizer-wide stream that depends on the order names are first stepped (Adafactor8Bit's APOLLO seed counter) is
-replayed globally on every rank.
+replayed globally on every rank.  16-bit parameters (``flatopt.Precision``): a range draws the stochastic
+write-back's bits by its elements' indices in the whole parameter (the wrapper sets the optimizer's
+``element_offsets``), and the Kahan/master buffers are sharded like the other state; bfloat16 pieces travel as
+their bits (``allreduce_mean`` refuses bfloat16: MPI cannot sum it).
 
 **Bad input.**  Every rank validates the whole batch (generic checks on every item, the wrapped optimizer's
 own checks on the items it owns), then all ranks vote with one all-reduce before anything mutates: if any rank
@@ -149,7 +152,8 @@ class Sharded(ShardedCheckpoints):
                 err = exc
             self._vote(err, digest(items), "rejected the batch (nothing was changed on any rank)")
             plan, owned, pieces, seeds = work  # type: ignore[misc]  # not None: _vote raised otherwise
-            self.plan = plan
+            if plan is not self.plan:
+                self._use_plan(plan)
             if self._seeds is not None:
                 self._seeds.begin(seeds)
             try:
@@ -182,7 +186,7 @@ class Sharded(ShardedCheckpoints):
         for it, (name, shape) in zip(items, batch):
             ps = plan.pieces(name)
             if len(ps) > 1 and it.grad is not None:
-                check_item(it.name, shape, it.param, it.grad)  # before slicing ranges out of the buffers
+                check_item(it.name, shape, it.param, it.grad, lowp=True)  # before slicing ranges out of the buffers
             for p in ps:
                 if p.owner == self.rank:
                     if len(ps) == 1:
@@ -198,7 +202,7 @@ class Sharded(ShardedCheckpoints):
         seen: set[str] = set()
         for it, (name, shape) in zip(items, batch):
             if it.grad is not None:
-                check_item(it.name, shape, it.param, it.grad)
+                check_item(it.name, shape, it.param, it.grad, lowp=True)
                 self.backend.check_arrays([it.param, it.grad])
             if it.name in seen:
                 raise ValueError(f"parameter {it.name!r} appears twice in one step_batch")
@@ -208,6 +212,13 @@ class Sharded(ShardedCheckpoints):
                                  f"{self.plan.shape(name)} its state was created with")
         seeds = self._seeds.reserve(batch, self.plan) if self._seeds is not None else None
         return plan, owned, pieces, seeds
+
+    def _use_plan(self, plan: Plan) -> None:
+        """Adopt ``plan``, telling a split optimizer where each range it owns lies in its parameter (the stochastic
+        write-back of 16-bit parameters draws by the index in the whole parameter, ``core.lowp``)."""
+        if plan is not None and plan.split:
+            self.inner.element_offsets = {n: p.lo for n, p in plan.owned(self.rank).items()}
+        self.plan = plan
 
     def _canon(self, name: str) -> str:
         return self._aliases.get(name, name)

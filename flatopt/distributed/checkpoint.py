@@ -107,7 +107,7 @@ class ShardedCheckpoints:
                 self.last_load_notes = [f"rank {self.rank}: {why}" if why else
                                         f"rank(s) {failed} refused their part of the snapshot"]
                 return False
-            self.plan = plan
+            self._use_plan(plan)
             if self._seeds is not None:
                 self._seeds.reset()
             self.last_load_notes = []

@@ -70,6 +70,8 @@ class MpiBackend:
     def broadcast(self, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
         packed = defaultdict(list)
         for root, buf in pieces:
+            if buf.dtype.name == "bfloat16":
+                buf = buf.view(np.uint16)  # (MPI has no bfloat16 type; a broadcast moves bits)
             if buf.size >= PACK_MAX:
                 self.comm.Bcast(buf, root=root)
             elif buf.size:
@@ -91,6 +93,10 @@ class MpiBackend:
                 offset[root] += buf.size
 
     def allreduce_sum(self, buffers: Sequence[np.ndarray]) -> None:
+        for buf in buffers:
+            if buf.dtype.name == "bfloat16":
+                raise TypeError("the MPI backend cannot sum bfloat16 buffers (MPI has no bfloat16 type): reduce the "
+                                "gradients in float32 (or float16)")
         packed = defaultdict(list)
         for buf in buffers:
             if buf.size >= PACK_MAX:
@@ -245,7 +251,7 @@ def as_backend(comm, control=None):
 
 
 def digest(items) -> int:
-    """A 56-bit digest of what must agree across ranks: names, shapes, dtypes, sizes, missing gradients (never
+    """A 56-bit digest of what must agree across ranks: names, shapes, dtypes (a gradient's too), sizes, missing gradients (never
     raises, whatever ``items`` holds: it is computed before the vote)."""
     h = hashlib.blake2b(digest_size=7)
     try:
@@ -253,7 +259,8 @@ def digest(items) -> int:
             try:
                 name, shape, param, grad = it
                 shape = tuple(int(d) for d in shape)
-                key = (name, shape, str(getattr(param, "dtype", "")), getattr(param, "size", -1), grad is None)
+                key = (name, shape, str(getattr(param, "dtype", "")), getattr(param, "size", -1), grad is None,
+                       str(getattr(grad, "dtype", "")))
             except Exception:  # noqa: BLE001 - a malformed item: rejected by validation, any digest will do
                 key = ("?", type(it).__name__)
             h.update(repr(key).encode())

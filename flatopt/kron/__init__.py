@@ -81,6 +81,7 @@ from . import layout as L
 from . import numerics as K
 from . import fused as _fused
 from ..core.driver import PerParamOptimizer, config_to_dict
+from ..core.precision import Precision
 from ..core.types import Array, DecayMask, LrScale, OptItem
 from ..core.validate import check_lr, check_range, normalize_numbers
 
@@ -277,9 +278,10 @@ class KronPsgd(PerParamOptimizer):
     def __init__(self, lr: float, precond_lr: float = _D.precond_lr, momentum: float = _D.momentum,
                  weight_decay: float = _D.weight_decay, eps: float = _D.eps, clip: float | None = _D.clip, *,
                  lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
-                 probe: Callable[[str, tuple[int, ...], int], Array] | None = None, **knobs: Any) -> None:
+                 probe: Callable[[str, tuple[int, ...], int], Array] | None = None,
+                 precision: Precision | None = None, **knobs: Any) -> None:
         super().__init__(KronPsgdConfig(lr, precond_lr, momentum, weight_decay, eps, clip, **knobs),
-                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+                         lr_scale=lr_scale, weight_decay_mask=weight_decay_mask, precision=precision)
         self.hooks = self.hooks.replace(prepare=self._prepare_with_ctx)
         self.set_probe(probe)
 

@@ -65,6 +65,7 @@ import numpy as np
 
 from ..core import parallel, shards
 from ..core.driver import PerParamOptimizer
+from ..core.precision import Precision
 from ..core.types import Array, DecayMask, LrScale
 from ..core.validate import check_lr, check_range, normalize_numbers
 from . import fused as _fused
@@ -237,10 +238,11 @@ class Muon(PerParamOptimizer):
                  ns_coefficients: tuple[float, float, float] = _D.ns_coefficients, eps: float = _D.eps,
                  adjust_lr: str | None = _D.adjust_lr, momentum_convention: str = _D.momentum_convention,
                  eps_mode: str = _D.eps_mode, layout: str = _D.layout, *, lr_scale: LrScale = None,
-                 weight_decay_mask: DecayMask = None, workers: int | None = None) -> None:
+                 weight_decay_mask: DecayMask = None, workers: int | None = None,
+                 precision: Precision | None = None) -> None:
         cfg = MuonConfig(lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, adjust_lr,
                          momentum_convention, eps_mode, layout)
-        super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+        super().__init__(cfg, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask, precision=precision)
         self.hooks = self.hooks.replace(check_shape=self._check_matrix, run=self._run_sharded)
         if workers is None:
             workers = shards.default_workers()

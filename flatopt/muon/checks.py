@@ -12,7 +12,9 @@ import numpy as np
 from ..core import backend
 from .. import errors as E
 from ..core.types import FORMAT_VERSION, OptimizerState, OptItem
-from ..core.validate import FLOAT_DTYPES, check_item, check_shape, check_snapshot_fields
+from ..core.precision import LOWP_NAMES
+from ..core.lowp import BUFFERS
+from ..core.validate import LOWP_DTYPE_NAMES, check_item, check_shape, check_snapshot_fields
 from . import shape_scale
 
 RECORD_VERSION = 1
@@ -28,8 +30,9 @@ def split_spec(name, spec) -> tuple[tuple[int, ...], np.dtype | None]:
         dtype = None if dtype is None else np.dtype(dtype)
     except (TypeError, ValueError) as exc:
         raise E.InvalidConfig(f"manifest entry {name!r}: {exc}") from None
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise E.InvalidConfig(f"manifest entry {name!r}: dtype must be float32 or float64, got {dtype}")
+    if dtype is not None and dtype.name not in LOWP_DTYPE_NAMES:
+        raise E.InvalidConfig(f"manifest entry {name!r}: dtype must be float16, bfloat16, float32 or float64, got "
+                              f"{dtype}")
     return shape, dtype
 
 
@@ -77,12 +80,10 @@ def validate_items(self, items: list[OptItem], muon_lr: float) -> list[OptItem]:
             raise E.InvalidBuffer(f"parameter {name!r}: {exc}") from None
         if len(backends) > 1 or ("cupy" in backends and grad is not None and it.param.device != grad.device):
             raise E.DeviceMismatch(f"parameter {name!r}: param and grad live on different backends/devices")
-        want = mdtype or self._dtypes.get(canon)
-        for what, a in (("param", it.param), ("grad", grad)):
-            if a is not None and a.dtype in FLOAT_DTYPES and want is not None and a.dtype != want:
-                raise E.DTypeMismatch(f"parameter {name!r}: {what} dtype {a.dtype} differs from {want}")
-        if grad is not None and it.param.dtype != grad.dtype:
-            raise E.DTypeMismatch(f"parameter {name!r}: param dtype {it.param.dtype} != grad dtype {grad.dtype}")
+        want = mdtype.name if mdtype is not None else self._dtypes.get(canon)
+        dt = getattr(it.param, "dtype", None)
+        if want is not None and dt is not None and dt.name in LOWP_DTYPE_NAMES and dt.name != want:
+            raise E.DTypeMismatch(f"parameter {name!r}: param dtype {dt} differs from {want}")
         n = math.prod(mshape)
         for what, a in (("param", it.param), ("grad", grad)):
             if a is not None and getattr(a, "size", n) != n:
@@ -95,7 +96,7 @@ def validate_items(self, items: list[OptItem], muon_lr: float) -> list[OptItem]:
         if grad is None:
             continue  # missing gradient: no-op (the param itself was checked above)
         try:
-            check_item(name, mshape, it.param, grad)
+            check_item(name, mshape, it.param, grad, lowp=True)
         except TypeError as exc:
             raise (E.DTypeMismatch if "dtype" in str(exc) else E.InvalidBuffer)(str(exc)) from None
         except ValueError as exc:
@@ -163,18 +164,21 @@ def _check_states(self, state: OptimizerState) -> None:
             raise E.RoleMismatch(f"record stores {name!r} as {meta.get('group')!r}; here it is {role!r}")
         mshape, mdtype = self._manifest[name]
         try:
-            shape, dtype, t = tuple(meta["shape"]), np.dtype(meta["dtype"]), int(meta["t"])
+            shape, dtype, t = tuple(meta["shape"]), str(meta["dtype"]), int(meta["t"])
         except (KeyError, TypeError, ValueError):
             raise E.StateMismatch(f"record state of {name!r} is malformed") from None
-        if shape != mshape or (mdtype is not None and dtype != mdtype) or dtype not in FLOAT_DTYPES or t < 1:
+        if shape != mshape or (mdtype is not None and dtype != mdtype.name) or dtype not in LOWP_DTYPE_NAMES or t < 1:
             raise E.StateMismatch(f"record state of {name!r}: shape {shape}, dtype {dtype}, t {t} do not fit "
                                   f"the manifest ({mshape}, {mdtype or 'any'}) or t < 1")
+        work = "float64" if dtype == "float64" else "float32"  # the states of a 16-bit parameter: float32
         for s in slots[role]:
             k = f"{role}.{s}/{name}"
             v = state.buffers.get(k)
-            if v is None or getattr(v, "shape", None) != (math.prod(mshape),) or v.dtype != dtype:
+            if v is None or getattr(v, "shape", None) != (math.prod(mshape),) or v.dtype.name != work:
                 raise E.StateMismatch(f"record buffer {k!r} is missing or does not fit {name!r}")
             expected.add(k)
+        if dtype in LOWP_NAMES and self.precision.writeback in BUFFERS:
+            expected.add(f"{role}.{BUFFERS[self.precision.writeback]}/{name}")  # (checked by the group's load)
     extra = set(state.buffers) - expected
     if extra:
         other = sorted(extra)[0]

@@ -4,7 +4,7 @@ The ``MuonAdamW`` of the Rust crate ruda-optim 0.21.13 (a fork of Burn's optimiz
 ``try_step_or_skip``, ``try_load_record`` and error names) translated to names and flat buffers:
 
 * **Explicit manifest.**  ``MuonAdamW(params={name: shape or (shape, dtype)}, muon_names=[...])`` fixes every
-  parameter's shape, dtype (``None``: float32 or float64, fixed by its first step), and role once.  Roles are never
+  parameter's shape, dtype (``None``: any accepted dtype, fixed by its first step), and role once.  Roles are never
   guessed from rank (embeddings and output heads are 2-D too); :func:`propose_muon_names` *proposes* a list you
   can inspect and pass explicitly.  Construction raises (creating nothing) on invalid configs or ratio, an empty
   Muon group, a duplicate, an unknown name, or a Muon selection that is not a non-empty 2-D matrix.
@@ -51,6 +51,7 @@ import numpy as np
 from . import checks as _checks
 from .. import errors as E
 from ..core.driver import class_doc, config_to_dict
+from ..core.precision import Precision
 from ..core.types import Array, DecayMask, LrScale, OptimizerState, OptItem
 from ..core.validate import as_item, check_items_arg, check_lr, check_snapshot
 from ..adamw import AdamW, AdamWConfig
@@ -83,8 +84,9 @@ def propose_muon_names(params: Mapping[str, ShapeSpec],
 
 class MuonAdamW:
     """``MuonAdamW(params, muon_names, *, lr=0.02, muon=None, adamw=None, adamw_lr_ratio=0.015, aliases=None,
-    lr_scale=None, concurrent=True, muon_workers=None, weight_decay_mask=None)``: see the module doc
-    (``muon_workers``: see :class:`flatopt.Muon`'s ``workers``; ``weight_decay_mask`` applies to both halves)."""
+    lr_scale=None, concurrent=True, muon_workers=None, weight_decay_mask=None, precision=None)``: see the module
+    doc (``muon_workers``: see :class:`flatopt.Muon`'s ``workers``; ``weight_decay_mask`` and ``precision`` apply to
+    both halves)."""
 
     algorithm = "muon_adamw"
 
@@ -93,7 +95,7 @@ class MuonAdamW:
                  adamw: AdamWConfig | Mapping[str, Any] | None = None,
                  adamw_lr_ratio: float = 0.015, aliases: Mapping[str, str] | None = None,
                  lr_scale: LrScale = None, concurrent: bool = True, muon_workers: int | None = None,
-                 weight_decay_mask: DecayMask = None) -> None:
+                 weight_decay_mask: DecayMask = None, precision: Precision | None = None) -> None:
         mcfg: MuonConfig = _checks.make_config(MuonConfig, muon, MuonConfig(), "muon")
         acfg: AdamWConfig = _checks.make_config(AdamWConfig, adamw, KELLER_AUX_ADAMW, "adamw")
         try:
@@ -137,21 +139,22 @@ class MuonAdamW:
             selected.append(canon)
         try:
             self._muon = Muon(**{**config_to_dict(mcfg), "lr": lr}, lr_scale=lr_scale, workers=muon_workers,
-                              weight_decay_mask=weight_decay_mask)
+                              weight_decay_mask=weight_decay_mask, precision=precision)
             self._adamw = AdamW(**{**config_to_dict(acfg), "lr": lr * ratio}, lr_scale=lr_scale,
-                                weight_decay_mask=weight_decay_mask)
+                                weight_decay_mask=weight_decay_mask, precision=precision)
         except (TypeError, ValueError) as exc:
             raise E.InvalidConfig(str(exc)) from None
         self._muon.assign_shards([(n, manifest[n][0]) for n in sorted(selected)])
         self._manifest = manifest
         self._muon_set = frozenset(selected)
         self._lr, self._ratio = lr, ratio
+        self.precision = self._muon.precision  # the same policy in both groups
         self._lr_scale = self._muon._lr_scale  # noqa: SLF001 - the same validated callable for both groups
         self._router = Router([
             Group("muon", self._muon, Select(names=sorted(selected)), lr_ratio=1.0, cost=_cost),
             Group("adamw", self._adamw, Select.all(), lr_ratio=ratio),
         ], algorithm=self.algorithm, concurrent=concurrent)
-        self._dtypes: dict[str, np.dtype] = {}
+        self._dtypes: dict[str, str] = {}  # name -> the dtype name of its first step
         self.last_load_error: E.IncompatibleRecord | None = None
         self.last_load_notes: list[str] = []
         cfg = {"muon": {k: v for k, v in config_to_dict(mcfg).items() if k != "lr"},
@@ -286,7 +289,7 @@ class MuonAdamW:
             if lrs["adamw_lr"] != self._adamw.lr:
                 over["adamw"] = lrs["adamw_lr"]
             for it in live:
-                self._dtypes.setdefault(it.name, it.param.dtype)
+                self._dtypes.setdefault(it.name, it.param.dtype.name)
             self._router.run_groups(by_group, over)
 
     def validate_batch(self, items: Sequence[OptItem]) -> None:
@@ -367,7 +370,7 @@ class MuonAdamW:
             return False
         self.last_load_error = None
         self.last_load_notes = []
-        self._dtypes = {n: np.dtype(m["dtype"]) for n, m in state.params.items()}
+        self._dtypes = {n: m["dtype"] for n, m in state.params.items()}
         return True
 
 

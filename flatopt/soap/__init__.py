@@ -70,6 +70,7 @@ import numpy as np
 
 from . import numerics as N
 from ..core.driver import PerParamOptimizer
+from ..core.precision import Precision
 from ..core.types import Array, DecayMask, LrScale
 from ..core.validate import check_lr, check_range, normalize_numbers
 
@@ -198,7 +199,8 @@ class Soap(PerParamOptimizer):
                  shampoo_beta: float | None = _D.shampoo_beta, eps: float = _D.eps,
                  weight_decay: float = _D.weight_decay, precondition_frequency: int = _D.precondition_frequency,
                  max_precond_dim: int = _D.max_precond_dim, precondition_1d: bool = _D.precondition_1d, *,
-                 lr_scale: LrScale | None = None, weight_decay_mask: DecayMask = None) -> None:
+                 lr_scale: LrScale | None = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
         super().__init__(SoapConfig(lr, betas, shampoo_beta, eps, weight_decay, precondition_frequency,
                                     max_precond_dim, precondition_1d), lr_scale=lr_scale,
-                                    weight_decay_mask=weight_decay_mask)
+                         weight_decay_mask=weight_decay_mask, precision=precision)

@@ -29,6 +29,7 @@ import textwrap
 from typing import Any, Callable, ClassVar, Mapping
 
 from ..driver import PerParamOptimizer
+from ..precision import Precision
 from ..types import DecayMask, LrScale
 from . import run
 from .define import Definition
@@ -53,8 +54,9 @@ class ElementwiseOptimizer(PerParamOptimizer):
         if definition is not None and cls.__doc__:
             cls.__doc__ += "\n\n" + textwrap.fill(" ".join(PATHS.split()), 116)
 
-    def __init__(self, config: Any, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None) -> None:
-        super().__init__(config, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask)
+    def __init__(self, config: Any, *, lr_scale: LrScale = None, weight_decay_mask: DecayMask = None,
+                 precision: Precision | None = None) -> None:
+        super().__init__(config, lr_scale=lr_scale, weight_decay_mask=weight_decay_mask, precision=precision)
         if type(self).elementwise:
             run.configure(self, self.definition)  # cautious: the reduce-then-map forms (run.py)
 

@@ -97,7 +97,7 @@ __device__ __forceinline__ void adam_group_f0(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -105,7 +105,7 @@ __device__ __forceinline__ void adam_group_f0(T* __restrict__ p, const T* __rest
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 / bc2_sqrt;
       const T t9 = t8 + eps;
@@ -130,7 +130,7 @@ __device__ __forceinline__ void adam_vec_f0(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -138,7 +138,7 @@ __device__ __forceinline__ void adam_vec_f0(T* __restrict__ p, const T* __restri
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -214,10 +214,10 @@ __device__ __forceinline__ void adam_group_f1(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -225,7 +225,7 @@ __device__ __forceinline__ void adam_group_f1(T* __restrict__ p, const T* __rest
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 / bc2_sqrt;
       const T t11 = t10 + eps;
@@ -250,10 +250,10 @@ __device__ __forceinline__ void adam_vec_f1(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -261,7 +261,7 @@ __device__ __forceinline__ void adam_vec_f1(T* __restrict__ p, const T* __restri
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 / bc2_sqrt;
     const T t11 = t10 + eps;
@@ -338,7 +338,7 @@ __device__ __forceinline__ void adam_group_f2(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -346,9 +346,9 @@ __device__ __forceinline__ void adam_group_f2(T* __restrict__ p, const T* __rest
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 73 "flatopt/adam.py"
-      const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
 #line 74 "flatopt/adam.py"
+      const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
+#line 75 "flatopt/adam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
@@ -375,7 +375,7 @@ __device__ __forceinline__ void adam_vec_f2(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -383,9 +383,9 @@ __device__ __forceinline__ void adam_vec_f2(T* __restrict__ p, const T* __restri
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 73 "flatopt/adam.py"
-    const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
 #line 74 "flatopt/adam.py"
+    const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
+#line 75 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -465,10 +465,10 @@ __device__ __forceinline__ void adam_group_f3(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -476,9 +476,9 @@ __device__ __forceinline__ void adam_group_f3(T* __restrict__ p, const T* __rest
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 73 "flatopt/adam.py"
-      const T t9 = ((vmax_r[k] >= t8 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t8);
 #line 74 "flatopt/adam.py"
+      const T t9 = ((vmax_r[k] >= t8 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t8);
+#line 75 "flatopt/adam.py"
       const T t10 = sqrt(t9);
       const T t11 = t10 / bc2_sqrt;
       const T t12 = t11 + eps;
@@ -505,10 +505,10 @@ __device__ __forceinline__ void adam_vec_f3(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -516,9 +516,9 @@ __device__ __forceinline__ void adam_vec_f3(T* __restrict__ p, const T* __restri
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 73 "flatopt/adam.py"
-    const T t9 = ((vmax_r[k] >= t8 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t8);
 #line 74 "flatopt/adam.py"
+    const T t9 = ((vmax_r[k] >= t8 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t8);
+#line 75 "flatopt/adam.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 / bc2_sqrt;
     const T t12 = t11 + eps;
@@ -589,7 +589,7 @@ __device__ __forceinline__ void adam_f4_reduce_block(const T* __restrict__ g, T*
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -597,7 +597,7 @@ __device__ __forceinline__ void adam_f4_reduce_block(const T* __restrict__ g, T*
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -645,7 +645,7 @@ __device__ __forceinline__ void adam_f4_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -685,7 +685,7 @@ __device__ __forceinline__ void adam_group_f4_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = t0 / bc2_sqrt;
       const T t2 = t1 + eps;
@@ -713,7 +713,7 @@ __device__ __forceinline__ void adam_vec_f4_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = t0 / bc2_sqrt;
     const T t2 = t1 + eps;
@@ -785,10 +785,10 @@ __device__ __forceinline__ void adam_f5_reduce_block(const T* __restrict__ p, co
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = p_i * wd;
     const T t1 = g_i + t0;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t2 = t1 - m_i;
     const T t3 = t2 * omb1;
     const T t4 = m_i + t3;
@@ -796,7 +796,7 @@ __device__ __forceinline__ void adam_f5_reduce_block(const T* __restrict__ p, co
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 / bc2_sqrt;
     const T t11 = t10 + eps;
@@ -845,7 +845,7 @@ __device__ __forceinline__ void adam_f5_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -885,10 +885,10 @@ __device__ __forceinline__ void adam_group_f5_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t2 = sqrt(v_r[k]);
       const T t3 = t2 / bc2_sqrt;
       const T t4 = t3 + eps;
@@ -916,10 +916,10 @@ __device__ __forceinline__ void adam_vec_f5_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t2 = sqrt(v_r[k]);
     const T t3 = t2 / bc2_sqrt;
     const T t4 = t3 + eps;
@@ -991,7 +991,7 @@ __device__ __forceinline__ void adam_f6_reduce_block(const T* __restrict__ g, T*
     const T m_i = m[i];
     const T v_i = v[i];
     const T vmax_i = vmax[i];
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -999,9 +999,9 @@ __device__ __forceinline__ void adam_f6_reduce_block(const T* __restrict__ g, T*
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 73 "flatopt/adam.py"
-    const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
 #line 74 "flatopt/adam.py"
+    const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+#line 75 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -1051,7 +1051,7 @@ __device__ __forceinline__ void adam_f6_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1091,7 +1091,7 @@ __device__ __forceinline__ void adam_group_f6_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t0 = sqrt(vmax_r[k]);
       const T t1 = t0 / bc2_sqrt;
       const T t2 = t1 + eps;
@@ -1119,7 +1119,7 @@ __device__ __forceinline__ void adam_vec_f6_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0 = sqrt(vmax_r[k]);
     const T t1 = t0 / bc2_sqrt;
     const T t2 = t1 + eps;
@@ -1192,10 +1192,10 @@ __device__ __forceinline__ void adam_f7_reduce_block(const T* __restrict__ p, co
     const T m_i = m[i];
     const T v_i = v[i];
     const T vmax_i = vmax[i];
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = p_i * wd;
     const T t1 = g_i + t0;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t2 = t1 - m_i;
     const T t3 = t2 * omb1;
     const T t4 = m_i + t3;
@@ -1203,9 +1203,9 @@ __device__ __forceinline__ void adam_f7_reduce_block(const T* __restrict__ p, co
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 73 "flatopt/adam.py"
-    const T t9 = ((vmax_i >= t8 || vmax_i != vmax_i) ? vmax_i : t8);
 #line 74 "flatopt/adam.py"
+    const T t9 = ((vmax_i >= t8 || vmax_i != vmax_i) ? vmax_i : t8);
+#line 75 "flatopt/adam.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 / bc2_sqrt;
     const T t12 = t11 + eps;
@@ -1256,7 +1256,7 @@ __device__ __forceinline__ void adam_f7_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1296,10 +1296,10 @@ __device__ __forceinline__ void adam_group_f7_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t2 = sqrt(vmax_r[k]);
       const T t3 = t2 / bc2_sqrt;
       const T t4 = t3 + eps;
@@ -1327,10 +1327,10 @@ __device__ __forceinline__ void adam_vec_f7_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/adam.py"
+#line 70 "flatopt/adam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t2 = sqrt(vmax_r[k]);
     const T t3 = t2 / bc2_sqrt;
     const T t4 = t3 + eps;

@@ -97,7 +97,7 @@ __device__ __forceinline__ void adamw_group_f0(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -105,7 +105,7 @@ __device__ __forceinline__ void adamw_group_f0(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 / bc2_sqrt;
       const T t9 = t8 + eps;
@@ -130,7 +130,7 @@ __device__ __forceinline__ void adamw_vec_f0(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -138,7 +138,7 @@ __device__ __forceinline__ void adamw_vec_f0(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -214,9 +214,9 @@ __device__ __forceinline__ void adamw_group_f1(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/adam.py"
+#line 68 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -224,7 +224,7 @@ __device__ __forceinline__ void adamw_group_f1(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
@@ -249,9 +249,9 @@ __device__ __forceinline__ void adamw_vec_f1(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/adam.py"
+#line 68 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -259,7 +259,7 @@ __device__ __forceinline__ void adamw_vec_f1(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -337,7 +337,7 @@ __device__ __forceinline__ void adamw_group_f2(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -345,9 +345,9 @@ __device__ __forceinline__ void adamw_group_f2(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 73 "flatopt/adam.py"
-      const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
 #line 74 "flatopt/adam.py"
+      const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
+#line 75 "flatopt/adam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
@@ -374,7 +374,7 @@ __device__ __forceinline__ void adamw_vec_f2(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -382,9 +382,9 @@ __device__ __forceinline__ void adamw_vec_f2(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 73 "flatopt/adam.py"
-    const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
 #line 74 "flatopt/adam.py"
+    const T t7 = ((vmax_r[k] >= t6 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t6);
+#line 75 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -464,9 +464,9 @@ __device__ __forceinline__ void adamw_group_f3(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/adam.py"
+#line 68 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -474,9 +474,9 @@ __device__ __forceinline__ void adamw_group_f3(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 73 "flatopt/adam.py"
-      const T t8 = ((vmax_r[k] >= t7 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t7);
 #line 74 "flatopt/adam.py"
+      const T t8 = ((vmax_r[k] >= t7 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t7);
+#line 75 "flatopt/adam.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 / bc2_sqrt;
       const T t11 = t10 + eps;
@@ -503,9 +503,9 @@ __device__ __forceinline__ void adamw_vec_f3(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4], vmax_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/adam.py"
+#line 68 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -513,9 +513,9 @@ __device__ __forceinline__ void adamw_vec_f3(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 73 "flatopt/adam.py"
-    const T t8 = ((vmax_r[k] >= t7 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t7);
 #line 74 "flatopt/adam.py"
+    const T t8 = ((vmax_r[k] >= t7 || vmax_r[k] != vmax_r[k]) ? vmax_r[k] : t7);
+#line 75 "flatopt/adam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 / bc2_sqrt;
     const T t11 = t10 + eps;
@@ -587,7 +587,7 @@ __device__ __forceinline__ void adamw_f4_reduce_block(const T* __restrict__ g, T
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -595,7 +595,7 @@ __device__ __forceinline__ void adamw_f4_reduce_block(const T* __restrict__ g, T
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -643,7 +643,7 @@ __device__ __forceinline__ void adamw_f4_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -683,7 +683,7 @@ __device__ __forceinline__ void adamw_group_f4_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = t0 / bc2_sqrt;
       const T t2 = t1 + eps;
@@ -711,7 +711,7 @@ __device__ __forceinline__ void adamw_vec_f4_map(T* __restrict__ p, const T* __r
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = t0 / bc2_sqrt;
     const T t2 = t1 + eps;
@@ -782,7 +782,7 @@ __device__ __forceinline__ void adamw_f5_reduce_block(const T* __restrict__ g, T
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -790,7 +790,7 @@ __device__ __forceinline__ void adamw_f5_reduce_block(const T* __restrict__ g, T
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
@@ -838,7 +838,7 @@ __device__ __forceinline__ void adamw_f5_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -878,9 +878,9 @@ __device__ __forceinline__ void adamw_group_f5_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/adam.py"
+#line 68 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t1 = sqrt(v_r[k]);
       const T t2 = t1 / bc2_sqrt;
       const T t3 = t2 + eps;
@@ -908,9 +908,9 @@ __device__ __forceinline__ void adamw_vec_f5_map(T* __restrict__ p, const T* __r
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/adam.py"
+#line 68 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t1 = sqrt(v_r[k]);
     const T t2 = t1 / bc2_sqrt;
     const T t3 = t2 + eps;
@@ -983,7 +983,7 @@ __device__ __forceinline__ void adamw_f6_reduce_block(const T* __restrict__ g, T
     const T m_i = m[i];
     const T v_i = v[i];
     const T vmax_i = vmax[i];
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -991,9 +991,9 @@ __device__ __forceinline__ void adamw_f6_reduce_block(const T* __restrict__ g, T
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 73 "flatopt/adam.py"
-    const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
 #line 74 "flatopt/adam.py"
+    const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+#line 75 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -1043,7 +1043,7 @@ __device__ __forceinline__ void adamw_f6_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1083,7 +1083,7 @@ __device__ __forceinline__ void adamw_group_f6_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t0 = sqrt(vmax_r[k]);
       const T t1 = t0 / bc2_sqrt;
       const T t2 = t1 + eps;
@@ -1111,7 +1111,7 @@ __device__ __forceinline__ void adamw_vec_f6_map(T* __restrict__ p, const T* __r
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0 = sqrt(vmax_r[k]);
     const T t1 = t0 / bc2_sqrt;
     const T t2 = t1 + eps;
@@ -1183,7 +1183,7 @@ __device__ __forceinline__ void adamw_f7_reduce_block(const T* __restrict__ g, T
     const T m_i = m[i];
     const T v_i = v[i];
     const T vmax_i = vmax[i];
-#line 70 "flatopt/adam.py"
+#line 71 "flatopt/adam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1191,9 +1191,9 @@ __device__ __forceinline__ void adamw_f7_reduce_block(const T* __restrict__ g, T
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 73 "flatopt/adam.py"
-    const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
 #line 74 "flatopt/adam.py"
+    const T t7 = ((vmax_i >= t6 || vmax_i != vmax_i) ? vmax_i : t6);
+#line 75 "flatopt/adam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
@@ -1243,7 +1243,7 @@ __device__ __forceinline__ void adamw_f7_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1283,9 +1283,9 @@ __device__ __forceinline__ void adamw_group_f7_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/adam.py"
+#line 68 "flatopt/adam.py"
       const T t0 = p_r[k] * decay;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
       const T t1 = sqrt(vmax_r[k]);
       const T t2 = t1 / bc2_sqrt;
       const T t3 = t2 + eps;
@@ -1313,9 +1313,9 @@ __device__ __forceinline__ void adamw_vec_f7_map(T* __restrict__ p, const T* __r
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/adam.py"
+#line 68 "flatopt/adam.py"
     const T t0 = p_r[k] * decay;
-#line 74 "flatopt/adam.py"
+#line 75 "flatopt/adam.py"
     const T t1 = sqrt(vmax_r[k]);
     const T t2 = t1 / bc2_sqrt;
     const T t3 = t2 + eps;

@@ -98,7 +98,7 @@ __device__ __forceinline__ void ademamix_group_f0(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 109 "flatopt/ademamix.py"
+#line 110 "flatopt/ademamix.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -106,19 +106,19 @@ __device__ __forceinline__ void ademamix_group_f0(T* __restrict__ p, const T* __
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 110 "flatopt/ademamix.py"
+#line 111 "flatopt/ademamix.py"
       const T t7 = g_r[k] - m_slow_r[k];
       const T t8 = t7 * omb3;
       const T t9 = m_slow_r[k] + t8;
-#line 111 "flatopt/ademamix.py"
+#line 112 "flatopt/ademamix.py"
       const T t10 = sqrt(t6);
       const T t11 = t10 / bc2_sqrt;
       const T t12 = t11 + eps;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
       const T t13 = t2 / bc1;
       const T t14 = t9 * alpha;
       const T t15 = t13 + t14;
-#line 113 "flatopt/ademamix.py"
+#line 114 "flatopt/ademamix.py"
       const T t16 = t15 * neg_lr;
       const T t17 = t16 / t12;
       const T t18 = p_r[k] + t17;
@@ -142,7 +142,7 @@ __device__ __forceinline__ void ademamix_vec_f0(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], m_slow_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 109 "flatopt/ademamix.py"
+#line 110 "flatopt/ademamix.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -150,19 +150,19 @@ __device__ __forceinline__ void ademamix_vec_f0(T* __restrict__ p, const T* __re
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 110 "flatopt/ademamix.py"
+#line 111 "flatopt/ademamix.py"
     const T t7 = g_r[k] - m_slow_r[k];
     const T t8 = t7 * omb3;
     const T t9 = m_slow_r[k] + t8;
-#line 111 "flatopt/ademamix.py"
+#line 112 "flatopt/ademamix.py"
     const T t10 = sqrt(t6);
     const T t11 = t10 / bc2_sqrt;
     const T t12 = t11 + eps;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
     const T t13 = t2 / bc1;
     const T t14 = t9 * alpha;
     const T t15 = t13 + t14;
-#line 113 "flatopt/ademamix.py"
+#line 114 "flatopt/ademamix.py"
     const T t16 = t15 * neg_lr;
     const T t17 = t16 / t12;
     const T t18 = p_r[k] + t17;
@@ -239,9 +239,9 @@ __device__ __forceinline__ void ademamix_group_f1(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 108 "flatopt/ademamix.py"
-      const T t0 = p_r[k] * decay;
 #line 109 "flatopt/ademamix.py"
+      const T t0 = p_r[k] * decay;
+#line 110 "flatopt/ademamix.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -249,19 +249,19 @@ __device__ __forceinline__ void ademamix_group_f1(T* __restrict__ p, const T* __
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 110 "flatopt/ademamix.py"
+#line 111 "flatopt/ademamix.py"
       const T t8 = g_r[k] - m_slow_r[k];
       const T t9 = t8 * omb3;
       const T t10 = m_slow_r[k] + t9;
-#line 111 "flatopt/ademamix.py"
+#line 112 "flatopt/ademamix.py"
       const T t11 = sqrt(t7);
       const T t12 = t11 / bc2_sqrt;
       const T t13 = t12 + eps;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
       const T t14 = t3 / bc1;
       const T t15 = t10 * alpha;
       const T t16 = t14 + t15;
-#line 113 "flatopt/ademamix.py"
+#line 114 "flatopt/ademamix.py"
       const T t17 = t16 * neg_lr;
       const T t18 = t17 / t13;
       const T t19 = t0 + t18;
@@ -285,9 +285,9 @@ __device__ __forceinline__ void ademamix_vec_f1(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], m_slow_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 108 "flatopt/ademamix.py"
-    const T t0 = p_r[k] * decay;
 #line 109 "flatopt/ademamix.py"
+    const T t0 = p_r[k] * decay;
+#line 110 "flatopt/ademamix.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -295,19 +295,19 @@ __device__ __forceinline__ void ademamix_vec_f1(T* __restrict__ p, const T* __re
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 110 "flatopt/ademamix.py"
+#line 111 "flatopt/ademamix.py"
     const T t8 = g_r[k] - m_slow_r[k];
     const T t9 = t8 * omb3;
     const T t10 = m_slow_r[k] + t9;
-#line 111 "flatopt/ademamix.py"
+#line 112 "flatopt/ademamix.py"
     const T t11 = sqrt(t7);
     const T t12 = t11 / bc2_sqrt;
     const T t13 = t12 + eps;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
     const T t14 = t3 / bc1;
     const T t15 = t10 * alpha;
     const T t16 = t14 + t15;
-#line 113 "flatopt/ademamix.py"
+#line 114 "flatopt/ademamix.py"
     const T t17 = t16 * neg_lr;
     const T t18 = t17 / t13;
     const T t19 = t0 + t18;
@@ -375,11 +375,11 @@ __device__ __forceinline__ void ademamix_f2_reduce_block(const T* __restrict__ g
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T m_i = m[i];
-#line 109 "flatopt/ademamix.py"
+#line 110 "flatopt/ademamix.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
@@ -421,7 +421,7 @@ __device__ __forceinline__ void ademamix_f2_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -462,20 +462,20 @@ __device__ __forceinline__ void ademamix_group_f2_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 109 "flatopt/ademamix.py"
+#line 110 "flatopt/ademamix.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 110 "flatopt/ademamix.py"
+#line 111 "flatopt/ademamix.py"
       const T t4 = g_r[k] - m_slow_r[k];
       const T t5 = t4 * omb3;
       const T t6 = m_slow_r[k] + t5;
-#line 111 "flatopt/ademamix.py"
+#line 112 "flatopt/ademamix.py"
       const T t7 = sqrt(t3);
       const T t8 = t7 / bc2_sqrt;
       const T t9 = t8 + eps;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
       const T t10 = m_r[k] * g_r[k];
       const int t11 = t10 > ((T)0x0.0p+0);
       const T t12 = (T)t11;
@@ -484,7 +484,7 @@ __device__ __forceinline__ void ademamix_group_f2_map(T* __restrict__ p, const T
       const T t15 = t14 / bc1;
       const T t16 = t6 * alpha;
       const T t17 = t15 + t16;
-#line 113 "flatopt/ademamix.py"
+#line 114 "flatopt/ademamix.py"
       const T t18 = t17 * neg_lr;
       const T t19 = t18 / t9;
       const T t20 = p_r[k] + t19;
@@ -507,20 +507,20 @@ __device__ __forceinline__ void ademamix_vec_f2_map(T* __restrict__ p, const T* 
   T p_w[4], v_w[4], m_slow_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 109 "flatopt/ademamix.py"
+#line 110 "flatopt/ademamix.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 110 "flatopt/ademamix.py"
+#line 111 "flatopt/ademamix.py"
     const T t4 = g_r[k] - m_slow_r[k];
     const T t5 = t4 * omb3;
     const T t6 = m_slow_r[k] + t5;
-#line 111 "flatopt/ademamix.py"
+#line 112 "flatopt/ademamix.py"
     const T t7 = sqrt(t3);
     const T t8 = t7 / bc2_sqrt;
     const T t9 = t8 + eps;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
     const T t10 = m_r[k] * g_r[k];
     const int t11 = t10 > ((T)0x0.0p+0);
     const T t12 = (T)t11;
@@ -529,7 +529,7 @@ __device__ __forceinline__ void ademamix_vec_f2_map(T* __restrict__ p, const T* 
     const T t15 = t14 / bc1;
     const T t16 = t6 * alpha;
     const T t17 = t15 + t16;
-#line 113 "flatopt/ademamix.py"
+#line 114 "flatopt/ademamix.py"
     const T t18 = t17 * neg_lr;
     const T t19 = t18 / t9;
     const T t20 = p_r[k] + t19;
@@ -596,11 +596,11 @@ __device__ __forceinline__ void ademamix_f3_reduce_block(const T* __restrict__ g
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T m_i = m[i];
-#line 109 "flatopt/ademamix.py"
+#line 110 "flatopt/ademamix.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
@@ -642,7 +642,7 @@ __device__ __forceinline__ void ademamix_f3_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -683,22 +683,22 @@ __device__ __forceinline__ void ademamix_group_f3_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 108 "flatopt/ademamix.py"
-      const T t0 = p_r[k] * decay;
 #line 109 "flatopt/ademamix.py"
+      const T t0 = p_r[k] * decay;
+#line 110 "flatopt/ademamix.py"
       const T t1 = v_r[k] * b2;
       const T t2 = g_r[k] * omb2;
       const T t3 = t2 * g_r[k];
       const T t4 = t1 + t3;
-#line 110 "flatopt/ademamix.py"
+#line 111 "flatopt/ademamix.py"
       const T t5 = g_r[k] - m_slow_r[k];
       const T t6 = t5 * omb3;
       const T t7 = m_slow_r[k] + t6;
-#line 111 "flatopt/ademamix.py"
+#line 112 "flatopt/ademamix.py"
       const T t8 = sqrt(t4);
       const T t9 = t8 / bc2_sqrt;
       const T t10 = t9 + eps;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
       const T t11 = m_r[k] * g_r[k];
       const int t12 = t11 > ((T)0x0.0p+0);
       const T t13 = (T)t12;
@@ -707,7 +707,7 @@ __device__ __forceinline__ void ademamix_group_f3_map(T* __restrict__ p, const T
       const T t16 = t15 / bc1;
       const T t17 = t7 * alpha;
       const T t18 = t16 + t17;
-#line 113 "flatopt/ademamix.py"
+#line 114 "flatopt/ademamix.py"
       const T t19 = t18 * neg_lr;
       const T t20 = t19 / t10;
       const T t21 = t0 + t20;
@@ -730,22 +730,22 @@ __device__ __forceinline__ void ademamix_vec_f3_map(T* __restrict__ p, const T* 
   T p_w[4], v_w[4], m_slow_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 108 "flatopt/ademamix.py"
-    const T t0 = p_r[k] * decay;
 #line 109 "flatopt/ademamix.py"
+    const T t0 = p_r[k] * decay;
+#line 110 "flatopt/ademamix.py"
     const T t1 = v_r[k] * b2;
     const T t2 = g_r[k] * omb2;
     const T t3 = t2 * g_r[k];
     const T t4 = t1 + t3;
-#line 110 "flatopt/ademamix.py"
+#line 111 "flatopt/ademamix.py"
     const T t5 = g_r[k] - m_slow_r[k];
     const T t6 = t5 * omb3;
     const T t7 = m_slow_r[k] + t6;
-#line 111 "flatopt/ademamix.py"
+#line 112 "flatopt/ademamix.py"
     const T t8 = sqrt(t4);
     const T t9 = t8 / bc2_sqrt;
     const T t10 = t9 + eps;
-#line 112 "flatopt/ademamix.py"
+#line 113 "flatopt/ademamix.py"
     const T t11 = m_r[k] * g_r[k];
     const int t12 = t11 > ((T)0x0.0p+0);
     const T t13 = (T)t12;
@@ -754,7 +754,7 @@ __device__ __forceinline__ void ademamix_vec_f3_map(T* __restrict__ p, const T* 
     const T t16 = t15 / bc1;
     const T t17 = t7 * alpha;
     const T t18 = t16 + t17;
-#line 113 "flatopt/ademamix.py"
+#line 114 "flatopt/ademamix.py"
     const T t19 = t18 * neg_lr;
     const T t20 = t19 / t10;
     const T t21 = t0 + t20;

@@ -97,21 +97,21 @@ __device__ __forceinline__ void adopt_group_f0(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
       const T t2 = g_r[k] / t1;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
       const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t5 = t4 - m_r[k];
       const T t6 = t5 * omb1;
       const T t7 = m_r[k] + t6;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t8 = t7 * neg_lr;
       const T t9 = p_r[k] + t8;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
       const T t10 = v_r[k] * b2;
       const T t11 = g_r[k] * omb2;
       const T t12 = t11 * g_r[k];
@@ -134,21 +134,21 @@ __device__ __forceinline__ void adopt_vec_f0(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
     const T t2 = g_r[k] / t1;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
     const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t5 = t4 - m_r[k];
     const T t6 = t5 * omb1;
     const T t7 = m_r[k] + t6;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t8 = t7 * neg_lr;
     const T t9 = p_r[k] + t8;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
     const T t10 = v_r[k] * b2;
     const T t11 = g_r[k] * omb2;
     const T t12 = t11 * g_r[k];
@@ -222,24 +222,24 @@ __device__ __forceinline__ void adopt_group_f1(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t2 = sqrt(v_r[k]);
       const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
       const T t4 = t1 / t3;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
       const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t7 = t6 - m_r[k];
       const T t8 = t7 * omb1;
       const T t9 = m_r[k] + t8;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t10 = t9 * neg_lr;
       const T t11 = p_r[k] + t10;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
       const T t12 = v_r[k] * b2;
       const T t13 = t1 * omb2;
       const T t14 = t13 * t1;
@@ -262,24 +262,24 @@ __device__ __forceinline__ void adopt_vec_f1(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t2 = sqrt(v_r[k]);
     const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
     const T t4 = t1 / t3;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
     const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t7 = t6 - m_r[k];
     const T t8 = t7 * omb1;
     const T t9 = m_r[k] + t8;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t10 = t9 * neg_lr;
     const T t11 = p_r[k] + t10;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
     const T t12 = v_r[k] * b2;
     const T t13 = t1 * omb2;
     const T t14 = t13 * t1;
@@ -353,23 +353,23 @@ __device__ __forceinline__ void adopt_group_f3(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/adopt.py"
+#line 78 "flatopt/adopt.py"
       const T t0 = p_r[k] * decay;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t1 = sqrt(v_r[k]);
       const T t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
       const T t3 = g_r[k] / t2;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
       const T t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
       const T t6 = t5 - m_r[k];
       const T t7 = t6 * omb1;
       const T t8 = m_r[k] + t7;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t9 = t8 * neg_lr;
       const T t10 = t0 + t9;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
       const T t11 = v_r[k] * b2;
       const T t12 = g_r[k] * omb2;
       const T t13 = t12 * g_r[k];
@@ -392,23 +392,23 @@ __device__ __forceinline__ void adopt_vec_f3(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/adopt.py"
+#line 78 "flatopt/adopt.py"
     const T t0 = p_r[k] * decay;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t1 = sqrt(v_r[k]);
     const T t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
     const T t3 = g_r[k] / t2;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
     const T t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t6 = t5 - m_r[k];
     const T t7 = t6 * omb1;
     const T t8 = m_r[k] + t7;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t9 = t8 * neg_lr;
     const T t10 = t0 + t9;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
     const T t11 = v_r[k] * b2;
     const T t12 = g_r[k] * omb2;
     const T t13 = t12 * g_r[k];
@@ -481,7 +481,7 @@ __device__ __forceinline__ void adopt_group_f4(const T* __restrict__ g, T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t0 = g_r[k] * g_r[k];
       const T t1 = v_r[k] + t0;
 #line 488 "flatopt/kernels/generated/adopt.cu"
@@ -498,7 +498,7 @@ __device__ __forceinline__ void adopt_vec_f4(const T* __restrict__ g, T* __restr
   T v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t0 = g_r[k] * g_r[k];
     const T t1 = v_r[k] + t0;
 #line 505 "flatopt/kernels/generated/adopt.cu"
@@ -561,10 +561,10 @@ __device__ __forceinline__ void adopt_group_f5(const T* __restrict__ p, const T*
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t2 = t1 * t1;
       const T t3 = v_r[k] + t2;
 #line 571 "flatopt/kernels/generated/adopt.cu"
@@ -582,10 +582,10 @@ __device__ __forceinline__ void adopt_vec_f5(const T* __restrict__ p, const T* _
   T v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t2 = t1 * t1;
     const T t3 = v_r[k] + t2;
 #line 592 "flatopt/kernels/generated/adopt.cu"
@@ -649,9 +649,9 @@ __device__ __forceinline__ void adopt_group_f7(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/adopt.py"
+#line 78 "flatopt/adopt.py"
       const T t0 = p_r[k] * decay;
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t1 = g_r[k] * g_r[k];
       const T t2 = v_r[k] + t1;
 #line 658 "flatopt/kernels/generated/adopt.cu"
@@ -670,9 +670,9 @@ __device__ __forceinline__ void adopt_vec_f7(T* __restrict__ p, const T* __restr
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/adopt.py"
+#line 78 "flatopt/adopt.py"
     const T t0 = p_r[k] * decay;
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t1 = g_r[k] * g_r[k];
     const T t2 = v_r[k] + t1;
 #line 679 "flatopt/kernels/generated/adopt.cu"
@@ -733,18 +733,18 @@ __device__ __forceinline__ void adopt_f8_reduce_block(const T* __restrict__ g, T
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t0 = sqrt(v_i);
     const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
     const T t2 = g_i / t1;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
     const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t5 = t4 - m_i;
     const T t6 = t5 * omb1;
     const T t7 = m_i + t6;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t8 = t7 * t4;
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
@@ -787,7 +787,7 @@ __device__ __forceinline__ void adopt_f8_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -827,14 +827,14 @@ __device__ __forceinline__ void adopt_group_f8_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
       const T t2 = g_r[k] / t1;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
       const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t5 = m_r[k] * t4;
       const int t6 = t5 > ((T)0x0.0p+0);
       const T t7 = (T)t6;
@@ -842,7 +842,7 @@ __device__ __forceinline__ void adopt_group_f8_map(T* __restrict__ p, const T* _
       const T t9 = m_r[k] * t8;
       const T t10 = t9 * neg_lr;
       const T t11 = p_r[k] + t10;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
       const T t12 = v_r[k] * b2;
       const T t13 = g_r[k] * omb2;
       const T t14 = t13 * g_r[k];
@@ -864,14 +864,14 @@ __device__ __forceinline__ void adopt_vec_f8_map(T* __restrict__ p, const T* __r
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
     const T t2 = g_r[k] / t1;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
     const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t5 = m_r[k] * t4;
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -879,7 +879,7 @@ __device__ __forceinline__ void adopt_vec_f8_map(T* __restrict__ p, const T* __r
     const T t9 = m_r[k] * t8;
     const T t10 = t9 * neg_lr;
     const T t11 = p_r[k] + t10;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
     const T t12 = v_r[k] * b2;
     const T t13 = g_r[k] * omb2;
     const T t14 = t13 * g_r[k];
@@ -946,21 +946,21 @@ __device__ __forceinline__ void adopt_f9_reduce_block(const T* __restrict__ p, c
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
     const T t0 = p_i * wd;
     const T t1 = g_i + t0;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t2 = sqrt(v_i);
     const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
     const T t4 = t1 / t3;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
     const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t7 = t6 - m_i;
     const T t8 = t7 * omb1;
     const T t9 = m_i + t8;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t10 = t9 * t6;
     const int t11 = t10 > ((T)0x0.0p+0);
     const T t12 = (T)t11;
@@ -1004,7 +1004,7 @@ __device__ __forceinline__ void adopt_f9_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1044,17 +1044,17 @@ __device__ __forceinline__ void adopt_group_f9_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t2 = sqrt(v_r[k]);
       const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
       const T t4 = t1 / t3;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
       const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t7 = m_r[k] * t6;
       const int t8 = t7 > ((T)0x0.0p+0);
       const T t9 = (T)t8;
@@ -1062,7 +1062,7 @@ __device__ __forceinline__ void adopt_group_f9_map(T* __restrict__ p, const T* _
       const T t11 = m_r[k] * t10;
       const T t12 = t11 * neg_lr;
       const T t13 = p_r[k] + t12;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
       const T t14 = v_r[k] * b2;
       const T t15 = t1 * omb2;
       const T t16 = t15 * t1;
@@ -1084,17 +1084,17 @@ __device__ __forceinline__ void adopt_vec_f9_map(T* __restrict__ p, const T* __r
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t2 = sqrt(v_r[k]);
     const T t3 = ((t2 >= eps || t2 != t2) ? t2 : eps);
     const T t4 = t1 / t3;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t5 = ((t4 >= neg_clip || t4 != t4) ? t4 : neg_clip);
     const T t6 = ((t5 <= clip || t5 != t5) ? t5 : clip);
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t7 = m_r[k] * t6;
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;
@@ -1102,7 +1102,7 @@ __device__ __forceinline__ void adopt_vec_f9_map(T* __restrict__ p, const T* __r
     const T t11 = m_r[k] * t10;
     const T t12 = t11 * neg_lr;
     const T t13 = p_r[k] + t12;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
     const T t14 = v_r[k] * b2;
     const T t15 = t1 * omb2;
     const T t16 = t15 * t1;
@@ -1168,18 +1168,18 @@ __device__ __forceinline__ void adopt_f11_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t0 = sqrt(v_i);
     const T t1 = ((t0 >= eps || t0 != t0) ? t0 : eps);
     const T t2 = g_i / t1;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t3 = ((t2 >= neg_clip || t2 != t2) ? t2 : neg_clip);
     const T t4 = ((t3 <= clip || t3 != t3) ? t3 : clip);
-#line 84 "flatopt/adopt.py"
+#line 85 "flatopt/adopt.py"
     const T t5 = t4 - m_i;
     const T t6 = t5 * omb1;
     const T t7 = m_i + t6;
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t8 = t7 * t4;
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
@@ -1222,7 +1222,7 @@ __device__ __forceinline__ void adopt_f11_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1262,16 +1262,16 @@ __device__ __forceinline__ void adopt_group_f11_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/adopt.py"
+#line 78 "flatopt/adopt.py"
       const T t0 = p_r[k] * decay;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
       const T t1 = sqrt(v_r[k]);
       const T t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
       const T t3 = g_r[k] / t2;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
       const T t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
       const T t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
       const T t6 = m_r[k] * t5;
       const int t7 = t6 > ((T)0x0.0p+0);
       const T t8 = (T)t7;
@@ -1279,7 +1279,7 @@ __device__ __forceinline__ void adopt_group_f11_map(T* __restrict__ p, const T* 
       const T t10 = m_r[k] * t9;
       const T t11 = t10 * neg_lr;
       const T t12 = t0 + t11;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
       const T t13 = v_r[k] * b2;
       const T t14 = g_r[k] * omb2;
       const T t15 = t14 * g_r[k];
@@ -1301,16 +1301,16 @@ __device__ __forceinline__ void adopt_vec_f11_map(T* __restrict__ p, const T* __
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/adopt.py"
+#line 78 "flatopt/adopt.py"
     const T t0 = p_r[k] * decay;
-#line 82 "flatopt/adopt.py"
+#line 83 "flatopt/adopt.py"
     const T t1 = sqrt(v_r[k]);
     const T t2 = ((t1 >= eps || t1 != t1) ? t1 : eps);
     const T t3 = g_r[k] / t2;
-#line 83 "flatopt/adopt.py"
+#line 84 "flatopt/adopt.py"
     const T t4 = ((t3 >= neg_clip || t3 != t3) ? t3 : neg_clip);
     const T t5 = ((t4 <= clip || t4 != t4) ? t4 : clip);
-#line 85 "flatopt/adopt.py"
+#line 86 "flatopt/adopt.py"
     const T t6 = m_r[k] * t5;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
@@ -1318,7 +1318,7 @@ __device__ __forceinline__ void adopt_vec_f11_map(T* __restrict__ p, const T* __
     const T t10 = m_r[k] * t9;
     const T t11 = t10 * neg_lr;
     const T t12 = t0 + t11;
-#line 86 "flatopt/adopt.py"
+#line 87 "flatopt/adopt.py"
     const T t13 = v_r[k] * b2;
     const T t14 = g_r[k] * omb2;
     const T t15 = t14 * g_r[k];
@@ -1391,7 +1391,7 @@ __device__ __forceinline__ void adopt_group_f12(const T* __restrict__ g, T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t0 = g_r[k] * g_r[k];
       const T t1 = v_r[k] + t0;
 #line 1398 "flatopt/kernels/generated/adopt.cu"
@@ -1408,7 +1408,7 @@ __device__ __forceinline__ void adopt_vec_f12(const T* __restrict__ g, T* __rest
   T v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t0 = g_r[k] * g_r[k];
     const T t1 = v_r[k] + t0;
 #line 1415 "flatopt/kernels/generated/adopt.cu"
@@ -1471,10 +1471,10 @@ __device__ __forceinline__ void adopt_group_f13(const T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t2 = t1 * t1;
       const T t3 = v_r[k] + t2;
 #line 1481 "flatopt/kernels/generated/adopt.cu"
@@ -1492,10 +1492,10 @@ __device__ __forceinline__ void adopt_vec_f13(const T* __restrict__ p, const T* 
   T v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 79 "flatopt/adopt.py"
+#line 80 "flatopt/adopt.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t2 = t1 * t1;
     const T t3 = v_r[k] + t2;
 #line 1502 "flatopt/kernels/generated/adopt.cu"
@@ -1559,9 +1559,9 @@ __device__ __forceinline__ void adopt_group_f15(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/adopt.py"
+#line 78 "flatopt/adopt.py"
       const T t0 = p_r[k] * decay;
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
       const T t1 = g_r[k] * g_r[k];
       const T t2 = v_r[k] + t1;
 #line 1568 "flatopt/kernels/generated/adopt.cu"
@@ -1580,9 +1580,9 @@ __device__ __forceinline__ void adopt_vec_f15(T* __restrict__ p, const T* __rest
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/adopt.py"
+#line 78 "flatopt/adopt.py"
     const T t0 = p_r[k] * decay;
-#line 81 "flatopt/adopt.py"
+#line 82 "flatopt/adopt.py"
     const T t1 = g_r[k] * g_r[k];
     const T t2 = v_r[k] + t1;
 #line 1589 "flatopt/kernels/generated/adopt.cu"

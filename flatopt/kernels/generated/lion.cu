@@ -96,15 +96,15 @@ __device__ __forceinline__ void lion_group_f0(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 53 "flatopt/lion.py"
+#line 54 "flatopt/lion.py"
       const T t0 = m_r[k] * b1;
       const T t1 = g_r[k] * omb1;
       const T t2 = t0 + t1;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
       const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
-#line 55 "flatopt/lion.py"
+#line 56 "flatopt/lion.py"
       const T t6 = m_r[k] * b2;
       const T t7 = g_r[k] * omb2;
       const T t8 = t6 + t7;
@@ -124,15 +124,15 @@ __device__ __forceinline__ void lion_vec_f0(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 53 "flatopt/lion.py"
+#line 54 "flatopt/lion.py"
     const T t0 = m_r[k] * b1;
     const T t1 = g_r[k] * omb1;
     const T t2 = t0 + t1;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
     const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
-#line 55 "flatopt/lion.py"
+#line 56 "flatopt/lion.py"
     const T t6 = m_r[k] * b2;
     const T t7 = g_r[k] * omb2;
     const T t8 = t6 + t7;
@@ -201,17 +201,17 @@ __device__ __forceinline__ void lion_group_f1(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 52 "flatopt/lion.py"
-      const T t0 = p_r[k] * decay;
 #line 53 "flatopt/lion.py"
+      const T t0 = p_r[k] * decay;
+#line 54 "flatopt/lion.py"
       const T t1 = m_r[k] * b1;
       const T t2 = g_r[k] * omb1;
       const T t3 = t1 + t2;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
       const T t4 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
       const T t5 = t4 * neg_lr;
       const T t6 = t0 + t5;
-#line 55 "flatopt/lion.py"
+#line 56 "flatopt/lion.py"
       const T t7 = m_r[k] * b2;
       const T t8 = g_r[k] * omb2;
       const T t9 = t7 + t8;
@@ -231,17 +231,17 @@ __device__ __forceinline__ void lion_vec_f1(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 52 "flatopt/lion.py"
-    const T t0 = p_r[k] * decay;
 #line 53 "flatopt/lion.py"
+    const T t0 = p_r[k] * decay;
+#line 54 "flatopt/lion.py"
     const T t1 = m_r[k] * b1;
     const T t2 = g_r[k] * omb1;
     const T t3 = t1 + t2;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
     const T t4 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
     const T t5 = t4 * neg_lr;
     const T t6 = t0 + t5;
-#line 55 "flatopt/lion.py"
+#line 56 "flatopt/lion.py"
     const T t7 = m_r[k] * b2;
     const T t8 = g_r[k] * omb2;
     const T t9 = t7 + t8;
@@ -303,11 +303,11 @@ __device__ __forceinline__ void lion_f2_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T m_i = m[i];
-#line 53 "flatopt/lion.py"
+#line 54 "flatopt/lion.py"
     const T t0 = m_i * b1;
     const T t1 = g_i * omb1;
     const T t2 = t0 + t1;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
     const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t4 = t3 * g_i;
     const int t5 = t4 > ((T)0x0.0p+0);
@@ -349,7 +349,7 @@ __device__ __forceinline__ void lion_f2_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -388,11 +388,11 @@ __device__ __forceinline__ void lion_group_f2_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 53 "flatopt/lion.py"
+#line 54 "flatopt/lion.py"
       const T t0 = m_r[k] * b1;
       const T t1 = g_r[k] * omb1;
       const T t2 = t0 + t1;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
       const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
       const T t4 = t3 * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
@@ -401,7 +401,7 @@ __device__ __forceinline__ void lion_group_f2_map(T* __restrict__ p, const T* __
       const T t8 = t3 * t7;
       const T t9 = t8 * neg_lr;
       const T t10 = p_r[k] + t9;
-#line 55 "flatopt/lion.py"
+#line 56 "flatopt/lion.py"
       const T t11 = m_r[k] * b2;
       const T t12 = g_r[k] * omb2;
       const T t13 = t11 + t12;
@@ -421,11 +421,11 @@ __device__ __forceinline__ void lion_vec_f2_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 53 "flatopt/lion.py"
+#line 54 "flatopt/lion.py"
     const T t0 = m_r[k] * b1;
     const T t1 = g_r[k] * omb1;
     const T t2 = t0 + t1;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
     const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t4 = t3 * g_r[k];
     const int t5 = t4 > ((T)0x0.0p+0);
@@ -434,7 +434,7 @@ __device__ __forceinline__ void lion_vec_f2_map(T* __restrict__ p, const T* __re
     const T t8 = t3 * t7;
     const T t9 = t8 * neg_lr;
     const T t10 = p_r[k] + t9;
-#line 55 "flatopt/lion.py"
+#line 56 "flatopt/lion.py"
     const T t11 = m_r[k] * b2;
     const T t12 = g_r[k] * omb2;
     const T t13 = t11 + t12;
@@ -497,11 +497,11 @@ __device__ __forceinline__ void lion_f3_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T m_i = m[i];
-#line 53 "flatopt/lion.py"
+#line 54 "flatopt/lion.py"
     const T t0 = m_i * b1;
     const T t1 = g_i * omb1;
     const T t2 = t0 + t1;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
     const T t3 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t4 = t3 * g_i;
     const int t5 = t4 > ((T)0x0.0p+0);
@@ -543,7 +543,7 @@ __device__ __forceinline__ void lion_f3_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -582,13 +582,13 @@ __device__ __forceinline__ void lion_group_f3_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 52 "flatopt/lion.py"
-      const T t0 = p_r[k] * decay;
 #line 53 "flatopt/lion.py"
+      const T t0 = p_r[k] * decay;
+#line 54 "flatopt/lion.py"
       const T t1 = m_r[k] * b1;
       const T t2 = g_r[k] * omb1;
       const T t3 = t1 + t2;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
       const T t4 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
       const T t5 = t4 * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
@@ -597,7 +597,7 @@ __device__ __forceinline__ void lion_group_f3_map(T* __restrict__ p, const T* __
       const T t9 = t4 * t8;
       const T t10 = t9 * neg_lr;
       const T t11 = t0 + t10;
-#line 55 "flatopt/lion.py"
+#line 56 "flatopt/lion.py"
       const T t12 = m_r[k] * b2;
       const T t13 = g_r[k] * omb2;
       const T t14 = t12 + t13;
@@ -617,13 +617,13 @@ __device__ __forceinline__ void lion_vec_f3_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 52 "flatopt/lion.py"
-    const T t0 = p_r[k] * decay;
 #line 53 "flatopt/lion.py"
+    const T t0 = p_r[k] * decay;
+#line 54 "flatopt/lion.py"
     const T t1 = m_r[k] * b1;
     const T t2 = g_r[k] * omb1;
     const T t3 = t1 + t2;
-#line 54 "flatopt/lion.py"
+#line 55 "flatopt/lion.py"
     const T t4 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
     const T t5 = t4 * g_r[k];
     const int t6 = t5 > ((T)0x0.0p+0);
@@ -632,7 +632,7 @@ __device__ __forceinline__ void lion_vec_f3_map(T* __restrict__ p, const T* __re
     const T t9 = t4 * t8;
     const T t10 = t9 * neg_lr;
     const T t11 = t0 + t10;
-#line 55 "flatopt/lion.py"
+#line 56 "flatopt/lion.py"
     const T t12 = m_r[k] * b2;
     const T t13 = g_r[k] * omb2;
     const T t14 = t12 + t13;

@@ -97,7 +97,7 @@ __device__ __forceinline__ void nadamw_group_f0(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 62 "flatopt/nadamw.py"
+#line 63 "flatopt/nadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -105,15 +105,15 @@ __device__ __forceinline__ void nadamw_group_f0(T* __restrict__ p, const T* __re
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
       const T t7 = t6 / bc2;
       const T t8 = sqrt(t7);
       const T t9 = t8 + eps;
-#line 67 "flatopt/nadamw.py"
+#line 68 "flatopt/nadamw.py"
       const T t10 = g_r[k] / t9;
       const T t11 = t10 * c_g;
       const T t12 = p_r[k] + t11;
-#line 68 "flatopt/nadamw.py"
+#line 69 "flatopt/nadamw.py"
       const T t13 = t2 / t9;
       const T t14 = t13 * c_m;
       const T t15 = t12 + t14;
@@ -135,7 +135,7 @@ __device__ __forceinline__ void nadamw_vec_f0(T* __restrict__ p, const T* __rest
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 62 "flatopt/nadamw.py"
+#line 63 "flatopt/nadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -143,15 +143,15 @@ __device__ __forceinline__ void nadamw_vec_f0(T* __restrict__ p, const T* __rest
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
     const T t7 = t6 / bc2;
     const T t8 = sqrt(t7);
     const T t9 = t8 + eps;
-#line 67 "flatopt/nadamw.py"
+#line 68 "flatopt/nadamw.py"
     const T t10 = g_r[k] / t9;
     const T t11 = t10 * c_g;
     const T t12 = p_r[k] + t11;
-#line 68 "flatopt/nadamw.py"
+#line 69 "flatopt/nadamw.py"
     const T t13 = t2 / t9;
     const T t14 = t13 * c_m;
     const T t15 = t12 + t14;
@@ -225,9 +225,9 @@ __device__ __forceinline__ void nadamw_group_f1(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 61 "flatopt/nadamw.py"
-      const T t0 = p_r[k] * decay;
 #line 62 "flatopt/nadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 63 "flatopt/nadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -235,15 +235,15 @@ __device__ __forceinline__ void nadamw_group_f1(T* __restrict__ p, const T* __re
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
       const T t8 = t7 / bc2;
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
-#line 67 "flatopt/nadamw.py"
+#line 68 "flatopt/nadamw.py"
       const T t11 = g_r[k] / t10;
       const T t12 = t11 * c_g;
       const T t13 = t0 + t12;
-#line 68 "flatopt/nadamw.py"
+#line 69 "flatopt/nadamw.py"
       const T t14 = t3 / t10;
       const T t15 = t14 * c_m;
       const T t16 = t13 + t15;
@@ -265,9 +265,9 @@ __device__ __forceinline__ void nadamw_vec_f1(T* __restrict__ p, const T* __rest
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 61 "flatopt/nadamw.py"
-    const T t0 = p_r[k] * decay;
 #line 62 "flatopt/nadamw.py"
+    const T t0 = p_r[k] * decay;
+#line 63 "flatopt/nadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -275,15 +275,15 @@ __device__ __forceinline__ void nadamw_vec_f1(T* __restrict__ p, const T* __rest
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
     const T t8 = t7 / bc2;
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
-#line 67 "flatopt/nadamw.py"
+#line 68 "flatopt/nadamw.py"
     const T t11 = g_r[k] / t10;
     const T t12 = t11 * c_g;
     const T t13 = t0 + t12;
-#line 68 "flatopt/nadamw.py"
+#line 69 "flatopt/nadamw.py"
     const T t14 = t3 / t10;
     const T t15 = t14 * c_m;
     const T t16 = t13 + t15;
@@ -350,7 +350,7 @@ __device__ __forceinline__ void nadamw_f2_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 62 "flatopt/nadamw.py"
+#line 63 "flatopt/nadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -358,11 +358,11 @@ __device__ __forceinline__ void nadamw_f2_reduce_block(const T* __restrict__ g, 
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
     const T t7 = t6 / bc2;
     const T t8 = sqrt(t7);
     const T t9 = t8 + eps;
-#line 65 "flatopt/nadamw.py"
+#line 66 "flatopt/nadamw.py"
     const T t10 = g_i / t9;
     const T t11 = t10 * k_g;
     const T t12 = t2 / t9;
@@ -411,7 +411,7 @@ __device__ __forceinline__ void nadamw_f2_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 65 "flatopt/nadamw.py"
+#line 66 "flatopt/nadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -451,11 +451,11 @@ __device__ __forceinline__ void nadamw_group_f2_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
-#line 65 "flatopt/nadamw.py"
+#line 66 "flatopt/nadamw.py"
       const T t3 = g_r[k] / t2;
       const T t4 = t3 * k_g;
       const T t5 = m_r[k] / t2;
@@ -484,11 +484,11 @@ __device__ __forceinline__ void nadamw_vec_f2_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
-#line 65 "flatopt/nadamw.py"
+#line 66 "flatopt/nadamw.py"
     const T t3 = g_r[k] / t2;
     const T t4 = t3 * k_g;
     const T t5 = m_r[k] / t2;
@@ -560,7 +560,7 @@ __device__ __forceinline__ void nadamw_f3_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 62 "flatopt/nadamw.py"
+#line 63 "flatopt/nadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -568,11 +568,11 @@ __device__ __forceinline__ void nadamw_f3_reduce_block(const T* __restrict__ g, 
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
     const T t7 = t6 / bc2;
     const T t8 = sqrt(t7);
     const T t9 = t8 + eps;
-#line 65 "flatopt/nadamw.py"
+#line 66 "flatopt/nadamw.py"
     const T t10 = g_i / t9;
     const T t11 = t10 * k_g;
     const T t12 = t2 / t9;
@@ -621,7 +621,7 @@ __device__ __forceinline__ void nadamw_f3_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 65 "flatopt/nadamw.py"
+#line 66 "flatopt/nadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -661,13 +661,13 @@ __device__ __forceinline__ void nadamw_group_f3_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 61 "flatopt/nadamw.py"
+#line 62 "flatopt/nadamw.py"
       const T t0 = p_r[k] * decay;
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
       const T t1 = v_r[k] / bc2;
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
-#line 65 "flatopt/nadamw.py"
+#line 66 "flatopt/nadamw.py"
       const T t4 = g_r[k] / t3;
       const T t5 = t4 * k_g;
       const T t6 = m_r[k] / t3;
@@ -696,13 +696,13 @@ __device__ __forceinline__ void nadamw_vec_f3_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 61 "flatopt/nadamw.py"
+#line 62 "flatopt/nadamw.py"
     const T t0 = p_r[k] * decay;
-#line 63 "flatopt/nadamw.py"
+#line 64 "flatopt/nadamw.py"
     const T t1 = v_r[k] / bc2;
     const T t2 = sqrt(t1);
     const T t3 = t2 + eps;
-#line 65 "flatopt/nadamw.py"
+#line 66 "flatopt/nadamw.py"
     const T t4 = g_r[k] / t3;
     const T t5 = t4 * k_g;
     const T t6 = m_r[k] / t3;

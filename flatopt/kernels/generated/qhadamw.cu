@@ -97,7 +97,7 @@ __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -105,11 +105,11 @@ __device__ __forceinline__ void qhadamw_group_f0(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t8 = t6 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
       const T t11 = t7 / t10;
@@ -133,7 +133,7 @@ __device__ __forceinline__ void qhadamw_vec_f0(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -141,11 +141,11 @@ __device__ __forceinline__ void qhadamw_vec_f0(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
@@ -220,9 +220,9 @@ __device__ __forceinline__ void qhadamw_group_f1(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/qhadamw.py"
-      const T t0 = p_r[k] * decay;
 #line 68 "flatopt/qhadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 69 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -230,11 +230,11 @@ __device__ __forceinline__ void qhadamw_group_f1(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t9 = t7 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t10 = sqrt(t9);
       const T t11 = t10 + eps;
       const T t12 = t8 / t11;
@@ -258,9 +258,9 @@ __device__ __forceinline__ void qhadamw_vec_f1(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/qhadamw.py"
-    const T t0 = p_r[k] * decay;
 #line 68 "flatopt/qhadamw.py"
+    const T t0 = p_r[k] * decay;
+#line 69 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -268,11 +268,11 @@ __device__ __forceinline__ void qhadamw_vec_f1(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t9 = t7 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 + eps;
     const T t12 = t8 / t11;
@@ -348,7 +348,7 @@ __device__ __forceinline__ void qhadamw_group_f2(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -356,14 +356,14 @@ __device__ __forceinline__ void qhadamw_group_f2(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t8 = g_r[k] * c_g;
       const T t9 = t7 + t8;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t10 = t6 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t11 = sqrt(t10);
       const T t12 = t11 + eps;
       const T t13 = t9 / t12;
@@ -387,7 +387,7 @@ __device__ __forceinline__ void qhadamw_vec_f2(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -395,14 +395,14 @@ __device__ __forceinline__ void qhadamw_vec_f2(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = g_r[k] * c_g;
     const T t9 = t7 + t8;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 + eps;
     const T t13 = t9 / t12;
@@ -477,9 +477,9 @@ __device__ __forceinline__ void qhadamw_group_f3(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/qhadamw.py"
-      const T t0 = p_r[k] * decay;
 #line 68 "flatopt/qhadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 69 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -487,14 +487,14 @@ __device__ __forceinline__ void qhadamw_group_f3(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_g;
       const T t10 = t8 + t9;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t11 = t7 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t12 = sqrt(t11);
       const T t13 = t12 + eps;
       const T t14 = t10 / t13;
@@ -518,9 +518,9 @@ __device__ __forceinline__ void qhadamw_vec_f3(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/qhadamw.py"
-    const T t0 = p_r[k] * decay;
 #line 68 "flatopt/qhadamw.py"
+    const T t0 = p_r[k] * decay;
+#line 69 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -528,14 +528,14 @@ __device__ __forceinline__ void qhadamw_vec_f3(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_g;
     const T t10 = t8 + t9;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t11 = t7 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t10 / t13;
@@ -611,7 +611,7 @@ __device__ __forceinline__ void qhadamw_group_f4(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -619,15 +619,15 @@ __device__ __forceinline__ void qhadamw_group_f4(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t8 = t6 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_gg;
       const T t10 = t9 * g_r[k];
       const T t11 = t8 + t10;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t12 = sqrt(t11);
       const T t13 = t12 + eps;
       const T t14 = t7 / t13;
@@ -651,7 +651,7 @@ __device__ __forceinline__ void qhadamw_vec_f4(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -659,15 +659,15 @@ __device__ __forceinline__ void qhadamw_vec_f4(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_gg;
     const T t10 = t9 * g_r[k];
     const T t11 = t8 + t10;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t7 / t13;
@@ -742,9 +742,9 @@ __device__ __forceinline__ void qhadamw_group_f5(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/qhadamw.py"
-      const T t0 = p_r[k] * decay;
 #line 68 "flatopt/qhadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 69 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -752,15 +752,15 @@ __device__ __forceinline__ void qhadamw_group_f5(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t9 = t7 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t10 = g_r[k] * c_gg;
       const T t11 = t10 * g_r[k];
       const T t12 = t9 + t11;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t13 = sqrt(t12);
       const T t14 = t13 + eps;
       const T t15 = t8 / t14;
@@ -784,9 +784,9 @@ __device__ __forceinline__ void qhadamw_vec_f5(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/qhadamw.py"
-    const T t0 = p_r[k] * decay;
 #line 68 "flatopt/qhadamw.py"
+    const T t0 = p_r[k] * decay;
+#line 69 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -794,15 +794,15 @@ __device__ __forceinline__ void qhadamw_vec_f5(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t9 = t7 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t10 = g_r[k] * c_gg;
     const T t11 = t10 * g_r[k];
     const T t12 = t9 + t11;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t13 = sqrt(t12);
     const T t14 = t13 + eps;
     const T t15 = t8 / t14;
@@ -878,7 +878,7 @@ __device__ __forceinline__ void qhadamw_group_f6(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -886,18 +886,18 @@ __device__ __forceinline__ void qhadamw_group_f6(T* __restrict__ p, const T* __r
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t7 = t2 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t8 = g_r[k] * c_g;
       const T t9 = t7 + t8;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t10 = t6 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t11 = g_r[k] * c_gg;
       const T t12 = t11 * g_r[k];
       const T t13 = t10 + t12;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t14 = sqrt(t13);
       const T t15 = t14 + eps;
       const T t16 = t9 / t15;
@@ -921,7 +921,7 @@ __device__ __forceinline__ void qhadamw_vec_f6(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -929,18 +929,18 @@ __device__ __forceinline__ void qhadamw_vec_f6(T* __restrict__ p, const T* __res
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = g_r[k] * c_g;
     const T t9 = t7 + t8;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t11 = g_r[k] * c_gg;
     const T t12 = t11 * g_r[k];
     const T t13 = t10 + t12;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t14 = sqrt(t13);
     const T t15 = t14 + eps;
     const T t16 = t9 / t15;
@@ -1015,9 +1015,9 @@ __device__ __forceinline__ void qhadamw_group_f7(T* __restrict__ p, const T* __r
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/qhadamw.py"
-      const T t0 = p_r[k] * decay;
 #line 68 "flatopt/qhadamw.py"
+      const T t0 = p_r[k] * decay;
+#line 69 "flatopt/qhadamw.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -1025,18 +1025,18 @@ __device__ __forceinline__ void qhadamw_group_f7(T* __restrict__ p, const T* __r
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t8 = t3 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t9 = g_r[k] * c_g;
       const T t10 = t8 + t9;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t11 = t7 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t12 = g_r[k] * c_gg;
       const T t13 = t12 * g_r[k];
       const T t14 = t11 + t13;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t15 = sqrt(t14);
       const T t16 = t15 + eps;
       const T t17 = t10 / t16;
@@ -1060,9 +1060,9 @@ __device__ __forceinline__ void qhadamw_vec_f7(T* __restrict__ p, const T* __res
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/qhadamw.py"
-    const T t0 = p_r[k] * decay;
 #line 68 "flatopt/qhadamw.py"
+    const T t0 = p_r[k] * decay;
+#line 69 "flatopt/qhadamw.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -1070,18 +1070,18 @@ __device__ __forceinline__ void qhadamw_vec_f7(T* __restrict__ p, const T* __res
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t8 = t3 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t9 = g_r[k] * c_g;
     const T t10 = t8 + t9;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t11 = t7 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t12 = g_r[k] * c_gg;
     const T t13 = t12 * g_r[k];
     const T t14 = t11 + t13;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t15 = sqrt(t14);
     const T t16 = t15 + eps;
     const T t17 = t10 / t16;
@@ -1149,7 +1149,7 @@ __device__ __forceinline__ void qhadamw_f8_reduce_block(const T* __restrict__ g,
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1157,11 +1157,11 @@ __device__ __forceinline__ void qhadamw_f8_reduce_block(const T* __restrict__ g,
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
@@ -1208,7 +1208,7 @@ __device__ __forceinline__ void qhadamw_f8_fold_one(const T* __restrict__ parts,
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1248,11 +1248,11 @@ __device__ __forceinline__ void qhadamw_group_f8_map(T* __restrict__ p, const T*
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t0 = m_r[k] * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t1 = v_r[k] * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
       const T t4 = t0 / t3;
@@ -1279,11 +1279,11 @@ __device__ __forceinline__ void qhadamw_vec_f8_map(T* __restrict__ p, const T* _
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t0 = m_r[k] * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t1 = v_r[k] * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t2 = sqrt(t1);
     const T t3 = t2 + eps;
     const T t4 = t0 / t3;
@@ -1353,7 +1353,7 @@ __device__ __forceinline__ void qhadamw_f9_reduce_block(const T* __restrict__ g,
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1361,11 +1361,11 @@ __device__ __forceinline__ void qhadamw_f9_reduce_block(const T* __restrict__ g,
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
@@ -1412,7 +1412,7 @@ __device__ __forceinline__ void qhadamw_f9_fold_one(const T* __restrict__ parts,
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1452,13 +1452,13 @@ __device__ __forceinline__ void qhadamw_group_f9_map(T* __restrict__ p, const T*
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t1 = m_r[k] * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t2 = v_r[k] * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t3 = sqrt(t2);
       const T t4 = t3 + eps;
       const T t5 = t1 / t4;
@@ -1485,13 +1485,13 @@ __device__ __forceinline__ void qhadamw_vec_f9_map(T* __restrict__ p, const T* _
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t1 = m_r[k] * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t2 = v_r[k] * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t3 = sqrt(t2);
     const T t4 = t3 + eps;
     const T t5 = t1 / t4;
@@ -1562,7 +1562,7 @@ __device__ __forceinline__ void qhadamw_f10_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1570,14 +1570,14 @@ __device__ __forceinline__ void qhadamw_f10_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = g_i * c_g;
     const T t9 = t7 + t8;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 + eps;
     const T t13 = t9 / t12;
@@ -1624,7 +1624,7 @@ __device__ __forceinline__ void qhadamw_f10_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1664,14 +1664,14 @@ __device__ __forceinline__ void qhadamw_group_f10_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t0 = m_r[k] * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t1 = g_r[k] * c_g;
       const T t2 = t0 + t1;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t3 = v_r[k] * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t4 = sqrt(t3);
       const T t5 = t4 + eps;
       const T t6 = t2 / t5;
@@ -1698,14 +1698,14 @@ __device__ __forceinline__ void qhadamw_vec_f10_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t0 = m_r[k] * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t1 = g_r[k] * c_g;
     const T t2 = t0 + t1;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t3 = v_r[k] * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t4 = sqrt(t3);
     const T t5 = t4 + eps;
     const T t6 = t2 / t5;
@@ -1775,7 +1775,7 @@ __device__ __forceinline__ void qhadamw_f11_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1783,14 +1783,14 @@ __device__ __forceinline__ void qhadamw_f11_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = g_i * c_g;
     const T t9 = t7 + t8;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 + eps;
     const T t13 = t9 / t12;
@@ -1837,7 +1837,7 @@ __device__ __forceinline__ void qhadamw_f11_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1877,16 +1877,16 @@ __device__ __forceinline__ void qhadamw_group_f11_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t1 = m_r[k] * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t2 = g_r[k] * c_g;
       const T t3 = t1 + t2;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t4 = v_r[k] * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = t3 / t6;
@@ -1913,16 +1913,16 @@ __device__ __forceinline__ void qhadamw_vec_f11_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t1 = m_r[k] * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t2 = g_r[k] * c_g;
     const T t3 = t1 + t2;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t4 = v_r[k] * c_v;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = t3 / t6;
@@ -1993,7 +1993,7 @@ __device__ __forceinline__ void qhadamw_f12_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -2001,15 +2001,15 @@ __device__ __forceinline__ void qhadamw_f12_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t9 = g_i * c_gg;
     const T t10 = t9 * g_i;
     const T t11 = t8 + t10;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t7 / t13;
@@ -2056,7 +2056,7 @@ __device__ __forceinline__ void qhadamw_f12_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2096,15 +2096,15 @@ __device__ __forceinline__ void qhadamw_group_f12_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t0 = m_r[k] * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t1 = v_r[k] * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t2 = g_r[k] * c_gg;
       const T t3 = t2 * g_r[k];
       const T t4 = t1 + t3;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = t0 / t6;
@@ -2131,15 +2131,15 @@ __device__ __forceinline__ void qhadamw_vec_f12_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t0 = m_r[k] * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t1 = v_r[k] * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t2 = g_r[k] * c_gg;
     const T t3 = t2 * g_r[k];
     const T t4 = t1 + t3;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = t0 / t6;
@@ -2209,7 +2209,7 @@ __device__ __forceinline__ void qhadamw_f13_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -2217,15 +2217,15 @@ __device__ __forceinline__ void qhadamw_f13_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t8 = t6 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t9 = g_i * c_gg;
     const T t10 = t9 * g_i;
     const T t11 = t8 + t10;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t12 = sqrt(t11);
     const T t13 = t12 + eps;
     const T t14 = t7 / t13;
@@ -2272,7 +2272,7 @@ __device__ __forceinline__ void qhadamw_f13_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2312,17 +2312,17 @@ __device__ __forceinline__ void qhadamw_group_f13_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t1 = m_r[k] * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t2 = v_r[k] * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t3 = g_r[k] * c_gg;
       const T t4 = t3 * g_r[k];
       const T t5 = t2 + t4;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t6 = sqrt(t5);
       const T t7 = t6 + eps;
       const T t8 = t1 / t7;
@@ -2349,17 +2349,17 @@ __device__ __forceinline__ void qhadamw_vec_f13_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t1 = m_r[k] * c_m;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t2 = v_r[k] * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t3 = g_r[k] * c_gg;
     const T t4 = t3 * g_r[k];
     const T t5 = t2 + t4;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t6 = sqrt(t5);
     const T t7 = t6 + eps;
     const T t8 = t1 / t7;
@@ -2430,7 +2430,7 @@ __device__ __forceinline__ void qhadamw_f14_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -2438,18 +2438,18 @@ __device__ __forceinline__ void qhadamw_f14_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = g_i * c_g;
     const T t9 = t7 + t8;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t11 = g_i * c_gg;
     const T t12 = t11 * g_i;
     const T t13 = t10 + t12;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t14 = sqrt(t13);
     const T t15 = t14 + eps;
     const T t16 = t9 / t15;
@@ -2496,7 +2496,7 @@ __device__ __forceinline__ void qhadamw_f14_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2536,18 +2536,18 @@ __device__ __forceinline__ void qhadamw_group_f14_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t0 = m_r[k] * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t1 = g_r[k] * c_g;
       const T t2 = t0 + t1;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t3 = v_r[k] * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t4 = g_r[k] * c_gg;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 + eps;
       const T t9 = t2 / t8;
@@ -2574,18 +2574,18 @@ __device__ __forceinline__ void qhadamw_vec_f14_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t0 = m_r[k] * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t1 = g_r[k] * c_g;
     const T t2 = t0 + t1;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t3 = v_r[k] * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t4 = g_r[k] * c_gg;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -2655,7 +2655,7 @@ __device__ __forceinline__ void qhadamw_f15_reduce_block(const T* __restrict__ g
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 68 "flatopt/qhadamw.py"
+#line 69 "flatopt/qhadamw.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -2663,18 +2663,18 @@ __device__ __forceinline__ void qhadamw_f15_reduce_block(const T* __restrict__ g
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t7 = t2 * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t8 = g_i * c_g;
     const T t9 = t7 + t8;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t10 = t6 * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t11 = g_i * c_gg;
     const T t12 = t11 * g_i;
     const T t13 = t10 + t12;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t14 = sqrt(t13);
     const T t15 = t14 + eps;
     const T t16 = t9 / t15;
@@ -2721,7 +2721,7 @@ __device__ __forceinline__ void qhadamw_f15_fold_one(const T* __restrict__ parts
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2761,20 +2761,20 @@ __device__ __forceinline__ void qhadamw_group_f15_map(T* __restrict__ p, const T
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 67 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
       const T t0 = p_r[k] * decay;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
       const T t1 = m_r[k] * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
       const T t2 = g_r[k] * c_g;
       const T t3 = t1 + t2;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
       const T t4 = v_r[k] * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
       const T t5 = g_r[k] * c_gg;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 + eps;
       const T t10 = t3 / t9;
@@ -2801,20 +2801,20 @@ __device__ __forceinline__ void qhadamw_vec_f15_map(T* __restrict__ p, const T* 
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 67 "flatopt/qhadamw.py"
+#line 68 "flatopt/qhadamw.py"
     const T t0 = p_r[k] * decay;
-#line 69 "flatopt/qhadamw.py"
+#line 70 "flatopt/qhadamw.py"
     const T t1 = m_r[k] * c_m;
-#line 71 "flatopt/qhadamw.py"
+#line 72 "flatopt/qhadamw.py"
     const T t2 = g_r[k] * c_g;
     const T t3 = t1 + t2;
-#line 72 "flatopt/qhadamw.py"
+#line 73 "flatopt/qhadamw.py"
     const T t4 = v_r[k] * c_v;
-#line 74 "flatopt/qhadamw.py"
+#line 75 "flatopt/qhadamw.py"
     const T t5 = g_r[k] * c_gg;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 75 "flatopt/qhadamw.py"
+#line 76 "flatopt/qhadamw.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 + eps;
     const T t10 = t3 / t9;

@@ -97,7 +97,7 @@ __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -105,7 +105,7 @@ __device__ __forceinline__ void radam_group_f0(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
       const T t7 = t2 * factor;
       const T t8 = p_r[k] + t7;
 #line 112 "flatopt/kernels/generated/radam.cu"
@@ -126,7 +126,7 @@ __device__ __forceinline__ void radam_vec_f0(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -134,7 +134,7 @@ __device__ __forceinline__ void radam_vec_f0(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t7 = t2 * factor;
     const T t8 = p_r[k] + t7;
 #line 141 "flatopt/kernels/generated/radam.cu"
@@ -206,10 +206,10 @@ __device__ __forceinline__ void radam_group_f1(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -217,7 +217,7 @@ __device__ __forceinline__ void radam_group_f1(T* __restrict__ p, const T* __res
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
       const T t9 = t4 * factor;
       const T t10 = p_r[k] + t9;
 #line 224 "flatopt/kernels/generated/radam.cu"
@@ -238,10 +238,10 @@ __device__ __forceinline__ void radam_vec_f1(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -249,7 +249,7 @@ __device__ __forceinline__ void radam_vec_f1(T* __restrict__ p, const T* __restr
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t9 = t4 * factor;
     const T t10 = p_r[k] + t9;
 #line 256 "flatopt/kernels/generated/radam.cu"
@@ -321,9 +321,9 @@ __device__ __forceinline__ void radam_group_f3(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 87 "flatopt/radam.py"
+#line 88 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -331,7 +331,7 @@ __device__ __forceinline__ void radam_group_f3(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
       const T t8 = t3 * factor;
       const T t9 = t0 + t8;
 #line 338 "flatopt/kernels/generated/radam.cu"
@@ -352,9 +352,9 @@ __device__ __forceinline__ void radam_vec_f3(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 87 "flatopt/radam.py"
+#line 88 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -362,7 +362,7 @@ __device__ __forceinline__ void radam_vec_f3(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t8 = t3 * factor;
     const T t9 = t0 + t8;
 #line 369 "flatopt/kernels/generated/radam.cu"
@@ -435,7 +435,7 @@ __device__ __forceinline__ void radam_group_f4(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t0 = g_r[k] - m_r[k];
       const T t1 = t0 * omb1;
       const T t2 = m_r[k] + t1;
@@ -443,7 +443,7 @@ __device__ __forceinline__ void radam_group_f4(T* __restrict__ p, const T* __res
       const T t4 = g_r[k] * omb2;
       const T t5 = t4 * g_r[k];
       const T t6 = t3 + t5;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
       const T t7 = sqrt(t6);
       const T t8 = t7 + eps;
       const T t9 = t2 / t8;
@@ -467,7 +467,7 @@ __device__ __forceinline__ void radam_vec_f4(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t0 = g_r[k] - m_r[k];
     const T t1 = t0 * omb1;
     const T t2 = m_r[k] + t1;
@@ -475,7 +475,7 @@ __device__ __forceinline__ void radam_vec_f4(T* __restrict__ p, const T* __restr
     const T t4 = g_r[k] * omb2;
     const T t5 = t4 * g_r[k];
     const T t6 = t3 + t5;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -550,10 +550,10 @@ __device__ __forceinline__ void radam_group_f5(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t2 = t1 - m_r[k];
       const T t3 = t2 * omb1;
       const T t4 = m_r[k] + t3;
@@ -561,7 +561,7 @@ __device__ __forceinline__ void radam_group_f5(T* __restrict__ p, const T* __res
       const T t6 = t1 * omb2;
       const T t7 = t6 * t1;
       const T t8 = t5 + t7;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
       const T t9 = sqrt(t8);
       const T t10 = t9 + eps;
       const T t11 = t4 / t10;
@@ -585,10 +585,10 @@ __device__ __forceinline__ void radam_vec_f5(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t2 = t1 - m_r[k];
     const T t3 = t2 * omb1;
     const T t4 = m_r[k] + t3;
@@ -596,7 +596,7 @@ __device__ __forceinline__ void radam_vec_f5(T* __restrict__ p, const T* __restr
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t4 / t10;
@@ -671,9 +671,9 @@ __device__ __forceinline__ void radam_group_f7(T* __restrict__ p, const T* __res
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 87 "flatopt/radam.py"
+#line 88 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t1 = g_r[k] - m_r[k];
       const T t2 = t1 * omb1;
       const T t3 = m_r[k] + t2;
@@ -681,7 +681,7 @@ __device__ __forceinline__ void radam_group_f7(T* __restrict__ p, const T* __res
       const T t5 = g_r[k] * omb2;
       const T t6 = t5 * g_r[k];
       const T t7 = t4 + t6;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
       const T t8 = sqrt(t7);
       const T t9 = t8 + eps;
       const T t10 = t3 / t9;
@@ -705,9 +705,9 @@ __device__ __forceinline__ void radam_vec_f7(T* __restrict__ p, const T* __restr
   T p_w[4], m_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 87 "flatopt/radam.py"
+#line 88 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t1 = g_r[k] - m_r[k];
     const T t2 = t1 * omb1;
     const T t3 = m_r[k] + t2;
@@ -715,7 +715,7 @@ __device__ __forceinline__ void radam_vec_f7(T* __restrict__ p, const T* __restr
     const T t5 = g_r[k] * omb2;
     const T t6 = t5 * g_r[k];
     const T t7 = t4 + t6;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t8 = sqrt(t7);
     const T t9 = t8 + eps;
     const T t10 = t3 / t9;
@@ -782,11 +782,11 @@ __device__ __forceinline__ void radam_f8_reduce_block(const T* __restrict__ g, T
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T m_i = m[i];
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
@@ -828,7 +828,7 @@ __device__ __forceinline__ void radam_f8_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -868,12 +868,12 @@ __device__ __forceinline__ void radam_group_f8_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
       const T t4 = m_r[k] * g_r[k];
       const int t5 = t4 > ((T)0x0.0p+0);
       const T t6 = (T)t5;
@@ -898,12 +898,12 @@ __device__ __forceinline__ void radam_vec_f8_map(T* __restrict__ p, const T* __r
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t4 = m_r[k] * g_r[k];
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -972,14 +972,14 @@ __device__ __forceinline__ void radam_f9_reduce_block(const T* __restrict__ p, c
     const T p_i = p[i];
     const T g_i = g[i];
     const T m_i = m[i];
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = p_i * wd;
     const T t1 = g_i + t0;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t2 = t1 - m_i;
     const T t3 = t2 * omb1;
     const T t4 = m_i + t3;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t5 = t4 * t1;
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -1022,7 +1022,7 @@ __device__ __forceinline__ void radam_f9_fold_one(const T* __restrict__ parts, c
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1062,15 +1062,15 @@ __device__ __forceinline__ void radam_group_f9_map(T* __restrict__ p, const T* _
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t2 = v_r[k] * b2;
       const T t3 = t1 * omb2;
       const T t4 = t3 * t1;
       const T t5 = t2 + t4;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
       const T t6 = m_r[k] * t1;
       const int t7 = t6 > ((T)0x0.0p+0);
       const T t8 = (T)t7;
@@ -1095,15 +1095,15 @@ __device__ __forceinline__ void radam_vec_f9_map(T* __restrict__ p, const T* __r
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t2 = v_r[k] * b2;
     const T t3 = t1 * omb2;
     const T t4 = t3 * t1;
     const T t5 = t2 + t4;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t6 = m_r[k] * t1;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
@@ -1171,11 +1171,11 @@ __device__ __forceinline__ void radam_f11_reduce_block(const T* __restrict__ g, 
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T m_i = m[i];
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
@@ -1217,7 +1217,7 @@ __device__ __forceinline__ void radam_f11_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1257,14 +1257,14 @@ __device__ __forceinline__ void radam_group_f11_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 87 "flatopt/radam.py"
+#line 88 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
       const T t1 = v_r[k] * b2;
       const T t2 = g_r[k] * omb2;
       const T t3 = t2 * g_r[k];
       const T t4 = t1 + t3;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
       const T t5 = m_r[k] * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
       const T t7 = (T)t6;
@@ -1289,14 +1289,14 @@ __device__ __forceinline__ void radam_vec_f11_map(T* __restrict__ p, const T* __
   T p_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 87 "flatopt/radam.py"
+#line 88 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t1 = v_r[k] * b2;
     const T t2 = g_r[k] * omb2;
     const T t3 = t2 * g_r[k];
     const T t4 = t1 + t3;
-#line 94 "flatopt/radam.py"
+#line 95 "flatopt/radam.py"
     const T t5 = m_r[k] * g_r[k];
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -1366,7 +1366,7 @@ __device__ __forceinline__ void radam_f12_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1374,7 +1374,7 @@ __device__ __forceinline__ void radam_f12_reduce_block(const T* __restrict__ g, 
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -1421,7 +1421,7 @@ __device__ __forceinline__ void radam_f12_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1461,7 +1461,7 @@ __device__ __forceinline__ void radam_group_f12_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
       const T t0 = sqrt(v_r[k]);
       const T t1 = t0 + eps;
       const T t2 = m_r[k] / t1;
@@ -1488,7 +1488,7 @@ __device__ __forceinline__ void radam_vec_f12_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t0 = sqrt(v_r[k]);
     const T t1 = t0 + eps;
     const T t2 = m_r[k] / t1;
@@ -1559,10 +1559,10 @@ __device__ __forceinline__ void radam_f13_reduce_block(const T* __restrict__ p, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = p_i * wd;
     const T t1 = g_i + t0;
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t2 = t1 - m_i;
     const T t3 = t2 * omb1;
     const T t4 = m_i + t3;
@@ -1570,7 +1570,7 @@ __device__ __forceinline__ void radam_f13_reduce_block(const T* __restrict__ p, 
     const T t6 = t1 * omb2;
     const T t7 = t6 * t1;
     const T t8 = t5 + t7;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t4 / t10;
@@ -1618,7 +1618,7 @@ __device__ __forceinline__ void radam_f13_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1658,10 +1658,10 @@ __device__ __forceinline__ void radam_group_f13_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
       const T t0 = p_r[k] * wd;
       const T t1 = g_r[k] + t0;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
       const T t2 = sqrt(v_r[k]);
       const T t3 = t2 + eps;
       const T t4 = m_r[k] / t3;
@@ -1688,10 +1688,10 @@ __device__ __forceinline__ void radam_vec_f13_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/radam.py"
+#line 90 "flatopt/radam.py"
     const T t0 = p_r[k] * wd;
     const T t1 = g_r[k] + t0;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t2 = sqrt(v_r[k]);
     const T t3 = t2 + eps;
     const T t4 = m_r[k] / t3;
@@ -1761,7 +1761,7 @@ __device__ __forceinline__ void radam_f15_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 90 "flatopt/radam.py"
+#line 91 "flatopt/radam.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
@@ -1769,7 +1769,7 @@ __device__ __forceinline__ void radam_f15_reduce_block(const T* __restrict__ g, 
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t7 = sqrt(t6);
     const T t8 = t7 + eps;
     const T t9 = t2 / t8;
@@ -1816,7 +1816,7 @@ __device__ __forceinline__ void radam_f15_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1856,9 +1856,9 @@ __device__ __forceinline__ void radam_group_f15_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 87 "flatopt/radam.py"
+#line 88 "flatopt/radam.py"
       const T t0 = p_r[k] * decay;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
       const T t1 = sqrt(v_r[k]);
       const T t2 = t1 + eps;
       const T t3 = m_r[k] / t2;
@@ -1885,9 +1885,9 @@ __device__ __forceinline__ void radam_vec_f15_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 87 "flatopt/radam.py"
+#line 88 "flatopt/radam.py"
     const T t0 = p_r[k] * decay;
-#line 92 "flatopt/radam.py"
+#line 93 "flatopt/radam.py"
     const T t1 = sqrt(v_r[k]);
     const T t2 = t1 + eps;
     const T t3 = m_r[k] / t2;

@@ -97,24 +97,24 @@ __device__ __forceinline__ void schedulefree_adamw_group_f0(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t8 = z_r[k] - p_r[k];
       const T t9 = t8 * ckp1;
       const T t10 = p_r[k] + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t11 = t7 * y_step;
       const T t12 = t10 + t11;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t13 = t7 * z_step;
       const T t14 = z_r[k] - t13;
 #line 121 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -135,24 +135,24 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f0(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t8 = z_r[k] - p_r[k];
     const T t9 = t8 * ckp1;
     const T t10 = p_r[k] + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t11 = t7 * y_step;
     const T t12 = t10 + t11;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t13 = t7 * z_step;
     const T t14 = z_r[k] - t13;
 #line 159 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -225,27 +225,27 @@ __device__ __forceinline__ void schedulefree_adamw_group_f1(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
       const T t8 = p_r[k] * decay;
       const T t9 = t7 + t8;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t10 = z_r[k] - p_r[k];
       const T t11 = t10 * ckp1;
       const T t12 = p_r[k] + t11;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t13 = t9 * y_step;
       const T t14 = t12 + t13;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t15 = t9 * z_step;
       const T t16 = z_r[k] - t15;
 #line 252 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -266,27 +266,27 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f1(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
     const T t8 = p_r[k] * decay;
     const T t9 = t7 + t8;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t10 = z_r[k] - p_r[k];
     const T t11 = t10 * ckp1;
     const T t12 = p_r[k] + t11;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t13 = t9 * y_step;
     const T t14 = t12 + t13;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t15 = t9 * z_step;
     const T t16 = z_r[k] - t15;
 #line 293 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -358,24 +358,24 @@ __device__ __forceinline__ void schedulefree_adamw_group_f2(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t8 = p_r[k] - p_r[k];
       const T t9 = t8 * ckp1;
       const T t10 = p_r[k] + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t11 = t7 * y_step;
       const T t12 = t10 + t11;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t13 = t7 * z_step;
       const T t14 = p_r[k] - t13;
 #line 382 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -395,24 +395,24 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f2(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t8 = p_r[k] - p_r[k];
     const T t9 = t8 * ckp1;
     const T t10 = p_r[k] + t9;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t11 = t7 * y_step;
     const T t12 = t10 + t11;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t13 = t7 * z_step;
     const T t14 = p_r[k] - t13;
 #line 419 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -484,27 +484,27 @@ __device__ __forceinline__ void schedulefree_adamw_group_f3(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
       const T t8 = p_r[k] * decay;
       const T t9 = t7 + t8;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t10 = p_r[k] - p_r[k];
       const T t11 = t10 * ckp1;
       const T t12 = p_r[k] + t11;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t13 = t9 * y_step;
       const T t14 = t12 + t13;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t15 = t9 * z_step;
       const T t16 = p_r[k] - t15;
 #line 511 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -524,27 +524,27 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f3(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
     const T t8 = p_r[k] * decay;
     const T t9 = t7 + t8;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t10 = p_r[k] - p_r[k];
     const T t11 = t10 * ckp1;
     const T t12 = p_r[k] + t11;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t13 = t9 * y_step;
     const T t14 = t12 + t13;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t15 = t9 * z_step;
     const T t16 = p_r[k] - t15;
 #line 551 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -617,25 +617,25 @@ __device__ __forceinline__ void schedulefree_adamw_group_f4(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t8 = z_r[k] - p_r[k];
       const T t9 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t10 = t8 * t9;
       const T t11 = z_r[k] - t10;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t12 = t7 * y_step;
       const T t13 = t11 + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t14 = t7 * z_step;
       const T t15 = z_r[k] - t14;
 #line 642 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -656,25 +656,25 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f4(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t8 = z_r[k] - p_r[k];
     const T t9 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t10 = t8 * t9;
     const T t11 = z_r[k] - t10;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t12 = t7 * y_step;
     const T t13 = t11 + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t14 = t7 * z_step;
     const T t15 = z_r[k] - t14;
 #line 681 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -747,28 +747,28 @@ __device__ __forceinline__ void schedulefree_adamw_group_f5(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
       const T t8 = p_r[k] * decay;
       const T t9 = t7 + t8;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t10 = z_r[k] - p_r[k];
       const T t11 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t12 = t10 * t11;
       const T t13 = z_r[k] - t12;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t14 = t9 * y_step;
       const T t15 = t13 + t14;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t16 = t9 * z_step;
       const T t17 = z_r[k] - t16;
 #line 775 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -789,28 +789,28 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f5(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
     const T t8 = p_r[k] * decay;
     const T t9 = t7 + t8;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t10 = z_r[k] - p_r[k];
     const T t11 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t12 = t10 * t11;
     const T t13 = z_r[k] - t12;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t14 = t9 * y_step;
     const T t15 = t13 + t14;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t16 = t9 * z_step;
     const T t17 = z_r[k] - t16;
 #line 817 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -882,25 +882,25 @@ __device__ __forceinline__ void schedulefree_adamw_group_f6(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t8 = p_r[k] - p_r[k];
       const T t9 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t10 = t8 * t9;
       const T t11 = p_r[k] - t10;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t12 = t7 * y_step;
       const T t13 = t11 + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t14 = t7 * z_step;
       const T t15 = p_r[k] - t14;
 #line 907 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -920,25 +920,25 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f6(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t8 = p_r[k] - p_r[k];
     const T t9 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t10 = t8 * t9;
     const T t11 = p_r[k] - t10;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t12 = t7 * y_step;
     const T t13 = t11 + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t14 = t7 * z_step;
     const T t15 = p_r[k] - t14;
 #line 945 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1010,28 +1010,28 @@ __device__ __forceinline__ void schedulefree_adamw_group_f7(T* __restrict__ p, c
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
       const T t0 = v_r[k] * b2;
       const T t1 = g_r[k] * omb2;
       const T t2 = t1 * g_r[k];
       const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t4 = t3 / bc2;
       const T t5 = sqrt(t4);
       const T t6 = t5 + eps;
       const T t7 = g_r[k] / t6;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
       const T t8 = p_r[k] * decay;
       const T t9 = t7 + t8;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t10 = p_r[k] - p_r[k];
       const T t11 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t12 = t10 * t11;
       const T t13 = p_r[k] - t12;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t14 = t9 * y_step;
       const T t15 = t13 + t14;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t16 = t9 * z_step;
       const T t17 = p_r[k] - t16;
 #line 1038 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1051,28 +1051,28 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f7(T* __restrict__ p, con
   T p_w[4], z_w[4], v_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_r[k] * b2;
     const T t1 = g_r[k] * omb2;
     const T t2 = t1 * g_r[k];
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
     const T t7 = g_r[k] / t6;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
     const T t8 = p_r[k] * decay;
     const T t9 = t7 + t8;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t10 = p_r[k] - p_r[k];
     const T t11 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t12 = t10 * t11;
     const T t13 = p_r[k] - t12;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t14 = t9 * y_step;
     const T t15 = t13 + t14;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t16 = t9 * z_step;
     const T t17 = p_r[k] - t16;
 #line 1079 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1136,12 +1136,12 @@ __device__ __forceinline__ void schedulefree_adamw_f8_reduce_block(const T* __re
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -1187,7 +1187,7 @@ __device__ __forceinline__ void schedulefree_adamw_f8_fold_one(const T* __restri
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1227,7 +1227,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f8_map(T* __restrict__ 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -1237,14 +1237,14 @@ __device__ __forceinline__ void schedulefree_adamw_group_f8_map(T* __restrict__ 
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t9 = z_r[k] - p_r[k];
       const T t10 = t9 * ckp1;
       const T t11 = p_r[k] + t10;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t12 = t8 * y_step;
       const T t13 = t11 + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t14 = t8 * z_step;
       const T t15 = z_r[k] - t14;
 #line 1251 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1264,7 +1264,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f8_map(T* __restrict__ p,
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -1274,14 +1274,14 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f8_map(T* __restrict__ p,
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t9 = z_r[k] - p_r[k];
     const T t10 = t9 * ckp1;
     const T t11 = p_r[k] + t10;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t12 = t8 * y_step;
     const T t13 = t11 + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t14 = t8 * z_step;
     const T t15 = z_r[k] - t14;
 #line 1288 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1345,12 +1345,12 @@ __device__ __forceinline__ void schedulefree_adamw_f9_reduce_block(const T* __re
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -1396,7 +1396,7 @@ __device__ __forceinline__ void schedulefree_adamw_f9_fold_one(const T* __restri
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1436,7 +1436,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f9_map(T* __restrict__ 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -1446,17 +1446,17 @@ __device__ __forceinline__ void schedulefree_adamw_group_f9_map(T* __restrict__ 
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
       const T t9 = p_r[k] * decay;
       const T t10 = t8 + t9;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t11 = z_r[k] - p_r[k];
       const T t12 = t11 * ckp1;
       const T t13 = p_r[k] + t12;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t14 = t10 * y_step;
       const T t15 = t13 + t14;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t16 = t10 * z_step;
       const T t17 = z_r[k] - t16;
 #line 1463 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1476,7 +1476,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f9_map(T* __restrict__ p,
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -1486,17 +1486,17 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f9_map(T* __restrict__ p,
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
     const T t9 = p_r[k] * decay;
     const T t10 = t8 + t9;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t11 = z_r[k] - p_r[k];
     const T t12 = t11 * ckp1;
     const T t13 = p_r[k] + t12;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t14 = t10 * y_step;
     const T t15 = t13 + t14;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t16 = t10 * z_step;
     const T t17 = z_r[k] - t16;
 #line 1503 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1560,12 +1560,12 @@ __device__ __forceinline__ void schedulefree_adamw_f10_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -1611,7 +1611,7 @@ __device__ __forceinline__ void schedulefree_adamw_f10_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1650,7 +1650,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f10_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -1660,14 +1660,14 @@ __device__ __forceinline__ void schedulefree_adamw_group_f10_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t9 = p_r[k] - p_r[k];
       const T t10 = t9 * ckp1;
       const T t11 = p_r[k] + t10;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t12 = t8 * y_step;
       const T t13 = t11 + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t14 = t8 * z_step;
       const T t15 = p_r[k] - t14;
 #line 1674 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1686,7 +1686,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f10_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -1696,14 +1696,14 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f10_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t9 = p_r[k] - p_r[k];
     const T t10 = t9 * ckp1;
     const T t11 = p_r[k] + t10;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t12 = t8 * y_step;
     const T t13 = t11 + t12;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t14 = t8 * z_step;
     const T t15 = p_r[k] - t14;
 #line 1710 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1767,12 +1767,12 @@ __device__ __forceinline__ void schedulefree_adamw_f11_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -1818,7 +1818,7 @@ __device__ __forceinline__ void schedulefree_adamw_f11_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1857,7 +1857,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f11_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -1867,17 +1867,17 @@ __device__ __forceinline__ void schedulefree_adamw_group_f11_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
       const T t9 = p_r[k] * decay;
       const T t10 = t8 + t9;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t11 = p_r[k] - p_r[k];
       const T t12 = t11 * ckp1;
       const T t13 = p_r[k] + t12;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t14 = t10 * y_step;
       const T t15 = t13 + t14;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t16 = t10 * z_step;
       const T t17 = p_r[k] - t16;
 #line 1884 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1896,7 +1896,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f11_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -1906,17 +1906,17 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f11_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
     const T t9 = p_r[k] * decay;
     const T t10 = t8 + t9;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t11 = p_r[k] - p_r[k];
     const T t12 = t11 * ckp1;
     const T t13 = p_r[k] + t12;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t14 = t10 * y_step;
     const T t15 = t13 + t14;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t16 = t10 * z_step;
     const T t17 = p_r[k] - t16;
 #line 1923 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -1980,12 +1980,12 @@ __device__ __forceinline__ void schedulefree_adamw_f12_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -2031,7 +2031,7 @@ __device__ __forceinline__ void schedulefree_adamw_f12_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2071,7 +2071,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f12_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -2081,15 +2081,15 @@ __device__ __forceinline__ void schedulefree_adamw_group_f12_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t9 = z_r[k] - p_r[k];
       const T t10 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t11 = t9 * t10;
       const T t12 = z_r[k] - t11;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t13 = t8 * y_step;
       const T t14 = t12 + t13;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t15 = t8 * z_step;
       const T t16 = z_r[k] - t15;
 #line 2096 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2109,7 +2109,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f12_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -2119,15 +2119,15 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f12_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t9 = z_r[k] - p_r[k];
     const T t10 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t11 = t9 * t10;
     const T t12 = z_r[k] - t11;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t13 = t8 * y_step;
     const T t14 = t12 + t13;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t15 = t8 * z_step;
     const T t16 = z_r[k] - t15;
 #line 2134 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2191,12 +2191,12 @@ __device__ __forceinline__ void schedulefree_adamw_f13_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -2242,7 +2242,7 @@ __device__ __forceinline__ void schedulefree_adamw_f13_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2282,7 +2282,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f13_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -2292,18 +2292,18 @@ __device__ __forceinline__ void schedulefree_adamw_group_f13_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
       const T t9 = p_r[k] * decay;
       const T t10 = t8 + t9;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t11 = z_r[k] - p_r[k];
       const T t12 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t13 = t11 * t12;
       const T t14 = z_r[k] - t13;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t15 = t10 * y_step;
       const T t16 = t14 + t15;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t17 = t10 * z_step;
       const T t18 = z_r[k] - t17;
 #line 2310 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2323,7 +2323,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f13_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -2333,18 +2333,18 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f13_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
     const T t9 = p_r[k] * decay;
     const T t10 = t8 + t9;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t11 = z_r[k] - p_r[k];
     const T t12 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t13 = t11 * t12;
     const T t14 = z_r[k] - t13;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t15 = t10 * y_step;
     const T t16 = t14 + t15;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t17 = t10 * z_step;
     const T t18 = z_r[k] - t17;
 #line 2351 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2408,12 +2408,12 @@ __device__ __forceinline__ void schedulefree_adamw_f14_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -2459,7 +2459,7 @@ __device__ __forceinline__ void schedulefree_adamw_f14_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2498,7 +2498,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f14_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -2508,15 +2508,15 @@ __device__ __forceinline__ void schedulefree_adamw_group_f14_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t9 = p_r[k] - p_r[k];
       const T t10 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t11 = t9 * t10;
       const T t12 = p_r[k] - t11;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t13 = t8 * y_step;
       const T t14 = t12 + t13;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t15 = t8 * z_step;
       const T t16 = p_r[k] - t15;
 #line 2523 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2535,7 +2535,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f14_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -2545,15 +2545,15 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f14_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t9 = p_r[k] - p_r[k];
     const T t10 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t11 = t9 * t10;
     const T t12 = p_r[k] - t11;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t13 = t8 * y_step;
     const T t14 = t12 + t13;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t15 = t8 * z_step;
     const T t16 = p_r[k] - t15;
 #line 2560 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2617,12 +2617,12 @@ __device__ __forceinline__ void schedulefree_adamw_f15_reduce_block(const T* __r
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T v_i = v[i];
-#line 137 "flatopt/schedulefree.py"
+#line 145 "flatopt/schedulefree.py"
     const T t0 = v_i * b2;
     const T t1 = g_i * omb2;
     const T t2 = t1 * g_i;
     const T t3 = t0 + t2;
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t4 = t3 / bc2;
     const T t5 = sqrt(t4);
     const T t6 = t5 + eps;
@@ -2668,7 +2668,7 @@ __device__ __forceinline__ void schedulefree_adamw_f15_fold_one(const T* __restr
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2707,7 +2707,7 @@ __device__ __forceinline__ void schedulefree_adamw_group_f15_map(T* __restrict__
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
       const T t0 = v_r[k] / bc2;
       const T t1 = sqrt(t0);
       const T t2 = t1 + eps;
@@ -2717,18 +2717,18 @@ __device__ __forceinline__ void schedulefree_adamw_group_f15_map(T* __restrict__
       const T t6 = (T)t5;
       const T t7 = t6 * fold0;
       const T t8 = t3 * t7;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
       const T t9 = p_r[k] * decay;
       const T t10 = t8 + t9;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
       const T t11 = p_r[k] - p_r[k];
       const T t12 = ((T)0x1.0000000000000p+0) - ckp1;
       const T t13 = t11 * t12;
       const T t14 = p_r[k] - t13;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
       const T t15 = t10 * y_step;
       const T t16 = t14 + t15;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
       const T t17 = t10 * z_step;
       const T t18 = p_r[k] - t17;
 #line 2735 "flatopt/kernels/generated/schedulefree_adamw.cu"
@@ -2747,7 +2747,7 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f15_map(T* __restrict__ p
   T p_w[4], z_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 138 "flatopt/schedulefree.py"
+#line 146 "flatopt/schedulefree.py"
     const T t0 = v_r[k] / bc2;
     const T t1 = sqrt(t0);
     const T t2 = t1 + eps;
@@ -2757,18 +2757,18 @@ __device__ __forceinline__ void schedulefree_adamw_vec_f15_map(T* __restrict__ p
     const T t6 = (T)t5;
     const T t7 = t6 * fold0;
     const T t8 = t3 * t7;
-#line 140 "flatopt/schedulefree.py"
+#line 148 "flatopt/schedulefree.py"
     const T t9 = p_r[k] * decay;
     const T t10 = t8 + t9;
-#line 143 "flatopt/schedulefree.py"
+#line 151 "flatopt/schedulefree.py"
     const T t11 = p_r[k] - p_r[k];
     const T t12 = ((T)0x1.0000000000000p+0) - ckp1;
     const T t13 = t11 * t12;
     const T t14 = p_r[k] - t13;
-#line 144 "flatopt/schedulefree.py"
+#line 152 "flatopt/schedulefree.py"
     const T t15 = t10 * y_step;
     const T t16 = t14 + t15;
-#line 145 "flatopt/schedulefree.py"
+#line 153 "flatopt/schedulefree.py"
     const T t17 = t10 * z_step;
     const T t18 = p_r[k] - t17;
 #line 2775 "flatopt/kernels/generated/schedulefree_adamw.cu"

@@ -43,7 +43,7 @@ __device__ __forceinline__ void schedulefree_to_x_group_f0(T* __restrict__ p, co
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 172 "flatopt/schedulefree.py"
+#line 180 "flatopt/schedulefree.py"
       const T t0 = z_r[k] - p_r[k];
       const T t1 = t0 * w;
       const T t2 = p_r[k] + t1;
@@ -61,7 +61,7 @@ __device__ __forceinline__ void schedulefree_to_x_vec_f0(T* __restrict__ p, cons
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 172 "flatopt/schedulefree.py"
+#line 180 "flatopt/schedulefree.py"
     const T t0 = z_r[k] - p_r[k];
     const T t1 = t0 * w;
     const T t2 = p_r[k] + t1;
@@ -124,7 +124,7 @@ __device__ __forceinline__ void schedulefree_to_x_group_f1(T* __restrict__ p, co
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 172 "flatopt/schedulefree.py"
+#line 180 "flatopt/schedulefree.py"
       const T t0 = z_r[k] - p_r[k];
       const T t1 = ((T)0x1.0000000000000p+0) - w;
       const T t2 = t0 * t1;
@@ -143,7 +143,7 @@ __device__ __forceinline__ void schedulefree_to_x_vec_f1(T* __restrict__ p, cons
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 172 "flatopt/schedulefree.py"
+#line 180 "flatopt/schedulefree.py"
     const T t0 = z_r[k] - p_r[k];
     const T t1 = ((T)0x1.0000000000000p+0) - w;
     const T t2 = t0 * t1;

@@ -95,7 +95,7 @@ __device__ __forceinline__ void sgd_group_f0(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
 #line 102 "flatopt/kernels/generated/sgd.cu"
@@ -112,7 +112,7 @@ __device__ __forceinline__ void sgd_vec_f0(T* __restrict__ p, const T* __restric
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = g_r[k] * neg_lr;
     const T t1 = p_r[k] + t0;
 #line 119 "flatopt/kernels/generated/sgd.cu"
@@ -176,10 +176,10 @@ __device__ __forceinline__ void sgd_group_f1(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 186 "flatopt/kernels/generated/sgd.cu"
@@ -196,10 +196,10 @@ __device__ __forceinline__ void sgd_vec_f1(T* __restrict__ p, const T* __restric
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 206 "flatopt/kernels/generated/sgd.cu"
@@ -264,10 +264,10 @@ __device__ __forceinline__ void sgd_group_f2(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 274 "flatopt/kernels/generated/sgd.cu"
@@ -286,10 +286,10 @@ __device__ __forceinline__ void sgd_vec_f2(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 296 "flatopt/kernels/generated/sgd.cu"
@@ -357,13 +357,13 @@ __device__ __forceinline__ void sgd_group_f3(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t2 + t1;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 370 "flatopt/kernels/generated/sgd.cu"
@@ -382,13 +382,13 @@ __device__ __forceinline__ void sgd_vec_f3(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t2 + t1;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 395 "flatopt/kernels/generated/sgd.cu"
@@ -455,7 +455,7 @@ __device__ __forceinline__ void sgd_group_f6(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t0 = g_r[k] * neg_lr;
       const T t1 = p_r[k] + t0;
 #line 462 "flatopt/kernels/generated/sgd.cu"
@@ -473,7 +473,7 @@ __device__ __forceinline__ void sgd_vec_f6(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = g_r[k] * neg_lr;
     const T t1 = p_r[k] + t0;
 #line 480 "flatopt/kernels/generated/sgd.cu"
@@ -540,10 +540,10 @@ __device__ __forceinline__ void sgd_group_f7(T* __restrict__ p, const T* __restr
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 550 "flatopt/kernels/generated/sgd.cu"
@@ -561,10 +561,10 @@ __device__ __forceinline__ void sgd_vec_f7(T* __restrict__ p, const T* __restric
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 571 "flatopt/kernels/generated/sgd.cu"
@@ -632,11 +632,11 @@ __device__ __forceinline__ void sgd_group_f10(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = g_r[k] * omd;
       const T t2 = t0 + t1;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t3 = t2 * neg_lr;
       const T t4 = p_r[k] + t3;
 #line 643 "flatopt/kernels/generated/sgd.cu"
@@ -655,11 +655,11 @@ __device__ __forceinline__ void sgd_vec_f10(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = g_r[k] * omd;
     const T t2 = t0 + t1;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t3 = t2 * neg_lr;
     const T t4 = p_r[k] + t3;
 #line 666 "flatopt/kernels/generated/sgd.cu"
@@ -727,14 +727,14 @@ __device__ __forceinline__ void sgd_group_f11(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t1 * omd;
       const T t4 = t2 + t3;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t5 = t4 * neg_lr;
       const T t6 = p_r[k] + t5;
 #line 741 "flatopt/kernels/generated/sgd.cu"
@@ -753,14 +753,14 @@ __device__ __forceinline__ void sgd_vec_f11(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t1 * omd;
     const T t4 = t2 + t3;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t5 = t4 * neg_lr;
     const T t6 = p_r[k] + t5;
 #line 767 "flatopt/kernels/generated/sgd.cu"
@@ -828,13 +828,13 @@ __device__ __forceinline__ void sgd_group_f18(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * mom;
       const T t3 = g_r[k] + t2;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 841 "flatopt/kernels/generated/sgd.cu"
@@ -853,13 +853,13 @@ __device__ __forceinline__ void sgd_vec_f18(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = g_r[k] + t2;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 866 "flatopt/kernels/generated/sgd.cu"
@@ -927,16 +927,16 @@ __device__ __forceinline__ void sgd_group_f19(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t2 + t1;
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t4 = t3 * mom;
       const T t5 = t1 + t4;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t6 = t5 * neg_lr;
       const T t7 = p_r[k] + t6;
 #line 943 "flatopt/kernels/generated/sgd.cu"
@@ -955,16 +955,16 @@ __device__ __forceinline__ void sgd_vec_f19(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t2 + t1;
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * mom;
     const T t5 = t1 + t4;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t6 = t5 * neg_lr;
     const T t7 = p_r[k] + t6;
 #line 971 "flatopt/kernels/generated/sgd.cu"
@@ -1031,10 +1031,10 @@ __device__ __forceinline__ void sgd_group_f22(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = g_r[k] * mom;
       const T t1 = g_r[k] + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = t1 * neg_lr;
       const T t3 = p_r[k] + t2;
 #line 1041 "flatopt/kernels/generated/sgd.cu"
@@ -1052,10 +1052,10 @@ __device__ __forceinline__ void sgd_vec_f22(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_r[k] * mom;
     const T t1 = g_r[k] + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * neg_lr;
     const T t3 = p_r[k] + t2;
 #line 1062 "flatopt/kernels/generated/sgd.cu"
@@ -1122,13 +1122,13 @@ __device__ __forceinline__ void sgd_group_f23(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = t1 * mom;
       const T t3 = t1 + t2;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t4 = t3 * neg_lr;
       const T t5 = p_r[k] + t4;
 #line 1135 "flatopt/kernels/generated/sgd.cu"
@@ -1146,13 +1146,13 @@ __device__ __forceinline__ void sgd_vec_f23(T* __restrict__ p, const T* __restri
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = t1 + t2;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t4 = t3 * neg_lr;
     const T t5 = p_r[k] + t4;
 #line 1159 "flatopt/kernels/generated/sgd.cu"
@@ -1211,7 +1211,7 @@ __device__ __forceinline__ void sgd_f32_reduce_block(const T* __restrict__ g, co
   T acc0 = 0, acc1 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = g_i * g_i;
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -1251,7 +1251,7 @@ __device__ __forceinline__ void sgd_f32_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1289,7 +1289,7 @@ __device__ __forceinline__ void sgd_group_f32_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t0 = g_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -1311,7 +1311,7 @@ __device__ __forceinline__ void sgd_vec_f32_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = g_r[k] * g_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -1375,10 +1375,10 @@ __device__ __forceinline__ void sgd_f33_reduce_block(const T* __restrict__ p, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T p_i = p[i];
     const T g_i = g[i];
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -1419,7 +1419,7 @@ __device__ __forceinline__ void sgd_f33_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1457,10 +1457,10 @@ __device__ __forceinline__ void sgd_group_f33_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = t1 * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -1482,10 +1482,10 @@ __device__ __forceinline__ void sgd_vec_f33_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -1549,10 +1549,10 @@ __device__ __forceinline__ void sgd_f34_reduce_block(const T* __restrict__ g, T*
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = buf_i * mom;
     const T t1 = t0 + g_i;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * g_i;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -1594,7 +1594,7 @@ __device__ __forceinline__ void sgd_f34_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1633,7 +1633,7 @@ __device__ __forceinline__ void sgd_group_f34_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t0 = buf_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -1656,7 +1656,7 @@ __device__ __forceinline__ void sgd_vec_f34_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = buf_r[k] * g_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -1722,13 +1722,13 @@ __device__ __forceinline__ void sgd_f35_reduce_block(const T* __restrict__ p, co
     const T p_i = p[i];
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = buf_i * mom;
     const T t3 = t2 + t1;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t4 = t3 * t1;
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -1771,7 +1771,7 @@ __device__ __forceinline__ void sgd_f35_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1810,10 +1810,10 @@ __device__ __forceinline__ void sgd_group_f35_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = buf_r[k] * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -1836,10 +1836,10 @@ __device__ __forceinline__ void sgd_vec_f35_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = buf_r[k] * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -1903,7 +1903,7 @@ __device__ __forceinline__ void sgd_f38_reduce_block(const T* __restrict__ g, co
   T acc0 = 0, acc1 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = g_i * g_i;
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -1943,7 +1943,7 @@ __device__ __forceinline__ void sgd_f38_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1981,7 +1981,7 @@ __device__ __forceinline__ void sgd_group_f38_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t0 = g_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -2004,7 +2004,7 @@ __device__ __forceinline__ void sgd_vec_f38_map(T* __restrict__ p, const T* __re
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = g_r[k] * g_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -2071,10 +2071,10 @@ __device__ __forceinline__ void sgd_f39_reduce_block(const T* __restrict__ p, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T p_i = p[i];
     const T g_i = g[i];
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -2117,7 +2117,7 @@ __device__ __forceinline__ void sgd_f39_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2155,7 +2155,7 @@ __device__ __forceinline__ void sgd_group_f39_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t0 = buf_r[k] * buf_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -2177,7 +2177,7 @@ __device__ __forceinline__ void sgd_vec_f39_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = buf_r[k] * buf_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -2241,11 +2241,11 @@ __device__ __forceinline__ void sgd_f42_reduce_block(const T* __restrict__ g, T*
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = buf_i * mom;
     const T t1 = g_i * omd;
     const T t2 = t0 + t1;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t3 = t2 * g_i;
     const int t4 = t3 > ((T)0x0.0p+0);
     const T t5 = (T)t4;
@@ -2287,7 +2287,7 @@ __device__ __forceinline__ void sgd_f42_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2326,7 +2326,7 @@ __device__ __forceinline__ void sgd_group_f42_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t0 = buf_r[k] * g_r[k];
       const int t1 = t0 > ((T)0x0.0p+0);
       const T t2 = (T)t1;
@@ -2349,7 +2349,7 @@ __device__ __forceinline__ void sgd_vec_f42_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0 = buf_r[k] * g_r[k];
     const int t1 = t0 > ((T)0x0.0p+0);
     const T t2 = (T)t1;
@@ -2415,14 +2415,14 @@ __device__ __forceinline__ void sgd_f43_reduce_block(const T* __restrict__ p, co
     const T p_i = p[i];
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = buf_i * mom;
     const T t3 = t1 * omd;
     const T t4 = t2 + t3;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t5 = t4 * t1;
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -2465,7 +2465,7 @@ __device__ __forceinline__ void sgd_f43_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2504,10 +2504,10 @@ __device__ __forceinline__ void sgd_group_f43_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = buf_r[k] * t1;
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -2530,10 +2530,10 @@ __device__ __forceinline__ void sgd_vec_f43_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = buf_r[k] * t1;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -2598,13 +2598,13 @@ __device__ __forceinline__ void sgd_f50_reduce_block(const T* __restrict__ g, T*
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t0 = buf_i * mom;
     const T t1 = t0 + g_i;
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = g_i + t2;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t4 = t3 * g_i;
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -2646,7 +2646,7 @@ __device__ __forceinline__ void sgd_f50_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2685,10 +2685,10 @@ __device__ __forceinline__ void sgd_group_f50_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = g_r[k] + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = t1 * g_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -2711,10 +2711,10 @@ __device__ __forceinline__ void sgd_vec_f50_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = g_r[k] + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * g_r[k];
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -2780,16 +2780,16 @@ __device__ __forceinline__ void sgd_f51_reduce_block(const T* __restrict__ p, co
     const T p_i = p[i];
     const T g_i = g[i];
     const T buf_i = buf[i];
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 75 "flatopt/sgd.py"
+#line 76 "flatopt/sgd.py"
     const T t2 = buf_i * mom;
     const T t3 = t2 + t1;
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t4 = t3 * mom;
     const T t5 = t1 + t4;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t6 = t5 * t1;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
@@ -2832,7 +2832,7 @@ __device__ __forceinline__ void sgd_f51_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -2871,13 +2871,13 @@ __device__ __forceinline__ void sgd_group_f51_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
       const T t0 = p_r[k] * wd;
       const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t2 = buf_r[k] * mom;
       const T t3 = t1 + t2;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t4 = t3 * t1;
       const int t5 = t4 > ((T)0x0.0p+0);
       const T t6 = (T)t5;
@@ -2900,13 +2900,13 @@ __device__ __forceinline__ void sgd_vec_f51_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_r[k] * wd;
     const T t1 = t0 + g_r[k];
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = buf_r[k] * mom;
     const T t3 = t1 + t2;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t4 = t3 * t1;
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -2970,10 +2970,10 @@ __device__ __forceinline__ void sgd_f54_reduce_block(const T* __restrict__ g, co
   T acc0 = 0, acc1 = 0;
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_i * mom;
     const T t1 = g_i + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * g_i;
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -3013,7 +3013,7 @@ __device__ __forceinline__ void sgd_f54_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -3051,10 +3051,10 @@ __device__ __forceinline__ void sgd_group_f54_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = g_r[k] * mom;
       const T t1 = g_r[k] + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = t1 * g_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -3077,10 +3077,10 @@ __device__ __forceinline__ void sgd_vec_f54_map(T* __restrict__ p, const T* __re
   T p_w[4], buf_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = g_r[k] * mom;
     const T t1 = g_r[k] + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * g_r[k];
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;
@@ -3147,13 +3147,13 @@ __device__ __forceinline__ void sgd_f55_reduce_block(const T* __restrict__ p, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T p_i = p[i];
     const T g_i = g[i];
-#line 69 "flatopt/sgd.py"
+#line 70 "flatopt/sgd.py"
     const T t0 = p_i * wd;
     const T t1 = t0 + g_i;
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t2 = t1 * mom;
     const T t3 = t1 + t2;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t4 = t3 * t1;
     const int t5 = t4 > ((T)0x0.0p+0);
     const T t6 = (T)t5;
@@ -3196,7 +3196,7 @@ __device__ __forceinline__ void sgd_f55_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -3234,10 +3234,10 @@ __device__ __forceinline__ void sgd_group_f55_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
       const T t0 = buf_r[k] * mom;
       const T t1 = buf_r[k] + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
       const T t2 = t1 * buf_r[k];
       const int t3 = t2 > ((T)0x0.0p+0);
       const T t4 = (T)t3;
@@ -3259,10 +3259,10 @@ __device__ __forceinline__ void sgd_vec_f55_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/sgd.py"
+#line 77 "flatopt/sgd.py"
     const T t0 = buf_r[k] * mom;
     const T t1 = buf_r[k] + t0;
-#line 77 "flatopt/sgd.py"
+#line 78 "flatopt/sgd.py"
     const T t2 = t1 * buf_r[k];
     const int t3 = t2 > ((T)0x0.0p+0);
     const T t4 = (T)t3;

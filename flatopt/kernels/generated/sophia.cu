@@ -97,17 +97,17 @@ __device__ __forceinline__ void sophia_group_f0(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 74 "flatopt/sophia.py"
+#line 75 "flatopt/sophia.py"
       const T t0 = m_r[k] * b1;
       const T t1 = g_r[k] * omb1;
       const T t2 = t0 + t1;
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
       const T t3 = fabs(t2);
       const T t4 = h_r[k] * rho;
       const T t5 = t4 + eps;
       const T t6 = t3 / t5;
       const T t7 = ((t6 <= ((T)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
       const T t8 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
       const T t9 = t8 * t7;
       const T t10 = t9 * neg_lr;
@@ -129,17 +129,17 @@ __device__ __forceinline__ void sophia_vec_f0(T* __restrict__ p, const T* __rest
   T p_w[4], m_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 74 "flatopt/sophia.py"
+#line 75 "flatopt/sophia.py"
     const T t0 = m_r[k] * b1;
     const T t1 = g_r[k] * omb1;
     const T t2 = t0 + t1;
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
     const T t3 = fabs(t2);
     const T t4 = h_r[k] * rho;
     const T t5 = t4 + eps;
     const T t6 = t3 / t5;
     const T t7 = ((t6 <= ((T)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
     const T t8 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t9 = t8 * t7;
     const T t10 = t9 * neg_lr;
@@ -211,19 +211,19 @@ __device__ __forceinline__ void sophia_group_f1(T* __restrict__ p, const T* __re
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 73 "flatopt/sophia.py"
-      const T t0 = p_r[k] * decay;
 #line 74 "flatopt/sophia.py"
+      const T t0 = p_r[k] * decay;
+#line 75 "flatopt/sophia.py"
       const T t1 = m_r[k] * b1;
       const T t2 = g_r[k] * omb1;
       const T t3 = t1 + t2;
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
       const T t4 = fabs(t3);
       const T t5 = h_r[k] * rho;
       const T t6 = t5 + eps;
       const T t7 = t4 / t6;
       const T t8 = ((t7 <= ((T)0x1.0000000000000p+0) || t7 != t7) ? t7 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
       const T t9 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
       const T t10 = t9 * t8;
       const T t11 = t10 * neg_lr;
@@ -245,19 +245,19 @@ __device__ __forceinline__ void sophia_vec_f1(T* __restrict__ p, const T* __rest
   T p_w[4], m_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 73 "flatopt/sophia.py"
-    const T t0 = p_r[k] * decay;
 #line 74 "flatopt/sophia.py"
+    const T t0 = p_r[k] * decay;
+#line 75 "flatopt/sophia.py"
     const T t1 = m_r[k] * b1;
     const T t2 = g_r[k] * omb1;
     const T t3 = t1 + t2;
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
     const T t4 = fabs(t3);
     const T t5 = h_r[k] * rho;
     const T t6 = t5 + eps;
     const T t7 = t4 / t6;
     const T t8 = ((t7 <= ((T)0x1.0000000000000p+0) || t7 != t7) ? t7 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
     const T t9 = (t3 != t3 ? t3 : (T)(t3 > (T)0) - (T)(t3 < (T)0));
     const T t10 = t9 * t8;
     const T t11 = t10 * neg_lr;
@@ -322,17 +322,17 @@ __device__ __forceinline__ void sophia_f2_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T h_i = h[i];
-#line 74 "flatopt/sophia.py"
+#line 75 "flatopt/sophia.py"
     const T t0 = m_i * b1;
     const T t1 = g_i * omb1;
     const T t2 = t0 + t1;
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
     const T t3 = fabs(t2);
     const T t4 = h_i * rho;
     const T t5 = t4 + eps;
     const T t6 = t3 / t5;
     const T t7 = ((t6 <= ((T)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
     const T t8 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t9 = t8 * t7;
     const T t10 = t9 * g_i;
@@ -377,7 +377,7 @@ __device__ __forceinline__ void sophia_f2_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -417,13 +417,13 @@ __device__ __forceinline__ void sophia_group_f2_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
       const T t0 = fabs(m_r[k]);
       const T t1 = h_r[k] * rho;
       const T t2 = t1 + eps;
       const T t3 = t0 / t2;
       const T t4 = ((t3 <= ((T)0x1.0000000000000p+0) || t3 != t3) ? t3 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
       const T t5 = (m_r[k] != m_r[k] ? m_r[k] : (T)(m_r[k] > (T)0) - (T)(m_r[k] < (T)0));
       const T t6 = t5 * t4;
       const T t7 = t6 * g_r[k];
@@ -449,13 +449,13 @@ __device__ __forceinline__ void sophia_vec_f2_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
     const T t0 = fabs(m_r[k]);
     const T t1 = h_r[k] * rho;
     const T t2 = t1 + eps;
     const T t3 = t0 / t2;
     const T t4 = ((t3 <= ((T)0x1.0000000000000p+0) || t3 != t3) ? t3 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
     const T t5 = (m_r[k] != m_r[k] ? m_r[k] : (T)(m_r[k] > (T)0) - (T)(m_r[k] < (T)0));
     const T t6 = t5 * t4;
     const T t7 = t6 * g_r[k];
@@ -524,17 +524,17 @@ __device__ __forceinline__ void sophia_f3_reduce_block(const T* __restrict__ g, 
     const T g_i = g[i];
     const T m_i = m[i];
     const T h_i = h[i];
-#line 74 "flatopt/sophia.py"
+#line 75 "flatopt/sophia.py"
     const T t0 = m_i * b1;
     const T t1 = g_i * omb1;
     const T t2 = t0 + t1;
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
     const T t3 = fabs(t2);
     const T t4 = h_i * rho;
     const T t5 = t4 + eps;
     const T t6 = t3 / t5;
     const T t7 = ((t6 <= ((T)0x1.0000000000000p+0) || t6 != t6) ? t6 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
     const T t8 = (t2 != t2 ? t2 : (T)(t2 > (T)0) - (T)(t2 < (T)0));
     const T t9 = t8 * t7;
     const T t10 = t9 * g_i;
@@ -579,7 +579,7 @@ __device__ __forceinline__ void sophia_f3_fold_one(const T* __restrict__ parts, 
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -619,15 +619,15 @@ __device__ __forceinline__ void sophia_group_f3_map(T* __restrict__ p, const T* 
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 73 "flatopt/sophia.py"
+#line 74 "flatopt/sophia.py"
       const T t0 = p_r[k] * decay;
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
       const T t1 = fabs(m_r[k]);
       const T t2 = h_r[k] * rho;
       const T t3 = t2 + eps;
       const T t4 = t1 / t3;
       const T t5 = ((t4 <= ((T)0x1.0000000000000p+0) || t4 != t4) ? t4 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
       const T t6 = (m_r[k] != m_r[k] ? m_r[k] : (T)(m_r[k] > (T)0) - (T)(m_r[k] < (T)0));
       const T t7 = t6 * t5;
       const T t8 = t7 * g_r[k];
@@ -653,15 +653,15 @@ __device__ __forceinline__ void sophia_vec_f3_map(T* __restrict__ p, const T* __
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 73 "flatopt/sophia.py"
+#line 74 "flatopt/sophia.py"
     const T t0 = p_r[k] * decay;
-#line 75 "flatopt/sophia.py"
+#line 76 "flatopt/sophia.py"
     const T t1 = fabs(m_r[k]);
     const T t2 = h_r[k] * rho;
     const T t3 = t2 + eps;
     const T t4 = t1 / t3;
     const T t5 = ((t4 <= ((T)0x1.0000000000000p+0) || t4 != t4) ? t4 : ((T)0x1.0000000000000p+0));
-#line 76 "flatopt/sophia.py"
+#line 77 "flatopt/sophia.py"
     const T t6 = (m_r[k] != m_r[k] ? m_r[k] : (T)(m_r[k] > (T)0) - (T)(m_r[k] < (T)0));
     const T t7 = t6 * t5;
     const T t8 = t7 * g_r[k];
