@@ -460,13 +460,19 @@ def np_rows(d: Any, fs: int, arrays: tuple, sc: dict, work: dict) -> None:
         xlen = sqsum.sq_layout(n)[2]
         bufs = work[fs] = ([np.empty_like(P) for _ in range(nscr)], [np.empty_like(P, bool) for _ in range(nbool)],
                            [np.zeros((rows, xlen), P.dtype) for _ in range(k)],
-                           [np.empty(norms.rows_len(rows, n), P.dtype) for _ in range(k)])
-    scr, bools, xs, ws = bufs
+                           [np.empty(norms.rows_len(rows, n), P.dtype) for _ in range(k)],
+                           [np.empty_like(P) for _ in range(k)])
+    scr, bools, xs, ws, terms = bufs
     rs, m, scr, carry = _carry_form(rs, m, scr, carried, len(sp.carry))
     folded: dict = {}  # (T,) rows
     for r, lv in zip(rs, sp.levels):
-        r.run(arrays + tuple(x[:, :n] for x in xs[:len(lv.sums)]) + carry,
-              {**sc, **{f: v[:, None] for f, v in folded.items()}}, scr, bools, dt)
+        # the summands into contiguous (T, n) buffers, then copied into the zero-padded rows of ``sq_rows``: the
+        # reduce phase's temporaries may sit in a summand's buffer, and a ufunc writing (T, n) of (T, xlen) goes
+        # row by row
+        r.run(arrays + tuple(terms[:len(lv.sums)]) + carry, {**sc, **{f: v[:, None] for f, v in folded.items()}},
+              scr, bools, dt)
+        for x, term in zip(xs, terms[:len(lv.sums)]):
+            np.copyto(x[:, :n], term)
         sums = {name: norms.sq_rows(x, n, w) for name, x, w in zip(lv.sums, xs, ws)}
         folded.update(fold_values(np, lv.fold, sums, {**sc, **folded}, dt))
     m.run(arrays + carry, {**sc, **{f: v[:, None] for f, v in folded.items()}}, scr, bools, dt)
