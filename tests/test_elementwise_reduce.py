@@ -99,16 +99,19 @@ DEF2 = Definition("reduce_test2", step2, scalars=scalars, flags=flags, flag_name
 BOUND2 = run.bind_reduce(DEF2)
 
 
+def _blocked_sum(x):
+    """The sum of ``x``'s terms in the blocked order (``sqsum.sq_sum``)."""
+    buf = sqsum.sq_scratch(np, x.size, x.dtype)
+    buf[:x.size] = x
+    return sqsum.sq_sum(np, buf, x.size)[0]
+
+
 def reference2(cfg, p, g, m, lr):
     """``step2`` by hand: each sum through ``sqsum.sq_sum``, the second after the first's fold."""
-    dt, n = p.dtype.type, p.size
-    buf = sqsum.sq_scratch(np, n, p.dtype)
-    np.multiply(g, g, buf[:n])
-    nrm = np.maximum(np.sqrt(sqsum.sq_sum(np, buf, n)[0]), dt(1))
+    dt = p.dtype.type
+    nrm = np.maximum(np.sqrt(_blocked_sum(g * g)), dt(1))
     m[...] = m * dt(cfg.beta) + g / nrm
-    buf = sqsum.sq_scratch(np, n, p.dtype)
-    buf[:n] = m * g > 0
-    count = sqsum.sq_sum(np, buf, n)[0]
+    count = _blocked_sum((m * g > 0).astype(p.dtype))
     p[...] = p + m * (((count + dt(1)) / nrm) * dt(-lr))
 
 
@@ -131,13 +134,18 @@ def test_two_levels_match_reference(dt, n):
     g *= dt(0.01)  # ‖g‖ near 1 at some sizes, over it at others
     _phases_and_whole_tensor(DEF2, BOUND2, reference2, cfg, p0, g, m0)
     if n <= 20_000:
-        P, G, M = (np.stack([x, x[::-1].copy()]) for x in (p0, g, m0))
-        st = St(M.copy())
-        BOUND2["np_rows_fn"](cfg, st, P, G, t=1, lr=cfg.lr, work={})
-        for i in range(2):
-            wp, wm = (p0 if i == 0 else p0[::-1]).copy(), M[i].copy()
-            reference2(cfg, wp, G[i], wm, cfg.lr)
-            assert P[i].tobytes() == wp.tobytes() and st.m[i].tobytes() == wm.tobytes(), i
+        _two_rows(BOUND2, reference2, cfg, p0, g, m0)
+
+
+def _two_rows(bound, ref, cfg, p0, g, m0):
+    """The rows form on two rows (the data and its reverse) gives ``ref``'s bits per row."""
+    P, G, M = (np.stack([x, x[::-1].copy()]) for x in (p0, g, m0))
+    st = St(M.copy())
+    bound["np_rows_fn"](cfg, st, P, G, t=1, lr=cfg.lr, work={})
+    for i in range(2):
+        wp, wm = (p0 if i == 0 else p0[::-1]).copy(), M[i].copy()
+        ref(cfg, wp, G[i], wm, cfg.lr)
+        assert P[i].tobytes() == wp.tobytes() and st.m[i].tobytes() == wm.tobytes(), i
 
 
 def _phases_and_whole_tensor(d, bound, ref, cfg, p0, g, m0):
@@ -221,3 +229,69 @@ def test_two_levels_emulated_kernels(n, tmp_path, monkeypatch):
         assert run.kernel_update(DEF2, cfg, st, p, cp.asarray(g), t=1, lr=cfg.lr)
         assert p.get().tobytes() == want_p.tobytes() and st.m.get().tobytes() == want_m.tobytes(), dt
     assert launched[:5] == list(names)  # 2 levels: 2·2 + 1 launches, in order
+
+
+def step3(e, p, g, m, *, s, f):
+    """Two levels where the second reduce phase computes a value the map needs: c = g/N, N = max(‖g‖, 1); the count
+    of c·m > 0; p += c·((count + 1)·(−lr)); m = b·m + c."""
+    c = g / e.maximum(e.sqrt(e.sumsq(g)), 1)
+    count = e.sum(e.cast(c * m > 0))
+    p = p + c * ((count + 1) * s.neg_lr)
+    return dict(p=p, m=m * s.b + c)
+
+
+DEF3 = Definition("reduce_test3", step3, scalars=scalars, flags=flags, flag_names=("wd",), slots=("m",),
+                  example=Cfg(), register=False)
+BOUND3 = run.bind_reduce(DEF3)
+
+
+def reference3(cfg, p, g, m, lr):
+    """``step3`` by hand."""
+    dt = p.dtype.type
+    c = g / np.maximum(np.sqrt(_blocked_sum(g * g)), dt(1))
+    count = _blocked_sum((c * m > 0).astype(p.dtype))
+    p[...] = p + c * ((count + dt(1)) * dt(-lr))
+    m[...] = m * dt(cfg.beta) + c
+
+
+def test_carry_form():
+    """The rows and whole-tensor forms keep what a reduce phase computes and a later part needs (``_carry<j>``)
+    instead of recomputing it, only where that takes no more scratch buffers and fewer operations; the phases
+    form and the compiled lowerings keep the plain programs."""
+    from flatopt.core.elementwise import lower_numpy  # noqa: PLC0415
+    from flatopt.core.elementwise.define import REGISTRY  # noqa: PLC0415
+
+    first, second = DEF3.split_at(0).levels
+    sp = DEF3.split_at(0)
+    assert first.carry == () and second.carry == ("_carry0",) and sp.carry == ("_carry0",)
+    assert [i.op for i in second.carrying.instrs] == ["div", "mul", "gt", "cast"]  # c = g/N, once
+    assert "g" not in sp.carried_map.reads and "_carry0" in sp.carried_map.reads and "g" in sp.map.reads
+    assert DEF.split_at(0).carried_map is None  # the map reads m back: nothing to carry
+    lamb, mars = REGISTRY["lamb"], REGISTRY["mars"]
+    for d, f in [(lamb, dict(wd=False, cautious=False)), (lamb, dict(wd=True, cautious=False)),
+                 (mars, dict(wd=False, clip=True, cautious=False)), (mars, dict(wd=True, clip=True, cautious=False))]:
+        sp = d.split_at(d.index(f))
+        assert sp.carry == ("_carry0",), (d.name, f)  # Lamb's direction u, Mars's corrected gradient c
+        assert not {"bc1", "bc2", "coef"} & set(sp.carried_map.scalars), (d.name, f)
+    for d in REGISTRY.values():
+        for f in d.flag_sets():
+            sp = d.split_at(d.index(f))
+            if sp is None or sp.carried_map is None:
+                continue
+            plain = [lower_numpy.allocate(q) for q in (*(lv.reduce for lv in sp.levels), sp.map)]
+            carry = [lower_numpy.allocate(lv.carrying) for lv in sp.levels] + [
+                lower_numpy.allocate(sp.carried_map, sp.carry)]
+            assert max(q.scratch for q in carry) + len(sp.carry) <= max(q.scratch for q in plain), (d.name, f)
+            assert sum(len(q.steps) + len(q.copies) for q in carry) < sum(
+                len(q.steps) + len(q.copies) for q in plain), (d.name, f)
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 3000, 70_001])
+def test_carry_across_levels_matches_reference(dt, n):
+    cfg = Cfg()
+    p0, g, m0 = _data(n, dt, n)
+    g *= dt(0.01)
+    _phases_and_whole_tensor(DEF3, BOUND3, reference3, cfg, p0, g, m0)
+    if n <= 20_000:
+        _two_rows(BOUND3, reference3, cfg, p0, g, m0)

@@ -40,10 +40,13 @@ def show(algo: str, lowering: str) -> str:
         parts = [("", d.program(f))] if sp is None else \
             [(f"{k}{level or ''}", getattr(lv, k)) for level, lv in enumerate(sp.levels) for k in ("reduce", "fold")] \
             + [("map", sp.map)]
+        if sp is not None and sp.carried_map is not None and lowering == "numpy":  # rows, whole tensor: the carries
+            parts += [(f"reduce{level or ''} (carry form)", lv.carrying) for level, lv in enumerate(sp.levels)]
+            parts += [("map (carry form)", sp.carried_map)]
         for part, prog in parts:
             lines += [f"## {part}"] * bool(part)
             if lowering == "numpy" and not part.startswith("fold"):
-                p = lower_numpy.allocate(prog)
+                p = lower_numpy.allocate(prog, sp.carry if part == "map (carry form)" else ())
                 lines += [f"{dst} = {op}{args}" for op, args, dst in p.steps]
                 lines += [f"copy {src} -> {name}" for name, src in p.copies]
                 lines += [f"# scratch buffers: {p.scratch}, boolean: {p.bools}"] * (not part)

@@ -58,7 +58,9 @@ def _fused(prog: tr.Program) -> list:
     return out
 
 
-def allocate(prog: tr.Program) -> Plan:
+def allocate(prog: tr.Program, spare: tuple = ()) -> Plan:
+    """``spare``: input arrays whose buffers may take a result once their value is read for the last time (the
+    carries a map reads)."""
     instrs = _fused(prog)
     end = len(prog.instrs)
     last: dict = {}
@@ -73,7 +75,7 @@ def allocate(prog: tr.Program) -> Plan:
     final_at = {name: ref[1] for name, ref in prog.outputs if ref[0] == "v"}
     writable = [name for name, _ in prog.outputs]
     loc: dict = {("in", a): ("arr", a) for a in prog.reads}
-    occupant: dict = {("arr", a): ("in", a) for a in writable}
+    occupant: dict = {("arr", a): ("in", a) for a in (*writable, *spare)}
     nscr = [0, 0]
     steps, copies = [], []
 
@@ -102,7 +104,8 @@ def allocate(prog: tr.Program) -> Plan:
                          if free(("arr", a), k) and final_at.get(a, -1) > k and last[ref] <= final_at[a]
                          and ("arr", a) not in banned]
                 chained = [c for c in cands if c in args]
-                dst = (chained or cands or [None])[0]
+                dst = (chained or cands or [c for c in (("arr", a) for a in spare) if free(c, k) and c not in banned]
+                       or [None])[0]
         if dst is None:
             dst = scratch("bool" if is_bool else "scr", k, banned)
         if op == "signmul":  # a spare buffer for the signs' bytes, neither an operand nor the result

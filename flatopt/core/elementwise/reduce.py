@@ -18,6 +18,15 @@ then the map:
   read back (its new value), everything else is recomputed from the inputs with the same operations (the same
   bits).  A later level's reduce phase likewise recomputes what it needs (Mars's m, from the old m and the clip).
 
+The **carry form** (:func:`np_rows`, :func:`xp_update`): a per-element value a reduce phase computes (Lamb's
+direction u, Mars's corrected gradient c) and a later part needs is kept in a pseudo-array ``_carry<j>`` that the
+reduce phase writes and the later parts read, instead of being recomputed (the same bits: the same operations,
+done once).  ``split`` makes it only where the carries and each carry-form part's own scratch fit in the plain
+form's scratch count and it runs fewer operations; the carries are then the last scratch buffers, and the map
+may write into a carry it has read for the last time.  The phases form (its map runs chunk by chunk in a later
+phase) and the compiled C pass and CUDA kernels (where a full-size store and load cost more than recomputing)
+run the plain programs.
+
 Terms are values of the dtype (a comparison's True is 1).  The blocked order pads with +0 and the kernels'
 per-thread sums start at +0, so the sign of a zero sum whose terms are all −0 may differ between paths (sums of
 squares, of masks, never hit it).
@@ -53,6 +62,8 @@ class Level:
     sums: tuple  # the pseudo-array names "_sum<j>" of this level (numbered over the whole step)
     fold: tr.Program  # reads this level's sums (and earlier folds as scalars); outputs ("fold<k>", ref)
     first: tuple = ()  # the arrays this reduce phase writes (the first level only)
+    carry: tuple = ()  # the carry form: the pseudo-arrays "_carry<j>" this reduce phase also writes
+    carrying: tr.Program | None = None  # the carry form's reduce phase (writes ``carry``; reads earlier levels')
 
     @property
     def folds(self) -> tuple:
@@ -65,6 +76,11 @@ class Split:
 
     levels: tuple  # of Level: a level's sums may depend on the folds of the levels before it
     map: tr.Program  # scalars: the definition's it uses, then the folds'
+    carried_map: tr.Program | None = None  # the carry form's map (reads every level's ``carry``); None: no carry
+
+    @property
+    def carry(self) -> tuple:
+        return tuple(n for lv in self.levels for n in lv.carry)
 
     @property
     def first(self) -> tuple:
@@ -83,14 +99,7 @@ def _sub(prog: tr.Program, outputs: list, stop: Callable[[tuple], Any], arrays: 
          keep_same: bool = False) -> tr.Program:
     """The instructions ``outputs`` need, in their original order and renumbered; ``stop(ref)`` replaces a ref
     (an input of this part) or returns None."""
-    need: set = set()
-    todo = [r for _, r in outputs]
-    while todo:
-        ref = todo.pop()
-        if stop(ref) is not None or ref[0] != "v" or ref[1] in need:
-            continue
-        need.add(ref[1])
-        todo.extend(prog.instrs[ref[1]].args)
+    need = _need(prog, outputs, stop)
     renum: dict = {}
 
     def res(ref: tuple) -> tuple:
@@ -111,6 +120,19 @@ def _sub(prog: tr.Program, outputs: list, stop: Callable[[tuple], Any], arrays: 
     reads = tuple(a for a in arrays if ("in", a) in used)
     scal = tuple(k for k in scalars if ("s", k) in used)
     return tr.Program(prog.algo, prog.flags, tuple(new), outs, reads, scal)
+
+
+def _need(prog: tr.Program, outputs: list, stop: Callable[[tuple], Any]) -> set:
+    """The indices of the instructions ``outputs`` need, up to the refs ``stop`` replaces."""
+    need: set = set()
+    todo = [r for _, r in outputs]
+    while todo:
+        ref = todo.pop()
+        if stop(ref) is not None or ref[0] != "v" or ref[1] in need:
+            continue
+        need.add(ref[1])
+        todo.extend(prog.instrs[ref[1]].args)
+    return need
 
 
 def _levels(prog: tr.Program) -> tuple[list, list]:
@@ -218,7 +240,68 @@ def split(prog: tr.Program, arrays: tuple, scalar_names: tuple) -> Split | None:
         levels.append(Level(rd, names, fd, tuple(first) if L == 1 else ()))
     mp = _sub(prog, [(n, r) for n, r in prog.outputs if n not in first], later_stop, arrays,
               tuple(scalar_names) + tuple(fold_names[k] for k in order))
-    return Split(tuple(levels), mp)
+    sp = Split(tuple(levels), mp)
+    return _carry(prog, sp, level_sums, sum_names, first, later_stop, uni, arrays, scalar_names)
+
+
+def _carry(prog: tr.Program, sp: Split, level_sums: list, sum_names: dict, first: list, later_stop: Callable,
+           uni: list, arrays: tuple, scalar_names: tuple) -> Split:
+    """``sp`` with its carry form: each per-element value (not a comparison's) that a reduce phase computes and a
+    later part (a later reduce phase, the map) reads, kept in a pseudo-array ``_carry<j>`` that the reduce phase
+    writes and the later parts read instead of recomputing it; or ``sp`` unchanged when the carries and the
+    scratch of the carry form's parts would need more scratch buffers than the plain form's."""
+    ins = prog.instrs
+    nlev = len(level_sums)
+    made: dict = {}  # instruction -> the level whose reduce phase computes it
+    carried: set = set()
+
+    def stop_at(L: int) -> Callable:
+        def stop(ref: tuple) -> Any:
+            s = later_stop(ref)
+            if s is not None:
+                return s
+            if ref[0] == "v" and made.get(ref[1], L) < L:
+                carried.add(ref[1])
+                return ("in", "?")
+            return None
+        return stop
+
+    outs = [(n, r) for n, r in prog.outputs if n not in first]
+    parts = [[(n, r) for n, r in prog.outputs if n in first] * (L == 1) + [(sum_names[k], ins[k].args[0]) for k in ks]
+             for L, ks in enumerate(level_sums, 1)]  # each reduce phase's outputs, in the plain form's order
+    for L, part in enumerate(parts, 1):
+        for k in _need(prog, part, stop_at(L) if L > 1 else lambda r: None):
+            if not uni[k] and not ins[k].is_bool:
+                made.setdefault(k, L)
+    _need(prog, outs, stop_at(nlev + 1))
+    if not carried:
+        return sp
+    order = sorted(carried, key=lambda k: (made[k], k))
+    names = {k: f"_carry{j}" for j, k in enumerate(order)}
+    every = tuple(names[k] for k in order)
+
+    def read(L: int) -> Callable:
+        def stop(ref: tuple) -> Any:
+            s = later_stop(ref)
+            if s is not None:
+                return s
+            return ("in", names[ref[1]]) if ref[0] == "v" and made.get(ref[1], L) < L and ref[1] in names else None
+        return stop
+
+    levels = []
+    for L, (lv, part) in enumerate(zip(sp.levels, parts), 1):
+        mine = [(names[k], ("v", k)) for k in order if made[k] == L]
+        rd = _sub(prog, part + mine, read(L) if L > 1 else lambda r: None,
+                  tuple(arrays) + lv.sums + every, lv.reduce.scalars, keep_same=True)
+        levels.append(dataclasses.replace(lv, carry=tuple(n for n, _ in mine), carrying=rd))
+    mp = _sub(prog, outs, read(nlev + 1), tuple(arrays) + every, sp.map.scalars)
+    plain = [lower_numpy.allocate(q) for q in (*(lv.reduce for lv in sp.levels), sp.map)]
+    carry = [lower_numpy.allocate(lv.carrying) for lv in levels] + [lower_numpy.allocate(mp, every)]
+    if (max(q.scratch for q in carry) + len(every) > max(q.scratch for q in plain)
+            or max(q.bools for q in carry) > max(q.bools for q in plain)
+            or sum(len(q.steps) + len(q.copies) for q in carry) >= sum(len(q.steps) + len(q.copies) for q in plain)):
+        return sp
+    return Split(tuple(levels), sp.map, mp)
 
 
 # ------------------------------------------------------------------------------------------------ the fold
@@ -268,7 +351,18 @@ def _runners(d: Any, xp: Any) -> dict:
     every = [q for _, rps, mp in plans.values() for q in (*rps, mp)]
     nscr, nbool = max(q.scratch for q in every), max(q.bools for q in every)
     return {fs: (tuple(lower_numpy.Runner(rp, xp, tuple(d.arrays) + lv.sums) for rp, lv in zip(rps, sp.levels)),
-                 lower_numpy.Runner(mp, xp, tuple(d.arrays)), nscr, nbool) for fs, (sp, rps, mp) in plans.items()}
+                 lower_numpy.Runner(mp, xp, tuple(d.arrays)), nscr, nbool, _carry_runners(d, sp, xp))
+            for fs, (sp, rps, mp) in plans.items()}
+
+
+def _carry_runners(d: Any, sp: Split, xp: Any) -> tuple:
+    """(reduce runners, map runner) of the carry form, the carries the last scratch buffers; None without carries."""
+    if sp.carried_map is None:
+        return None
+    names = tuple(d.arrays)
+    return (tuple(lower_numpy.Runner(lower_numpy.allocate(lv.carrying), xp, names + lv.sums + sp.carry)
+                  for lv in sp.levels),
+            lower_numpy.Runner(lower_numpy.allocate(sp.carried_map, sp.carry), xp, names + sp.carry))
 
 
 def _bools(k: int, n: int) -> list:
@@ -288,7 +382,7 @@ def _columns(d: Any, fs: int, level: int, arrays: tuple, lay: norms.Columns, acc
              chunk: int, c0: int, c1: int) -> None:
     """Columns [c0, c1) of the column layout (``core.norms``), in row order: the reduce phase of ``level``, and
     each of its summands' column sums."""
-    rs, _, nscr, nbool = runners(d, fs, np)
+    rs, _, nscr, nbool, _ = runners(d, fs, np)
     r = rs[level]
     k = len(accs)
     bufs = cpu_plan.scratch(arrays[0].dtype, nscr + k, chunk + lay.cols)
@@ -307,7 +401,7 @@ def _columns(d: Any, fs: int, level: int, arrays: tuple, lay: norms.Columns, acc
 
 def _map(d: Any, fs: int, arrays: tuple, sc: dict, packed: bytes, chunk: int, lo: int, hi: int) -> None:
     """Elements [lo, hi) of the map phase."""
-    _, m, nscr, nbool = runners(d, fs, np)
+    _, m, nscr, nbool, _ = runners(d, fs, np)
     scr = cpu_plan.scratch(arrays[0].dtype, nscr, chunk)
     dt = arrays[0].dtype.type
     for a in range(lo, hi, chunk):
@@ -359,22 +453,37 @@ def np_rows(d: Any, fs: int, arrays: tuple, sc: dict, work: dict) -> None:
     rows, n = P.shape
     dt = P.dtype.type
     sp = d.split_at(fs)
-    rs, m, nscr, nbool = runners(d, fs, np)
+    rs, m, nscr, nbool, carried = runners(d, fs, np)
     k = _width(sp)
     bufs = work.get(fs)
     if bufs is None:
         xlen = sqsum.sq_layout(n)[2]
         bufs = work[fs] = ([np.empty_like(P) for _ in range(nscr)], [np.empty_like(P, bool) for _ in range(nbool)],
                            [np.zeros((rows, xlen), P.dtype) for _ in range(k)],
-                           [np.empty(norms.rows_len(rows, n), P.dtype) for _ in range(k)])
-    scr, bools, xs, ws = bufs
+                           [np.empty(norms.rows_len(rows, n), P.dtype) for _ in range(k)],
+                           [np.empty_like(P) for _ in range(k)])
+    scr, bools, xs, ws, terms = bufs
+    rs, m, scr, carry = _carry_form(rs, m, scr, carried, len(sp.carry))
     folded: dict = {}  # (T,) rows
     for r, lv in zip(rs, sp.levels):
-        r.run(arrays + tuple(x[:, :n] for x in xs[:len(lv.sums)]), {**sc, **{f: v[:, None] for f, v in folded.items()}},
+        # the summands into contiguous (T, n) buffers, then copied into the zero-padded rows of ``sq_rows``: the
+        # reduce phase's temporaries may sit in a summand's buffer, and a ufunc writing (T, n) of (T, xlen) goes
+        # row by row
+        r.run(arrays + tuple(terms[:len(lv.sums)]) + carry, {**sc, **{f: v[:, None] for f, v in folded.items()}},
               scr, bools, dt)
+        for x, term in zip(xs, terms[:len(lv.sums)]):
+            np.copyto(x[:, :n], term)
         sums = {name: norms.sq_rows(x, n, w) for name, x, w in zip(lv.sums, xs, ws)}
         folded.update(fold_values(np, lv.fold, sums, {**sc, **folded}, dt))
-    m.run(arrays, {**sc, **{f: v[:, None] for f, v in folded.items()}}, scr, bools, dt)
+    m.run(arrays + carry, {**sc, **{f: v[:, None] for f, v in folded.items()}}, scr, bools, dt)
+
+
+def _carry_form(rs: tuple, m: Any, scr: list, carried: tuple | None, k: int) -> tuple:
+    """(reduce runners, map runner, scratch, carries): the carry form's, its ``k`` carries the last ``k`` scratch
+    buffers (``split`` made it only where the rest suffices), or the plain form's with no carries."""
+    if carried is None:
+        return rs, m, scr, ()
+    return carried[0], carried[1], scr[:len(scr) - k], tuple(scr[len(scr) - k:])
 
 
 def xp_update(d: Any, fs: int, xp: Any, arrays: tuple, st: Any, sc: dict) -> None:
@@ -388,15 +497,16 @@ def xp_update(d: Any, fs: int, xp: Any, arrays: tuple, st: Any, sc: dict) -> Non
         return
     dt = p.dtype.type
     sp = d.split_at(fs)
-    rs, m, nscr, nbool = runners(d, fs, xp)
+    rs, m, nscr, nbool, carried = runners(d, fs, xp)
     k = _width(sp)
     slen = sqsum.sq_layout(n)[4]
     w = work(st, k * slen, p.dtype, xp)  # the sums' terms (their zero padding persists: per parameter)
     terms = [w[j * slen:(j + 1) * slen] for j in range(k)]
     scr = [workspace.get(xp, f"elementwise.scratch{j}", n, p.dtype) for j in range(nscr)]  # per thread and stream
     bools = lower_numpy.bool_scratch(xp, nbool, n)
+    rs, m, scr, carry = _carry_form(rs, m, scr, carried, len(sp.carry))
     for r, lv in zip(rs, sp.levels):
-        r.run(arrays + tuple(x[:n] for x in terms[:len(lv.sums)]), sc, scr, bools, dt)
+        r.run(arrays + tuple(x[:n] for x in terms[:len(lv.sums)]) + carry, sc, scr, bools, dt)
         sums = {name: sqsum.sq_sum(xp, x, n) for name, x in zip(lv.sums, terms)}
         sc = {**sc, **fold_values(xp, lv.fold, sums, sc, dt)}
-    m.run(arrays, sc, scr, bools, dt)
+    m.run(arrays + carry, sc, scr, bools, dt)
