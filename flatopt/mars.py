@@ -14,9 +14,9 @@ Update rule, per tensor, with t the step count of this parameter and η = lr · 
 The step is one definition (``step`` below, ``core/elementwise``): with clip_c, ‖c‖² is an ``e.sumsq`` sum over the
 tensor, added in the fixed blocked order of ``core/sqsum.py`` (the same bits on NumPy, the compiled pass and CUDA),
 and max(‖c‖, 1) is its fold, a device value on CuPy.  ``cautious=True`` (Liang et al. 2024, docs/algorithms.md):
-pytorch-optimizer's ``MARS(cautious=True)``, whose ``apply_cautious`` masks the new momentum m against g before the
-division; the mask's count (and numel, as sums) is a sum of a value made from the clip's norm: a second reduction
-level after the first (``core/elementwise/reduce.py``).
+pytorch-optimizer's ``MARS(cautious=True)``: its ``apply_cautious`` masks the new m (after the clip) against the raw
+g before the division, times numel/(count + 1) per tensor; with clip_c m follows ‖c‖, so the count (and numel, both
+sums) is a second reduction level after it (``core/elementwise/reduce.py``).
 Defaults lr 3e-3 (official), betas (0.95, 0.99), eps 1e-8, weight_decay 0, gamma 0.025, clip_c True (rlx-optim's).
 
 Deviations: flatopt applies MARS to every tensor, as rlx-optim does; the official default ``optimize_1d=False``
