@@ -25,8 +25,10 @@ u² into the sums), the fold into r·(−η), a map (u made again from the new m
 (``kernels/generated/lamb.cu``): three launches per tensor (partials, fold, map; no atomics, no host
 synchronisation), and ``step_batch`` runs every tensor of one dtype and step count in three launches
 (``core/multi_tensor.py``).  NumPy (``core/cpu_tensors.py``): a large tensor's phases run on the threads (column
-ranges of the reduce phase, then chunk ranges of the map), small tensors of one size are updated together as rows;
-each phase's piece runs as one compiled pass where a C compiler exists (``kernels/generated/elementwise.c``).
+ranges of the reduce phase, then chunk ranges of the map), each piece one compiled pass where a C compiler exists
+(``kernels/generated/elementwise.c``); small tensors of one size are updated together as the rows of (T, n) arrays
+by NumPy ufuncs, which, like CuPy's whole-tensor twin, keep u from the reduce phase for the map (the carry form,
+where it saves operations: ``core/elementwise/reduce.py``).
 ``end_iteration`` only counts iterations.  State: ``m``, ``v`` (8 B/param in float32) plus the unsaved ``work`` (the
 sums' work area, or the kernels' partials).
 ``cautious=True``: the final update r·u masked where it disagrees in sign with g, times numel/(count + 1) per tensor,

@@ -34,8 +34,10 @@ neither, the plain elementwise step.  GPU (``kernels/generated/mars.cu``): per t
 then the map: five launches with clip_c and cautious, three with one of them, else one; no atomics, no host
 synchronisation; ``step_batch`` runs every tensor of one dtype and step count in as many launches
 (``core/multi_tensor.py``).  NumPy (``core/cpu_tensors.py``): a tensor's sweeps run on the threads (in phases around
-each fold), small tensors of one size are updated together as rows; each piece runs as one compiled pass where a C
-compiler exists (``kernels/generated/elementwise.c``).
+each fold), each piece one compiled pass where a C compiler exists (``kernels/generated/elementwise.c``); small
+tensors of one size are updated together as the rows of (T, n) arrays by NumPy ufuncs, which, like CuPy's
+whole-tensor twin, keep c from the reduce phase for the later parts (the carry form, where it saves operations:
+``core/elementwise/reduce.py``).
 ``end_iteration`` only counts iterations.  State: ``m``, ``v``, ``g_prev`` (12 B/param in float32) plus the unsaved
 ``work`` (the sum's work area, or the kernels' partials).
 """

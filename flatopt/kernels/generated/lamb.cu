@@ -90,24 +90,24 @@ __device__ __forceinline__ void lamb_f0_reduce_block(const T* __restrict__ p, co
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 74 "flatopt/lamb.py"
+#line 76 "flatopt/lamb.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 75 "flatopt/lamb.py"
+#line 77 "flatopt/lamb.py"
     const T t3 = v_i * b2;
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
     const T t7 = t2 / bc1;
     const T t8 = t6 / bc2;
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
-#line 79 "flatopt/lamb.py"
+#line 81 "flatopt/lamb.py"
     const T t12 = p_i * p_i;
-#line 80 "flatopt/lamb.py"
+#line 82 "flatopt/lamb.py"
     const T t13 = t11 * t11;
 #line 113 "flatopt/kernels/generated/lamb.cu"
     m[i] = t2;
@@ -149,17 +149,17 @@ __device__ __forceinline__ void lamb_f0_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 79 "flatopt/lamb.py"
-    const T t0_f = sqrt(_sum0);
-#line 80 "flatopt/lamb.py"
-    const T t1_f = sqrt(_sum1);
 #line 81 "flatopt/lamb.py"
+    const T t0_f = sqrt(_sum0);
+#line 82 "flatopt/lamb.py"
+    const T t1_f = sqrt(_sum1);
+#line 83 "flatopt/lamb.py"
     const int t2_f = t0_f > ((T)0x0.0p+0);
     const int t3_f = t1_f > ((T)0x0.0p+0);
     const int t4_f = t2_f & t3_f;
     const T t5_f = t0_f / t1_f;
     const T t6_f = (t4_f ? t5_f : ((T)0x1.0000000000000p+0));
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
     const T t7_f = t6_f * neg_lr;
 #line 165 "flatopt/kernels/generated/lamb.cu"
     scal[0] = t7_f;
@@ -197,13 +197,13 @@ __device__ __forceinline__ void lamb_group_f0_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
       const T t0 = m_r[k] / bc1;
       const T t1 = v_r[k] / bc2;
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
       const T t4 = t0 / t3;
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
       const T t5 = t4 * fold0;
       const T t6 = p_r[k] + t5;
 #line 210 "flatopt/kernels/generated/lamb.cu"
@@ -221,13 +221,13 @@ __device__ __forceinline__ void lamb_vec_f0_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
     const T t0 = m_r[k] / bc1;
     const T t1 = v_r[k] / bc2;
     const T t2 = sqrt(t1);
     const T t3 = t2 + eps;
     const T t4 = t0 / t3;
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
     const T t5 = t4 * fold0;
     const T t6 = p_r[k] + t5;
 #line 234 "flatopt/kernels/generated/lamb.cu"
@@ -287,27 +287,27 @@ __device__ __forceinline__ void lamb_f1_reduce_block(const T* __restrict__ p, co
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 74 "flatopt/lamb.py"
+#line 76 "flatopt/lamb.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 75 "flatopt/lamb.py"
+#line 77 "flatopt/lamb.py"
     const T t3 = v_i * b2;
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
     const T t7 = t2 / bc1;
     const T t8 = t6 / bc2;
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
-#line 78 "flatopt/lamb.py"
+#line 80 "flatopt/lamb.py"
     const T t12 = p_i * wd;
     const T t13 = t11 + t12;
-#line 79 "flatopt/lamb.py"
+#line 81 "flatopt/lamb.py"
     const T t14 = p_i * p_i;
-#line 80 "flatopt/lamb.py"
+#line 82 "flatopt/lamb.py"
     const T t15 = t13 * t13;
 #line 313 "flatopt/kernels/generated/lamb.cu"
     m[i] = t2;
@@ -349,17 +349,17 @@ __device__ __forceinline__ void lamb_f1_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 79 "flatopt/lamb.py"
-    const T t0_f = sqrt(_sum0);
-#line 80 "flatopt/lamb.py"
-    const T t1_f = sqrt(_sum1);
 #line 81 "flatopt/lamb.py"
+    const T t0_f = sqrt(_sum0);
+#line 82 "flatopt/lamb.py"
+    const T t1_f = sqrt(_sum1);
+#line 83 "flatopt/lamb.py"
     const int t2_f = t0_f > ((T)0x0.0p+0);
     const int t3_f = t1_f > ((T)0x0.0p+0);
     const int t4_f = t2_f & t3_f;
     const T t5_f = t0_f / t1_f;
     const T t6_f = (t4_f ? t5_f : ((T)0x1.0000000000000p+0));
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
     const T t7_f = t6_f * neg_lr;
 #line 365 "flatopt/kernels/generated/lamb.cu"
     scal[0] = t7_f;
@@ -397,16 +397,16 @@ __device__ __forceinline__ void lamb_group_f1_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
       const T t0 = m_r[k] / bc1;
       const T t1 = v_r[k] / bc2;
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
       const T t4 = t0 / t3;
-#line 78 "flatopt/lamb.py"
+#line 80 "flatopt/lamb.py"
       const T t5 = p_r[k] * wd;
       const T t6 = t4 + t5;
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
       const T t7 = t6 * fold0;
       const T t8 = p_r[k] + t7;
 #line 413 "flatopt/kernels/generated/lamb.cu"
@@ -424,16 +424,16 @@ __device__ __forceinline__ void lamb_vec_f1_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
     const T t0 = m_r[k] / bc1;
     const T t1 = v_r[k] / bc2;
     const T t2 = sqrt(t1);
     const T t3 = t2 + eps;
     const T t4 = t0 / t3;
-#line 78 "flatopt/lamb.py"
+#line 80 "flatopt/lamb.py"
     const T t5 = p_r[k] * wd;
     const T t6 = t4 + t5;
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
     const T t7 = t6 * fold0;
     const T t8 = p_r[k] + t7;
 #line 440 "flatopt/kernels/generated/lamb.cu"
@@ -493,26 +493,26 @@ __device__ __forceinline__ void lamb_f2_reduce_block(const T* __restrict__ p, co
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 74 "flatopt/lamb.py"
+#line 76 "flatopt/lamb.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 75 "flatopt/lamb.py"
+#line 77 "flatopt/lamb.py"
     const T t3 = v_i * b2;
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
     const T t7 = t2 / bc1;
     const T t8 = t6 / bc2;
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
-#line 79 "flatopt/lamb.py"
+#line 81 "flatopt/lamb.py"
     const T t12 = p_i * p_i;
-#line 80 "flatopt/lamb.py"
-    const T t13 = t11 * t11;
 #line 82 "flatopt/lamb.py"
+    const T t13 = t11 * t11;
+#line 84 "flatopt/lamb.py"
     const T t14 = t11 * g_i;
     const int t15 = t14 > ((T)0x0.0p+0);
     const T t16 = (T)t15;
@@ -565,17 +565,17 @@ __device__ __forceinline__ void lamb_f2_fold_one(const T* __restrict__ parts, co
   const T _sum2 = sq_fold(parts + 2 * pstride, nb, sh);
   const T _sum3 = sq_fold(parts + 3 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 79 "flatopt/lamb.py"
-    const T t0_f = sqrt(_sum0);
-#line 80 "flatopt/lamb.py"
-    const T t1_f = sqrt(_sum1);
 #line 81 "flatopt/lamb.py"
+    const T t0_f = sqrt(_sum0);
+#line 82 "flatopt/lamb.py"
+    const T t1_f = sqrt(_sum1);
+#line 83 "flatopt/lamb.py"
     const int t2_f = t0_f > ((T)0x0.0p+0);
     const int t3_f = t1_f > ((T)0x0.0p+0);
     const int t4_f = t2_f & t3_f;
     const T t5_f = t0_f / t1_f;
     const T t6_f = (t4_f ? t5_f : ((T)0x1.0000000000000p+0));
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
     const T t7_f = _sum2 + ((T)0x1.0000000000000p+0);
     const T t8_f = ((T)0x1.0000000000000p+0) / t7_f;
     const T t9_f = _sum2 + _sum3;
@@ -619,13 +619,13 @@ __device__ __forceinline__ void lamb_group_f2_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
       const T t0 = m_r[k] / bc1;
       const T t1 = v_r[k] / bc2;
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
       const T t4 = t0 / t3;
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
       const T t5 = t4 * g_r[k];
       const int t6 = t5 > ((T)0x0.0p+0);
       const T t7 = (T)t6;
@@ -649,13 +649,13 @@ __device__ __forceinline__ void lamb_vec_f2_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
     const T t0 = m_r[k] / bc1;
     const T t1 = v_r[k] / bc2;
     const T t2 = sqrt(t1);
     const T t3 = t2 + eps;
     const T t4 = t0 / t3;
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
     const T t5 = t4 * g_r[k];
     const int t6 = t5 > ((T)0x0.0p+0);
     const T t7 = (T)t6;
@@ -723,29 +723,29 @@ __device__ __forceinline__ void lamb_f3_reduce_block(const T* __restrict__ p, co
     const T g_i = g[i];
     const T m_i = m[i];
     const T v_i = v[i];
-#line 74 "flatopt/lamb.py"
+#line 76 "flatopt/lamb.py"
     const T t0 = g_i - m_i;
     const T t1 = t0 * omb1;
     const T t2 = m_i + t1;
-#line 75 "flatopt/lamb.py"
+#line 77 "flatopt/lamb.py"
     const T t3 = v_i * b2;
     const T t4 = g_i * omb2;
     const T t5 = t4 * g_i;
     const T t6 = t3 + t5;
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
     const T t7 = t2 / bc1;
     const T t8 = t6 / bc2;
     const T t9 = sqrt(t8);
     const T t10 = t9 + eps;
     const T t11 = t7 / t10;
-#line 78 "flatopt/lamb.py"
+#line 80 "flatopt/lamb.py"
     const T t12 = p_i * wd;
     const T t13 = t11 + t12;
-#line 79 "flatopt/lamb.py"
+#line 81 "flatopt/lamb.py"
     const T t14 = p_i * p_i;
-#line 80 "flatopt/lamb.py"
-    const T t15 = t13 * t13;
 #line 82 "flatopt/lamb.py"
+    const T t15 = t13 * t13;
+#line 84 "flatopt/lamb.py"
     const T t16 = t13 * g_i;
     const int t17 = t16 > ((T)0x0.0p+0);
     const T t18 = (T)t17;
@@ -798,17 +798,17 @@ __device__ __forceinline__ void lamb_f3_fold_one(const T* __restrict__ parts, co
   const T _sum2 = sq_fold(parts + 2 * pstride, nb, sh);
   const T _sum3 = sq_fold(parts + 3 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 79 "flatopt/lamb.py"
-    const T t0_f = sqrt(_sum0);
-#line 80 "flatopt/lamb.py"
-    const T t1_f = sqrt(_sum1);
 #line 81 "flatopt/lamb.py"
+    const T t0_f = sqrt(_sum0);
+#line 82 "flatopt/lamb.py"
+    const T t1_f = sqrt(_sum1);
+#line 83 "flatopt/lamb.py"
     const int t2_f = t0_f > ((T)0x0.0p+0);
     const int t3_f = t1_f > ((T)0x0.0p+0);
     const int t4_f = t2_f & t3_f;
     const T t5_f = t0_f / t1_f;
     const T t6_f = (t4_f ? t5_f : ((T)0x1.0000000000000p+0));
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
     const T t7_f = _sum2 + ((T)0x1.0000000000000p+0);
     const T t8_f = ((T)0x1.0000000000000p+0) / t7_f;
     const T t9_f = _sum2 + _sum3;
@@ -852,16 +852,16 @@ __device__ __forceinline__ void lamb_group_f3_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
       const T t0 = m_r[k] / bc1;
       const T t1 = v_r[k] / bc2;
       const T t2 = sqrt(t1);
       const T t3 = t2 + eps;
       const T t4 = t0 / t3;
-#line 78 "flatopt/lamb.py"
+#line 80 "flatopt/lamb.py"
       const T t5 = p_r[k] * wd;
       const T t6 = t4 + t5;
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
       const T t7 = t6 * g_r[k];
       const int t8 = t7 > ((T)0x0.0p+0);
       const T t9 = (T)t8;
@@ -885,16 +885,16 @@ __device__ __forceinline__ void lamb_vec_f3_map(T* __restrict__ p, const T* __re
   T p_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 76 "flatopt/lamb.py"
+#line 78 "flatopt/lamb.py"
     const T t0 = m_r[k] / bc1;
     const T t1 = v_r[k] / bc2;
     const T t2 = sqrt(t1);
     const T t3 = t2 + eps;
     const T t4 = t0 / t3;
-#line 78 "flatopt/lamb.py"
+#line 80 "flatopt/lamb.py"
     const T t5 = p_r[k] * wd;
     const T t6 = t4 + t5;
-#line 82 "flatopt/lamb.py"
+#line 84 "flatopt/lamb.py"
     const T t7 = t6 * g_r[k];
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;

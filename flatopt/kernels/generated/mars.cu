@@ -98,20 +98,20 @@ __device__ __forceinline__ void mars_group_f0(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
       const T t3 = t2 - m_r[k];
       const T t4 = t3 * omb1;
       const T t5 = m_r[k] + t4;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
       const T t6 = v_r[k] * b2;
       const T t7 = t2 * omb2;
       const T t8 = t7 * t2;
       const T t9 = t6 + t8;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
       const T t10 = sqrt(t9);
       const T t11 = t10 / bc2_sqrt;
       const T t12 = t11 + eps;
@@ -138,20 +138,20 @@ __device__ __forceinline__ void mars_vec_f0(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t3 = t2 - m_r[k];
     const T t4 = t3 * omb1;
     const T t5 = m_r[k] + t4;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
     const T t6 = v_r[k] * b2;
     const T t7 = t2 * omb2;
     const T t8 = t7 * t2;
     const T t9 = t6 + t8;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t10 = sqrt(t9);
     const T t11 = t10 / bc2_sqrt;
     const T t12 = t11 + eps;
@@ -231,22 +231,22 @@ __device__ __forceinline__ void mars_group_f1(T* __restrict__ p, const T* __rest
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
       const T t3 = t2 - m_r[k];
       const T t4 = t3 * omb1;
       const T t5 = m_r[k] + t4;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
       const T t6 = v_r[k] * b2;
       const T t7 = t2 * omb2;
       const T t8 = t7 * t2;
       const T t9 = t6 + t8;
-#line 95 "flatopt/mars.py"
+#line 97 "flatopt/mars.py"
       const T t10 = p_r[k] * decay;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
       const T t11 = sqrt(t9);
       const T t12 = t11 / bc2_sqrt;
       const T t13 = t12 + eps;
@@ -273,22 +273,22 @@ __device__ __forceinline__ void mars_vec_f1(T* __restrict__ p, const T* __restri
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t3 = t2 - m_r[k];
     const T t4 = t3 * omb1;
     const T t5 = m_r[k] + t4;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
     const T t6 = v_r[k] * b2;
     const T t7 = t2 * omb2;
     const T t8 = t7 * t2;
     const T t9 = t6 + t8;
-#line 95 "flatopt/mars.py"
+#line 97 "flatopt/mars.py"
     const T t10 = p_r[k] * decay;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t11 = sqrt(t9);
     const T t12 = t11 / bc2_sqrt;
     const T t13 = t12 + eps;
@@ -359,11 +359,11 @@ __device__ __forceinline__ void mars_f2_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 * t2;
 #line 369 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
@@ -397,7 +397,7 @@ template <typename T>
 __device__ __forceinline__ void mars_f2_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
 #line 404 "flatopt/kernels/generated/mars.cu"
@@ -436,22 +436,22 @@ __device__ __forceinline__ void mars_group_f2_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
       const T t11 = sqrt(t10);
       const T t12 = t11 / bc2_sqrt;
       const T t13 = t12 + eps;
@@ -478,22 +478,22 @@ __device__ __forceinline__ void mars_vec_f2_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t11 = sqrt(t10);
     const T t12 = t11 / bc2_sqrt;
     const T t13 = t12 + eps;
@@ -565,11 +565,11 @@ __device__ __forceinline__ void mars_f3_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 * t2;
 #line 575 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
@@ -603,7 +603,7 @@ template <typename T>
 __device__ __forceinline__ void mars_f3_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
 #line 610 "flatopt/kernels/generated/mars.cu"
@@ -642,24 +642,24 @@ __device__ __forceinline__ void mars_group_f3_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 95 "flatopt/mars.py"
+#line 97 "flatopt/mars.py"
       const T t11 = p_r[k] * decay;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
       const T t12 = sqrt(t10);
       const T t13 = t12 / bc2_sqrt;
       const T t14 = t13 + eps;
@@ -686,24 +686,24 @@ __device__ __forceinline__ void mars_vec_f3_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 95 "flatopt/mars.py"
+#line 97 "flatopt/mars.py"
     const T t11 = p_r[k] * decay;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t12 = sqrt(t10);
     const T t13 = t12 / bc2_sqrt;
     const T t14 = t13 + eps;
@@ -777,15 +777,15 @@ __device__ __forceinline__ void mars_f4_reduce_block(const T* __restrict__ g, T*
     const T g_i = g[i];
     const T m_i = m[i];
     const T g_prev_i = g_prev[i];
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t3 = t2 - m_i;
     const T t4 = t3 * omb1;
     const T t5 = m_i + t4;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t6 = t5 * g_i;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
@@ -828,7 +828,7 @@ __device__ __forceinline__ void mars_f4_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -869,16 +869,16 @@ __device__ __forceinline__ void mars_group_f4_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
       const T t3 = v_r[k] * b2;
       const T t4 = t2 * omb2;
       const T t5 = t4 * t2;
       const T t6 = t3 + t5;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
       const T t7 = m_r[k] * g_r[k];
       const int t8 = t7 > ((T)0x0.0p+0);
       const T t9 = (T)t8;
@@ -909,16 +909,16 @@ __device__ __forceinline__ void mars_vec_f4_map(T* __restrict__ p, const T* __re
   T p_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
     const T t3 = v_r[k] * b2;
     const T t4 = t2 * omb2;
     const T t5 = t4 * t2;
     const T t6 = t3 + t5;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t7 = m_r[k] * g_r[k];
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;
@@ -994,15 +994,15 @@ __device__ __forceinline__ void mars_f5_reduce_block(const T* __restrict__ g, T*
     const T g_i = g[i];
     const T m_i = m[i];
     const T g_prev_i = g_prev[i];
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t3 = t2 - m_i;
     const T t4 = t3 * omb1;
     const T t5 = m_i + t4;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t6 = t5 * g_i;
     const int t7 = t6 > ((T)0x0.0p+0);
     const T t8 = (T)t7;
@@ -1045,7 +1045,7 @@ __device__ __forceinline__ void mars_f5_fold_one(const T* __restrict__ parts, co
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum1 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t0_f = _sum0 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum0 + _sum1;
@@ -1086,18 +1086,18 @@ __device__ __forceinline__ void mars_group_f5_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
       const T t3 = v_r[k] * b2;
       const T t4 = t2 * omb2;
       const T t5 = t4 * t2;
       const T t6 = t3 + t5;
-#line 95 "flatopt/mars.py"
+#line 97 "flatopt/mars.py"
       const T t7 = p_r[k] * decay;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
       const T t8 = m_r[k] * g_r[k];
       const int t9 = t8 > ((T)0x0.0p+0);
       const T t10 = (T)t9;
@@ -1128,18 +1128,18 @@ __device__ __forceinline__ void mars_vec_f5_map(T* __restrict__ p, const T* __re
   T p_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
     const T t3 = v_r[k] * b2;
     const T t4 = t2 * omb2;
     const T t5 = t4 * t2;
     const T t6 = t3 + t5;
-#line 95 "flatopt/mars.py"
+#line 97 "flatopt/mars.py"
     const T t7 = p_r[k] * decay;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t8 = m_r[k] * g_r[k];
     const int t9 = t8 > ((T)0x0.0p+0);
     const T t10 = (T)t9;
@@ -1215,11 +1215,11 @@ __device__ __forceinline__ void mars_f6_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 * t2;
 #line 1225 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
@@ -1253,7 +1253,7 @@ template <typename T>
 __device__ __forceinline__ void mars_f6_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
 #line 1260 "flatopt/kernels/generated/mars.cu"
@@ -1283,17 +1283,17 @@ __device__ __forceinline__ void mars_f6_reduce_block1(const T* __restrict__ g, c
     const T g_i = g[i];
     const T m_i = m[i];
     const T g_prev_i = g_prev[i];
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t4 = t3 - m_i;
     const T t5 = t4 * omb1;
     const T t6 = m_i + t5;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t7 = t6 * g_i;
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;
@@ -1337,7 +1337,7 @@ __device__ __forceinline__ void mars_f6_fold_one1(const T* __restrict__ parts, c
   const T _sum1 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum2 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t0_f = _sum1 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum1 + _sum2;
@@ -1378,22 +1378,22 @@ __device__ __forceinline__ void mars_group_f6_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
       const T t11 = t6 * g_r[k];
       const int t12 = t11 > ((T)0x0.0p+0);
       const T t13 = (T)t12;
@@ -1425,22 +1425,22 @@ __device__ __forceinline__ void mars_vec_f6_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t11 = t6 * g_r[k];
     const int t12 = t11 > ((T)0x0.0p+0);
     const T t13 = (T)t12;
@@ -1519,11 +1519,11 @@ __device__ __forceinline__ void mars_f7_reduce_block(const T* __restrict__ g, co
   for (long long i = sq_column(nb, c); i < n; i += stride) {
     const T g_i = g[i];
     const T g_prev_i = g_prev[i];
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 * t2;
 #line 1529 "flatopt/kernels/generated/mars.cu"
     acc0 += (T)(t3);
@@ -1557,7 +1557,7 @@ template <typename T>
 __device__ __forceinline__ void mars_f7_fold_one(const T* __restrict__ parts, const long long pstride, const long long nb, T* sh, T* __restrict__ scal) {
   const T _sum0 = sq_fold(parts + 0 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t0_f = sqrt(_sum0);
     const T t1_f = ((t0_f >= ((T)0x1.0000000000000p+0) || t0_f != t0_f) ? t0_f : ((T)0x1.0000000000000p+0));
 #line 1564 "flatopt/kernels/generated/mars.cu"
@@ -1587,17 +1587,17 @@ __device__ __forceinline__ void mars_f7_reduce_block1(const T* __restrict__ g, c
     const T g_i = g[i];
     const T m_i = m[i];
     const T g_prev_i = g_prev[i];
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_i - g_prev_i;
     const T t1 = t0 * coef;
     const T t2 = g_i + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t4 = t3 - m_i;
     const T t5 = t4 * omb1;
     const T t6 = m_i + t5;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t7 = t6 * g_i;
     const int t8 = t7 > ((T)0x0.0p+0);
     const T t9 = (T)t8;
@@ -1641,7 +1641,7 @@ __device__ __forceinline__ void mars_f7_fold_one1(const T* __restrict__ parts, c
   const T _sum1 = sq_fold(parts + 0 * pstride, nb, sh);
   const T _sum2 = sq_fold(parts + 1 * pstride, nb, sh);
   if (threadIdx.x == 0) {
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t0_f = _sum1 + ((T)0x1.0000000000000p+0);
     const T t1_f = ((T)0x1.0000000000000p+0) / t0_f;
     const T t2_f = _sum1 + _sum2;
@@ -1682,24 +1682,24 @@ __device__ __forceinline__ void mars_group_f7_map(T* __restrict__ p, const T* __
   for (int k = 0; k < 4; ++k) {
     const long long i = base + k * step;
     if (i < hi) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
       const T t0 = g_r[k] - g_prev_r[k];
       const T t1 = t0 * coef;
       const T t2 = g_r[k] + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
       const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
       const T t4 = t3 - m_r[k];
       const T t5 = t4 * omb1;
       const T t6 = m_r[k] + t5;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
       const T t7 = v_r[k] * b2;
       const T t8 = t3 * omb2;
       const T t9 = t8 * t3;
       const T t10 = t7 + t9;
-#line 95 "flatopt/mars.py"
+#line 97 "flatopt/mars.py"
       const T t11 = p_r[k] * decay;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
       const T t12 = t6 * g_r[k];
       const int t13 = t12 > ((T)0x0.0p+0);
       const T t14 = (T)t13;
@@ -1731,24 +1731,24 @@ __device__ __forceinline__ void mars_vec_f7_map(T* __restrict__ p, const T* __re
   T p_w[4], m_w[4], v_w[4], g_prev_w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-#line 89 "flatopt/mars.py"
+#line 91 "flatopt/mars.py"
     const T t0 = g_r[k] - g_prev_r[k];
     const T t1 = t0 * coef;
     const T t2 = g_r[k] + t1;
-#line 91 "flatopt/mars.py"
+#line 93 "flatopt/mars.py"
     const T t3 = t2 / fold0;
-#line 92 "flatopt/mars.py"
+#line 94 "flatopt/mars.py"
     const T t4 = t3 - m_r[k];
     const T t5 = t4 * omb1;
     const T t6 = m_r[k] + t5;
-#line 93 "flatopt/mars.py"
+#line 95 "flatopt/mars.py"
     const T t7 = v_r[k] * b2;
     const T t8 = t3 * omb2;
     const T t9 = t8 * t3;
     const T t10 = t7 + t9;
-#line 95 "flatopt/mars.py"
+#line 97 "flatopt/mars.py"
     const T t11 = p_r[k] * decay;
-#line 96 "flatopt/mars.py"
+#line 98 "flatopt/mars.py"
     const T t12 = t6 * g_r[k];
     const int t13 = t12 > ((T)0x0.0p+0);
     const T t14 = (T)t13;
