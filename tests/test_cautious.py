@@ -179,6 +179,21 @@ def test_every_elementwise_definition_has_the_flag():
         assert "cautious" in FLAG_SPACE[name].options
 
 
+def test_reduction_levels_of_lamb_and_mars():
+    """The levels the docstrings and docs/algorithms.md state (each level a partials and a fold launch, then the
+    map): Lamb one with or without the mask (its count is a sum of the norms' reduce phase); Mars two with clip_c
+    and cautious (the count follows ‖c‖), one with either alone, none (the plain elementwise step) without both."""
+    def levels(d, **f):
+        sp = d.split_at(d.index(f))
+        return 0 if sp is None else len(sp.levels)
+
+    lamb, mars = REGISTRY["lamb"], REGISTRY["mars"]
+    for wd in (False, True):
+        assert [levels(lamb, wd=wd, cautious=c) for c in (False, True)] == [1, 1]
+        assert [levels(mars, wd=wd, clip=clip, cautious=c) for clip in (False, True) for c in (False, True)] == [
+            0, 1, 1, 2]
+
+
 @pytest.mark.parametrize("cid", sorted(CASES))
 def test_float64_reference(cid):
     case = CASES[cid]
