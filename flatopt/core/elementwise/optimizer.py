@@ -4,9 +4,9 @@ An algorithm module declares its class with its definition, and keeps its own co
 ``help`` read)::
 
     class AdamW(ElementwiseOptimizer, definition=DEF, only_if={"vmax": lambda cfg: cfg.amsgrad}):
-        def __init__(self, lr=1e-3, ..., *, cautious=False, lr_scale=None, weight_decay_mask=None):
+        def __init__(self, lr=1e-3, ..., *, cautious=False, lr_scale=None, weight_decay_mask=None, precision=None):
             super().__init__(AdamWConfig(lr, ..., cautious=cautious), lr_scale=lr_scale,
-                             weight_decay_mask=weight_decay_mask)
+                             weight_decay_mask=weight_decay_mask, precision=precision)
 
 From the definition the class receives ``algorithm`` (its name, the checkpoint id), ``config_cls`` (its example
 config's type), its state dataclass ``<Class>State`` and ``init_fn``, and the paths: ``run.bind`` (``update_fn``,
