@@ -18,12 +18,17 @@ from .test_precision import LOWP, MODES, make
 
 
 @pytest.mark.usefixtures("gpu_or_emulated")
+@pytest.mark.parametrize("gpu_chunk", [None, 256])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", LOWP, ids=str)
-def test_cupy_gives_the_numpy_bits(dtype, mode):
+def test_cupy_gives_the_numpy_bits(dtype, mode, gpu_chunk, monkeypatch):
     """The lowered path on CuPy (the fused kernels on the float32 working copies, the write-back with CuPy
-    operations): the same bits as on NumPy, and the same snapshot."""
-    from flatopt.core import backend
+    operations): the same bits as on NumPy, and the same snapshot; also with CuPy's write-back chunks cut small
+    (``gpu_chunk``: the 1320 elements of "a" in six chunks, NumPy's in one)."""
+    from flatopt.core import backend, lowp
+
+    if gpu_chunk is not None:
+        monkeypatch.setattr(lowp, "GPU_CHUNK", gpu_chunk)
 
     cp = backend.cupy()
     shapes = {"a": (40, 33), "b": (17,)}

@@ -16,9 +16,10 @@ as 16-bit before (or any batch under a ``writeback`` other than ``"nearest"``) i
    this step; the element index is the one in the whole parameter: ``element_offsets`` of the driver gives the
    offset of a range that a rank of ``flatopt.distributed`` steps).
 
-Steps 2 and 4 run in chunks of ``CHUNK`` elements, on the threads on NumPy (``core.parallel``: every element's
-result depends on its value and index alone, so any split gives the same bits), in order on CuPy.  The working
-items are new arrays at each call, so the driver keeps no step plan for a lowered batch (``core.step_plan``).
+Steps 2 and 4 run in chunks (every element's result depends on its value and index alone, so any split gives the
+same bits): of ``CHUNK`` elements on NumPy, as tasks on the threads (``core.parallel``), and of ``GPU_CHUNK`` in order
+on CuPy (each chunk is some twenty small kernel launches: larger chunks launch fewer).  The working items are new
+arrays at each call, so the driver keeps no step plan for a lowered batch (``core.step_plan``).
 
 ``LowParam`` is what the driver keeps per 16-bit name beside its slot (whose ``dtype`` is the working dtype, float32):
 the parameter's dtype name and its write-back buffer (``comp``: Kahan's compensation in the parameter's dtype;
@@ -44,7 +45,8 @@ from .types import Array, OptimizerState, OptItem
 from .parallel import run_tasks
 from .validate import as_item, check_batch_aliasing, check_item
 
-CHUNK = 1 << 16  # elements per write-back chunk (bounds the temporaries of the rounding)
+CHUNK = 1 << 16  # elements per write-back chunk on NumPy (bounds the temporaries of the rounding)
+GPU_CHUNK = 1 << 20  # on CuPy (the rounding's temporaries: at most 50 bytes per element of a chunk)
 _PLAIN = (np.dtype(np.float32), np.dtype(np.float64))
 BUFFERS = {"kahan": "precision.kahan", "master": "precision.master"}
 
@@ -194,15 +196,15 @@ def _widen(src: Array, dst: Array, comp: Array | None, lo: int, hi: int) -> None
 
 
 def _over_chunks(work: list[tuple[OptItem, int, Callable[[int, int], None]]]) -> None:
-    """Run ``fn(lo, hi)`` over the chunks of ``CHUNK`` elements of each ``(item, n, fn)``: on NumPy as tasks on the
+    """Run ``fn(lo, hi)`` over the chunks of each ``(item, n, fn)``: on NumPy as tasks of ``CHUNK`` elements on the
     threads (each chunk is a pure function of its elements and indices: any split gives the same bits), on CuPy in
-    order with the item's device current."""
+    chunks of ``GPU_CHUNK`` in order with the item's device current."""
     tasks = []
     for it, n, fn in work:
         if _backend.backend_name(it.param) == "cupy":
             with it.param.device:
-                for lo in range(0, n, CHUNK):
-                    fn(lo, min(n, lo + CHUNK))
+                for lo in range(0, n, GPU_CHUNK):
+                    fn(lo, min(n, lo + GPU_CHUNK))
             continue
         tasks += [(min(n, lo + CHUNK) - lo, it.name, functools.partial(fn, lo, min(n, lo + CHUNK)))
                   for lo in range(0, n, CHUNK)]
