@@ -139,7 +139,8 @@ def _arenas(sizes: list[tuple[Any, np.dtype, int, str]]) -> list[Array | None]:
 def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], list[Any]]:
     """Step 2 of the module doc: ``(working items, jobs)``; a job is ``(item, working param, record, new)`` for a
     16-bit parameter (``new``: the record is to be installed).  ``fill=False`` only shapes the working items (for
-    ``validate_batch``)."""
+    ``validate_batch``: scratch on the parameter's backend, also in place of a master copy, which is neither made nor
+    moved)."""
     policy = opt.precision.writeback
     needs = []
     recs: list[tuple[LowParam | None, bool]] = []
@@ -151,8 +152,8 @@ def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], l
             rec = opt._lowp.get(it.name)  # noqa: SLF001 - the driver's map
             if rec is None:
                 rec, new = LowParam(p.dtype.name), True
-        direct = rec is not None and policy == "master" and not new
-        needs.append((p if rec is not None and not direct else None, wd, p.size, "param"))
+        own = rec is not None and policy == "master" and fill  # the master copy is the working parameter
+        needs.append((p if rec is not None and not own else None, wd, p.size, "param"))
         needs.append((g if g.dtype != wd else None, wd, g.size, "grad"))
         recs.append((rec, new))
     views = _arenas(needs)
@@ -161,12 +162,12 @@ def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], l
         wp, wg = views[2 * k], views[2 * k + 1]
         rec, new = recs[k]
         comp = None
-        if rec is not None and policy == "master":
+        if rec is not None and policy == "master" and fill:
             if new:
                 with _device(it.param):
                     wp = rec.master = _backend.array_module(it.param).empty(it.param.size, np.float32)
             else:
-                wp = rec.master = _backend.to_backend(rec.master, it.param) if fill else rec.master
+                wp = rec.master = _backend.to_backend(rec.master, it.param)
         elif rec is not None and policy == "kahan" and not new and fill:
             comp = rec.comp = _backend.to_backend(rec.comp, it.param)
         if rec is None:
