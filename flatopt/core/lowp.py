@@ -19,7 +19,8 @@ as 16-bit before (or any batch under a ``writeback`` other than ``"nearest"``) i
 Steps 2 and 4 run in chunks (every element's result depends on its value and index alone, so any split gives the
 same bits): of ``CHUNK`` elements on NumPy, as tasks on the threads (``core.parallel``), and of ``GPU_CHUNK`` in order
 on CuPy (each chunk is some twenty small kernel launches: larger chunks launch fewer).  The working items are new
-arrays at each call, so the driver keeps no step plan for a lowered batch (``core.step_plan``).
+arrays at each call, so a step plan built from them (``core.step_plan``) is never re-used: the driver treats them as
+it treats a batch of fresh arrays at every step.
 
 ``LowParam`` is what the driver keeps per 16-bit name beside its slot (whose ``dtype`` is the working dtype, float32):
 the parameter's dtype name and its write-back buffer (``comp``: Kahan's compensation in the parameter's dtype;
