@@ -286,6 +286,21 @@ def test_mode_is_the_float32_step_then_the_write_back(algo, mode, dtype):
     assert opt.state_nbytes() == ref.state_nbytes() + p.size * {"kahan": 2, "master": 4}.get(mode, 0)
 
 
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_write_back_chunks_draw_by_the_index_in_the_parameter(mode, dtype, monkeypatch):
+    """The write-back cut into small chunks (1320 elements in seven, on two threads): the same bits as the emulation,
+    whose stochastic draw is by the element's index in the whole parameter."""
+    from flatopt.core import lowp
+
+    monkeypatch.setattr(lowp, "CHUNK", 200)
+    monkeypatch.setenv("FLATOPT_NUM_THREADS", "2")
+    make_opt, shape = ALGOS["adamw"]
+    p0, grads = data(shape, dtype, 3)
+    p = run(make_opt(Precision(mode, seed=9)), p0.copy(), [g.copy() for g in grads], shape)
+    want, _, _, _ = emulate(make_opt, mode, dtype, p0, grads, shape, seed=9)
+    assert_bits_equal(p, want, f"{mode} in chunks")
+
 def _adamw64(p, grads, lr=1e-2, wd=0.1, b1=0.9, b2=0.999, eps=1e-8):
     p = p.astype(np.float64)
     m = np.zeros_like(p)
