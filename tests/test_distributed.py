@@ -204,3 +204,17 @@ def test_nccl_single_rank_sharded_matches_plain_on_cupy(key):
         assert runs[0][n].tobytes() == runs[1][n].tobytes(), n
     norm = global_norm([cp.ones(4, cp.float32)], comm)
     assert isinstance(norm, cp.ndarray) and float(norm) == 2.0
+
+
+def test_mpi_allreduce_refuses_bfloat16_before_reducing():
+    """MPI has no bfloat16 type: ``allreduce_mean`` over the MPI backend refuses a batch holding one, with the
+    reason; float16 (a type MPI sums) goes through."""
+    mpi = pytest.importorskip("mpi4py.MPI")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from flatopt.distributed import allreduce_mean
+
+    f16 = np.arange(4, dtype=np.float16)
+    allreduce_mean([f16], mpi.COMM_SELF)
+    assert f16.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(TypeError, match="cannot sum bfloat16"):
+        allreduce_mean([np.ones(3, np.float32), np.ones(3, ml_dtypes.bfloat16)], mpi.COMM_SELF)

@@ -18,12 +18,17 @@ from .test_precision import LOWP, MODES, make
 
 
 @pytest.mark.usefixtures("gpu_or_emulated")
+@pytest.mark.parametrize("gpu_chunk", [None, 256])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", LOWP, ids=str)
-def test_cupy_gives_the_numpy_bits(dtype, mode):
+def test_cupy_gives_the_numpy_bits(dtype, mode, gpu_chunk, monkeypatch):
     """The lowered path on CuPy (the fused kernels on the float32 working copies, the write-back with CuPy
-    operations): the same bits as on NumPy, and the same snapshot."""
-    from flatopt.core import backend
+    operations): the same bits as on NumPy, and the same snapshot; also with CuPy's write-back chunks cut small
+    (``gpu_chunk``: the 1320 elements of "a" in six chunks, NumPy's in one)."""
+    from flatopt.core import backend, lowp
+
+    if gpu_chunk is not None:
+        monkeypatch.setattr(lowp, "GPU_CHUNK", gpu_chunk)
 
     cp = backend.cupy()
     shapes = {"a": (40, 33), "b": (17,)}
@@ -46,3 +51,23 @@ def test_cupy_gives_the_numpy_bits(dtype, mode):
     a, b = on_dev.state_dict(), on_host.state_dict()
     a = flatopt.OptimizerState(**{**a.__dict__, "buffers": {k: backend.to_numpy(v) for k, v in a.buffers.items()}})
     assert_states_equal(a, b)
+
+
+@pytest.mark.usefixtures("gpu_or_emulated")
+@pytest.mark.parametrize("mode", ["kahan", "master"])
+def test_validate_batch_after_a_resume_onto_cupy(mode):
+    """A snapshot's write-back buffers load as NumPy arrays and move to the parameter's backend at its next step:
+    ``validate_batch`` before that step accepts the CuPy items (it validates working copies on their backend)."""
+    from flatopt.core import backend
+
+    cp = backend.cupy()
+    host = np.random.default_rng(0).standard_normal(40).astype(np.float16)
+    opt = make(flatopt.AdamW, Precision(mode), lr=1e-2)
+    opt.step("a", (40,), host, host.copy())
+    fresh = make(flatopt.AdamW, Precision(mode), lr=1e-2)
+    assert fresh.load_state_dict(opt.state_dict())
+    dev, g = cp.asarray(host), cp.asarray(host)
+    fresh.validate_batch([OptItem("a", (40,), dev, g)])
+    fresh.step("a", (40,), dev, g)
+    opt.step("a", (40,), host, host.copy())
+    assert_bits_equal(dev, host, "a")

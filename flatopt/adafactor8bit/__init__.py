@@ -202,7 +202,6 @@ def _as_select(sel: Selector) -> Select:
     return Select(names=list(sel))
 
 
-
 def _writeback_alias(base: Adafactor8BitConfig, precision: Precision | None, groups: Any) -> Precision | None:
     """The policy ``stochastic_round_writeback`` stands for (module doc): ``precision`` itself, or
     ``Precision(writeback="stochastic")`` where the option is set and ``precision`` is not given."""
@@ -219,6 +218,7 @@ def _writeback_alias(base: Adafactor8BitConfig, precision: Precision | None, gro
         raise ValueError(f"Adafactor8Bit: stochastic_round_writeback=True is writeback='stochastic', which "
                          f"contradicts precision={precision!r}")
     return precision
+
 
 @functools.lru_cache(maxsize=64)
 def _without_decay(cfg: Adafactor8BitConfig) -> Adafactor8BitConfig:

@@ -16,9 +16,11 @@ as 16-bit before (or any batch under a ``writeback`` other than ``"nearest"``) i
    this step; the element index is the one in the whole parameter: ``element_offsets`` of the driver gives the
    offset of a range that a rank of ``flatopt.distributed`` steps).
 
-Steps 2 and 4 run in chunks of ``CHUNK`` elements, on the threads on NumPy (``core.parallel``: every element's
-result depends on its value and index alone, so any split gives the same bits), in order on CuPy.  The working
-items are new arrays at each call, so the driver keeps no step plan for a lowered batch (``core.step_plan``).
+Steps 2 and 4 run in chunks (every element's result depends on its value and index alone, so any split gives the
+same bits): of ``CHUNK`` elements on NumPy, as tasks on the threads (``core.parallel``), and of ``GPU_CHUNK`` in order
+on CuPy (each chunk is some twenty small kernel launches: larger chunks launch fewer).  The working items are new
+arrays at each call, so a step plan built from them (``core.step_plan``) is never re-used: the driver treats them as
+it treats a batch of fresh arrays at every step.
 
 ``LowParam`` is what the driver keeps per 16-bit name beside its slot (whose ``dtype`` is the working dtype, float32):
 the parameter's dtype name and its write-back buffer (``comp``: Kahan's compensation in the parameter's dtype;
@@ -44,7 +46,8 @@ from .types import Array, OptimizerState, OptItem
 from .parallel import run_tasks
 from .validate import as_item, check_batch_aliasing, check_item
 
-CHUNK = 1 << 16  # elements per write-back chunk (bounds the temporaries of the rounding)
+CHUNK = 1 << 16  # elements per write-back chunk on NumPy (bounds the temporaries of the rounding)
+GPU_CHUNK = 1 << 20  # on CuPy (the rounding's temporaries: at most 50 bytes per element of a chunk)
 _PLAIN = (np.dtype(np.float32), np.dtype(np.float64))
 BUFFERS = {"kahan": "precision.kahan", "master": "precision.master"}
 
@@ -137,7 +140,8 @@ def _arenas(sizes: list[tuple[Any, np.dtype, int, str]]) -> list[Array | None]:
 def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], list[Any]]:
     """Step 2 of the module doc: ``(working items, jobs)``; a job is ``(item, working param, record, new)`` for a
     16-bit parameter (``new``: the record is to be installed).  ``fill=False`` only shapes the working items (for
-    ``validate_batch``)."""
+    ``validate_batch``: scratch on the parameter's backend, also in place of a master copy, which is neither made nor
+    moved)."""
     policy = opt.precision.writeback
     needs = []
     recs: list[tuple[LowParam | None, bool]] = []
@@ -149,8 +153,8 @@ def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], l
             rec = opt._lowp.get(it.name)  # noqa: SLF001 - the driver's map
             if rec is None:
                 rec, new = LowParam(p.dtype.name), True
-        direct = rec is not None and policy == "master" and not new
-        needs.append((p if rec is not None and not direct else None, wd, p.size, "param"))
+        own = rec is not None and policy == "master" and fill  # the master copy is the working parameter
+        needs.append((p if rec is not None and not own else None, wd, p.size, "param"))
         needs.append((g if g.dtype != wd else None, wd, g.size, "grad"))
         recs.append((rec, new))
     views = _arenas(needs)
@@ -159,12 +163,12 @@ def _lower(opt: Any, items: list[OptItem], fill: bool) -> tuple[list[OptItem], l
         wp, wg = views[2 * k], views[2 * k + 1]
         rec, new = recs[k]
         comp = None
-        if rec is not None and policy == "master":
+        if rec is not None and policy == "master" and fill:
             if new:
                 with _device(it.param):
                     wp = rec.master = _backend.array_module(it.param).empty(it.param.size, np.float32)
             else:
-                wp = rec.master = _backend.to_backend(rec.master, it.param) if fill else rec.master
+                wp = rec.master = _backend.to_backend(rec.master, it.param)
         elif rec is not None and policy == "kahan" and not new and fill:
             comp = rec.comp = _backend.to_backend(rec.comp, it.param)
         if rec is None:
@@ -194,15 +198,15 @@ def _widen(src: Array, dst: Array, comp: Array | None, lo: int, hi: int) -> None
 
 
 def _over_chunks(work: list[tuple[OptItem, int, Callable[[int, int], None]]]) -> None:
-    """Run ``fn(lo, hi)`` over the chunks of ``CHUNK`` elements of each ``(item, n, fn)``: on NumPy as tasks on the
+    """Run ``fn(lo, hi)`` over the chunks of each ``(item, n, fn)``: on NumPy as tasks of ``CHUNK`` elements on the
     threads (each chunk is a pure function of its elements and indices: any split gives the same bits), on CuPy in
-    order with the item's device current."""
+    chunks of ``GPU_CHUNK`` in order with the item's device current."""
     tasks = []
     for it, n, fn in work:
         if _backend.backend_name(it.param) == "cupy":
             with it.param.device:
-                for lo in range(0, n, CHUNK):
-                    fn(lo, min(n, lo + CHUNK))
+                for lo in range(0, n, GPU_CHUNK):
+                    fn(lo, min(n, lo + GPU_CHUNK))
             continue
         tasks += [(min(n, lo + CHUNK) - lo, it.name, functools.partial(fn, lo, min(n, lo + CHUNK)))
                   for lo in range(0, n, CHUNK)]

@@ -237,10 +237,10 @@ def round_stochastic(xp: Any, w: Any, out: Any, words: Any) -> None:
     b = w.view(np.uint32)
     n = w.size
     if out.dtype.name == "bfloat16":
-        top, low, over, finite = _scratch(xp, n, ("sr_top", np.uint32), ("sr_low", np.uint32),
-                                          ("sr_over", np.bool_), ("sr_finite", np.bool_))
-        xp.right_shift(words, np.uint64(16), out=workspace.get(xp, "precision.sr_words", n, np.uint64))
-        xp.copyto(top, workspace.get(xp, "precision.sr_words", n, np.uint64), casting="unsafe")
+        r, top, low, over, finite = _scratch(xp, n, ("sr_words", np.uint64), ("sr_top", np.uint32),
+                                             ("sr_low", np.uint32), ("sr_over", np.bool_), ("sr_finite", np.bool_))
+        xp.right_shift(words, np.uint64(16), out=r)
+        xp.copyto(top, r, casting="unsafe")
         xp.add(top, b, out=top)
         xp.right_shift(top, np.uint32(16), out=top)
         xp.bitwise_and(top, np.uint32(0x7FFF), out=low)

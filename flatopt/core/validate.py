@@ -13,12 +13,10 @@ import numpy as np
 
 from ..errors import IncompatibleStateError as _Bad
 from . import backend as _backend
+from .precision import DTYPE_NAMES as LOWP_DTYPE_NAMES  # (re-exported) the dtypes of the lowered path, core.lowp
 from .types import OptimizerState, OptItem
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-# what a parameter or gradient may be on the driver's lowered path (core.lowp): the 16-bit dtypes by name
-# (bfloat16 is ml_dtypes', which flatopt does not import)
-LOWP_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 def check_shape(name: str, shape: Any) -> tuple[int, ...]:

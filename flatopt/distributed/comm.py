@@ -251,8 +251,8 @@ def as_backend(comm, control=None):
 
 
 def digest(items) -> int:
-    """A 56-bit digest of what must agree across ranks: names, shapes, dtypes (a gradient's too), sizes, missing gradients (never
-    raises, whatever ``items`` holds: it is computed before the vote)."""
+    """A 56-bit digest of what must agree across ranks: names, shapes, dtypes (a gradient's too), sizes, missing
+    gradients (never raises, whatever ``items`` holds: it is computed before the vote)."""
     h = hashlib.blake2b(digest_size=7)
     try:
         for it in items:
