@@ -158,8 +158,8 @@ def generated_shape(d: Definition) -> tuple:
 @functools.lru_cache(maxsize=256)
 def _launch(d: Definition, cfg: Any, t: int, host: tuple = ()) -> tuple:
     """``MultiTensor.kernels`` of a definition: ``((kernel, args), None)`` for a flag set without a sum, else the
-    map's, then per reduction level the partials' and the fold's; the args of a kernel: its double numbers, then its dtype scalars
-    (``emit.multi_params``), by name."""
+    map's, then per reduction level the partials' and the fold's; the args of a kernel: its double numbers, then its
+    dtype scalars (``emit.multi_params``; a fold's values come from ``scal``), by name."""
     shape, numbers = tr.trace_scalars(d.scalars_fn, cfg, t, host)
     if shape != generated_shape(d):
         raise RuntimeError(f"{d.name}.scalars derives its lr-dependent scalars with other operations for {cfg!r} "
@@ -174,9 +174,8 @@ def _launch(d: Definition, cfg: Any, t: int, host: tuple = ()) -> tuple:
 
     if sp is None:
         return kernel("multi", d.program_at(fs)), None
-    levels = tuple(((emit.cuda_name(d, fs, f"partials{level or ''}_multi"),
-                     tuple(numbers[s] for s in lv.reduce.scalars if s not in sp.folds)),
-                    kernel(f"fold{level or ''}_multi", lv.fold)) for level, lv in enumerate(sp.levels))
+    levels = tuple((kernel(f"partials{level or ''}_multi", lv.reduce), kernel(f"fold{level or ''}_multi", lv.fold))
+                   for level, lv in enumerate(sp.levels))
     return kernel("map_multi", sp.map), levels
 
 
