@@ -28,10 +28,10 @@ the driver copies a launch's arguments when it is enqueued, so they need no stag
 The kernel derives each tensor's scalars from ``base_lr * scales[ti]`` in double with the operations (and
 rounding) the twin performs on the host, so its bits are the per-tensor kernel's and the twin's.
 
-**Per-tensor sums** (a definition with ``e.sum``, ``core/elementwise/reduce.py``: Lamb's ‖θ‖ and ‖u‖, Mars's ‖c‖): two
-passes per reduction level run before the elementwise kernel, so a group costs 2·levels + 1 launches whatever its
-number of tensors (three for one level; Mars with clip_c and cautious has two: the mask's count follows the clip's
-norm).  The per-tensor kernels sum in ``core/sqsum.py``'s blocked order: a first pass of ``sq_blocks(n)`` blocks
+**Per-tensor sums** (a definition with ``e.sum``, ``core/elementwise/reduce.py``: Lamb's ‖θ‖ and ‖u‖, Mars's
+‖c‖): two passes per reduction level run before the elementwise kernel, so a group costs 2·levels + 1 launches
+whatever its number of tensors (three for one level; Mars with clip_c and cautious has two: the mask's count follows
+the clip's norm).  The per-tensor kernels sum in ``core/sqsum.py``'s blocked order: a first pass of ``sq_blocks(n)`` blocks
 writes one partial per block, a one-block fold adds them (``kernels/sq_sum.cuh``).
 The group's table then also holds
 

@@ -133,13 +133,15 @@ class Definition:
     def index(self, f: dict) -> int:
         return sum(1 << k for k, n in enumerate(self.flag_names) if f[n])
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - one Definition per algorithm, alive as long as its module
+    # unbounded: the keys are the definitions' flag sets (~150 in all, more than a bound of 64 would keep: the
+    # import alone evicted entries that the steps then traced and split again)
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one Definition per algorithm, alive as long as its module
     def program_at(self, fs: int) -> tr.Program:
         """The traced program of flag set number ``fs`` (cached)."""
         f = {n: bool(fs >> k & 1) for k, n in enumerate(self.flag_names)}
         return tr.trace(self.name, self.step_fn, self.arrays, self.scalar_names, f)
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - as program_at
     def split_at(self, fs: int) -> "reduce.Split | None":
         """Flag set ``fs``'s program cut at its sums (``reduce.split``), or None when it has no sum."""
         return reduce.split(self.program_at(fs), self.arrays, self.scalar_names)

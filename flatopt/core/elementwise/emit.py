@@ -144,7 +144,8 @@ def _c_algo(d) -> list[str]:
         fs = d.index(f)
         sp = d.split_at(fs)
         parts = [("", d.program(f), ())] if sp is None else [  # a reduce phase per level (_columns<level>), the map
-            (f"_columns{level or ''}", lv.reduce, lv.sums) for level, lv in enumerate(sp.levels)] + [("_map", sp.map, ())]
+            (f"_columns{level or ''}", lv.reduce, lv.sums) for level, lv in enumerate(sp.levels)] + [
+            ("_map", sp.map, ())]
         for dt, ctype in enumerate(C_TYPES):
             for kind, prog, sums in parts:
                 fn = f"{d.name}_f{fs}_{ctype}{kind}"
@@ -409,7 +410,8 @@ def _cuda_reduce(d, fs: int, sp, level: int, folds: tuple, derived: dict, src: s
           "template <typename T>", f"__device__ __forceinline__ void {fname}(const T* __restrict__ parts, const long "
           f"long pstride, const long long nb, {''.join(p + ', ' for p in fparams)}T* sh, T* __restrict__ scal) {{",
           *(f"  const T {n} = sq_fold(parts + {j} * pstride, nb, sh);" for j, n in enumerate(sp.sums)),
-          "  if (threadIdx.x == 0) {", *(f"    const T {s} = scal[{folds.index(s)}];" for s in fold.scalars if s in folds)]
+          "  if (threadIdx.x == 0) {",
+          *(f"    const T {s} = scal[{folds.index(s)}];" for s in fold.scalars if s in folds)]
     _element(L, fold, "T", _names(fold, "{}"), "    ", lambda _, n, v: f"scal[{folds.index(n)}] = {v};", src, "_f")
     L += ["  }", "}", ""]
     _kernel(L, SQ_BOUNDS, cuda_name(d, fs, "fold" + tag),

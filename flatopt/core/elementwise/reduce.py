@@ -94,6 +94,11 @@ class Split:
     def folds(self) -> tuple:
         return tuple(n for lv in self.levels for n in lv.folds)
 
+    @property
+    def width(self) -> int:
+        """The most sums of one level: a work area holds that many (the levels run one after the other)."""
+        return max(len(lv.sums) for lv in self.levels)
+
 
 def _sub(prog: tr.Program, outputs: list, stop: Callable[[tuple], Any], arrays: tuple, scalars: tuple,
          keep_same: bool = False) -> tr.Program:
@@ -412,11 +417,6 @@ def _map(d: Any, fs: int, arrays: tuple, sc: dict, packed: bytes, chunk: int, lo
         m.run(piece, sc, [s[:b - a] for s in scr], _bools(nbool, b - a), dt)
 
 
-def _width(sp: Split) -> int:
-    """The most sums of one level: the work area holds that many (the levels run one after the other)."""
-    return max(len(lv.sums) for lv in sp.levels)
-
-
 def np_phases(d: Any, fs: int, arrays: tuple, st: Any, sc: dict, packed: bytes, chunk: int) -> Iterator[Any]:
     """NumPy: flag set ``fs`` (one with a sum) as phases of tasks (``core.cpu_tensors``): per level, column ranges
     of its reduce phase, then (after its sums and its fold, on NumPy scalars of the dtype) the next level; last,
@@ -429,7 +429,7 @@ def np_phases(d: Any, fs: int, arrays: tuple, st: Any, sc: dict, packed: bytes, 
         return
     sp = d.split_at(fs)
     lay = norms.columns(n)
-    k = _width(sp)
+    k = sp.width
     area = work(st, k * lay.cols + norms.fold_len(lay.nb), p.dtype)  # columns without a term stay 0
     fw = area[k * lay.cols:]
     for level, lv in enumerate(sp.levels):
@@ -454,7 +454,7 @@ def np_rows(d: Any, fs: int, arrays: tuple, sc: dict, work: dict) -> None:
     dt = P.dtype.type
     sp = d.split_at(fs)
     rs, m, nscr, nbool, carried = runners(d, fs, np)
-    k = _width(sp)
+    k = sp.width
     bufs = work.get(fs)
     if bufs is None:
         xlen = sqsum.sq_layout(n)[2]
@@ -464,18 +464,18 @@ def np_rows(d: Any, fs: int, arrays: tuple, sc: dict, work: dict) -> None:
                            [np.empty_like(P) for _ in range(k)])
     scr, bools, xs, ws, terms = bufs
     rs, m, scr, carry = _carry_form(rs, m, scr, carried, len(sp.carry))
-    folded: dict = {}  # (T,) rows
+    rows_sc, fold_sc = dict(sc), dict(sc)  # the folds' values as (T, 1) columns for the runners, (T,) for a fold
     for r, lv in zip(rs, sp.levels):
         # the summands into contiguous (T, n) buffers, then copied into the zero-padded rows of ``sq_rows``: the
         # reduce phase's temporaries may sit in a summand's buffer, and a ufunc writing (T, n) of (T, xlen) goes
         # row by row
-        r.run(arrays + tuple(terms[:len(lv.sums)]) + carry, {**sc, **{f: v[:, None] for f, v in folded.items()}},
-              scr, bools, dt)
+        r.run(arrays + tuple(terms[:len(lv.sums)]) + carry, rows_sc, scr, bools, dt)
         for x, term in zip(xs, terms[:len(lv.sums)]):
             np.copyto(x[:, :n], term)
         sums = {name: norms.sq_rows(x, n, w) for name, x, w in zip(lv.sums, xs, ws)}
-        folded.update(fold_values(np, lv.fold, sums, {**sc, **folded}, dt))
-    m.run(arrays + carry, {**sc, **{f: v[:, None] for f, v in folded.items()}}, scr, bools, dt)
+        for f, v in fold_values(np, lv.fold, sums, fold_sc, dt).items():
+            fold_sc[f], rows_sc[f] = v, v[:, None]
+    m.run(arrays + carry, rows_sc, scr, bools, dt)
 
 
 def _carry_form(rs: tuple, m: Any, scr: list, carried: tuple | None, k: int) -> tuple:
@@ -484,6 +484,12 @@ def _carry_form(rs: tuple, m: Any, scr: list, carried: tuple | None, k: int) -> 
     if carried is None:
         return rs, m, scr, ()
     return carried[0], carried[1], scr[:len(scr) - k], tuple(scr[len(scr) - k:])
+
+
+def scratch(xp: Any, k: int, n: int, dtype: Any) -> list:
+    """``k`` float scratch buffers of ``n`` elements from ``core/workspace.py`` (per thread, and on CuPy per device
+    and stream)."""
+    return [workspace.get(xp, f"elementwise.scratch{j}", n, dtype) for j in range(k)]
 
 
 def xp_update(d: Any, fs: int, xp: Any, arrays: tuple, st: Any, sc: dict) -> None:
@@ -498,15 +504,15 @@ def xp_update(d: Any, fs: int, xp: Any, arrays: tuple, st: Any, sc: dict) -> Non
     dt = p.dtype.type
     sp = d.split_at(fs)
     rs, m, nscr, nbool, carried = runners(d, fs, xp)
-    k = _width(sp)
+    k = sp.width
     slen = sqsum.sq_layout(n)[4]
     w = work(st, k * slen, p.dtype, xp)  # the sums' terms (their zero padding persists: per parameter)
     terms = [w[j * slen:(j + 1) * slen] for j in range(k)]
-    scr = [workspace.get(xp, f"elementwise.scratch{j}", n, p.dtype) for j in range(nscr)]  # per thread and stream
+    scr = scratch(xp, nscr, n, p.dtype)
     bools = lower_numpy.bool_scratch(xp, nbool, n)
     rs, m, scr, carry = _carry_form(rs, m, scr, carried, len(sp.carry))
     for r, lv in zip(rs, sp.levels):
         r.run(arrays + tuple(x[:n] for x in terms[:len(lv.sums)]) + carry, sc, scr, bools, dt)
         sums = {name: sqsum.sq_sum(xp, x, n) for name, x in zip(lv.sums, terms)}
-        sc = {**sc, **fold_values(xp, lv.fold, sums, sc, dt)}
+        sc = sc | fold_values(xp, lv.fold, sums, sc, dt)  # (a new dict: ``sc`` is the step's cached one)
     m.run(arrays + carry, sc, scr, bools, dt)

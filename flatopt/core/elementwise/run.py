@@ -66,6 +66,7 @@ def _runner(d: Definition, fs: int, xp: Any) -> lower_numpy.Runner:
     return lower_numpy.Runner(plan(d, fs), xp, d.arrays)
 
 
+@functools.lru_cache(maxsize=None)
 def scratch_needed(d: Definition) -> int:
     """The float scratch buffers the NumPy path needs (the largest over the flag sets without a sum: the chunked
     elementwise path's; over all of them when every flag set sums)."""
@@ -104,30 +105,48 @@ def kernel_update(d: Definition, cfg: Any, st: Any, p: Any, g: Any, *, t: int, l
     if n == 0:
         return True
     v = values(d, cfg, t, lr)
-    sp = d.split_at(v.fs)
     arrays = dict(zip(d.arrays, (p, g, *d.state_arrays(st, p))))
-
-    def launch(kind: str, grid: int, threads: int, prog: tr.Program, args: tuple) -> None:
-        kernels.get(cuda_file(d), emit.cuda_name(d, v.fs, kind), p.dtype)((grid,), (threads,), (
-            *(arrays[a] for a in emit.used(d, prog)), *args))
-
     grid = min(math.ceil(n / (emit.THREADS * emit.ELEMS)), 65535 * 8)
-    if sp is None:
-        prog = d.program_at(v.fs)
-        launch("step", grid, emit.THREADS, prog, (np.int64(n), *(v.sc[s] for s in prog.scalars)))
+    src, n64 = cuda_file(d), np.int64(n)
+    launches = _kernels(d, v.fs)
+    if len(launches) == 1:  # a flag set without a sum
+        name, used, own = launches[0]
+        kernels.get(src, name, p.dtype)((grid,), (emit.THREADS,), (*(arrays[a] for a in used), n64,
+                                                                    *(v.sc[s] for s in own)))
         return True
-    nb, k = sqsum.sq_blocks(n), max(len(lv.sums) for lv in sp.levels)
-    buf = reduce.work(st, k * nb + len(sp.folds), p.dtype, backend.cupy())
-    parts, scal = buf[:k * nb], buf[k * nb:]
-    for level, lv in enumerate(sp.levels):  # a level after the first reads the earlier folds from scal
-        tag = str(level or "")
-        launch("partials" + tag, nb, sqsum.SQ_THREADS, lv.reduce, (
-            np.int64(n), *(v.sc[s] for s in lv.reduce.scalars if s not in sp.folds), parts, *((scal,) if level else ())))
-        kernels.get(cuda_file(d), emit.cuda_name(d, v.fs, "fold" + tag), p.dtype)((1,), (sqsum.SQ_THREADS,), (
-            parts, np.int64(nb), *(v.sc[s] for s in lv.fold.scalars if s not in sp.folds), scal))
-    own = (v.sc[s] for s in sp.map.scalars if s not in sp.folds)
-    launch("map", grid, emit.THREADS, sp.map, (np.int64(n), *own, scal))
+    sp = d.split_at(v.fs)
+    nb = sqsum.sq_blocks(n)
+    buf = reduce.work(st, sp.width * nb + len(sp.folds), p.dtype, backend.cupy())
+    parts, scal = buf[:sp.width * nb], buf[sp.width * nb:]
+    nb64, threads = np.int64(nb), (sqsum.SQ_THREADS,)
+    for level in range(len(sp.levels)):  # a level after the first reads the earlier folds from scal
+        (pname, used, own), (fname, _, fown) = launches[2 * level:2 * level + 2]
+        kernels.get(src, pname, p.dtype)((nb,), threads, (*(arrays[a] for a in used), n64,
+                                                          *(v.sc[s] for s in own), parts, *((scal,) if level else ())))
+        kernels.get(src, fname, p.dtype)((1,), threads, (parts, nb64, *(v.sc[s] for s in fown), scal))
+    name, used, own = launches[-1]
+    kernels.get(src, name, p.dtype)((grid,), (emit.THREADS,), (*(arrays[a] for a in used), n64,
+                                                                *(v.sc[s] for s in own), scal))
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(d: Definition, fs: int) -> tuple:
+    """The per-tensor kernels of flag set ``fs`` in launch order, each ``(name, the arrays it takes, its scalars
+    from the host)``: the step alone without a sum; else per level its partials and its fold (the folds' values it
+    reads come from ``scal``), then the map."""
+    sp = d.split_at(fs)
+    if sp is None:
+        prog = d.program_at(fs)
+        return ((emit.cuda_name(d, fs, "step"), tuple(emit.used(d, prog)), prog.scalars),)
+
+    def kernel(kind: str, prog: tr.Program, takes_arrays: bool = True) -> tuple:
+        return (emit.cuda_name(d, fs, kind), tuple(emit.used(d, prog)) if takes_arrays else (),
+                tuple(s for s in prog.scalars if s not in sp.folds))
+
+    levels = [(kernel(f"partials{level or ''}", lv.reduce), kernel(f"fold{level or ''}", lv.fold, False))
+              for level, lv in enumerate(sp.levels)]
+    return (*(k for pair in levels for k in pair), kernel("map", sp.map))
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,8 +158,8 @@ def generated_shape(d: Definition) -> tuple:
 @functools.lru_cache(maxsize=256)
 def _launch(d: Definition, cfg: Any, t: int, host: tuple = ()) -> tuple:
     """``MultiTensor.kernels`` of a definition: ``((kernel, args), None)`` for a flag set without a sum, else the
-    map's, then per reduction level the partials' and the fold's; the args of a kernel: its double numbers, then its dtype scalars
-    (``emit.multi_params``), by name."""
+    map's, then per reduction level the partials' and the fold's; the args of a kernel: its double numbers, then its
+    dtype scalars (``emit.multi_params``; a fold's values come from ``scal``), by name."""
     shape, numbers = tr.trace_scalars(d.scalars_fn, cfg, t, host)
     if shape != generated_shape(d):
         raise RuntimeError(f"{d.name}.scalars derives its lr-dependent scalars with other operations for {cfg!r} "
@@ -155,15 +174,14 @@ def _launch(d: Definition, cfg: Any, t: int, host: tuple = ()) -> tuple:
 
     if sp is None:
         return kernel("multi", d.program_at(fs)), None
-    levels = tuple(((emit.cuda_name(d, fs, f"partials{level or ''}_multi"),
-                     tuple(numbers[s] for s in lv.reduce.scalars if s not in sp.folds)),
-                    kernel(f"fold{level or ''}_multi", lv.fold)) for level, lv in enumerate(sp.levels))
+    levels = tuple((kernel(f"partials{level or ''}_multi", lv.reduce), kernel(f"fold{level or ''}_multi", lv.fold))
+                   for level, lv in enumerate(sp.levels))
     return kernel("map_multi", sp.map), levels
 
 
 def _multi_tensor(d: Definition) -> MultiTensor:
     splits = [sp for sp in (d.split_at(d.index(f)) for f in d.flag_sets()) if sp is not None]
-    sums = max((len(lv.sums) for sp in splits for lv in sp.levels), default=0)
+    sums = max((sp.width for sp in splits), default=0)
     folds = max((len(sp.folds) for sp in splits), default=0)
     return MultiTensor(cuda_file(d), d.state_arrays, functools.partial(_launch, d), sums, folds)
 
@@ -215,10 +233,10 @@ def bind_reduce(d: Definition) -> dict:
 
     def np_rows(cfg: Any, st: Any, P: Any, G: Any, *, t: int, lr: Any, work: dict) -> None:
         v = values(d, cfg, t, lr)
-        if d.split_at(v.fs) is None:
-            bufs = work.get(("plain", v.fs))
+        if d.split_at(v.fs) is None:  # (scratch_needed: the same count for every flag set without a sum)
+            bufs = work.get("plain")
             if bufs is None:
-                bufs = work[("plain", v.fs)] = [np.empty_like(P) for _ in range(scratch_needed(d))]
+                bufs = work["plain"] = [np.empty_like(P) for _ in range(scratch_needed(d))]
             numpy_update(d, np, cfg, st, P, G, t=t, lr=lr, scratch=bufs)
             return
         reduce.np_rows(d, v.fs, (P, G, *d.state_arrays(st, P)), v.cast(P.dtype), work)
@@ -229,10 +247,9 @@ def bind_reduce(d: Definition) -> dict:
             blocks.run_serial(np_phases(cfg, st, p, g, t=t, lr=lr, chunk=reduce.CHUNK))
             return
         v = values(d, cfg, t, lr)
-        if d.split_at(v.fs) is None:
-            k, n = scratch_needed(d), p.size
-            w = reduce.work(st, max(1, k) * n, p.dtype, xp)
-            numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr, scratch=[w[j * n:(j + 1) * n] for j in range(k)])
+        if d.split_at(v.fs) is None:  # the scratch of xp_update's (per thread and stream), not a per-name area
+            numpy_update(d, xp, cfg, st, p, g, t=t, lr=lr, scratch=reduce.scratch(xp, scratch_needed(d), p.size,
+                                                                                   p.dtype))
             return
         reduce.xp_update(d, v.fs, xp, (p, g, *d.state_arrays(st, p)), st, v.cast(p.dtype))
 
