@@ -123,8 +123,9 @@ def allocate(prog: tr.Program, spare: tuple = ()) -> Plan:
 def signed_mul(xp: Any, c: Any, k: Any, out: Any, spare: Any) -> None:
     """``out = sign(c) * k`` with the bits of ``numpy.sign`` then the multiply.  On NumPy, branch-free: (c > 0) −
     (c < 0) as int8 in the bytes of ``spare`` (a free scratch buffer), times k (the int8 → dtype conversion is
-    exact, so every element is the same ±1·k or +0·k product).  ``numpy.sign`` branches per element (~4 ns/element
-    on random signs); this is ~0.2.  A chunk holding a NaN (sign(NaN) = NaN) takes ``numpy.sign``."""
+    exact, so every element is the same ±1·k or +0·k product), where ``numpy.sign`` branches per element (slow on
+    random signs: benchmarks/README.md, "Lion's sign").  A chunk holding a NaN (sign(NaN) = NaN) takes
+    ``numpy.sign``."""
     n = c.size
     if xp is np and n:
         lo = xp.minimum.reduce(c)  # NaN exactly when c holds one (minimum propagates NaN)
